@@ -1,0 +1,117 @@
+//! What every binary's `main` does around its library: report errors on one line with the
+//! right exit status, and announce readiness.
+
+use std::{fmt, future::Future, process::ExitCode};
+
+/// Exit status for configuration errors (bad key, type, value, port in use).
+pub const EXIT_CONFIG: u8 = 2;
+/// Exit status for failures while running.
+pub const EXIT_RUNTIME: u8 = 1;
+
+/// Prints `program: error: message` on stderr and returns the exit code.
+#[expect(
+    clippy::print_stderr,
+    reason = "the one place binaries report fatal errors"
+)]
+pub fn fail(program: &str, error: &dyn fmt::Display, code: u8) -> ExitCode {
+    eprintln!("{program}: error: {error}");
+    ExitCode::from(code)
+}
+
+/// Prints the readiness line on stdout: `PDSERVE_READY role=<role> <name>=<addr> ...`.
+/// Launchers and tests read the bound addresses from it (ports may be ephemeral).
+#[expect(
+    clippy::print_stdout,
+    reason = "the readiness line is the stdout contract"
+)]
+pub fn announce_ready(role: &str, addrs: &[(&str, std::net::SocketAddr)]) {
+    use std::{fmt::Write as _, io::Write as _};
+    let mut line = format!("PDSERVE_READY role={role}");
+    for (name, addr) in addrs {
+        let _ = write!(line, " {name}={addr}");
+    }
+    println!("{line}");
+    let _ = std::io::stdout().flush();
+}
+
+/// Parses a readiness line back into its fields.
+pub fn parse_ready(line: &str) -> Option<Vec<(String, String)>> {
+    let rest = line.trim().strip_prefix("PDSERVE_READY ")?;
+    Some(
+        rest.split_whitespace()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+    )
+}
+
+/// An error that knows which exit status it means.
+pub trait ExitStatus: fmt::Display {
+    fn exit_code(&self) -> u8;
+}
+
+impl ExitStatus for crate::ConfigError {
+    fn exit_code(&self) -> u8 {
+        EXIT_CONFIG
+    }
+}
+
+/// The whole life of a service binary: load and validate the configuration once (errors exit
+/// 2 before anything starts), install logging and signal handlers, run `serve` on a tokio
+/// runtime, and turn its result into the exit status.
+pub fn run_service<C, E, F, Fut>(
+    program: &str,
+    config_file: Option<&std::path::Path>,
+    cli: &impl serde::Serialize,
+    serve: F,
+) -> ExitCode
+where
+    C: crate::ServiceConfig,
+    E: ExitStatus,
+    F: FnOnce(C, crate::shutdown::ShutdownSignal) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+{
+    // Lossy: a non-UTF-8 value must still reach the validator rather than vanish.
+    let env = std::env::vars_os().map(|(k, v)| {
+        (
+            k.to_string_lossy().into_owned(),
+            v.to_string_lossy().into_owned(),
+        )
+    });
+    let config = match crate::config::load::<C>(config_file, env, cli) {
+        Ok(config) => config,
+        Err(e) => return fail(program, &e, EXIT_CONFIG),
+    };
+    crate::logging::init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(program, &e, EXIT_RUNTIME),
+    };
+    runtime.block_on(async move {
+        let signal = match crate::shutdown::ShutdownSignal::install() {
+            Ok(s) => s,
+            Err(e) => return fail(program, &e, EXIT_RUNTIME),
+        };
+        match serve(config, signal).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(program, &e, e.exit_code()),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_line_round_trips() {
+        let fields =
+            parse_ready("PDSERVE_READY role=router http=127.0.0.1:1 grpc=127.0.0.1:2\n").unwrap();
+        assert_eq!(fields[0], ("role".into(), "router".into()));
+        assert_eq!(fields[2], ("grpc".into(), "127.0.0.1:2".into()));
+        assert!(parse_ready("something else").is_none());
+    }
+}

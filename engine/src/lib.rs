@@ -1,0 +1,5 @@
+//! The DeepSeek-V4 engine: model config and checkpoints, the forward pass over a backend,
+//! paged request state, prefix cache, schedulers and sampling. Token ids in, token ids out.
+//!
+//! The model arrives with the "Engine I" work; this crate is the placeholder the workspace
+//! layout promises.

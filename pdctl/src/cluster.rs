@@ -1,0 +1,216 @@
+//! `pdctl up`: a local cluster on loopback from the workspace's own binaries. Each child is
+//! started with ephemeral ports (except the router's HTTP port), reports its addresses on its
+//! readiness line, is health-checked, and is stopped with SIGTERM.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use nix::{sys::signal, unistd::Pid};
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    process::{Child, Command},
+};
+
+use crate::{PdctlError, UpArgs, health};
+
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+const STOP_TIMEOUT: Duration = Duration::from_secs(20);
+const EPHEMERAL: &str = "127.0.0.1:0";
+
+/// A started child process and the addresses it announced.
+#[derive(Debug)]
+struct Proc {
+    name: String,
+    child: Child,
+    ready: HashMap<String, String>,
+}
+
+impl Proc {
+    fn addr(&self, key: &str) -> Result<std::net::SocketAddr, PdctlError> {
+        self.ready
+            .get(key)
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| PdctlError::NotReady {
+                what: self.name.clone(),
+                reason: format!("readiness line has no {key} address"),
+            })
+    }
+}
+
+fn default_bin_dir() -> Result<PathBuf, PdctlError> {
+    let exe = std::env::current_exe()?;
+    Ok(exe
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf))
+}
+
+async fn spawn(bin: &Path, name: String, args: &[&str]) -> Result<Proc, PdctlError> {
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    // Each child reads its own PDSERVE_* settings; settings meant for one role would be
+    // refused by the others, so children only get the process-wide variables.
+    for (key, _) in std::env::vars_os() {
+        let key_text = key.to_string_lossy();
+        if key_text.starts_with(common::env::PREFIX)
+            && (key_text == common::env::CONFIG || !common::env::GLOBAL.contains(&&*key_text))
+        {
+            cmd.env_remove(&key);
+        }
+    }
+    let mut child = cmd.spawn().map_err(|source| PdctlError::Spawn {
+        bin: bin.to_path_buf(),
+        source,
+    })?;
+    let stdout = child.stdout.take().ok_or_else(|| PdctlError::NotReady {
+        what: name.clone(),
+        reason: "no stdout".into(),
+    })?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(START_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(fields) = common::cli::parse_ready(&line) {
+                return Ok(Some(fields));
+            }
+        }
+        Ok::<_, std::io::Error>(None)
+    })
+    .await
+    .map_err(|_| PdctlError::NotReady {
+        what: name.clone(),
+        reason: format!("no readiness line within {START_TIMEOUT:?}"),
+    })??;
+    let Some(fields) = ready else {
+        let status = child.wait().await?;
+        return Err(PdctlError::NotReady {
+            what: name,
+            reason: format!("exited with {status} (see its error above)"),
+        });
+    };
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(Proc {
+        name,
+        child,
+        ready: fields.into_iter().collect(),
+    })
+}
+
+async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
+    let failed = |reason: String| PdctlError::Stop {
+        what: proc.name.clone(),
+        reason,
+    };
+    if let Some(pid) = proc.child.id() {
+        let pid = Pid::from_raw(i32::try_from(pid).map_err(|e| failed(e.to_string()))?);
+        signal::kill(pid, signal::Signal::SIGTERM).map_err(|e| failed(e.to_string()))?;
+    }
+    match tokio::time::timeout(STOP_TIMEOUT, proc.child.wait()).await {
+        Ok(Ok(status)) if status.success() => Ok(()),
+        Ok(Ok(status)) => Err(failed(format!("exit status {status}"))),
+        Ok(Err(e)) => Err(failed(e.to_string())),
+        Err(_) => {
+            let _ = proc.child.kill().await;
+            Err(failed(format!(
+                "still running after {STOP_TIMEOUT:?}; killed"
+            )))
+        }
+    }
+}
+
+/// Runs `pdctl up`.
+#[expect(clippy::print_stdout, reason = "CLI output")]
+pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
+    let dir = match args.bin_dir.clone() {
+        Some(dir) => dir,
+        None => default_bin_dir()?,
+    };
+    let mut procs = Vec::new();
+    let result = async {
+        for i in 0..args.decode {
+            procs.push(
+                spawn(
+                    &dir.join("pdserve-decode"),
+                    format!("decode-{i}"),
+                    &["--grpc-listen", EPHEMERAL],
+                )
+                .await?,
+            );
+        }
+        for i in 0..args.prefill {
+            procs.push(
+                spawn(
+                    &dir.join("pdserve-prefill"),
+                    format!("prefill-{i}"),
+                    &["--grpc-listen", EPHEMERAL],
+                )
+                .await?,
+            );
+        }
+        let mut router_args = vec![
+            "--http-listen".to_owned(),
+            args.http_listen.to_string(),
+            "--grpc-listen".to_owned(),
+            EPHEMERAL.to_owned(),
+        ];
+        for proc in &procs {
+            let flag = if proc.name.starts_with("prefill") {
+                "--prefill-worker"
+            } else {
+                "--decode-worker"
+            };
+            router_args.push(flag.to_owned());
+            router_args.push(proc.addr("grpc")?.to_string());
+        }
+        let router_args: Vec<&str> = router_args.iter().map(String::as_str).collect();
+        procs.push(spawn(&dir.join("pdserve-router"), "router".into(), &router_args).await?);
+
+        println!("{:<12} {:>7}  {:<28} health", "process", "pid", "address");
+        for proc in &procs {
+            let grpc = proc.addr("grpc")?;
+            health::grpc(grpc, "").await?;
+            let pid = proc.child.id().unwrap_or(0);
+            println!(
+                "{:<12} {pid:>7}  {:<28} ok",
+                proc.name,
+                format!("grpc://{grpc}")
+            );
+            if let Ok(http) = proc.addr("http") {
+                health::http(http).await?;
+                println!(
+                    "{:<12} {pid:>7}  {:<28} ok",
+                    proc.name,
+                    format!("http://{http}")
+                );
+            }
+        }
+        Ok::<_, PdctlError>(())
+    }
+    .await;
+
+    if result.is_ok() && !args.smoke {
+        println!("cluster up; Ctrl-C or SIGTERM stops it");
+        let mut signal = common::shutdown::ShutdownSignal::install()?;
+        signal.recv().await;
+    }
+    // Stop in reverse order: router first, so it never sees its workers vanish mid-request.
+    let mut stop_result = Ok(());
+    while let Some(proc) = procs.pop() {
+        if let Err(e) = stop(proc).await {
+            stop_result = stop_result.and(Err(e));
+        }
+    }
+    result?;
+    stop_result?;
+    if args.smoke {
+        println!("smoke: all processes answered health checks and stopped cleanly");
+    }
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! pdctl: operator commands. `up` runs a local cluster from the workspace's binaries; `health`
+//! probes a running service. Verify, bench and status commands arrive with their issues.
+
+pub mod cluster;
+pub mod health;
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+
+/// Command line of `pdctl`.
+#[derive(Debug, Parser)]
+#[command(name = "pdctl", version, about = "pdserve operator CLI", long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start a local cluster (router, prefill and decode workers) on loopback.
+    Up(UpArgs),
+    /// Probe a service's gRPC or HTTP health; exit 0 when it serves.
+    Health(HealthArgs),
+}
+
+/// Arguments of `pdctl up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Folder with pdserve-router, pdserve-prefill and pdserve-decode (default: pdctl's own).
+    #[arg(long, value_name = "DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// Number of prefill workers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub prefill: u16,
+    /// Number of decode workers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub decode: u16,
+    /// Router HTTP address (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:8000", value_name = "ADDR")]
+    pub http_listen: SocketAddr,
+    /// Check the cluster end to end, stop it, and exit (0 when everything answered).
+    #[arg(long)]
+    pub smoke: bool,
+}
+
+/// Arguments of `pdctl health`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HealthArgs {
+    /// gRPC address (host:port) to probe with grpc.health.v1.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        conflicts_with = "http",
+        required_unless_present = "http"
+    )]
+    pub grpc: Option<SocketAddr>,
+    /// Service name for the gRPC probe ("" is the whole process).
+    #[arg(long, default_value = "")]
+    pub service: String,
+    /// HTTP address (host:port) whose /health to probe.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<SocketAddr>,
+}
+
+/// Failures of pdctl commands.
+#[derive(Debug, thiserror::Error)]
+pub enum PdctlError {
+    #[error("cannot start {bin}: {source}")]
+    Spawn {
+        bin: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{what} did not become ready: {reason}")]
+    NotReady { what: String, reason: String },
+    #[error("{what} is not healthy: {reason}")]
+    Unhealthy { what: String, reason: String },
+    #[error("{what} did not exit cleanly: {reason}")]
+    Stop { what: String, reason: String },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Runs a parsed command line.
+pub fn main(cli: Cli) -> ExitCode {
+    common::logging::init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return common::cli::fail("pdctl", &e, common::cli::EXIT_RUNTIME),
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Up(args) => cluster::up(args).await,
+            Command::Health(args) => health::probe(&args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => common::cli::fail("pdctl", &e, common::cli::EXIT_RUNTIME),
+    }
+}

@@ -1,0 +1,115 @@
+//! Settings of the router. Layering: defaults < `--config` TOML < `PDSERVE_*` env < flags.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use clap::Parser;
+use common::config::{Invalid, ServiceConfig, check_host_port, check_range};
+use serde::{Deserialize, Serialize};
+
+/// Validated settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Where the HTTP API (OpenAI-compatible, health, metrics) listens. Port 0: any free port.
+    pub http_listen: SocketAddr,
+    /// Where the gRPC server (worker registry, health) listens. Port 0: any free port.
+    pub grpc_listen: SocketAddr,
+    /// Static prefill workers, host:port of their gRPC servers.
+    pub prefill_workers: Vec<String>,
+    /// Static decode workers, host:port of their gRPC servers.
+    pub decode_workers: Vec<String>,
+    /// Largest accepted HTTP request body, bytes (413 beyond).
+    pub max_body_bytes: u64,
+    /// Milliseconds in-flight requests may take to finish after SIGTERM.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 8001)),
+            prefill_workers: Vec::new(),
+            decode_workers: Vec::new(),
+            max_body_bytes: 16 << 20,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+impl ServiceConfig for RouterConfig {
+    const ROLE: &'static str = "router";
+
+    fn validate(&self) -> Result<(), Invalid> {
+        for (key, list) in [
+            ("prefill_workers", &self.prefill_workers),
+            ("decode_workers", &self.decode_workers),
+        ] {
+            for address in list {
+                check_host_port(key, address)?;
+            }
+        }
+        if self.http_listen == self.grpc_listen && self.http_listen.port() != 0 {
+            return Err(Invalid::new("grpc_listen", "must differ from http_listen"));
+        }
+        check_range("max_body_bytes", self.max_body_bytes, 1024, 1 << 30)?;
+        check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)
+    }
+}
+
+/// Command line of `pdserve-router`. Every flag overrides the setting of the same name.
+#[derive(Debug, Parser, Serialize)]
+#[command(name = "pdserve-router", version, about = "pdserve router: OpenAI-compatible HTTP API over prefill and decode workers", long_about = None)]
+pub struct Cli {
+    /// TOML configuration file.
+    #[arg(long, env = common::env::CONFIG, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// HTTP listen address, e.g. 0.0.0.0:8000 (port 0: any free port).
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http_listen: Option<SocketAddr>,
+    /// gRPC listen address (worker registry), e.g. 0.0.0.0:8001.
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_listen: Option<SocketAddr>,
+    /// A static prefill worker (host:port); repeat for several.
+    #[arg(long = "prefill-worker", value_name = "HOST:PORT")]
+    #[serde(rename = "prefill_workers", skip_serializing_if = "Vec::is_empty")]
+    pub prefill_workers: Vec<String>,
+    /// A static decode worker (host:port); repeat for several.
+    #[arg(long = "decode-worker", value_name = "HOST:PORT")]
+    #[serde(rename = "decode_workers", skip_serializing_if = "Vec::is_empty")]
+    pub decode_workers: Vec<String>,
+    /// Largest accepted HTTP request body in bytes.
+    #[arg(long, value_name = "BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_body_bytes: Option<u64>,
+    /// Milliseconds in-flight requests may take after SIGTERM.
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_grace_ms: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct NoFlags {}
+
+    #[test]
+    fn defaults_are_valid() {
+        assert!(RouterConfig::default().validate().is_ok());
+    }
+
+    /// The annotated example in deploy/ loads and changes every key it shows.
+    #[test]
+    fn deploy_example_loads() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/router.toml");
+        let loaded: RouterConfig =
+            common::config::load(Some(&path), Vec::new(), &NoFlags {}).unwrap();
+        assert_ne!(loaded, RouterConfig::default());
+    }
+}

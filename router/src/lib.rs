@@ -1,0 +1,117 @@
+//! The router: OpenAI-compatible HTTP API, chat encoding and streaming detokenization, worker
+//! registry, routing policies and the two-leg prefill/decode orchestration. Today it serves
+//! liveness over HTTP and the standard gRPC health service.
+
+pub mod config;
+pub mod error;
+pub mod http;
+
+use std::{
+    future::{Future, IntoFuture},
+    net::SocketAddr,
+    time::Duration,
+};
+
+use common::grpc;
+pub use config::{Cli, RouterConfig};
+pub use error::RouterError;
+use tokio::{net::TcpListener, sync::watch};
+use tonic::service::Routes;
+
+/// A router whose listeners are bound but not yet serving.
+#[derive(Debug)]
+pub struct BoundRouter {
+    config: RouterConfig,
+    http: TcpListener,
+    grpc: TcpListener,
+    http_addr: SocketAddr,
+    grpc_addr: SocketAddr,
+}
+
+impl BoundRouter {
+    /// Binds both listeners; "address in use" is a configuration error naming the key.
+    pub async fn bind(config: RouterConfig) -> Result<Self, RouterError> {
+        let http = common::listen::bind("http_listen", config.http_listen).await?;
+        let grpc = common::listen::bind("grpc_listen", config.grpc_listen).await?;
+        Ok(Self {
+            http_addr: http.local_addr()?,
+            grpc_addr: grpc.local_addr()?,
+            http,
+            grpc,
+            config,
+        })
+    }
+
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// Serves HTTP and gRPC until `shutdown` resolves, then lets in-flight requests finish
+    /// within the grace period.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), RouterError> {
+        let grace = Duration::from_millis(self.config.shutdown_grace_ms);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (reporter, health) = grpc::health();
+        grpc::set_serving(&reporter, &[]).await;
+
+        let app = http::routes(usize::try_from(self.config.max_body_bytes).unwrap_or(usize::MAX));
+        let mut http_stop = stop_rx.clone();
+        let http_server = axum::serve(self.http, app).with_graceful_shutdown(async move {
+            let _ = http_stop.wait_for(|stop| *stop).await;
+        });
+        let mut grpc_stop = stop_rx.clone();
+        let grpc_server = grpc::serve(
+            self.grpc,
+            Routes::new(health),
+            async move {
+                let _ = grpc_stop.wait_for(|stop| *stop).await;
+                grpc::set_not_serving(&reporter, &[]).await;
+            },
+            grace,
+        );
+        let trigger = async move {
+            shutdown.await;
+            tracing::info!("router stopping");
+            let _ = stop_tx.send(true);
+        };
+        let http_bounded = async move {
+            let mut stop = stop_rx;
+            let http_server = http_server.into_future();
+            tokio::pin!(http_server);
+            tokio::select! {
+                r = &mut http_server => r,
+                () = async {
+                    let _ = stop.wait_for(|s| *s).await;
+                    tokio::time::sleep(grace).await;
+                } => Ok(()),
+            }
+        };
+        let ((), http_result, grpc_result) = tokio::join!(trigger, http_bounded, grpc_server);
+        http_result?;
+        grpc_result?;
+        Ok(())
+    }
+}
+
+/// Runs the router as a process until SIGTERM/SIGINT.
+pub async fn run(
+    config: RouterConfig,
+    mut signal: common::shutdown::ShutdownSignal,
+) -> Result<(), RouterError> {
+    let router = BoundRouter::bind(config).await?;
+    tracing::info!(http = %router.http_addr(), grpc = %router.grpc_addr(), "router listening");
+    common::cli::announce_ready(
+        "router",
+        &[("http", router.http_addr()), ("grpc", router.grpc_addr())],
+    );
+    router
+        .serve(async move {
+            let name = signal.recv().await;
+            tracing::info!(signal = name, "shutdown requested");
+        })
+        .await
+}
