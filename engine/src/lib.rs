@@ -3,3 +3,13 @@
 //!
 //! The model arrives with the "Engine I" work; this crate is the placeholder the workspace
 //! layout promises.
+pub mod config;
+pub mod formats;
+pub mod model;
+pub mod quant;
+pub mod rope;
+pub mod safetensors;
+pub mod schema;
+pub mod synth;
+pub mod tensor;
+pub mod weights;

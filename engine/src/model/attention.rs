@@ -1,0 +1,207 @@
+//! One layer's attention for a chunk of consecutive tokens: low-rank Q with its norm and the
+//! weightless per-head norm, the shared K=V head, RoPE on the trailing dims, attention over the
+//! sliding window plus the compressed rows (all visible ones for HCA, the indexer's top-k for
+//! CSA) with a per-head sink in the denominator, inverse RoPE on the output, and the grouped
+//! low-rank output projection.
+
+use super::compressor::{self, CompressorState};
+use crate::{
+    config::{Attention, ModelConfig},
+    rope::Rope,
+    tensor::{dot, rms_norm, rms_norm_unweighted, top_k},
+    weights::{AttentionWeights, IndexerWeights},
+};
+
+/// A layer's attention state for one sequence.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AttentionState {
+    /// K=V rows of the last `sliding_window - 1` positions, oldest first (`head_dim` each).
+    pub window: Vec<f32>,
+    /// The attention compressor (CSA and HCA layers).
+    pub compressor: Option<CompressorState>,
+    /// The indexer's compressor (CSA layers).
+    pub indexer: Option<CompressorState>,
+}
+
+impl AttentionState {
+    pub fn new(kind: Attention) -> Self {
+        Self {
+            window: Vec::new(),
+            compressor: (kind != Attention::Sliding).then(CompressorState::default),
+            indexer: matches!(kind, Attention::Csa { .. }).then(CompressorState::default),
+        }
+    }
+}
+
+/// Per-token projections the attention step needs.
+struct Projected {
+    q: Vec<f32>,
+    q_residual: Vec<f32>,
+}
+
+/// Attention outputs (`hidden_size` each) for tokens at positions `start..start+xs.len()`;
+/// `xs` are the sublayer inputs (after `attn_norm`).
+pub fn forward(
+    w: &AttentionWeights,
+    kind: Attention,
+    state: &mut AttentionState,
+    xs: &[Vec<f32>],
+    start: usize,
+    c: &ModelConfig,
+    main_rope: &Rope,
+    compress_rope: &Rope,
+) -> Vec<Vec<f32>> {
+    let rope = if kind == Attention::Sliding {
+        main_rope
+    } else {
+        compress_rope
+    };
+    let (h, hd) = (c.num_heads, c.head_dim);
+    let mut projected = Vec::with_capacity(xs.len());
+    let mut rows = std::mem::take(&mut state.window);
+    let window_start = start - rows.len() / hd;
+    for (t, x) in xs.iter().enumerate() {
+        let pos = start + t;
+        let mut q_residual = w.wq_a.apply(x);
+        rms_norm(&mut q_residual, &w.q_norm, c.rms_norm_eps);
+        let mut q = w.wq_b.apply(&q_residual);
+        for head in q.chunks_exact_mut(hd) {
+            rms_norm_unweighted(head, c.rms_norm_eps);
+            rope.apply(head, pos, false);
+        }
+        let mut kv = w.wkv.apply(x);
+        rms_norm(&mut kv, &w.kv_norm, c.rms_norm_eps);
+        rope.apply(&mut kv, pos, false);
+        rows.extend_from_slice(&kv);
+        projected.push(Projected { q, q_residual });
+    }
+
+    // Compressed rows visible to each token: after token p, exactly (p+1)/ratio windows are
+    // closed, and a row is visible to p iff its window closed at or before p.
+    let mut visible = vec![0usize; xs.len()];
+    if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
+        for (t, x) in xs.iter().enumerate() {
+            compressor::push(cw, cs, x, c.rms_norm_eps, compress_rope);
+            visible[t] = cs.len(cw.head_dim);
+        }
+    }
+    if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
+        for x in xs {
+            compressor::push(&iw.compressor, is, x, c.rms_norm_eps, compress_rope);
+        }
+    }
+
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut outputs = Vec::with_capacity(xs.len());
+    for (t, x) in xs.iter().enumerate() {
+        let pos = start + t;
+        let first = (pos + 1).saturating_sub(c.sliding_window).max(window_start);
+        let mut keys: Vec<&[f32]> = (first..=pos)
+            .map(|p| &rows[(p - window_start) * hd..(p - window_start + 1) * hd])
+            .collect();
+        if let (Some(cw), Some(cs)) = (&w.compressor, &state.compressor) {
+            let chosen: Vec<usize> = match (kind, &w.indexer, &state.indexer) {
+                (Attention::Csa { .. }, Some(iw), Some(is)) => select(
+                    iw,
+                    is,
+                    &projected[t].q_residual,
+                    x,
+                    visible[t],
+                    pos,
+                    c,
+                    compress_rope,
+                ),
+                _ => (0..visible[t]).collect(),
+            };
+            keys.extend(chosen.into_iter().map(|i| cs.row(i, cw.head_dim)));
+        }
+        let mut out = vec![0.0f32; h * hd];
+        let mut logits = vec![0.0f32; keys.len()];
+        for (head, o) in out.chunks_exact_mut(hd).enumerate() {
+            let q = &projected[t].q[head * hd..(head + 1) * hd];
+            for (l, k) in logits.iter_mut().zip(&keys) {
+                *l = dot(q, k) * scale;
+            }
+            let sink = w.sink[head];
+            let max = logits.iter().copied().fold(sink, f32::max);
+            let mut denom = (sink - max).exp();
+            for l in &mut logits {
+                *l = (*l - max).exp();
+                denom += *l;
+            }
+            for (p, k) in logits.iter().zip(&keys) {
+                let p = p / denom;
+                for (oi, ki) in o.iter_mut().zip(k.iter()) {
+                    *oi += p * ki;
+                }
+            }
+            // V carries the keys' rotation; rotating back by the query position leaves only the
+            // relative offset in the rope dims.
+            rope.apply(o, pos, true);
+        }
+        outputs.push(project_out(w, &out, c));
+    }
+    let keep = (c.sliding_window - 1) * hd;
+    let drop = rows.len().saturating_sub(keep);
+    rows.drain(..drop);
+    state.window = rows;
+    outputs
+}
+
+/// The grouped low-rank output projection: each of `o_groups` head groups maps to
+/// `o_lora_rank` dims with its own block of `wo_a`, then `wo_b` mixes all groups.
+fn project_out(w: &AttentionWeights, out: &[f32], c: &ModelConfig) -> Vec<f32> {
+    let group_in = out.len() / c.o_groups;
+    let mut low = vec![0.0f32; c.o_groups * c.o_lora_rank];
+    for (g, chunk) in low.chunks_exact_mut(c.o_lora_rank).enumerate() {
+        w.wo_a.matvec_rows(
+            g * c.o_lora_rank,
+            &out[g * group_in..(g + 1) * group_in],
+            chunk,
+        );
+    }
+    w.wo_b.apply(&low)
+}
+
+/// The lightning indexer: scores every visible compressed key by
+/// `Σ_h w_h · ReLU(q_h · k) / sqrt(index_head_dim)` and keeps the top `index_topk`, returned in
+/// ascending row order (the order the attention sums in).
+fn select(
+    iw: &IndexerWeights,
+    is: &CompressorState,
+    q_residual: &[f32],
+    x: &[f32],
+    visible: usize,
+    pos: usize,
+    c: &ModelConfig,
+    compress_rope: &Rope,
+) -> Vec<usize> {
+    if visible == 0 {
+        return Vec::new();
+    }
+    let di = c.index_head_dim;
+    let mut q = iw.wq_b.apply(q_residual);
+    for head in q.chunks_exact_mut(di) {
+        compress_rope.apply(head, pos, false);
+    }
+    let head_scale = 1.0 / (c.index_n_heads as f32).sqrt();
+    let weights: Vec<f32> = iw
+        .weights_proj
+        .apply(x)
+        .iter()
+        .map(|v| v * head_scale)
+        .collect();
+    let softmax_scale = 1.0 / (di as f32).sqrt();
+    let scores: Vec<f32> = (0..visible)
+        .map(|s| {
+            let k = is.row(s, di);
+            q.chunks_exact(di)
+                .zip(&weights)
+                .map(|(qh, wh)| dot(qh, k).max(0.0) * softmax_scale * wh)
+                .sum()
+        })
+        .collect();
+    let mut chosen = top_k(&scores, c.index_topk.min(visible));
+    chosen.sort_unstable();
+    chosen
+}

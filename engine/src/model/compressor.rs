@@ -1,0 +1,131 @@
+//! KV compressors. Every `ratio` tokens close a window and emit one compressed row: the
+//! per-channel softmax over the window's gate scores (plus a learned position bias) weights
+//! the window's projected rows; the result is RMS-normed and rotated (compress RoPE) to the
+//! window's first position. CSA (ratio 4) overlaps windows: each token projects two series,
+//! Ca (feeds the next window's row) and Cb (feeds its own window's row), so an emitted row
+//! pools 2*ratio slots. Tokens of an unfinished window, and the previous window's Ca slice,
+//! are the state that must survive between forward calls (and cross from prefill to decode).
+
+use crate::{
+    rope::Rope,
+    tensor::{rms_norm, softmax},
+    weights::CompressorWeights,
+};
+
+/// A compressor's running state for one sequence.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CompressorState {
+    /// Emitted rows, `head_dim` each, in window order.
+    pub rows: Vec<f32>,
+    /// Projected kv of the unfinished window's tokens (`width` each).
+    pub pending_kv: Vec<f32>,
+    /// Projected gate scores of the unfinished window's tokens (`width` each, without bias).
+    pub pending_gate: Vec<f32>,
+    /// CSA: the last closed window's Ca kv slice (`ratio * head_dim`), empty before the first.
+    pub prev_kv: Vec<f32>,
+    /// CSA: the last closed window's Ca gate slice with its position bias added.
+    pub prev_gate: Vec<f32>,
+}
+
+impl CompressorState {
+    /// Number of emitted rows.
+    pub fn len(&self, head_dim: usize) -> usize {
+        self.rows.len() / head_dim
+    }
+
+    pub fn row(&self, i: usize, head_dim: usize) -> &[f32] {
+        &self.rows[i * head_dim..(i + 1) * head_dim]
+    }
+}
+
+/// Feeds one token's normalised hidden state; emits a row when its window closes.
+pub fn push(w: &CompressorWeights, state: &mut CompressorState, x: &[f32], eps: f32, rope: &Rope) {
+    state.pending_kv.extend(w.wkv.apply(x));
+    state.pending_gate.extend(w.wgate.apply(x));
+    let width = w.wkv.rows;
+    if state.pending_kv.len() / width < w.ratio {
+        return;
+    }
+    let window = state.rows.len() / w.head_dim;
+    let kv = std::mem::take(&mut state.pending_kv);
+    let mut gate = std::mem::take(&mut state.pending_gate);
+    for (slot, g) in gate.chunks_exact_mut(width).enumerate() {
+        for (gi, bias) in g.iter_mut().zip(w.ape.row(slot)) {
+            *gi += bias;
+        }
+    }
+    let mut row = if w.overlap {
+        overlapped(w, state, &kv, &gate)
+    } else {
+        pooled(w.head_dim, w.ratio, &kv, &gate, 0, width)
+    };
+    rms_norm(&mut row, &w.norm, eps);
+    rope.apply(&mut row, window * w.ratio, false);
+    state.rows.extend_from_slice(&row);
+}
+
+/// Pools `ratio` slots of channel offset `offset` (non-overlapping windows).
+fn pooled(
+    d: usize,
+    ratio: usize,
+    kv: &[f32],
+    gate: &[f32],
+    offset: usize,
+    width: usize,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; d];
+    let mut scores = vec![0.0f32; ratio];
+    for (c, o) in out.iter_mut().enumerate() {
+        for (s, score) in scores.iter_mut().enumerate() {
+            *score = gate[s * width + offset + c];
+        }
+        softmax(&mut scores);
+        for (s, p) in scores.iter().enumerate() {
+            *o += kv[s * width + offset + c] * p;
+        }
+    }
+    out
+}
+
+/// CSA: slots 0..ratio are the previous window's Ca (weight 0 before the first window),
+/// slots ratio..2*ratio this window's Cb.
+fn overlapped(
+    w: &CompressorWeights,
+    state: &mut CompressorState,
+    kv: &[f32],
+    gate: &[f32],
+) -> Vec<f32> {
+    let (d, r, width) = (w.head_dim, w.ratio, 2 * w.head_dim);
+    let has_prev = !state.prev_kv.is_empty();
+    let mut out = vec![0.0f32; d];
+    let mut scores = vec![0.0f32; 2 * r];
+    for (c, o) in out.iter_mut().enumerate() {
+        for s in 0..r {
+            scores[s] = if has_prev {
+                state.prev_gate[s * d + c]
+            } else {
+                f32::NEG_INFINITY
+            };
+            scores[r + s] = gate[s * width + d + c];
+        }
+        softmax(&mut scores);
+        // Slot order as in the reference sum: previous Ca slots, then this window's Cb.
+        if has_prev {
+            for s in 0..r {
+                *o += state.prev_kv[s * d + c] * scores[s];
+            }
+        }
+        for s in 0..r {
+            *o += kv[s * width + d + c] * scores[r + s];
+        }
+    }
+    state.prev_kv = kv
+        .chunks_exact(width)
+        .flat_map(|t| t[..d].iter().copied())
+        .collect();
+    state.prev_gate = gate
+        .chunks_exact(width)
+        .flat_map(|t| t[..d].iter().copied())
+        .collect();
+    out
+}

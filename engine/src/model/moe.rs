@@ -1,0 +1,67 @@
+//! The MoE feed-forward: sqrt-softplus scores, hash or top-k routing (the bias only selects),
+//! normalised weights times the routed scaling factor, clamped SwiGLU experts plus the shared
+//! expert.
+
+use crate::{
+    config::ModelConfig,
+    tensor::{silu, softplus, top_k},
+    weights::{ExpertWeights, MoeWeights},
+};
+
+/// One expert: `w2 · (silu(min(w1·x, L)) ⊙ clamp(w3·x, -L, L))`.
+pub fn expert(w: &ExpertWeights, x: &[f32], limit: f32) -> Vec<f32> {
+    let gate = w.w1.apply(x);
+    let up = w.w3.apply(x);
+    let act: Vec<f32> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| silu(g.min(limit)) * u.clamp(-limit, limit))
+        .collect();
+    w.w2.apply(&act)
+}
+
+/// The experts chosen for one token and their weights.
+pub fn route(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> (Vec<usize>, Vec<f32>) {
+    let scores: Vec<f32> = w
+        .gate
+        .apply(x)
+        .iter()
+        .map(|&l| softplus(l).sqrt())
+        .collect();
+    let k = c.experts_per_token;
+    let chosen: Vec<usize> = match (&w.tid2eid, &w.bias) {
+        (Some(table), _) => {
+            let row = token as usize * k;
+            table[row..row + k].iter().map(|&e| e as usize).collect()
+        }
+        (None, Some(bias)) => {
+            let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            top_k(&biased, k)
+        }
+        (None, None) => top_k(&scores, k),
+    };
+    let picked: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
+    let sum: f32 = picked.iter().sum::<f32>() + 1e-20;
+    let weights = picked
+        .iter()
+        .map(|s| s / sum * c.routed_scaling_factor)
+        .collect();
+    (chosen, weights)
+}
+
+/// The MoE output for one token.
+pub fn forward(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> Vec<f32> {
+    let (chosen, weights) = route(w, x, token, c);
+    let mut out = vec![0.0f32; x.len()];
+    for (&e, &weight) in chosen.iter().zip(&weights) {
+        let y = expert(&w.experts[e], x, c.swiglu_limit);
+        for (o, v) in out.iter_mut().zip(&y) {
+            *o += v * weight;
+        }
+    }
+    let shared = expert(&w.shared, x, c.swiglu_limit);
+    for (o, v) in out.iter_mut().zip(&shared) {
+        *o += v;
+    }
+    out
+}

@@ -1,0 +1,259 @@
+//! The tensors a DeepSeek-V4 checkpoint must contain for a given configuration, in the native
+//! layout (see docs/checkpoint-format.md). The loader checks files against this list and the
+//! checkpoint generator writes exactly this list, so the two cannot drift.
+
+use crate::config::{Attention, ExpertFormat, LinearFormat, ModelConfig, Routing};
+
+/// How a logical tensor is stored on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// `F32` tensor under its own name.
+    F32,
+    /// `BF16` tensor under its own name.
+    Bf16,
+    /// `I32` tensor under its own name (expert ids).
+    I32,
+    /// A dense linear `[out, in]`: `<name>.weight` (+ `<name>.scale` for FP8 blocks).
+    Linear(LinearFormat),
+    /// A routed expert projection `[out, in]` in the expert format.
+    Expert(ExpertFormat),
+}
+
+/// One logical tensor: its name (for `Linear`/`Expert` the prefix before `.weight`), its
+/// logical shape and its storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub storage: Storage,
+}
+
+impl TensorSpec {
+    fn new(name: impl Into<String>, shape: &[usize], storage: Storage) -> Self {
+        Self {
+            name: name.into(),
+            shape: shape.to_vec(),
+            storage,
+        }
+    }
+}
+
+/// Name prefix of layer `i`.
+pub fn layer(i: usize) -> String {
+    format!("layers.{i}.")
+}
+
+/// Every tensor of the model, in a fixed order.
+pub fn tensors(c: &ModelConfig) -> Vec<TensorSpec> {
+    let (d, hc) = (c.hidden_size, c.hc_mult);
+    let lin = Storage::Linear(c.linear_format);
+    let mut out = vec![
+        TensorSpec::new("embed.weight", &[c.vocab_size, d], Storage::Bf16),
+        TensorSpec::new("head.weight", &[c.vocab_size, d], Storage::Bf16),
+        TensorSpec::new("norm.weight", &[d], Storage::Bf16),
+        TensorSpec::new("hc_head_fn", &[hc, hc * d], Storage::F32),
+        TensorSpec::new("hc_head_base", &[hc], Storage::F32),
+        TensorSpec::new("hc_head_scale", &[1], Storage::F32),
+    ];
+    for (i, spec) in c.layers.iter().enumerate() {
+        let p = layer(i);
+        let mix = c.hc_mix_dim();
+        for part in ["attn", "ffn"] {
+            out.push(TensorSpec::new(
+                format!("{p}{part}_norm.weight"),
+                &[d],
+                Storage::Bf16,
+            ));
+            out.push(TensorSpec::new(
+                format!("{p}hc_{part}_fn"),
+                &[mix, hc * d],
+                Storage::F32,
+            ));
+            out.push(TensorSpec::new(
+                format!("{p}hc_{part}_base"),
+                &[mix],
+                Storage::F32,
+            ));
+            out.push(TensorSpec::new(
+                format!("{p}hc_{part}_scale"),
+                &[3],
+                Storage::F32,
+            ));
+        }
+        let a = format!("{p}attn.");
+        let (h, hd, qr) = (c.num_heads, c.head_dim, c.q_lora_rank);
+        out.push(TensorSpec::new(format!("{a}wq_a"), &[qr, d], lin));
+        out.push(TensorSpec::new(
+            format!("{a}q_norm.weight"),
+            &[qr],
+            Storage::Bf16,
+        ));
+        out.push(TensorSpec::new(format!("{a}wq_b"), &[h * hd, qr], lin));
+        out.push(TensorSpec::new(format!("{a}wkv"), &[hd, d], lin));
+        out.push(TensorSpec::new(
+            format!("{a}kv_norm.weight"),
+            &[hd],
+            Storage::Bf16,
+        ));
+        out.push(TensorSpec::new(
+            format!("{a}wo_a"),
+            &[c.o_groups * c.o_lora_rank, h * hd / c.o_groups],
+            lin,
+        ));
+        out.push(TensorSpec::new(
+            format!("{a}wo_b"),
+            &[d, c.o_groups * c.o_lora_rank],
+            lin,
+        ));
+        out.push(TensorSpec::new(format!("{a}attn_sink"), &[h], Storage::F32));
+        match spec.attention {
+            Attention::Sliding => {}
+            Attention::Csa { ratio } => {
+                compressor(&mut out, &format!("{a}compressor."), d, hd, ratio, true);
+                let (hi, di) = (c.index_n_heads, c.index_head_dim);
+                out.push(TensorSpec::new(
+                    format!("{a}indexer.wq_b"),
+                    &[hi * di, qr],
+                    lin,
+                ));
+                out.push(TensorSpec::new(
+                    format!("{a}indexer.weights_proj.weight"),
+                    &[hi, d],
+                    Storage::Bf16,
+                ));
+                compressor(
+                    &mut out,
+                    &format!("{a}indexer.compressor."),
+                    d,
+                    di,
+                    ratio,
+                    true,
+                );
+            }
+            Attention::Hca { ratio } => {
+                compressor(&mut out, &format!("{a}compressor."), d, hd, ratio, false);
+            }
+        }
+        let f = format!("{p}ffn.");
+        let (e, inter) = (c.n_routed_experts, c.moe_intermediate_size);
+        out.push(TensorSpec::new(
+            format!("{f}gate.weight"),
+            &[e, d],
+            Storage::Bf16,
+        ));
+        match spec.routing {
+            Routing::TopK => out.push(TensorSpec::new(format!("{f}gate.bias"), &[e], Storage::F32)),
+            Routing::Hash => out.push(TensorSpec::new(
+                format!("{f}gate.tid2eid"),
+                &[c.vocab_size, c.experts_per_token],
+                Storage::I32,
+            )),
+        }
+        for (w, shape) in [("w1", [inter, d]), ("w2", [d, inter]), ("w3", [inter, d])] {
+            out.push(TensorSpec::new(
+                format!("{f}shared_experts.{w}"),
+                &shape,
+                lin,
+            ));
+        }
+        let expert = Storage::Expert(c.expert_format);
+        for x in 0..e {
+            for (w, shape) in [("w1", [inter, d]), ("w2", [d, inter]), ("w3", [inter, d])] {
+                out.push(TensorSpec::new(
+                    format!("{f}experts.{x}.{w}"),
+                    &shape,
+                    expert,
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// A compressor: `overlap` (CSA) doubles the projected width into the two series Ca, Cb.
+fn compressor(
+    out: &mut Vec<TensorSpec>,
+    prefix: &str,
+    d: usize,
+    head_dim: usize,
+    ratio: usize,
+    overlap: bool,
+) {
+    let width = if overlap { 2 * head_dim } else { head_dim };
+    out.push(TensorSpec::new(
+        format!("{prefix}wkv.weight"),
+        &[width, d],
+        Storage::Bf16,
+    ));
+    out.push(TensorSpec::new(
+        format!("{prefix}wgate.weight"),
+        &[width, d],
+        Storage::Bf16,
+    ));
+    out.push(TensorSpec::new(
+        format!("{prefix}ape"),
+        &[ratio, width],
+        Storage::F32,
+    ));
+    out.push(TensorSpec::new(
+        format!("{prefix}norm.weight"),
+        &[head_dim],
+        Storage::Bf16,
+    ));
+}
+
+/// The on-disk tensors of one logical tensor: (name, shape, accepted dtypes by name).
+pub fn files_of(spec: &TensorSpec) -> Vec<(String, Vec<usize>, &'static [&'static str])> {
+    let (rows, cols) = (spec.shape[0], spec.shape.get(1).copied().unwrap_or(1));
+    let n = &spec.name;
+    match spec.storage {
+        Storage::F32 => vec![(n.clone(), spec.shape.clone(), &["F32"])],
+        Storage::Bf16 => vec![(n.clone(), spec.shape.clone(), &["BF16"])],
+        Storage::I32 => vec![(n.clone(), spec.shape.clone(), &["I32", "I64"])],
+        Storage::Linear(LinearFormat::Bf16) | Storage::Expert(ExpertFormat::Bf16) => {
+            vec![(format!("{n}.weight"), vec![rows, cols], &["BF16"])]
+        }
+        Storage::Linear(LinearFormat::Fp8Block) | Storage::Expert(ExpertFormat::Fp8Block) => vec![
+            (format!("{n}.weight"), vec![rows, cols], &["F8_E4M3"]),
+            (
+                format!("{n}.scale"),
+                vec![rows.div_ceil(128), cols.div_ceil(128)],
+                &["F8_E8M0", "U8"],
+            ),
+        ],
+        Storage::Expert(ExpertFormat::Mxfp4) => vec![
+            (format!("{n}.weight"), vec![rows, cols / 2], &["I8", "U8"]),
+            (
+                format!("{n}.scale"),
+                vec![rows, cols / 32],
+                &["F8_E8M0", "U8"],
+            ),
+        ],
+        Storage::Expert(ExpertFormat::Nvfp4) => vec![
+            (format!("{n}.weight"), vec![rows, cols / 2], &["U8"]),
+            (
+                format!("{n}.weight_scale"),
+                vec![rows, cols / 16],
+                &["F8_E4M3"],
+            ),
+            (format!("{n}.weight_scale_2"), vec![], &["F32"]),
+            (format!("{n}.input_scale"), vec![], &["F32"]),
+        ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique() {
+        let config = crate::synth::Preset::Tiny.config(ExpertFormat::Nvfp4);
+        let mut seen = std::collections::BTreeSet::new();
+        for spec in tensors(&config) {
+            for (name, _, _) in files_of(&spec) {
+                assert!(seen.insert(name.clone()), "duplicate {name}");
+            }
+        }
+    }
+}

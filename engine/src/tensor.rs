@@ -1,0 +1,165 @@
+//! The few dense f32 primitives the CPU reference needs. Every reduction runs in a fixed order
+//! per output element, so a token's result never depends on what else is computed with it
+//! (batch invariance) or on how a prompt was chunked.
+
+/// A row-major f32 matrix; linear weights are `[out, in]` as in the checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// A matrix from data of length `rows * cols` (checked by the caller that built it).
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        debug_assert_eq!(data.len(), rows * cols);
+        Self { rows, cols, data }
+    }
+
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        Self::new(rows, cols, vec![0.0; rows * cols])
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// `out = self · x` (`x` has `cols` elements, `out` has `rows`).
+    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        debug_assert_eq!(x.len(), self.cols);
+        debug_assert_eq!(out.len(), self.rows);
+        for (o, row) in out.iter_mut().zip(self.data.chunks_exact(self.cols)) {
+            *o = dot(row, x);
+        }
+    }
+
+    /// `self · x` as a new vector.
+    pub fn apply(&self, x: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows];
+        self.matvec(x, &mut out);
+        out
+    }
+
+    /// `out = self[rows r0..r0+n] · x`: a slice of output rows (grouped projections).
+    pub fn matvec_rows(&self, r0: usize, x: &[f32], out: &mut [f32]) {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = dot(self.row(r0 + i), x);
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators (vectorizes; fixed summation order).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        let (x, y) = (&a[i * 8..i * 8 + 8], &b[i * 8..i * 8 + 8]);
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut tail = 0.0f32;
+    for i in chunks * 8..a.len() {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
+/// `x * rsqrt(mean(x²) + eps)`, the weightless RMS norm, in place.
+pub fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
+    let scale = rms_scale(x, eps);
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+}
+
+/// `weight ⊙ (x * rsqrt(mean(x²) + eps))`, in place.
+pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    debug_assert_eq!(x.len(), weight.len());
+    let scale = rms_scale(x, eps);
+    for (v, w) in x.iter_mut().zip(weight) {
+        *v = w * (*v * scale);
+    }
+}
+
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let mean = dot(x, x) / x.len() as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// `torch.nn.functional.softplus` with beta 1 and threshold 20.
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// Softmax in place, max-subtracted.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// `y += a * x`.
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+/// Indices of the `k` largest values, best first; ties go to the lower index so the choice is
+/// deterministic.
+pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_naive_at_awkward_lengths() {
+        for n in [0usize, 1, 7, 8, 9, 31, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let naive: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                .sum();
+            assert!((f64::from(dot(&a, &b)) - naive).abs() < 1e-5, "{n}");
+        }
+    }
+
+    #[test]
+    fn norms_and_activations() {
+        let mut x = vec![3.0, 4.0];
+        rms_norm_unweighted(&mut x, 0.0);
+        let rms = (12.5f32).sqrt();
+        assert!((x[0] - 3.0 / rms).abs() < 1e-6 && (x[1] - 4.0 / rms).abs() < 1e-6);
+        assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-7);
+        assert!((softplus(30.0) - 30.0).abs() < f32::EPSILON);
+        let mut s = vec![1.0, 1.0, f32::NEG_INFINITY];
+        softmax(&mut s);
+        assert_eq!(s, vec![0.5, 0.5, 0.0]);
+        assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0], 3), vec![1, 2, 3]);
+    }
+}

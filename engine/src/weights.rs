@@ -1,0 +1,498 @@
+//! Loading a checkpoint into f32 weights. Every tensor the configuration needs is checked for
+//! presence, dtype and shape, every file tensor must be one the model uses (or `mtp.*`), and
+//! every value must be finite; any problem is an error naming the tensor, and nothing is
+//! returned from a partial load.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use crate::{
+    config::{Attention, ConfigError, ExpertFormat, LinearFormat, ModelConfig, Routing},
+    formats, quant,
+    safetensors::{Dtype, SafetensorsError, SafetensorsFile, TensorView},
+    schema::{self, Storage, TensorSpec},
+    tensor::Matrix,
+};
+
+/// Why a checkpoint cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    File(#[from] SafetensorsError),
+    #[error("cannot list {path}: {source}")]
+    ReadDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no *.safetensors files in {0}")]
+    NoFiles(PathBuf),
+    #[error("tensor {name} appears in both {first} and {second}")]
+    Duplicate {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
+    #[error("missing tensor {0}")]
+    Missing(String),
+    #[error("unexpected tensor {name} in {file} (not used by this configuration)")]
+    Unexpected { name: String, file: PathBuf },
+    #[error("tensor {name}: dtype {found}, expected {expected}")]
+    Dtype {
+        name: String,
+        found: &'static str,
+        expected: String,
+    },
+    #[error("tensor {name}: shape {found:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("tensor {name}: {message}")]
+    Decode { name: String, message: String },
+    #[error("tensor {name}: non-finite value at index {index}")]
+    NonFinite { name: String, index: usize },
+    #[error("tensor {name}: expert id {id} at index {index} is outside 0..{experts}")]
+    ExpertId {
+        name: String,
+        id: i64,
+        index: usize,
+        experts: usize,
+    },
+}
+
+/// The opened checkpoint files, indexed by tensor name.
+#[derive(Debug)]
+pub struct Checkpoint {
+    files: Vec<SafetensorsFile>,
+    index: BTreeMap<String, usize>,
+}
+
+impl Checkpoint {
+    /// Opens (memory-maps) every `*.safetensors` in `dir` and validates their headers.
+    pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|source| LoadError::ReadDir {
+                path: dir.to_path_buf(),
+                source,
+            })?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        paths.sort();
+        if paths.is_empty() {
+            return Err(LoadError::NoFiles(dir.to_path_buf()));
+        }
+        let mut files = Vec::with_capacity(paths.len());
+        let mut index = BTreeMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let file = SafetensorsFile::open(path)?;
+            for name in file.names() {
+                if let Some(&prev) = index.get(name) {
+                    let prev: usize = prev;
+                    return Err(LoadError::Duplicate {
+                        name: name.to_owned(),
+                        first: paths[prev].clone(),
+                        second: path.clone(),
+                    });
+                }
+                index.insert(name.to_owned(), i);
+            }
+            files.push(file);
+        }
+        Ok(Self { files, index })
+    }
+
+    fn view(&self, name: &str) -> Result<TensorView<'_>, LoadError> {
+        let file = self
+            .index
+            .get(name)
+            .ok_or_else(|| LoadError::Missing(name.to_owned()))?;
+        self.files[*file]
+            .get(name)
+            .ok_or_else(|| LoadError::Missing(name.to_owned()))
+    }
+
+    /// The view of `name`, checked against the accepted dtypes and the expected shape.
+    fn checked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[&str],
+    ) -> Result<TensorView<'_>, LoadError> {
+        let view = self.view(name)?;
+        if !dtypes.contains(&view.dtype.name()) {
+            return Err(LoadError::Dtype {
+                name: name.to_owned(),
+                found: view.dtype.name(),
+                expected: dtypes.join(" or "),
+            });
+        }
+        // Scalars are written as [] or [1].
+        let scalar_ok = shape.is_empty() && view.shape == [1];
+        if view.shape != shape && !scalar_ok {
+            return Err(LoadError::Shape {
+                name: name.to_owned(),
+                found: view.shape.to_vec(),
+                expected: shape.to_vec(),
+            });
+        }
+        Ok(view)
+    }
+
+    /// Decodes one logical tensor to f32 (dequantizing as its storage says).
+    pub fn load_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, LoadError> {
+        let parts = schema::files_of(spec);
+        let views = parts
+            .iter()
+            .map(|(name, shape, dtypes)| self.checked(name, shape, dtypes))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (rows, cols) = (spec.shape[0], spec.shape.get(1).copied().unwrap_or(1));
+        let decode_err = |message: String| LoadError::Decode {
+            name: parts[0].0.clone(),
+            message,
+        };
+        let values = match spec.storage {
+            Storage::F32 | Storage::Bf16 => views[0]
+                .to_f32_vec()
+                .ok_or_else(|| decode_err("not a float tensor".into()))?,
+            Storage::I32 => return Err(decode_err("integer tensor read as floats".into())),
+            Storage::Linear(LinearFormat::Bf16) | Storage::Expert(ExpertFormat::Bf16) => views[0]
+                .to_f32_vec()
+                .ok_or_else(|| decode_err("not a float tensor".into()))?,
+            Storage::Linear(LinearFormat::Fp8Block) | Storage::Expert(ExpertFormat::Fp8Block) => {
+                quant::dequant_fp8_block(views[0].data, views[1].data, rows, cols)
+                    .map_err(|e| decode_err(e.to_string()))?
+            }
+            Storage::Expert(ExpertFormat::Mxfp4) => {
+                quant::dequant_mxfp4(views[0].data, views[1].data, rows, cols)
+                    .map_err(|e| decode_err(e.to_string()))?
+            }
+            Storage::Expert(ExpertFormat::Nvfp4) => {
+                let scale_2 =
+                    scalar_f32(&views[2]).ok_or_else(|| decode_err("bad weight_scale_2".into()))?;
+                quant::dequant_nvfp4(views[0].data, views[1].data, scale_2, rows, cols)
+                    .map_err(|e| decode_err(e.to_string()))?
+            }
+        };
+        if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+            return Err(LoadError::NonFinite {
+                name: parts[0].0.clone(),
+                index,
+            });
+        }
+        Ok(values)
+    }
+
+    /// Decodes an integer tensor (expert ids) and checks every id is below `limit`.
+    pub fn load_ids(&self, spec: &TensorSpec, limit: usize) -> Result<Vec<u32>, LoadError> {
+        let (name, shape, dtypes) = &schema::files_of(spec)[0];
+        let view = self.checked(name, shape, dtypes)?;
+        let width = view.dtype.size_bytes();
+        let mut out = Vec::with_capacity(view.data.len() / width);
+        for (index, chunk) in view.data.chunks_exact(width).enumerate() {
+            let id = match view.dtype {
+                Dtype::I32 => {
+                    i64::from(i32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+                }
+                _ => i64::from_le_bytes([
+                    chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7],
+                ]),
+            };
+            let ok = u32::try_from(id).ok().filter(|&v| (v as usize) < limit);
+            out.push(ok.ok_or_else(|| LoadError::ExpertId {
+                name: name.clone(),
+                id,
+                index,
+                experts: limit,
+            })?);
+        }
+        Ok(out)
+    }
+
+    /// Tensors in the files that the configuration does not use (`mtp.*` is allowed).
+    fn check_no_extra(&self, specs: &[TensorSpec]) -> Result<(), LoadError> {
+        let expected: std::collections::BTreeSet<String> = specs
+            .iter()
+            .flat_map(|s| schema::files_of(s).into_iter().map(|(n, _, _)| n))
+            .collect();
+        for (name, &file) in &self.index {
+            if !expected.contains(name) && !name.starts_with("mtp.") {
+                return Err(LoadError::Unexpected {
+                    name: name.clone(),
+                    file: self.files[file].path().to_path_buf(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn scalar_f32(view: &TensorView<'_>) -> Option<f32> {
+    let bytes: [u8; 4] = view.data.get(..4)?.try_into().ok()?;
+    Some(f32::from_le_bytes(bytes))
+}
+
+/// Hyper-connection mixing weights around one sublayer.
+#[derive(Debug, Clone)]
+pub struct HyperWeights {
+    /// `[(2+hc)*hc, hc*D]`.
+    pub mix: Matrix,
+    pub base: Vec<f32>,
+    pub scale: [f32; 3],
+}
+
+/// A compressor (attention or indexer side).
+#[derive(Debug, Clone)]
+pub struct CompressorWeights {
+    pub wkv: Matrix,
+    pub wgate: Matrix,
+    /// Position bias `[ratio, width]` added to the gate scores.
+    pub ape: Matrix,
+    pub norm: Vec<f32>,
+    pub ratio: usize,
+    /// Output row width.
+    pub head_dim: usize,
+    /// CSA: two overlapping series (width 2 * head_dim).
+    pub overlap: bool,
+}
+
+/// The lightning indexer of a CSA layer.
+#[derive(Debug, Clone)]
+pub struct IndexerWeights {
+    pub wq_b: Matrix,
+    pub weights_proj: Matrix,
+    pub compressor: CompressorWeights,
+}
+
+/// Attention of one layer.
+#[derive(Debug, Clone)]
+pub struct AttentionWeights {
+    pub wq_a: Matrix,
+    pub q_norm: Vec<f32>,
+    pub wq_b: Matrix,
+    pub wkv: Matrix,
+    pub kv_norm: Vec<f32>,
+    pub wo_a: Matrix,
+    pub wo_b: Matrix,
+    pub sink: Vec<f32>,
+    pub compressor: Option<CompressorWeights>,
+    pub indexer: Option<IndexerWeights>,
+}
+
+/// One SwiGLU expert.
+#[derive(Debug, Clone)]
+pub struct ExpertWeights {
+    pub w1: Matrix,
+    pub w2: Matrix,
+    pub w3: Matrix,
+}
+
+/// The MoE of one layer.
+#[derive(Debug, Clone)]
+pub struct MoeWeights {
+    pub gate: Matrix,
+    /// Selection-only score bias (top-k layers).
+    pub bias: Option<Vec<f32>>,
+    /// `[vocab, k]` expert ids (hash layers).
+    pub tid2eid: Option<Vec<u32>>,
+    pub shared: ExpertWeights,
+    pub experts: Vec<ExpertWeights>,
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    pub hc_attn: HyperWeights,
+    pub hc_ffn: HyperWeights,
+    pub attn: AttentionWeights,
+    pub moe: MoeWeights,
+}
+
+/// The hyper head collapsing the streams before the final norm.
+#[derive(Debug, Clone)]
+pub struct HeadWeights {
+    pub mix: Matrix,
+    pub base: Vec<f32>,
+    pub scale: f32,
+}
+
+/// All weights in f32.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    pub embed: Matrix,
+    pub head: Matrix,
+    pub norm: Vec<f32>,
+    pub hc_head: HeadWeights,
+    pub layers: Vec<LayerWeights>,
+}
+
+/// Loads and checks every tensor of `config` from `dir`.
+pub fn load(dir: &Path, config: &ModelConfig) -> Result<ModelWeights, LoadError> {
+    let checkpoint = Checkpoint::open(dir)?;
+    let specs = schema::tensors(config);
+    checkpoint.check_no_extra(&specs)?;
+    Assembler {
+        checkpoint: &checkpoint,
+        specs: specs.iter().map(|s| (s.name.clone(), s)).collect(),
+        config,
+    }
+    .model()
+}
+
+struct Assembler<'a> {
+    checkpoint: &'a Checkpoint,
+    specs: BTreeMap<String, &'a TensorSpec>,
+    config: &'a ModelConfig,
+}
+
+impl Assembler<'_> {
+    fn spec(&self, name: &str) -> Result<&TensorSpec, LoadError> {
+        self.specs
+            .get(name)
+            .copied()
+            .ok_or_else(|| LoadError::Missing(name.to_owned()))
+    }
+
+    fn vec(&self, name: &str) -> Result<Vec<f32>, LoadError> {
+        self.checkpoint.load_f32(self.spec(name)?)
+    }
+
+    fn matrix(&self, name: &str) -> Result<Matrix, LoadError> {
+        let spec = self.spec(name)?;
+        let data = self.checkpoint.load_f32(spec)?;
+        Ok(Matrix::new(spec.shape[0], spec.shape[1], data))
+    }
+
+    fn model(&self) -> Result<ModelWeights, LoadError> {
+        let scale = self.vec("hc_head_scale")?;
+        Ok(ModelWeights {
+            embed: self.matrix("embed.weight")?,
+            head: self.matrix("head.weight")?,
+            norm: self.vec("norm.weight")?,
+            hc_head: HeadWeights {
+                mix: self.matrix("hc_head_fn")?,
+                base: self.vec("hc_head_base")?,
+                scale: scale[0],
+            },
+            layers: (0..self.config.num_layers())
+                .map(|i| self.layer(i))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    fn hyper(&self, p: &str, part: &str) -> Result<HyperWeights, LoadError> {
+        let scale = self.vec(&format!("{p}hc_{part}_scale"))?;
+        Ok(HyperWeights {
+            mix: self.matrix(&format!("{p}hc_{part}_fn"))?,
+            base: self.vec(&format!("{p}hc_{part}_base"))?,
+            scale: [scale[0], scale[1], scale[2]],
+        })
+    }
+
+    fn compressor(
+        &self,
+        prefix: &str,
+        ratio: usize,
+        head_dim: usize,
+        overlap: bool,
+    ) -> Result<CompressorWeights, LoadError> {
+        Ok(CompressorWeights {
+            wkv: self.matrix(&format!("{prefix}wkv.weight"))?,
+            wgate: self.matrix(&format!("{prefix}wgate.weight"))?,
+            ape: self.matrix(&format!("{prefix}ape"))?,
+            norm: self.vec(&format!("{prefix}norm.weight"))?,
+            ratio,
+            head_dim,
+            overlap,
+        })
+    }
+
+    fn expert(&self, prefix: &str) -> Result<ExpertWeights, LoadError> {
+        Ok(ExpertWeights {
+            w1: self.matrix(&format!("{prefix}w1"))?,
+            w2: self.matrix(&format!("{prefix}w2"))?,
+            w3: self.matrix(&format!("{prefix}w3"))?,
+        })
+    }
+
+    fn layer(&self, i: usize) -> Result<LayerWeights, LoadError> {
+        let c = self.config;
+        let p = schema::layer(i);
+        let a = format!("{p}attn.");
+        let spec = c.layers[i];
+        let (compressor, indexer) = match spec.attention {
+            Attention::Sliding => (None, None),
+            Attention::Hca { ratio } => (
+                Some(self.compressor(&format!("{a}compressor."), ratio, c.head_dim, false)?),
+                None,
+            ),
+            Attention::Csa { ratio } => (
+                Some(self.compressor(&format!("{a}compressor."), ratio, c.head_dim, true)?),
+                Some(IndexerWeights {
+                    wq_b: self.matrix(&format!("{a}indexer.wq_b"))?,
+                    weights_proj: self.matrix(&format!("{a}indexer.weights_proj.weight"))?,
+                    compressor: self.compressor(
+                        &format!("{a}indexer.compressor."),
+                        ratio,
+                        c.index_head_dim,
+                        true,
+                    )?,
+                }),
+            ),
+        };
+        let f = format!("{p}ffn.");
+        let (bias, tid2eid) = match spec.routing {
+            Routing::TopK => (Some(self.vec(&format!("{f}gate.bias"))?), None),
+            Routing::Hash => {
+                let spec = self.spec(&format!("{f}gate.tid2eid"))?;
+                (
+                    None,
+                    Some(self.checkpoint.load_ids(spec, c.n_routed_experts)?),
+                )
+            }
+        };
+        Ok(LayerWeights {
+            attn_norm: self.vec(&format!("{p}attn_norm.weight"))?,
+            ffn_norm: self.vec(&format!("{p}ffn_norm.weight"))?,
+            hc_attn: self.hyper(&p, "attn")?,
+            hc_ffn: self.hyper(&p, "ffn")?,
+            attn: AttentionWeights {
+                wq_a: self.matrix(&format!("{a}wq_a"))?,
+                q_norm: self.vec(&format!("{a}q_norm.weight"))?,
+                wq_b: self.matrix(&format!("{a}wq_b"))?,
+                wkv: self.matrix(&format!("{a}wkv"))?,
+                kv_norm: self.vec(&format!("{a}kv_norm.weight"))?,
+                wo_a: self.matrix(&format!("{a}wo_a"))?,
+                wo_b: self.matrix(&format!("{a}wo_b"))?,
+                sink: self.vec(&format!("{a}attn_sink"))?,
+                compressor,
+                indexer,
+            },
+            moe: MoeWeights {
+                gate: self.matrix(&format!("{f}gate.weight"))?,
+                bias,
+                tid2eid,
+                shared: self.expert(&format!("{f}shared_experts."))?,
+                experts: (0..c.n_routed_experts)
+                    .map(|x| self.expert(&format!("{f}experts.{x}.")))
+                    .collect::<Result<_, _>>()?,
+            },
+        })
+    }
+}
+
+/// Decodes a bf16 little-endian byte slice (used by tests and tools).
+pub fn bf16_bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| formats::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+        .collect()
+}
