@@ -249,7 +249,7 @@ fn check_architecture(raw: &Raw<'_>) -> Result<(), ConfigError> {
         .and_then(Value::as_array)
         .map(|a| a.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
-    let known_arch = archs.iter().any(|a| *a == "DeepseekV4ForCausalLM");
+    let known_arch = archs.contains(&"DeepseekV4ForCausalLM");
     if model_type == "deepseek_v4" && (archs.is_empty() || known_arch) {
         return Ok(());
     }

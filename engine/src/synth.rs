@@ -59,12 +59,12 @@ impl Preset {
         };
         let common = json!({
             "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-            "vocab_size": 129280, "bos_token_id": 0, "eos_token_id": 1,
+            "vocab_size": 129_280, "bos_token_id": 0, "eos_token_id": 1,
             "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
             "num_key_value_heads": 1, "n_shared_experts": 1, "norm_topk_prob": true,
             "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "routed_scaling_factor": 1.5,
             "swiglu_limit": 10.0, "hidden_act": "silu", "num_nextn_predict_layers": 0,
-            "max_position_embeddings": 1048576, "rope_theta": 10000, "compress_rope_theta": 160000,
+            "max_position_embeddings": 1_048_576, "rope_theta": 10000, "compress_rope_theta": 160_000,
             "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                              "beta_fast": 32, "beta_slow": 1},
             "attention_bias": false, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
@@ -153,28 +153,24 @@ pub fn generate(opts: &GenerateOptions) -> Result<Vec<PathBuf>, GenerateError> {
     let half = config.num_layers().div_ceil(2);
     let mut shards: [Vec<WriteTensor>; 2] = [Vec::new(), Vec::new()];
     let specs = schema::tensors(&config);
-    let mut i = 0;
-    while i < specs.len() {
-        let spec = &specs[i];
+    for spec in &specs {
         let shard = usize::from(layer_of(&spec.name).is_some_and(|l| l >= half));
-        // NVFP4 w1 and w3 of one expert share one global scale: quantize them together.
-        if spec.storage == Storage::Expert(ExpertFormat::Nvfp4) && spec.name.ends_with(".w1") {
-            let w3 = specs
-                .iter()
-                .find(|s| s.name == format!("{}.w3", spec.name.trim_end_matches(".w1")))
-                .cloned();
-            if let Some(w3) = w3 {
-                shards[shard].extend(nvfp4_pair(spec, &w3, opts.seed)?);
-                i += 1;
-                continue;
+        if spec.storage == Storage::Expert(ExpertFormat::Nvfp4) {
+            // w1 and w3 of one NVFP4 expert share one global scale: quantize them together.
+            match spec.name.rsplit('.').next() {
+                Some("w1") => {
+                    let w3 = TensorSpec {
+                        name: format!("{}w3", &spec.name[..spec.name.len() - 2]),
+                        ..spec.clone()
+                    };
+                    shards[shard].extend(nvfp4_pair(spec, &w3, opts.seed)?);
+                    continue;
+                }
+                Some("w3") => continue,
+                _ => {}
             }
         }
-        if spec.storage == Storage::Expert(ExpertFormat::Nvfp4) && spec.name.ends_with(".w3") {
-            i += 1;
-            continue;
-        }
         shards[shard].extend(encode(spec, &config, opts.seed)?);
-        i += 1;
     }
     let mut weight_map = BTreeMap::new();
     for (n, tensors) in shards.iter().enumerate() {
@@ -280,7 +276,7 @@ fn values(spec: &TensorSpec, seed: u64) -> Vec<f32> {
         gauss(&mut rng, 1.0, 0.1)
     } else if name.ends_with("_scale") {
         gauss(&mut rng, 1.0, 0.2)
-    } else if name.ends_with("_base") || name.ends_with(".ape") {
+    } else if name.ends_with("_base") || name.rsplit('.').next() == Some("ape") {
         gauss(&mut rng, 0.0, 0.5)
     } else if name.ends_with("_fn") {
         gauss(&mut rng, 0.0, 0.5 / fan_in.sqrt())

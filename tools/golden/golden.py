@@ -473,6 +473,56 @@ def forward_logits(model, ids: list[int]):
     return out.logits[0].float()
 
 
+def decision_margins(model, ids: list[int]) -> dict:
+    """Smallest gaps of the discrete choices inside the forward (diagnostic, not stored in the
+    fixture): for every top-k router, the gap between the k-th and (k+1)-th biased expert score;
+    for every CSA indexer, the gap between the k-th and (k+1)-th causally visible index score.
+    A gap near float32 rounding noise means a reimplementation may legitimately pick a different
+    expert / compressed block there, and the logits downstream can then differ by O(1)."""
+    import torch
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
+
+    found = {"router": [], "indexer": []}
+    hooks = []
+
+    def router_hook(mod, inputs, output):
+        logits = output[0]
+        scores = mod.score_fn(logits) + mod.e_score_correction_bias
+        top = torch.topk(scores, mod.top_k + 1, dim=-1).values
+        gap = top[:, mod.top_k - 1] - top[:, mod.top_k]
+        rel = gap / scores.abs().amax(dim=-1)
+        found["router"].append((float(gap.min()), float(rel.min())))
+
+    def indexer_hook(ratio, topk):
+        def hook(mod, inputs, scores):
+            seq = scores.shape[1]
+            for pos in range(seq):
+                visible = (pos + 1) // ratio
+                if visible <= topk:
+                    continue
+                row = scores[0, pos, :visible]
+                top = torch.topk(row, topk + 1).values
+                gap = float(top[topk - 1] - top[topk])
+                found["indexer"].append((gap, gap / float(row.abs().max())))
+        return hook
+
+    for module in model.modules():
+        if isinstance(module, mdl.DeepseekV4TopKRouter):
+            hooks.append(module.register_forward_hook(router_hook))
+        if isinstance(module, mdl.DeepseekV4Indexer):
+            hooks.append(module.scorer.register_forward_hook(indexer_hook(module.compress_rate, module.index_topk)))
+    try:
+        forward_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for kind, vals in found.items():
+        if vals:
+            out[kind] = {"min_gap": min(v[0] for v in vals), "min_rel_gap": min(v[1] for v in vals)}
+    return out
+
+
 def prompt_record(logits, ids: list[int]) -> dict:
     import torch
 
@@ -544,9 +594,15 @@ def cmd_logits(args) -> int:
     with open(args.out, "w") as f:
         f.write(text)
     print(f"wrote {args.out} ({len(text)} bytes, {len(prompts)} prompt(s))")
+    model = None
     for p in fixture["prompts"]:
         print(f"  len {len(p['ids'])}: positions {p['positions']} argmax {p['argmax']} "
-              f"min gap/max_abs {min(g / m for g, m in zip(p['top2_gap'], p['max_abs'])):.3g}")
+              f"min top2_gap/max_abs {min(g / m for g, m in zip(p['top2_gap'], p['max_abs'])):.3g}")
+        if args.margins:
+            model = model or load_model(args.model, verbose=False)
+            for kind, m in decision_margins(model, p["ids"]).items():
+                flag = "  <-- FRAGILE" if m["min_rel_gap"] < 1e-4 else ""
+                print(f"    {kind} top-k: min gap {m['min_gap']:.3g}, min relative gap {m['min_rel_gap']:.3g}{flag}")
     if len(text) > 2_000_000:
         print("warning: fixture is larger than 2 MB", file=sys.stderr)
     return 0
@@ -953,7 +1009,7 @@ def selftest_decoders() -> None:
            "FP8 128x128 block [300,200] (edge blocks 44 rows / 72 cols) == torch dequant, bitwise")
 
 
-def selftest_roundtrip(experts: str, prompt_len: int = 300) -> None:
+def selftest_roundtrip(experts: str, prompt_len: int = 300, keep: str | None = None) -> None:
     import torch
     from transformers import DeepseekV4ForCausalLM
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -1016,6 +1072,11 @@ def selftest_roundtrip(experts: str, prompt_len: int = 300) -> None:
     _check(theirs_all == sd_keys, f"native names (docs table) cover all {len(sd_keys)} model state keys, nothing extra")
 
     with tempfile.TemporaryDirectory(prefix=f"golden-selftest-{experts}-") as tmp:
+        if keep:
+            tmp = os.path.join(keep, f"selftest-{experts}")
+            for old in glob.glob(os.path.join(tmp, "*.safetensors")):
+                os.remove(old)
+            print(f"  keeping the native checkpoint in {tmp}")
         ref_state = write_native_checkpoint(original, native_cfg, tmp, experts, gen)
         files = sorted(glob.glob(os.path.join(tmp, "*.safetensors")))
         # The safetensors package path and the hand-written reader agree bit for bit.
@@ -1057,6 +1118,9 @@ def selftest_roundtrip(experts: str, prompt_len: int = 300) -> None:
 
         if experts == "bf16":
             selftest_model_behaviour(reloaded, ids, la)
+            margins = decision_margins(reloaded, ids)
+            print(f"  info: decision margins on the 300-token prompt: {margins}")
+            _check(set(margins) == {"router", "indexer"}, "decision_margins sees routers and indexers")
             fx = make_fixture(tmp, [ids, ids[:7], ids[:1]], model=reloaded)
             text = json.dumps(fx, separators=(",", ":"))
             p0 = fx["prompts"][0]
@@ -1115,7 +1179,7 @@ def cmd_selftest(args) -> int:
     t0 = time.perf_counter()
     selftest_decoders()
     for experts in args.experts:
-        selftest_roundtrip(experts)
+        selftest_roundtrip(experts, keep=args.keep)
     print(f"selftest passed in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -1134,6 +1198,8 @@ def main(argv=None) -> int:
                    help="add a prompt of LEN uniformly random ids (repeatable; see --seed)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random prompts (default 0)")
     p.add_argument("--out", required=True, help="fixture path, e.g. engine/tests/golden/tiny-bf16.json")
+    p.add_argument("--margins", action="store_true",
+                   help="also report the smallest router / indexer top-k gaps per prompt (fragility check)")
     p.set_defaults(fn=cmd_logits)
 
     p = sub.add_parser("time", help="time transformers prefill and greedy decode (2 threads)")
@@ -1146,6 +1212,8 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("selftest", help="prove the loader, decoders and name mapping (no Rust needed)")
     p.add_argument("--experts", nargs="+", default=["bf16", "mxfp4", "nvfp4"], choices=["bf16", "mxfp4", "nvfp4"])
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep the written tiny native checkpoints in DIR/selftest-<experts> (e.g. for `time`)")
     p.set_defaults(fn=cmd_selftest)
 
     args = ap.parse_args(argv)

@@ -446,7 +446,7 @@ fn check(c: &ModelConfig) -> Result<(), ConfigError> {
     if c.layers.is_empty() {
         return Err(invalid("num_hidden_layers", "must be at least 1"));
     }
-    if c.rope_dim == 0 || c.rope_dim % 2 != 0 {
+    if c.rope_dim == 0 || !c.rope_dim.is_multiple_of(2) {
         return Err(invalid(
             "qk_rope_head_dim",
             format!("{} must be even and > 0", c.rope_dim),
@@ -461,7 +461,7 @@ fn check(c: &ModelConfig) -> Result<(), ConfigError> {
             ),
         ));
     }
-    if c.num_heads % c.o_groups != 0 {
+    if !c.num_heads.is_multiple_of(c.o_groups) {
         return Err(invalid(
             "o_groups",
             format!(
@@ -484,7 +484,7 @@ fn check(c: &ModelConfig) -> Result<(), ConfigError> {
             return Err(invalid(key, format!("{eps} must be a positive number")));
         }
     }
-    if !(c.swiglu_limit > 0.0) {
+    if c.swiglu_limit.is_nan() || c.swiglu_limit <= 0.0 {
         return Err(invalid("swiglu_limit", "must be > 0"));
     }
     if c.rope_theta <= 1.0 || c.compress_rope_theta <= 1.0 {
@@ -499,7 +499,7 @@ fn check(c: &ModelConfig) -> Result<(), ConfigError> {
         ("hidden_size", c.hidden_size),
         ("moe_intermediate_size", c.moe_intermediate_size),
     ] {
-        if dim % block != 0 {
+        if !dim.is_multiple_of(block) {
             return Err(invalid(
                 key,
                 format!("{dim} is not a multiple of the FP4 expert block size {block}"),

@@ -133,7 +133,7 @@ fn transformers_spelling_matches_native() {
     v["partial_rotary_factor"] = json!(0.125);
     v["rope_parameters"] = json!({
         "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
-        "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16,
+        "compress": {"rope_type": "yarn", "rope_theta": 160_000.0, "factor": 16,
                      "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
                      "attention_factor": 1.0, "partial_rotary_factor": 0.125}
     });

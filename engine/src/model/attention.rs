@@ -33,6 +33,15 @@ impl AttentionState {
     }
 }
 
+/// The model's two RoPE tables.
+#[derive(Debug, Clone, Copy)]
+pub struct Ropes<'a> {
+    /// Sliding-only layers.
+    pub main: &'a Rope,
+    /// Compressed layers, their compressors and the indexer.
+    pub compress: &'a Rope,
+}
+
 /// Per-token projections the attention step needs.
 struct Projected {
     q: Vec<f32>,
@@ -48,11 +57,11 @@ pub fn forward(
     xs: &[Vec<f32>],
     start: usize,
     c: &ModelConfig,
-    main_rope: &Rope,
-    compress_rope: &Rope,
+    ropes: &Ropes<'_>,
 ) -> Vec<Vec<f32>> {
+    let compress_rope = ropes.compress;
     let rope = if kind == Attention::Sliding {
-        main_rope
+        ropes.main
     } else {
         compress_rope
     };
@@ -104,10 +113,12 @@ pub fn forward(
                 (Attention::Csa { .. }, Some(iw), Some(is)) => select(
                     iw,
                     is,
-                    &projected[t].q_residual,
-                    x,
-                    visible[t],
-                    pos,
+                    &IndexQuery {
+                        q_residual: &projected[t].q_residual,
+                        x,
+                        visible: visible[t],
+                        pos,
+                    },
                     c,
                     compress_rope,
                 ),
@@ -166,16 +177,26 @@ fn project_out(w: &AttentionWeights, out: &[f32], c: &ModelConfig) -> Vec<f32> {
 /// The lightning indexer: scores every visible compressed key by
 /// `Σ_h w_h · ReLU(q_h · k) / sqrt(index_head_dim)` and keeps the top `index_topk`, returned in
 /// ascending row order (the order the attention sums in).
+struct IndexQuery<'a> {
+    q_residual: &'a [f32],
+    x: &'a [f32],
+    visible: usize,
+    pos: usize,
+}
+
 fn select(
     iw: &IndexerWeights,
     is: &CompressorState,
-    q_residual: &[f32],
-    x: &[f32],
-    visible: usize,
-    pos: usize,
+    query: &IndexQuery<'_>,
     c: &ModelConfig,
     compress_rope: &Rope,
 ) -> Vec<usize> {
+    let IndexQuery {
+        q_residual,
+        x,
+        visible,
+        pos,
+    } = *query;
     if visible == 0 {
         return Vec::new();
     }

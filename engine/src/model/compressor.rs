@@ -111,12 +111,12 @@ fn overlapped(
         softmax(&mut scores);
         // Slot order as in the reference sum: previous Ca slots, then this window's Cb.
         if has_prev {
-            for s in 0..r {
-                *o += state.prev_kv[s * d + c] * scores[s];
+            for (s, p) in scores[..r].iter().enumerate() {
+                *o += state.prev_kv[s * d + c] * p;
             }
         }
-        for s in 0..r {
-            *o += kv[s * width + d + c] * scores[r + s];
+        for (s, p) in scores[r..].iter().enumerate() {
+            *o += kv[s * width + d + c] * p;
         }
     }
     state.prev_kv = kv

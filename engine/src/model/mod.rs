@@ -129,8 +129,10 @@ impl Model {
                 &inputs,
                 state.len,
                 c,
-                &self.main_rope,
-                &self.compress_rope,
+                &attention::Ropes {
+                    main: &self.main_rope,
+                    compress: &self.compress_rope,
+                },
             );
             for ((x, y), mix) in streams.iter_mut().zip(&attn).zip(&mixes) {
                 *x = hyper::post(x, y, mix, c.hc_mult);
