@@ -66,12 +66,32 @@ fn round_trip_several_dtypes() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("model.safetensors");
     let tensors = vec![
-        tensor("w.f32", Dtype::F32, &[2, 2], f32_bytes(&[1.0, -2.0, 0.5, 3.25])),
-        tensor("w.bf16", Dtype::BF16, &[3], vec![0x80, 0x3F, 0x00, 0xC0, 0, 0]),
+        tensor(
+            "w.f32",
+            Dtype::F32,
+            &[2, 2],
+            f32_bytes(&[1.0, -2.0, 0.5, 3.25]),
+        ),
+        tensor(
+            "w.bf16",
+            Dtype::BF16,
+            &[3],
+            vec![0x80, 0x3F, 0x00, 0xC0, 0, 0],
+        ),
         tensor("w.f16", Dtype::F16, &[2], vec![0x00, 0x3C, 0x00, 0xC0]),
-        tensor("w.fp8", Dtype::F8E4M3, &[2, 3], vec![0x38, 0x7E, 0, 1, 2, 3]),
+        tensor(
+            "w.fp8",
+            Dtype::F8E4M3,
+            &[2, 3],
+            vec![0x38, 0x7E, 0, 1, 2, 3],
+        ),
         tensor("w.scale", Dtype::F8E8M0, &[1, 1], vec![0x7F]),
-        tensor("ids", Dtype::I64, &[2], [7i64, -1].iter().flat_map(|x| x.to_le_bytes()).collect()),
+        tensor(
+            "ids",
+            Dtype::I64,
+            &[2],
+            [7i64, -1].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
         tensor("mask", Dtype::Bool, &[3], vec![1, 0, 1]),
         tensor("packed", Dtype::U8, &[1, 4], vec![0x71, 0x9A, 0, 0xFF]),
         tensor("empty", Dtype::F32, &[0, 4], vec![]),
@@ -142,11 +162,17 @@ fn output_is_deterministic_and_sorted() {
     );
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     assert_eq!(n % 8, 0);
-    assert_eq!(std::str::from_utf8(&bytes[8..8 + n]).unwrap().trim_end(), header);
+    assert_eq!(
+        std::str::from_utf8(&bytes[8..8 + n]).unwrap().trim_end(),
+        header
+    );
     assert_eq!(&bytes[8 + n..], &[2, 3, 1]);
     // Rewriting in place replaces the file and leaves no temporary files behind.
     write(&first, &[], &BTreeMap::new()).unwrap();
-    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(names.len(), 2, "{names:?}");
     let empty = SafetensorsFile::open(&first).unwrap();
     assert!(empty.is_empty());
@@ -159,7 +185,10 @@ fn writer_rejects_bad_input() {
     let path = dir.path().join("bad.safetensors");
     let none = BTreeMap::new();
     let cases = [
-        vec![tensor("a", Dtype::U8, &[1], vec![1]), tensor("a", Dtype::U8, &[1], vec![2])],
+        vec![
+            tensor("a", Dtype::U8, &[1], vec![1]),
+            tensor("a", Dtype::U8, &[1], vec![2]),
+        ],
         vec![tensor("a", Dtype::F32, &[2], vec![0; 7])],
         vec![tensor("__metadata__", Dtype::U8, &[1], vec![1])],
         vec![tensor("a", Dtype::U8, &[usize::MAX, 2], vec![])],
@@ -169,13 +198,21 @@ fn writer_rejects_bad_input() {
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{err}");
         assert!(!path.exists());
     }
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no temp files left");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "no temp files left"
+    );
 }
 
 #[test]
 fn trailing_space_padding_is_accepted() {
     let dir = TempDir::new().unwrap();
-    let header = format!("{}{}", r#"{"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#, " ".repeat(13));
+    let header = format!(
+        "{}{}",
+        r#"{"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+        " ".repeat(13)
+    );
     let file = open_bytes(&dir, &image(&header, &[4, 5])).unwrap();
     assert_eq!(file.get("x").unwrap().data, &[4, 5]);
 }
@@ -185,7 +222,10 @@ fn too_short_files() {
     let dir = TempDir::new().unwrap();
     for len in 0..8 {
         let err = open_bytes(&dir, &vec![0; len]).unwrap_err();
-        assert!(matches!(err, SafetensorsError::TooShort { len: l, .. } if l == len as u64), "{err}");
+        assert!(
+            matches!(err, SafetensorsError::TooShort { len: l, .. } if l == len as u64),
+            "{err}"
+        );
     }
 }
 
@@ -195,12 +235,22 @@ fn header_length_checks() {
     let mut huge = (MAX_HEADER_LEN + 1).to_le_bytes().to_vec();
     huge.extend_from_slice(b"{}");
     let err = open_bytes(&dir, &huge).unwrap_err();
-    assert!(matches!(err, SafetensorsError::HeaderTooLarge { .. }), "{err}");
+    assert!(
+        matches!(err, SafetensorsError::HeaderTooLarge { .. }),
+        "{err}"
+    );
     let mut beyond = 1000u64.to_le_bytes().to_vec();
     beyond.extend_from_slice(b"{}");
     let err = open_bytes(&dir, &beyond).unwrap_err();
     assert!(
-        matches!(err, SafetensorsError::HeaderBeyondFile { header_len: 1000, file_len: 10, .. }),
+        matches!(
+            err,
+            SafetensorsError::HeaderBeyondFile {
+                header_len: 1000,
+                file_len: 10,
+                ..
+            }
+        ),
         "{err}"
     );
 }
@@ -211,13 +261,25 @@ fn header_content_errors() {
     let mut not_utf8 = 2u64.to_le_bytes().to_vec();
     not_utf8.extend_from_slice(&[0xFF, 0xFE]);
     let err = open_bytes(&dir, &not_utf8).unwrap_err();
-    assert!(matches!(err, SafetensorsError::HeaderNotUtf8 { .. }), "{err}");
+    assert!(
+        matches!(err, SafetensorsError::HeaderNotUtf8 { .. }),
+        "{err}"
+    );
     let err = open_image(r#"{"x": "#, &[]);
-    assert!(matches!(err, SafetensorsError::HeaderNotJson { .. }), "{err}");
+    assert!(
+        matches!(err, SafetensorsError::HeaderNotJson { .. }),
+        "{err}"
+    );
     let err = open_image("", &[]);
-    assert!(matches!(err, SafetensorsError::HeaderNotJson { .. }), "{err}");
+    assert!(
+        matches!(err, SafetensorsError::HeaderNotJson { .. }),
+        "{err}"
+    );
     let err = open_image("[1,2]", &[]);
-    assert!(matches!(err, SafetensorsError::HeaderNotObject { .. }), "{err}");
+    assert!(
+        matches!(err, SafetensorsError::HeaderNotObject { .. }),
+        "{err}"
+    );
     for metadata in [r#"{"__metadata__":{"a":1}}"#, r#"{"__metadata__":[]}"#] {
         let err = open_image(metadata, &[]);
         assert!(matches!(err, SafetensorsError::BadMetadata { .. }), "{err}");
@@ -226,7 +288,10 @@ fn header_content_errors() {
 
 #[test]
 fn entry_errors_name_the_tensor() {
-    let err = open_image(r#"{"x":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}"#, &[0]);
+    let err = open_image(
+        r#"{"x":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}"#,
+        &[0],
+    );
     assert!(
         matches!(&err, SafetensorsError::UnknownDtype { tensor, dtype, .. } if tensor == "x" && dtype == "F4"),
         "{err}"
@@ -250,18 +315,44 @@ fn entry_errors_name_the_tensor() {
             "{header}: {err}"
         );
     }
-    let err = open_image(r#"{"x":{"dtype":"U8","shape":[1],"data_offsets":[4,3]}}"#, &[0; 4]);
-    assert!(matches!(err, SafetensorsError::OffsetsReversed { begin: 4, end: 3, .. }), "{err}");
-    let err = open_image(r#"{"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, &[0; 8]);
+    let err = open_image(
+        r#"{"x":{"dtype":"U8","shape":[1],"data_offsets":[4,3]}}"#,
+        &[0; 4],
+    );
     assert!(
-        matches!(err, SafetensorsError::LengthMismatch { expected: 12, actual: 8, .. }),
+        matches!(
+            err,
+            SafetensorsError::OffsetsReversed {
+                begin: 4,
+                end: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = open_image(
+        r#"{"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+        &[0; 8],
+    );
+    assert!(
+        matches!(
+            err,
+            SafetensorsError::LengthMismatch {
+                expected: 12,
+                actual: 8,
+                ..
+            }
+        ),
         "{err}"
     );
     let err = open_image(
         r#"{"x":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}}"#,
         &[0; 8],
     );
-    assert!(matches!(err, SafetensorsError::ShapeOverflow { .. }), "{err}");
+    assert!(
+        matches!(err, SafetensorsError::ShapeOverflow { .. }),
+        "{err}"
+    );
 }
 
 #[test]
@@ -284,7 +375,10 @@ fn truncation_at_every_point_is_reported() {
                 let expected = if cut < data_start + 8 { "a" } else { "b" };
                 assert_eq!(tensor, expected, "cut at {cut}");
                 let message = err.to_string();
-                assert!(message.contains(".safetensors") && message.contains(&format!("{tensor:?}")), "{message}");
+                assert!(
+                    message.contains(".safetensors") && message.contains(&format!("{tensor:?}")),
+                    "{message}"
+                );
             }
             other => panic!("cut at {cut}: unexpected {other}"),
         }
@@ -320,7 +414,17 @@ fn overlaps_and_holes() {
     assert!(err.to_string().contains("16..18"), "{err}");
     // Bytes with no tensors at all are a hole as well.
     let err = open_image("{}", &[0; 3]);
-    assert!(matches!(err, SafetensorsError::Hole { begin: 0, end: 3, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            SafetensorsError::Hole {
+                begin: 0,
+                end: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -329,7 +433,10 @@ fn errors_name_the_file() {
     let path = dir.path().join("named.safetensors");
     std::fs::write(&path, image(&two_tensors([0, 8], [8, 16]), &[0; 9])).unwrap();
     let message = SafetensorsFile::open(&path).unwrap_err().to_string();
-    assert!(message.contains("named.safetensors") && message.contains("\"b\""), "{message}");
+    assert!(
+        message.contains("named.safetensors") && message.contains("\"b\""),
+        "{message}"
+    );
     let missing = dir.path().join("missing.safetensors");
     let err = SafetensorsFile::open(&missing).unwrap_err();
     assert!(matches!(err, SafetensorsError::Io { .. }));
@@ -338,18 +445,37 @@ fn errors_name_the_file() {
 
 #[test]
 fn view_conversions() {
-    let bf16 = TensorView { dtype: Dtype::BF16, shape: &[2], data: &[0x80, 0x3F, 0x80, 0xBF] };
+    let bf16 = TensorView {
+        dtype: Dtype::BF16,
+        shape: &[2],
+        data: &[0x80, 0x3F, 0x80, 0xBF],
+    };
     assert_eq!(bf16.to_f32_vec(), Some(vec![1.0, -1.0]));
-    let short = TensorView { dtype: Dtype::F32, shape: &[2], data: &[0; 7] };
+    let short = TensorView {
+        dtype: Dtype::F32,
+        shape: &[2],
+        data: &[0; 7],
+    };
     assert_eq!(short.to_f32_vec(), None, "inconsistent hand-built view");
-    let huge = TensorView { dtype: Dtype::F32, shape: &[usize::MAX, 2], data: &[] };
+    let huge = TensorView {
+        dtype: Dtype::F32,
+        shape: &[usize::MAX, 2],
+        data: &[],
+    };
     assert_eq!(huge.numel(), usize::MAX);
     assert_eq!(huge.to_f32_vec(), None);
     for dtype in Dtype::ALL {
         assert_eq!(Dtype::from_name(dtype.name()), Some(dtype));
     }
     assert_eq!(Dtype::from_name("f32"), None);
-    assert_eq!((Dtype::F8E4M3.size_bytes(), Dtype::BF16.size_bytes(), Dtype::F64.size_bytes()), (1, 2, 8));
+    assert_eq!(
+        (
+            Dtype::F8E4M3.size_bytes(),
+            Dtype::BF16.size_bytes(),
+            Dtype::F64.size_bytes()
+        ),
+        (1, 2, 8)
+    );
 }
 
 /// A small valid file used as the seed for corruption fuzzing.

@@ -1,8 +1,11 @@
 //! pdctl: operator commands. `up` runs a local cluster from the workspace's binaries; `health`
-//! probes a running service. Verify, bench and status commands arrive with their issues.
+//! probes a running service; `gen-model` writes synthetic checkpoints and `logits` prints the
+//! CPU reference model's logits. Verify, bench and status commands arrive with their issues.
 
+pub mod bench_engine;
 pub mod cluster;
 pub mod health;
+pub mod model_cmds;
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
@@ -22,6 +25,12 @@ pub enum Command {
     Up(UpArgs),
     /// Probe a service's gRPC or HTTP health; exit 0 when it serves.
     Health(HealthArgs),
+    /// Write a deterministic synthetic checkpoint in the official DeepSeek-V4 layout.
+    GenModel(model_cmds::GenModelArgs),
+    /// Print reference f32 logits of a prompt from the engine's CPU model.
+    Logits(model_cmds::LogitsArgs),
+    /// Measure prefill and decode tokens/s of the engine's CPU model.
+    BenchEngine(bench_engine::BenchEngineArgs),
 }
 
 /// Arguments of `pdctl up`.
@@ -78,6 +87,8 @@ pub enum PdctlError {
     #[error("{what} did not exit cleanly: {reason}")]
     Stop { what: String, reason: String },
     #[error("{0}")]
+    Model(String),
+    #[error("{0}")]
     Io(#[from] std::io::Error),
 }
 
@@ -95,6 +106,9 @@ pub fn main(cli: Cli) -> ExitCode {
         match cli.command {
             Command::Up(args) => cluster::up(args).await,
             Command::Health(args) => health::probe(&args).await,
+            Command::GenModel(args) => model_cmds::gen_model(&args),
+            Command::Logits(args) => model_cmds::logits(&args),
+            Command::BenchEngine(args) => bench_engine::run(&args),
         }
     });
     match result {
