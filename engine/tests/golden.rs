@@ -49,8 +49,11 @@ fn sha256(path: &Path) -> String {
     let bytes = std::fs::read(path).unwrap();
     Sha256::digest(&bytes)
         .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+        .fold(String::new(), |mut s, b| {
+            use std::fmt::Write as _;
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 fn floats(v: &Value) -> Vec<f32> {
