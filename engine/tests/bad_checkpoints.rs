@@ -90,7 +90,7 @@ fn corrupt_header_is_an_error() {
 fn missing_tensor_is_named() {
     let dir = tiny(ExpertFormat::Mxfp4);
     rewrite(dir.path(), SHARD, |t| {
-        t.retain(|t| t.name != "layers.1.attn.indexer.wq_b.scale")
+        t.retain(|t| t.name != "layers.1.attn.indexer.wq_b.scale");
     });
     assert_eq!(
         load_err(dir.path()),
