@@ -6,6 +6,7 @@
 pub mod config;
 pub mod formats;
 pub mod model;
+pub mod pool;
 pub mod quant;
 pub mod rope;
 pub mod safetensors;

@@ -2,6 +2,11 @@
 //! per output element, so a token's result never depends on what else is computed with it
 //! (batch invariance) or on how a prompt was chunked.
 
+/// Matrices at least this large (elements) compute their rows on several threads.
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 20;
+/// Rows per parallel task.
+const ROWS_PER_TASK: usize = 256;
+
 /// A row-major f32 matrix; linear weights are `[out, in]` as in the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Matrix {
@@ -25,12 +30,29 @@ impl Matrix {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }
 
-    /// `out = self · x` (`x` has `cols` elements, `out` has `rows`).
+    /// `out = self · x` (`x` has `cols` elements, `out` has `rows`). Large matrices split
+    /// their rows over threads; each output is still one `dot` in the same order, so the result
+    /// does not depend on the split.
     pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        use rayon::prelude::*;
         debug_assert_eq!(x.len(), self.cols);
         debug_assert_eq!(out.len(), self.rows);
-        for (o, row) in out.iter_mut().zip(self.data.chunks_exact(self.cols)) {
-            *o = dot(row, x);
+        if self.cols == 0 {
+            out.fill(0.0);
+            return;
+        }
+        if self.data.len() >= PARALLEL_MIN_ELEMENTS {
+            out.par_chunks_mut(ROWS_PER_TASK)
+                .zip(self.data.par_chunks(ROWS_PER_TASK * self.cols))
+                .for_each(|(o, rows)| {
+                    for (oi, row) in o.iter_mut().zip(rows.chunks_exact(self.cols)) {
+                        *oi = dot(row, x);
+                    }
+                });
+        } else {
+            for (o, row) in out.iter_mut().zip(self.data.chunks_exact(self.cols)) {
+                *o = dot(row, x);
+            }
         }
     }
 

@@ -4,6 +4,8 @@
 //! CSA) with a per-head sink in the denominator, inverse RoPE on the output, and the grouped
 //! low-rank output projection.
 
+use rayon::prelude::*;
+
 use super::compressor::{self, CompressorState};
 use crate::{
     config::{Attention, ModelConfig},
@@ -66,92 +68,111 @@ pub fn forward(
         compress_rope
     };
     let (h, hd) = (c.num_heads, c.head_dim);
-    let mut projected = Vec::with_capacity(xs.len());
     let mut rows = std::mem::take(&mut state.window);
     let window_start = start - rows.len() / hd;
-    for (t, x) in xs.iter().enumerate() {
-        let pos = start + t;
-        let mut q_residual = w.wq_a.apply(x);
-        rms_norm(&mut q_residual, &w.q_norm, c.rms_norm_eps);
-        let mut q = w.wq_b.apply(&q_residual);
-        for head in q.chunks_exact_mut(hd) {
-            rms_norm_unweighted(head, c.rms_norm_eps);
-            rope.apply(head, pos, false);
-        }
-        let mut kv = w.wkv.apply(x);
-        rms_norm(&mut kv, &w.kv_norm, c.rms_norm_eps);
-        rope.apply(&mut kv, pos, false);
-        rows.extend_from_slice(&kv);
-        projected.push(Projected { q, q_residual });
-    }
+    let projected: Vec<(Projected, Vec<f32>)> = xs
+        .par_iter()
+        .enumerate()
+        .map(|(t, x)| {
+            let pos = start + t;
+            let mut q_residual = w.wq_a.apply(x);
+            rms_norm(&mut q_residual, &w.q_norm, c.rms_norm_eps);
+            let mut q = w.wq_b.apply(&q_residual);
+            for head in q.chunks_exact_mut(hd) {
+                rms_norm_unweighted(head, c.rms_norm_eps);
+                rope.apply(head, pos, false);
+            }
+            let mut kv = w.wkv.apply(x);
+            rms_norm(&mut kv, &w.kv_norm, c.rms_norm_eps);
+            rope.apply(&mut kv, pos, false);
+            (Projected { q, q_residual }, kv)
+        })
+        .collect();
+    let projected: Vec<Projected> = projected
+        .into_iter()
+        .map(|(p, kv)| {
+            rows.extend_from_slice(&kv);
+            p
+        })
+        .collect();
 
     // Compressed rows visible to each token: after token p, exactly (p+1)/ratio windows are
     // closed, and a row is visible to p iff its window closed at or before p.
     let mut visible = vec![0usize; xs.len()];
     if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
-        for (t, x) in xs.iter().enumerate() {
-            compressor::push(cw, cs, x, c.rms_norm_eps, compress_rope);
+        let inputs: Vec<_> = xs.par_iter().map(|x| compressor::project(cw, x)).collect();
+        for (t, p) in inputs.into_iter().enumerate() {
+            compressor::push(cw, cs, p, c.rms_norm_eps, compress_rope);
             visible[t] = cs.len(cw.head_dim);
         }
     }
     if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
-        for x in xs {
-            compressor::push(&iw.compressor, is, x, c.rms_norm_eps, compress_rope);
+        let inputs: Vec<_> = xs
+            .par_iter()
+            .map(|x| compressor::project(&iw.compressor, x))
+            .collect();
+        for p in inputs {
+            compressor::push(&iw.compressor, is, p, c.rms_norm_eps, compress_rope);
         }
     }
 
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut outputs = Vec::with_capacity(xs.len());
-    for (t, x) in xs.iter().enumerate() {
-        let pos = start + t;
-        let first = (pos + 1).saturating_sub(c.sliding_window).max(window_start);
-        let mut keys: Vec<&[f32]> = (first..=pos)
-            .map(|p| &rows[(p - window_start) * hd..(p - window_start + 1) * hd])
-            .collect();
-        if let (Some(cw), Some(cs)) = (&w.compressor, &state.compressor) {
-            let chosen: Vec<usize> = match (kind, &w.indexer, &state.indexer) {
-                (Attention::Csa { .. }, Some(iw), Some(is)) => select(
-                    iw,
-                    is,
-                    &IndexQuery {
-                        q_residual: &projected[t].q_residual,
-                        x,
-                        visible: visible[t],
-                        pos,
-                    },
-                    c,
-                    compress_rope,
-                ),
-                _ => (0..visible[t]).collect(),
-            };
-            keys.extend(chosen.into_iter().map(|i| cs.row(i, cw.head_dim)));
-        }
-        let mut out = vec![0.0f32; h * hd];
-        let mut logits = vec![0.0f32; keys.len()];
-        for (head, o) in out.chunks_exact_mut(hd).enumerate() {
-            let q = &projected[t].q[head * hd..(head + 1) * hd];
-            for (l, k) in logits.iter_mut().zip(&keys) {
-                *l = dot(q, k) * scale;
+    let state_ref = &*state;
+    let rows_ref = &rows;
+    let outputs: Vec<Vec<f32>> = xs
+        .par_iter()
+        .enumerate()
+        .map(|(t, x)| {
+            let pos = start + t;
+            let first = (pos + 1).saturating_sub(c.sliding_window).max(window_start);
+            let mut keys: Vec<&[f32]> = (first..=pos)
+                .map(|p| &rows_ref[(p - window_start) * hd..(p - window_start + 1) * hd])
+                .collect();
+            if let (Some(cw), Some(cs)) = (&w.compressor, &state_ref.compressor) {
+                let chosen: Vec<usize> = match (kind, &w.indexer, &state_ref.indexer) {
+                    (Attention::Csa { .. }, Some(iw), Some(is)) => select(
+                        iw,
+                        is,
+                        &IndexQuery {
+                            q_residual: &projected[t].q_residual,
+                            x,
+                            visible: visible[t],
+                            pos,
+                        },
+                        c,
+                        compress_rope,
+                    ),
+                    _ => (0..visible[t]).collect(),
+                };
+                keys.extend(chosen.into_iter().map(|i| cs.row(i, cw.head_dim)));
             }
-            let sink = w.sink[head];
-            let max = logits.iter().copied().fold(sink, f32::max);
-            let mut denom = (sink - max).exp();
-            for l in &mut logits {
-                *l = (*l - max).exp();
-                denom += *l;
-            }
-            for (p, k) in logits.iter().zip(&keys) {
-                let p = p / denom;
-                for (oi, ki) in o.iter_mut().zip(k.iter()) {
-                    *oi += p * ki;
+            let mut out = vec![0.0f32; h * hd];
+            let mut logits = vec![0.0f32; keys.len()];
+            for (head, o) in out.chunks_exact_mut(hd).enumerate() {
+                let q = &projected[t].q[head * hd..(head + 1) * hd];
+                for (l, k) in logits.iter_mut().zip(&keys) {
+                    *l = dot(q, k) * scale;
                 }
+                let sink = w.sink[head];
+                let max = logits.iter().copied().fold(sink, f32::max);
+                let mut denom = (sink - max).exp();
+                for l in &mut logits {
+                    *l = (*l - max).exp();
+                    denom += *l;
+                }
+                for (p, k) in logits.iter().zip(&keys) {
+                    let p = p / denom;
+                    for (oi, ki) in o.iter_mut().zip(k.iter()) {
+                        *oi += p * ki;
+                    }
+                }
+                // V carries the keys' rotation; rotating back by the query position leaves only the
+                // relative offset in the rope dims.
+                rope.apply(o, pos, true);
             }
-            // V carries the keys' rotation; rotating back by the query position leaves only the
-            // relative offset in the rope dims.
-            rope.apply(o, pos, true);
-        }
-        outputs.push(project_out(w, &out, c));
-    }
+            project_out(w, &out, c)
+        })
+        .collect();
     let keep = (c.sliding_window - 1) * hd;
     let drop = rows.len().saturating_sub(keep);
     rows.drain(..drop);

@@ -38,10 +38,22 @@ impl CompressorState {
     }
 }
 
-/// Feeds one token's normalised hidden state; emits a row when its window closes.
-pub fn push(w: &CompressorWeights, state: &mut CompressorState, x: &[f32], eps: f32, rope: &Rope) {
-    state.pending_kv.extend(w.wkv.apply(x));
-    state.pending_gate.extend(w.wgate.apply(x));
+/// One token's projected (kv, gate scores) for a compressor. Independent per token, so a chunk
+/// projects in parallel and then feeds [`push`] in order.
+pub fn project(w: &CompressorWeights, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    (w.wkv.apply(x), w.wgate.apply(x))
+}
+
+/// Feeds one token's projections; emits a row when its window closes.
+pub fn push(
+    w: &CompressorWeights,
+    state: &mut CompressorState,
+    projected: (Vec<f32>, Vec<f32>),
+    eps: f32,
+    rope: &Rope,
+) {
+    state.pending_kv.extend(projected.0);
+    state.pending_gate.extend(projected.1);
     let width = w.wkv.rows;
     if state.pending_kv.len() / width < w.ratio {
         return;

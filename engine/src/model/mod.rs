@@ -10,6 +10,7 @@ pub mod moe;
 use std::path::Path;
 
 use attention::AttentionState;
+use rayon::prelude::*;
 
 use crate::{
     config::ModelConfig,
@@ -114,14 +115,14 @@ impl Model {
             .map(|&t| w.embed.row(t as usize).repeat(c.hc_mult))
             .collect();
         for (i, layer) in w.layers.iter().enumerate() {
-            let mut mixes = Vec::with_capacity(tokens.len());
-            let mut inputs = Vec::with_capacity(tokens.len());
-            for x in &streams {
-                let (mix, mut collapsed) = hyper::pre(x, &layer.hc_attn, c);
-                rms_norm(&mut collapsed, &layer.attn_norm, c.rms_norm_eps);
-                mixes.push(mix);
-                inputs.push(collapsed);
-            }
+            let (mixes, inputs): (Vec<_>, Vec<_>) = streams
+                .par_iter()
+                .map(|x| {
+                    let (mix, mut collapsed) = hyper::pre(x, &layer.hc_attn, c);
+                    rms_norm(&mut collapsed, &layer.attn_norm, c.rms_norm_eps);
+                    (mix, collapsed)
+                })
+                .unzip();
             let attn = attention::forward(
                 &layer.attn,
                 c.layers[i].attention,
@@ -134,15 +135,18 @@ impl Model {
                     compress: &self.compress_rope,
                 },
             );
-            for ((x, y), mix) in streams.iter_mut().zip(&attn).zip(&mixes) {
-                *x = hyper::post(x, y, mix, c.hc_mult);
-            }
-            for (x, &token) in streams.iter_mut().zip(tokens) {
-                let (mix, mut collapsed) = hyper::pre(x, &layer.hc_ffn, c);
-                rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
-                let y = moe::forward(&layer.moe, &collapsed, token, c);
-                *x = hyper::post(x, &y, &mix, c.hc_mult);
-            }
+            streams
+                .par_iter_mut()
+                .zip(&attn)
+                .zip(&mixes)
+                .zip(tokens)
+                .for_each(|(((x, y), mix), &token)| {
+                    *x = hyper::post(x, y, mix, c.hc_mult);
+                    let (mix, mut collapsed) = hyper::pre(x, &layer.hc_ffn, c);
+                    rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
+                    let y = moe::forward(&layer.moe, &collapsed, token, c);
+                    *x = hyper::post(x, &y, &mix, c.hc_mult);
+                });
         }
         state.len += tokens.len();
         let wanted: Vec<usize> = match logits {
@@ -151,7 +155,7 @@ impl Model {
             Logits::All => (0..tokens.len()).collect(),
         };
         Ok(wanted
-            .into_iter()
+            .into_par_iter()
             .map(|t| {
                 let mut h = hyper::head(&streams[t], &w.hc_head, c);
                 rms_norm(&mut h, &w.norm, c.rms_norm_eps);
