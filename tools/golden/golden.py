@@ -473,53 +473,77 @@ def forward_logits(model, ids: list[int]):
     return out.logits[0].float()
 
 
-def decision_margins(model, ids: list[int]) -> dict:
-    """Smallest gaps of the discrete choices inside the forward (diagnostic, not stored in the
-    fixture): for every top-k router, the gap between the k-th and (k+1)-th biased expert score;
-    for every CSA indexer, the gap between the k-th and (k+1)-th causally visible index score.
-    A gap near float32 rounding noise means a reimplementation may legitimately pick a different
-    expert / compressed block there, and the logits downstream can then differ by O(1)."""
+#: `logits` refuses to write a fixture whose prompts contain a discrete choice (router or
+#: indexer top-k) decided by less than this relative gap; see README "Fragility".
+DEFAULT_MIN_REL_GAP = 1e-6
+
+
+def decision_margins(model, ids: list[int]) -> list[dict]:
+    """Gaps of the discrete choices inside one forward (diagnostic, not stored in the fixture).
+    For every top-k router and token: the gap between the k-th and (k+1)-th biased expert
+    score. For every CSA indexer and query with more than index_topk causally visible entries:
+    the gap between the k-th and (k+1)-th visible index score. Returns one record per
+    (kind, layer, position): {kind, layer, position, gap, rel_gap, tied}; `rel_gap` is the gap
+    over the row's max |score|; `tied` lists the candidates sharing the k-th score on an exact tie.
+    A gap near float32 rounding noise means a correct reimplementation may pick differently
+    (torch.topk breaks exact ties in an implementation-defined order, not by lowest index),
+    and every logit from that position on can then differ by O(1)."""
     import torch
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
 
-    found = {"router": [], "indexer": []}
+    found = []
     hooks = []
 
-    def router_hook(mod, inputs, output):
-        logits = output[0]
-        scores = mod.score_fn(logits) + mod.e_score_correction_bias
-        top = torch.topk(scores, mod.top_k + 1, dim=-1).values
-        gap = top[:, mod.top_k - 1] - top[:, mod.top_k]
-        rel = gap / scores.abs().amax(dim=-1)
-        found["router"].append((float(gap.min()), float(rel.min())))
+    def router_hook(layer):
+        def hook(mod, inputs, output):
+            scores = mod.score_fn(output[0]) + mod.e_score_correction_bias
+            top = torch.topk(scores, mod.top_k + 1, dim=-1).values
+            gap = top[:, mod.top_k - 1] - top[:, mod.top_k]
+            rel = gap / scores.abs().amax(dim=-1)
+            for pos in range(scores.shape[0]):
+                tied = []
+                if gap[pos] == 0:
+                    tied = (scores[pos] == top[pos, mod.top_k]).nonzero().flatten().tolist()
+                found.append({"kind": "router", "layer": layer, "position": pos, "gap": float(gap[pos]),
+                              "rel_gap": float(rel[pos]), "tied": tied})
+        return hook
 
-    def indexer_hook(ratio, topk):
+    def indexer_hook(layer, ratio, topk):
         def hook(mod, inputs, scores):
-            seq = scores.shape[1]
-            for pos in range(seq):
+            for pos in range(scores.shape[1]):
                 visible = (pos + 1) // ratio
                 if visible <= topk:
                     continue
                 row = scores[0, pos, :visible]
                 top = torch.topk(row, topk + 1).values
                 gap = float(top[topk - 1] - top[topk])
-                found["indexer"].append((gap, gap / float(row.abs().max())))
+                tied = (row == top[topk]).nonzero().flatten().tolist() if gap == 0 else []
+                found.append({"kind": "indexer", "layer": layer, "position": pos, "gap": gap,
+                              "rel_gap": gap / float(row.abs().max()) if float(row.abs().max()) > 0 else 0.0,
+                              "tied": tied})
         return hook
 
-    for module in model.modules():
-        if isinstance(module, mdl.DeepseekV4TopKRouter):
-            hooks.append(module.register_forward_hook(router_hook))
-        if isinstance(module, mdl.DeepseekV4Indexer):
-            hooks.append(module.scorer.register_forward_hook(indexer_hook(module.compress_rate, module.index_topk)))
+    for layer, block in enumerate(model.model.layers):
+        for module in block.modules():
+            if isinstance(module, mdl.DeepseekV4TopKRouter):
+                hooks.append(module.register_forward_hook(router_hook(layer)))
+            if isinstance(module, mdl.DeepseekV4Indexer):
+                hooks.append(module.scorer.register_forward_hook(
+                    indexer_hook(layer, module.compress_rate, module.index_topk)))
     try:
         forward_logits(model, ids)
     finally:
         for h in hooks:
             h.remove()
+    return found
+
+
+def summarize_margins(found: list[dict]) -> dict:
+    """{kind: tightest record} over decision_margins' records."""
     out = {}
-    for kind, vals in found.items():
-        if vals:
-            out[kind] = {"min_gap": min(v[0] for v in vals), "min_rel_gap": min(v[1] for v in vals)}
+    for r in found:
+        if r["kind"] not in out or r["rel_gap"] < out[r["kind"]]["rel_gap"]:
+            out[r["kind"]] = r
     return out
 
 
@@ -590,18 +614,31 @@ def cmd_logits(args) -> int:
         return 2
     model = load_model(args.model)
     fixture = make_fixture(args.model, prompts, model=model)
+    tight = []
+    for i, p in enumerate(fixture["prompts"]):
+        print(f"prompt {i}: len {len(p['ids'])}, positions {p['positions']}, argmax {p['argmax']}, "
+              f"min top2_gap/max_abs {min(g / m for g, m in zip(p['top2_gap'], p['max_abs'])):.3g}")
+        if args.min_rel_gap <= 0:
+            continue
+        found = decision_margins(model, p["ids"])
+        for kind, r in sorted(summarize_margins(found).items()):
+            print(f"  tightest {kind} top-k choice: layer {r['layer']} position {r['position']}, "
+                  f"gap {r['gap']:.3g}, relative {r['rel_gap']:.3g}")
+        bad = sorted((r for r in found if r["rel_gap"] < args.min_rel_gap), key=lambda r: r["position"])
+        for r in bad[:5]:
+            what = f"exact tie among {r['tied']}" if r["tied"] else f"relative gap {r['rel_gap']:.3g}"
+            print(f"  TIGHT: {r['kind']} layer {r['layer']} position {r['position']}: {what}; logits from "
+                  f"position {r['position']} on depend on float rounding / torch.topk tie order", file=sys.stderr)
+        tight += bad
+    if tight and not args.allow_tight:
+        print(f"error: {len(tight)} discrete choice(s) with relative gap < {args.min_rel_gap:g}; fixture NOT "
+              f"written. Pick other prompts/seeds, or pass --allow-tight.", file=sys.stderr)
+        return 3
     text = json.dumps(fixture, separators=(",", ":")) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
     print(f"wrote {args.out} ({len(text)} bytes, {len(prompts)} prompt(s))")
-    for p in fixture["prompts"]:
-        print(f"  len {len(p['ids'])}: positions {p['positions']} argmax {p['argmax']} "
-              f"min top2_gap/max_abs {min(g / m for g, m in zip(p['top2_gap'], p['max_abs'])):.3g}")
-        if args.margins:
-            for kind, m in decision_margins(model, p["ids"]).items():
-                flag = "  <-- tight: f32 rounding differences may flip this choice" if m["min_rel_gap"] < 1e-5 else ""
-                print(f"    {kind} top-k: min gap {m['min_gap']:.3g}, min relative gap {m['min_rel_gap']:.3g}{flag}")
     if len(text) > 2_000_000:
         print("warning: fixture is larger than 2 MB", file=sys.stderr)
     return 0
@@ -1117,9 +1154,15 @@ def selftest_roundtrip(experts: str, prompt_len: int = 300, keep: str | None = N
 
         if experts == "bf16":
             selftest_model_behaviour(reloaded, ids, la)
-            margins = decision_margins(reloaded, ids)
-            print(f"  info: decision margins on the 300-token prompt: {margins}")
-            _check(set(margins) == {"router", "indexer"}, "decision_margins sees routers and indexers")
+            found = decision_margins(reloaded, ids)
+            summary = summarize_margins(found)
+            print(f"  info: tightest top-k choices on the 300-token prompt: "
+                  f"{ {k: (r['layer'], r['position'], r['rel_gap']) for k, r in summary.items()} }")
+            n_router = (n - 2) * prompt_len  # 4 top-k routed layers x every token
+            n_indexer = 2 * sum(1 for t in range(prompt_len) if (t + 1) // 4 > 4)  # 2 CSA layers
+            _check(sum(r["kind"] == "router" for r in found) == n_router
+                   and sum(r["kind"] == "indexer" for r in found) == n_indexer,
+                   f"decision_margins sees every router ({n_router}) and indexer ({n_indexer}) choice")
             fx = make_fixture(tmp, [ids, ids[:7], ids[:1]], model=reloaded)
             text = json.dumps(fx, separators=(",", ":"))
             p0 = fx["prompts"][0]
@@ -1158,6 +1201,8 @@ def selftest_model_behaviour(model, ids, full_logits) -> None:
     l1 = forward_logits(model, ids[:1])
     print(f"  info: 1-token prompt logits vs position 0 of the long prompt: max |diff| "
           f"{float((l1[0] - full_logits[0]).abs().max()):.3g}")
+    ties = torch.topk(torch.zeros(75), 4).indices.tolist()
+    print(f"  info: torch.topk order on an exact tie (75 zeros, k=4) picks {ties}, not the lowest indices")
     # grouped_mm experts vs eager (transformers' default when not forced)
     model.config._experts_implementation = "grouped_mm"
     try:
@@ -1197,8 +1242,10 @@ def main(argv=None) -> int:
                    help="add a prompt of LEN uniformly random ids (repeatable; see --seed)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random prompts (default 0)")
     p.add_argument("--out", required=True, help="fixture path, e.g. engine/tests/golden/tiny-bf16.json")
-    p.add_argument("--margins", action="store_true",
-                   help="also report the smallest router / indexer top-k gaps per prompt (fragility check)")
+    p.add_argument("--min-rel-gap", type=float, default=DEFAULT_MIN_REL_GAP,
+                   help="refuse prompts where a router/indexer top-k choice is decided by a relative gap "
+                        f"below this (default {DEFAULT_MIN_REL_GAP:g}; 0 disables the check)")
+    p.add_argument("--allow-tight", action="store_true", help="write the fixture even with tight choices")
     p.set_defaults(fn=cmd_logits)
 
     p = sub.add_parser("time", help="time transformers prefill and greedy decode (2 threads)")

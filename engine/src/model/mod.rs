@@ -94,26 +94,53 @@ impl Model {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        let mut out = self.forward_batch(&mut [Step {
+            state,
+            tokens,
+            logits,
+        }])?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Runs one step for several sequences at once (prefill chunks and decode tokens mixed).
+    /// Every token is computed by exactly the code and reduction order it would see alone, so a
+    /// sequence's logits do not depend on the rest of the batch. Fails without touching any
+    /// state if a token is outside the vocabulary.
+    pub fn forward_batch(
+        &self,
+        batch: &mut [Step<'_>],
+    ) -> Result<Vec<Vec<Vec<f32>>>, ForwardError> {
         let c = &self.config;
         let w = &self.weights;
-        if let Some((index, &token)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= c.vocab_size)
-        {
-            return Err(ForwardError::TokenOutOfRange {
-                token,
-                index,
-                vocab: c.vocab_size,
-            });
+        for step in batch.iter() {
+            if let Some((index, &token)) = step
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, t)| **t as usize >= c.vocab_size)
+            {
+                return Err(ForwardError::TokenOutOfRange {
+                    token,
+                    index,
+                    vocab: c.vocab_size,
+                });
+            }
         }
-        if tokens.is_empty() {
-            return Ok(Vec::new());
+        // Token rows of all sequences, concatenated; `spans[s]` is sequence s's range.
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut tokens: Vec<u32> = Vec::new();
+        for step in batch.iter() {
+            spans.push(tokens.len()..tokens.len() + step.tokens.len());
+            tokens.extend_from_slice(step.tokens);
         }
         let mut streams: Vec<Vec<f32>> = tokens
             .iter()
             .map(|&t| w.embed.row(t as usize).repeat(c.hc_mult))
             .collect();
+        let ropes = attention::Ropes {
+            main: &self.main_rope,
+            compress: &self.compress_rope,
+        };
         for (i, layer) in w.layers.iter().enumerate() {
             let (mixes, inputs): (Vec<_>, Vec<_>) = streams
                 .par_iter()
@@ -123,23 +150,27 @@ impl Model {
                     (mix, collapsed)
                 })
                 .unzip();
-            let attn = attention::forward(
-                &layer.attn,
-                c.layers[i].attention,
-                &mut state.layers[i],
-                &inputs,
-                state.len,
-                c,
-                &attention::Ropes {
-                    main: &self.main_rope,
-                    compress: &self.compress_rope,
-                },
-            );
+            let attn: Vec<Vec<Vec<f32>>> = batch
+                .par_iter_mut()
+                .zip(&spans)
+                .map(|(step, span)| {
+                    attention::forward(
+                        &layer.attn,
+                        c.layers[i].attention,
+                        &mut step.state.layers[i],
+                        &inputs[span.clone()],
+                        step.state.len,
+                        c,
+                        &ropes,
+                    )
+                })
+                .collect();
+            let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
             streams
                 .par_iter_mut()
                 .zip(&attn)
                 .zip(&mixes)
-                .zip(tokens)
+                .zip(&tokens)
                 .for_each(|(((x, y), mix), &token)| {
                     *x = hyper::post(x, y, mix, c.hc_mult);
                     let (mix, mut collapsed) = hyper::pre(x, &layer.hc_ffn, c);
@@ -148,19 +179,35 @@ impl Model {
                     *x = hyper::post(x, &y, &mix, c.hc_mult);
                 });
         }
-        state.len += tokens.len();
-        let wanted: Vec<usize> = match logits {
-            Logits::None => Vec::new(),
-            Logits::Last => vec![tokens.len() - 1],
-            Logits::All => (0..tokens.len()).collect(),
-        };
-        Ok(wanted
-            .into_par_iter()
-            .map(|t| {
-                let mut h = hyper::head(&streams[t], &w.hc_head, c);
-                rms_norm(&mut h, &w.norm, c.rms_norm_eps);
-                w.head.apply(&h)
-            })
-            .collect())
+        let mut out = Vec::with_capacity(batch.len());
+        for (step, span) in batch.iter_mut().zip(&spans) {
+            step.state.len += span.len();
+            let wanted: Vec<usize> = match step.logits {
+                _ if span.is_empty() => Vec::new(),
+                Logits::None => Vec::new(),
+                Logits::Last => vec![span.end - 1],
+                Logits::All => span.clone().collect(),
+            };
+            out.push(
+                wanted
+                    .into_par_iter()
+                    .map(|t| {
+                        let mut h = hyper::head(&streams[t], &w.hc_head, c);
+                        rms_norm(&mut h, &w.norm, c.rms_norm_eps);
+                        w.head.apply(&h)
+                    })
+                    .collect(),
+            );
+        }
+        Ok(out)
     }
+}
+
+/// One sequence's part of a batched forward step.
+#[derive(Debug)]
+pub struct Step<'a> {
+    pub state: &'a mut SequenceState,
+    /// The sequence's next tokens (a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    pub logits: Logits,
 }

@@ -1,0 +1,85 @@
+//! Batch invariance: a sequence's logits are bit-identical whatever else shares its forward
+//! steps — random arrival times, random chunk sizes, prefill chunks mixed with decode tokens.
+#![allow(clippy::unwrap_used, reason = "test code")]
+
+use engine::{
+    config::ExpertFormat,
+    model::{Logits, Model, Step},
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+
+#[test]
+fn logits_do_not_depend_on_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 21,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let mut rng = Rng::for_tensor(5, "batch");
+    let lengths = [1usize, 9, 40, 133, 150, 70];
+    let sequences: Vec<Vec<u32>> = lengths
+        .iter()
+        .map(|&n| (0..n).map(|_| (rng.next_u64() % 129_280) as u32).collect())
+        .collect();
+
+    // Each sequence alone, in one chunk.
+    let solo: Vec<Vec<Vec<f32>>> = sequences
+        .iter()
+        .map(|tokens| {
+            let mut state = model.new_state();
+            model.forward(&mut state, tokens, Logits::All).unwrap()
+        })
+        .collect();
+
+    for round in 0..3 {
+        let arrival: Vec<usize> = sequences
+            .iter()
+            .map(|_| (rng.next_u64() % 6) as usize)
+            .collect();
+        let mut states: Vec<_> = sequences.iter().map(|_| model.new_state()).collect();
+        let mut done = vec![0usize; sequences.len()];
+        let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); sequences.len()];
+        for step_no in 0..500 {
+            let mut chunks = Vec::new();
+            for (s, tokens) in sequences.iter().enumerate() {
+                if step_no >= arrival[s] && done[s] < tokens.len() {
+                    let n = 1 + (rng.next_u64() % 17) as usize;
+                    let n = n.min(tokens.len() - done[s]);
+                    chunks.push((s, done[s]..done[s] + n));
+                    done[s] += n;
+                }
+            }
+            if chunks.is_empty() && done.iter().zip(&sequences).all(|(d, t)| *d == t.len()) {
+                break;
+            }
+            let mut batch: Vec<Step<'_>> = Vec::new();
+            let mut order = Vec::new();
+            for (state, (s, tokens)) in states.iter_mut().zip(sequences.iter().enumerate()) {
+                if let Some((_, range)) = chunks.iter().find(|(i, _)| *i == s) {
+                    batch.push(Step {
+                        state,
+                        tokens: &tokens[range.clone()],
+                        logits: Logits::All,
+                    });
+                    order.push(s);
+                }
+            }
+            let out = model.forward_batch(&mut batch).unwrap();
+            for (s, logits) in order.into_iter().zip(out) {
+                got[s].extend(logits);
+            }
+        }
+        for (s, logits) in got.iter().enumerate() {
+            assert_eq!(logits.len(), sequences[s].len(), "round {round} seq {s}");
+            assert!(
+                *logits == solo[s],
+                "round {round}: sequence {s} differs in a batch"
+            );
+        }
+    }
+}
