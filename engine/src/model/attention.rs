@@ -17,7 +17,8 @@ use crate::{
 /// A layer's attention state for one sequence.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AttentionState {
-    /// K=V rows of the last `sliding_window - 1` positions, oldest first (`head_dim` each).
+    /// K=V rows of the most recent positions, oldest first (`head_dim` each): at least the last
+    /// `sliding_window - 1`, plus every row of the last chunk.
     pub window: Vec<f32>,
     /// The attention compressor (CSA and HCA layers).
     pub compressor: Option<CompressorState>,
@@ -69,6 +70,9 @@ pub fn forward(
     };
     let (h, hd) = (c.num_heads, c.head_dim);
     let mut rows = std::mem::take(&mut state.window);
+    // Only the last `sliding_window - 1` earlier rows can be attended to.
+    let keep = (c.sliding_window - 1) * hd;
+    rows.drain(..rows.len().saturating_sub(keep));
     let window_start = start - rows.len() / hd;
     let projected: Vec<(Projected, Vec<f32>)> = xs
         .par_iter()
@@ -173,9 +177,8 @@ pub fn forward(
             project_out(w, &out, c)
         })
         .collect();
-    let keep = (c.sliding_window - 1) * hd;
-    let drop = rows.len().saturating_sub(keep);
-    rows.drain(..drop);
+    // The whole chunk's rows stay until the next call trims them, so a paged store can copy
+    // every new row into its pages.
     state.window = rows;
     outputs
 }

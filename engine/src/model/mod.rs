@@ -36,6 +36,20 @@ pub struct SequenceState {
     pub layers: Vec<AttentionState>,
 }
 
+impl SequenceState {
+    /// The same state with windows trimmed to what the next step can attend to (for comparing
+    /// states reached through different chunkings).
+    pub fn normalized(&self, config: &ModelConfig) -> Self {
+        let mut out = self.clone();
+        let keep = (config.sliding_window - 1) * config.head_dim;
+        for layer in &mut out.layers {
+            let drop = layer.window.len().saturating_sub(keep);
+            layer.window.drain(..drop);
+        }
+        out
+    }
+}
+
 /// Which positions of a chunk need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {

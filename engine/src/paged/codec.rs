@@ -1,0 +1,93 @@
+//! Encoding one state row into its stored bytes and back.
+
+use super::layout::RowFormat;
+use crate::formats;
+
+/// Writes `row` into `out` (exactly `format.row_bytes(row.len())` bytes).
+pub fn encode(format: RowFormat, row: &[f32], out: &mut [u8]) {
+    match format {
+        RowFormat::F32 => {
+            for (chunk, v) in out.chunks_exact_mut(4).zip(row) {
+                chunk.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        RowFormat::Fp8Kv { nope, rope } => {
+            let (q, rest) = out.split_at_mut(nope);
+            let (r, scales) = rest.split_at_mut(2 * rope);
+            scales.fill(0);
+            for (b, block) in row[..nope].chunks(64).enumerate() {
+                let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let scale_code =
+                    formats::e8m0_for_at_least((amax / formats::E4M3_MAX).max(f32::MIN_POSITIVE));
+                let scale = formats::e8m0_to_f32(scale_code);
+                scales[b] = scale_code;
+                for (i, v) in block.iter().enumerate() {
+                    q[b * 64 + i] = formats::f32_to_e4m3(v / scale);
+                }
+            }
+            for (chunk, v) in r.chunks_exact_mut(2).zip(&row[nope..nope + rope]) {
+                chunk.copy_from_slice(&formats::f32_to_bf16(*v).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Reads a row of `elements` values from its stored bytes.
+pub fn decode(format: RowFormat, bytes: &[u8], elements: usize) -> Vec<f32> {
+    match format {
+        RowFormat::F32 => bytes[..4 * elements]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        RowFormat::Fp8Kv { nope, rope } => {
+            let mut out = Vec::with_capacity(nope + rope);
+            let scales = &bytes[nope + 2 * rope..];
+            for (i, &q) in bytes[..nope].iter().enumerate() {
+                out.push(formats::e4m3_to_f32(q) * formats::e8m0_to_f32(scales[i / 64]));
+            }
+            for b in bytes[nope..nope + 2 * rope].chunks_exact(2) {
+                out.push(formats::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])));
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_round_trip_is_exact() {
+        let row: Vec<f32> = (0..7).map(|i| i as f32 * -0.37 + 1e-30).collect();
+        let mut bytes = vec![0; 28];
+        encode(RowFormat::F32, &row, &mut bytes);
+        assert_eq!(decode(RowFormat::F32, &bytes, 7), row);
+    }
+
+    #[test]
+    fn fp8_row_matches_deepseek_layout_and_error_bound() {
+        let format = RowFormat::Fp8Kv {
+            nope: 448,
+            rope: 64,
+        };
+        let row: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut bytes = vec![0xAA; format.row_bytes(512)];
+        assert_eq!(bytes.len(), 584);
+        encode(format, &row, &mut bytes);
+        assert_eq!(bytes[583], 0, "pad byte after 7 scales");
+        let back = decode(format, &bytes, 512);
+        for (b, block) in row[..448].chunks(64).enumerate() {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, v) in block.iter().enumerate() {
+                // e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the block max.
+                assert!((back[b * 64 + i] - v).abs() <= amax / 16.0);
+            }
+        }
+        for (got, want) in back[448..].iter().zip(&row[448..]) {
+            assert!((got - want).abs() <= want.abs() / 128.0, "bf16 rope dims");
+        }
+    }
+}

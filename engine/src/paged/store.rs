@@ -1,0 +1,325 @@
+//! Sequences whose state lives in a page pool. A forward step gathers what the model reads
+//! (the window's last rows, all compressed rows, the compressors' unfinished state) from the
+//! pages and the slot, and scatters what the step produced back into them. Pages shared
+//! through the prefix cache are never written: new rows only land at positions past the
+//! shared prefix.
+
+use super::{
+    codec,
+    layout::{Placement, Region, RegionKind, StateLayout},
+};
+use crate::{
+    config::{Attention, ModelConfig},
+    model::{SequenceState, attention::AttentionState, compressor::CompressorState},
+    pool::{PageId, PagePool, PoolError},
+};
+
+/// One sequence's handle: its page table, its slot and how many tokens are stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedSeq {
+    /// Page `i` holds tokens `[i*page_size, (i+1)*page_size)`.
+    pub pages: Vec<PageId>,
+    pub slot: PageId,
+    pub len: usize,
+}
+
+/// The state pools of one worker.
+#[derive(Debug)]
+pub struct PagedStore {
+    pub layout: StateLayout,
+    config: ModelConfig,
+    pages: PagePool,
+    slots: PagePool,
+}
+
+impl PagedStore {
+    pub fn new(config: &ModelConfig, layout: StateLayout, num_pages: u32, num_slots: u32) -> Self {
+        Self {
+            pages: PagePool::new(num_pages, layout.page_bytes),
+            slots: PagePool::new(num_slots, layout.slot_bytes),
+            config: config.clone(),
+            layout,
+        }
+    }
+
+    pub fn pages(&self) -> &PagePool {
+        &self.pages
+    }
+
+    pub fn pages_mut(&mut self) -> &mut PagePool {
+        &mut self.pages
+    }
+
+    pub fn slots(&self) -> &PagePool {
+        &self.slots
+    }
+
+    /// Pages needed to hold `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.layout.page_size)
+    }
+
+    /// A new empty sequence (takes a slot).
+    pub fn open(&mut self) -> Result<PagedSeq, PoolError> {
+        let slot = self.slots.alloc(1)?[0];
+        Ok(PagedSeq {
+            pages: Vec::new(),
+            slot,
+            len: 0,
+        })
+    }
+
+    /// Makes room for `tokens` tokens in total (all or nothing).
+    pub fn reserve(&mut self, seq: &mut PagedSeq, tokens: usize) -> Result<(), PoolError> {
+        let need = self.pages_for(tokens).saturating_sub(seq.pages.len());
+        if need > 0 {
+            seq.pages.extend(self.pages.alloc(need)?);
+        }
+        Ok(())
+    }
+
+    /// Returns a sequence's pages and slot to the pools.
+    pub fn release(&mut self, seq: PagedSeq) -> Result<(), PoolError> {
+        for page in seq.pages {
+            self.pages.release(page)?;
+        }
+        self.slots.release(seq.slot)
+    }
+
+    fn region(&self, layer: usize, kind: RegionKind) -> Option<&Region> {
+        self.layout.region(layer, kind)
+    }
+
+    /// Page and row of compressed row `w` of a layer with compression `ratio`: the page holding
+    /// the window's last token.
+    fn compressed_slot(&self, ratio: usize, w: usize) -> (usize, usize) {
+        let ps = self.layout.page_size;
+        ((w * ratio + ratio - 1) / ps, w % (ps / ratio).max(1))
+    }
+
+    fn read_row(
+        &self,
+        seq: &PagedSeq,
+        region: &Region,
+        page: usize,
+        row: usize,
+    ) -> Result<Vec<f32>, PoolError> {
+        let bytes = match region.placement {
+            Placement::Paged => self.pages.page(seq.pages[page])?,
+            Placement::PerRequest => self.slots.page(seq.slot)?,
+        };
+        Ok(codec::decode(
+            region.format,
+            &bytes[region.row_range(row)],
+            region.elements(),
+        ))
+    }
+
+    fn write_row(
+        &mut self,
+        seq: &PagedSeq,
+        region: &Region,
+        page: usize,
+        row: usize,
+        values: &[f32],
+    ) -> Result<(), PoolError> {
+        let range = region.row_range(row);
+        let bytes = match region.placement {
+            Placement::Paged => self.pages.page_mut(seq.pages[page])?,
+            Placement::PerRequest => self.slots.page_mut(seq.slot)?,
+        };
+        codec::encode(region.format, values, &mut bytes[range]);
+        Ok(())
+    }
+
+    /// The model state of a stored sequence.
+    pub fn gather(&self, seq: &PagedSeq) -> Result<SequenceState, PoolError> {
+        let c = &self.config;
+        let ps = self.layout.page_size;
+        let mut layers = Vec::with_capacity(c.layers.len());
+        for (l, spec) in c.layers.iter().enumerate() {
+            let mut state = AttentionState::new(spec.attention);
+            if let Some(region) = self.region(l, RegionKind::WindowKv) {
+                let first = (seq.len + 1).saturating_sub(c.sliding_window);
+                for pos in first..seq.len {
+                    state
+                        .window
+                        .extend(self.read_row(seq, region, pos / ps, pos % ps)?);
+                }
+            }
+            let ratio = spec.attention.ratio();
+            let csa = matches!(spec.attention, Attention::Csa { .. });
+            if let Some(comp) = state.compressor.as_mut() {
+                let kind = if csa {
+                    RegionKind::CsaKv
+                } else {
+                    RegionKind::HcaKv
+                };
+                let (rows_region, state_region) = (
+                    self.region(l, kind).cloned(),
+                    self.region(l, RegionKind::CompressorState).cloned(),
+                );
+                if let (Some(rows), Some(slot)) = (rows_region, state_region) {
+                    *comp = self.gather_compressor(
+                        seq,
+                        &rows,
+                        &slot,
+                        ratio,
+                        c.head_dim,
+                        csa,
+                    )?;
+                }
+            }
+            if let Some(idx) = state.indexer.as_mut() {
+                let (rows_region, state_region) = (
+                    self.region(l, RegionKind::IndexerKeys).cloned(),
+                    self.region(l, RegionKind::IndexerCompressorState).cloned(),
+                );
+                if let (Some(rows), Some(slot)) = (rows_region, state_region) {
+                    *idx =
+                        self.gather_compressor(seq, &rows, &slot, ratio, c.index_head_dim, true)?;
+                }
+            }
+            layers.push(state);
+        }
+        Ok(SequenceState {
+            len: seq.len,
+            layers,
+        })
+    }
+
+    fn gather_compressor(
+        &self,
+        seq: &PagedSeq,
+        rows: &Region,
+        slot: &Region,
+        ratio: usize,
+        d: usize,
+        overlap: bool,
+    ) -> Result<CompressorState, PoolError> {
+        let mut comp = CompressorState::default();
+        for w in 0..seq.len / ratio {
+            let (page, row) = self.compressed_slot(ratio, w);
+            comp.rows.extend(self.read_row(seq, rows, page, row)?);
+        }
+        let width = if overlap { 2 * d } else { d };
+        for i in 0..seq.len % ratio {
+            let row = self.read_row(seq, slot, 0, i)?;
+            comp.pending_kv.extend_from_slice(&row[..width]);
+            comp.pending_gate.extend_from_slice(&row[width..]);
+        }
+        if overlap && seq.len >= ratio {
+            for i in 0..ratio {
+                let row = self.read_row(seq, slot, 0, ratio + i)?;
+                comp.prev_kv.extend_from_slice(&row[..d]);
+                comp.prev_gate.extend_from_slice(&row[width..width + d]);
+            }
+        }
+        Ok(comp)
+    }
+
+    /// Stores what a forward step added to `state` (positions `seq.len..state.len`). The pages
+    /// must have been reserved.
+    pub fn scatter(&mut self, seq: &mut PagedSeq, state: &SequenceState) -> Result<(), PoolError> {
+        let c = self.config.clone();
+        let ps = self.layout.page_size;
+        if self.pages_for(state.len) > seq.pages.len() {
+            return Err(PoolError::OutOfPages {
+                requested: self.pages_for(state.len) - seq.pages.len(),
+                free: 0,
+                total: self.pages.total(),
+            });
+        }
+        let (from, to) = (seq.len, state.len);
+        for (l, spec) in c.layers.iter().enumerate() {
+            let layer = &state.layers[l];
+            if let Some(region) = self.region(l, RegionKind::WindowKv).cloned() {
+                // The state's window ends at position `to - 1`.
+                let rows = layer.window.len() / c.head_dim;
+                for pos in from.max(to.saturating_sub(rows))..to {
+                    let i = rows - (to - pos);
+                    let row = &layer.window[i * c.head_dim..(i + 1) * c.head_dim];
+                    self.write_row(seq, &region, pos / ps, pos % ps, row)?;
+                }
+            }
+            let ratio = spec.attention.ratio();
+            let csa = matches!(spec.attention, Attention::Csa { .. });
+            if let Some(comp) = &layer.compressor {
+                let kind = if csa {
+                    RegionKind::CsaKv
+                } else {
+                    RegionKind::HcaKv
+                };
+                let rows = self.region(l, kind).cloned();
+                let slot = self.region(l, RegionKind::CompressorState).cloned();
+                if let (Some(rows), Some(slot)) = (rows, slot) {
+                    self.scatter_compressor(
+                        seq,
+                        comp,
+                        &rows,
+                        &slot,
+                        (from, to),
+                        ratio,
+                        c.head_dim,
+                        csa,
+                    )?;
+                }
+            }
+            if let Some(idx) = &layer.indexer {
+                let rows = self.region(l, RegionKind::IndexerKeys).cloned();
+                let slot = self.region(l, RegionKind::IndexerCompressorState).cloned();
+                if let (Some(rows), Some(slot)) = (rows, slot) {
+                    self.scatter_compressor(
+                        seq,
+                        idx,
+                        &rows,
+                        &slot,
+                        (from, to),
+                        ratio,
+                        c.index_head_dim,
+                        true,
+                    )?;
+                }
+            }
+        }
+        seq.len = to;
+        Ok(())
+    }
+
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one call site; the pieces are unrelated"
+    )]
+    fn scatter_compressor(
+        &mut self,
+        seq: &PagedSeq,
+        comp: &CompressorState,
+        rows: &Region,
+        slot: &Region,
+        (from, to): (usize, usize),
+        ratio: usize,
+        d: usize,
+        overlap: bool,
+    ) -> Result<(), PoolError> {
+        for w in from / ratio..to / ratio {
+            let (page, row) = self.compressed_slot(ratio, w);
+            self.write_row(seq, rows, page, row, comp.row(w, d))?;
+        }
+        let width = if overlap { 2 * d } else { d };
+        let mut row = vec![0.0f32; 2 * width];
+        for i in 0..to % ratio {
+            row[..width].copy_from_slice(&comp.pending_kv[i * width..(i + 1) * width]);
+            row[width..].copy_from_slice(&comp.pending_gate[i * width..(i + 1) * width]);
+            self.write_row(seq, slot, 0, i, &row)?;
+        }
+        if overlap && !comp.prev_kv.is_empty() {
+            for i in 0..ratio {
+                row.fill(0.0);
+                row[..d].copy_from_slice(&comp.prev_kv[i * d..(i + 1) * d]);
+                row[width..width + d].copy_from_slice(&comp.prev_gate[i * d..(i + 1) * d]);
+                self.write_row(seq, slot, 0, ratio + i, &row)?;
+            }
+        }
+        Ok(())
+    }
+}
