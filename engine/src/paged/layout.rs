@@ -322,7 +322,10 @@ mod tests {
         }
         assert!(StateLayout::new(&c, 48, KvStorage::F32, "fp").is_err());
         let fp8 = StateLayout::new(&c, 64, KvStorage::Fp8, "fp").unwrap();
-        assert_eq!(proto::layout::problems(&fp8.to_proto()), Vec::<String>::new());
+        assert_eq!(
+            proto::layout::problems(&fp8.to_proto()),
+            Vec::<String>::new()
+        );
     }
 
     #[test]

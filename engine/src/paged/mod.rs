@@ -3,4 +3,5 @@
 
 pub mod codec;
 pub mod layout;
+pub mod prefix;
 pub mod store;

@@ -7,6 +7,7 @@
 use super::{
     codec,
     layout::{Placement, Region, RegionKind, StateLayout},
+    prefix::{self, PrefixCache},
 };
 use crate::{
     config::{Attention, ModelConfig},
@@ -30,6 +31,8 @@ pub struct PagedStore {
     config: ModelConfig,
     pages: PagePool,
     slots: PagePool,
+    prefix: PrefixCache,
+    prefix_enabled: bool,
 }
 
 impl PagedStore {
@@ -39,7 +42,64 @@ impl PagedStore {
             slots: PagePool::new(num_slots, layout.slot_bytes),
             config: config.clone(),
             layout,
+            prefix: PrefixCache::default(),
+            prefix_enabled: true,
         }
+    }
+
+    /// Turns the prefix cache on or off (off drops every cached block).
+    pub fn set_prefix_cache(&mut self, enabled: bool) -> Result<(), PoolError> {
+        self.prefix_enabled = enabled;
+        if !enabled {
+            self.prefix.clear(&mut self.pages)?;
+        }
+        Ok(())
+    }
+
+    pub fn prefix(&self) -> &PrefixCache {
+        &self.prefix
+    }
+
+    /// A new sequence for `prompt`, starting from the longest cached prefix (at least one
+    /// prompt token is always left to compute). Returns the sequence and the cached tokens.
+    pub fn open_prompt(&mut self, prompt: &[u32]) -> Result<(PagedSeq, usize), PoolError> {
+        let mut seq = self.open()?;
+        if !self.prefix_enabled || prompt.is_empty() {
+            return Ok((seq, 0));
+        }
+        let ps = self.layout.page_size;
+        let keys = prefix::block_keys(prompt, ps);
+        let hit = match self
+            .prefix
+            .lookup(&mut self.pages, &keys, (prompt.len() - 1) / ps)
+        {
+            Ok(hit) => hit,
+            Err(e) => {
+                self.release(seq)?;
+                return Err(e);
+            }
+        };
+        if let Some(hit) = hit {
+            seq.len = hit.pages.len() * ps;
+            seq.pages = hit.pages;
+            self.slots.page_mut(seq.slot)?.copy_from_slice(&hit.slot);
+        }
+        let cached = seq.len;
+        Ok((seq, cached))
+    }
+
+    /// Offers the block that `seq` just completed to the prefix cache (call after `scatter`
+    /// with the sequence's tokens so far; only steps that end on a block boundary add one).
+    pub fn offer_block(&mut self, seq: &PagedSeq, tokens: &[u32]) -> Result<(), PoolError> {
+        let ps = self.layout.page_size;
+        if !self.prefix_enabled || seq.len == 0 || seq.len % ps != 0 || tokens.len() < seq.len {
+            return Ok(());
+        }
+        let depth = seq.len / ps - 1;
+        let keys = prefix::block_keys(&tokens[..seq.len], ps);
+        let slot = self.slots.page(seq.slot)?.to_vec();
+        self.prefix
+            .insert(&mut self.pages, keys[depth], seq.pages[depth], &slot, depth)
     }
 
     pub fn pages(&self) -> &PagePool {
@@ -69,12 +129,18 @@ impl PagedStore {
         })
     }
 
-    /// Makes room for `tokens` tokens in total (all or nothing).
+    /// Makes room for `tokens` tokens in total (all or nothing), evicting unreferenced prefix
+    /// blocks if the pool is short.
     pub fn reserve(&mut self, seq: &mut PagedSeq, tokens: usize) -> Result<(), PoolError> {
         let need = self.pages_for(tokens).saturating_sub(seq.pages.len());
-        if need > 0 {
-            seq.pages.extend(self.pages.alloc(need)?);
+        if need == 0 {
+            return Ok(());
         }
+        if need > self.pages.free_count() {
+            let short = need - self.pages.free_count();
+            self.prefix.evict(&mut self.pages, short)?;
+        }
+        seq.pages.extend(self.pages.alloc(need)?);
         Ok(())
     }
 
@@ -160,14 +226,7 @@ impl PagedStore {
                     self.region(l, RegionKind::CompressorState).cloned(),
                 );
                 if let (Some(rows), Some(slot)) = (rows_region, state_region) {
-                    *comp = self.gather_compressor(
-                        seq,
-                        &rows,
-                        &slot,
-                        ratio,
-                        c.head_dim,
-                        csa,
-                    )?;
+                    *comp = self.gather_compressor(seq, &rows, &slot, ratio, c.head_dim, csa)?;
                 }
             }
             if let Some(idx) = state.indexer.as_mut() {
