@@ -6,10 +6,12 @@
 pub mod config;
 pub mod formats;
 pub mod model;
+pub mod paged;
 pub mod pool;
 pub mod quant;
 pub mod rope;
 pub mod safetensors;
+pub mod sampling;
 pub mod schema;
 pub mod synth;
 pub mod tensor;

@@ -1,0 +1,556 @@
+//! Per-request token sampling with vLLM / OpenAI semantics: logit bias, repetition / frequency /
+//! presence penalties, `min_tokens` suppression of stop ids, log-probabilities, then greedy or
+//! temperature + top-k + top-p + min-p sampling from the request's own seeded random stream.
+//!
+//! A [`Sampler`] belongs to exactly one request and sees only that request's logits row, prompt
+//! and generated tokens, so its output never depends on batch composition, thread timing or
+//! other requests. Everything that decides the drawn token is specified to the bit: candidates
+//! are ordered by (logit descending, token id ascending), which is a total order, weights use a
+//! libm-free `exp` (see [`math`]), sums run in f64 in that fixed order, and the random stream is
+//! SplitMix64. The same seed, prompt, parameters and logits therefore give the same tokens on
+//! any machine.
+//!
+//! Each step, in order:
+//! 1. copy the logits; non-finite entries (NaN, ±inf) count as masked (-inf) and stay masked;
+//!    add `logit_bias`;
+//! 2. repetition penalty over prompt ∪ generated (`l > 0 → l / p`, else `l * p`);
+//! 3. frequency / presence penalties over generated tokens;
+//! 4. until `min_tokens` tokens exist, mask stop ids and (unless `ignore_eos`) eos ids, unless
+//!    that would leave nothing;
+//! 5. log-probabilities = log_softmax of these processed logits (before temperature);
+//! 6. greedy argmax at temperature 0, else temperature, top-k, top-p, min-p and one draw;
+//! 7. record the token.
+//!
+//! A processed logit that overflows f32 (e.g. a huge logit divided by a tiny repetition penalty)
+//! saturates at ±`f32::MAX` instead of becoming infinite, so a token that was finite stays
+//! sampleable and the arithmetic below never meets `inf - inf`.
+
+mod math;
+#[cfg(test)]
+mod tests;
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet};
+
+use math::{SplitMix64, exp_nonpositive};
+
+/// Most `top_logprobs` a request may ask for (the OpenAI limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Per-request sampling parameters. `Default` is greedy with every filter and penalty disabled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy; accepted range [0, 2].
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 disables (as does any k >= vocabulary).
+    pub top_k: u32,
+    /// Drop tokens below `min_p` times the best token's probability; [0, 1], 0 disables.
+    pub min_p: f32,
+    /// The request's seed; `None` uses the engine-supplied default seed.
+    pub seed: Option<u64>,
+    /// Subtracted once from every token already generated; [-2, 2].
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence of a generated token; [-2, 2].
+    pub frequency_penalty: f32,
+    /// Divides positive / multiplies negative logits of seen tokens; (0, 2], 1 disables.
+    pub repetition_penalty: f32,
+    /// (token, bias) pairs added to the logits; each bias in [-100, 100]. A token listed twice
+    /// gets both biases added, literally as the list says.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Report the chosen token's log-probability (and `top_logprobs` alternatives).
+    pub logprobs: bool,
+    /// How many best alternatives to report when `logprobs` is set; [0, 20]. Ignored otherwise.
+    pub top_logprobs: u32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            logprobs: false,
+            top_logprobs: 0,
+        }
+    }
+}
+
+/// When a request stops generating.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopConditions {
+    /// Tokens to generate at most; >= 1.
+    pub max_tokens: u32,
+    /// Stop and eos ids cannot end the request before this many tokens; [0, max_tokens].
+    pub min_tokens: u32,
+    /// Ids that end the request (in addition to eos). Ids outside the vocabulary can never be
+    /// sampled, so they are accepted and have no effect.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past eos ids (stop_token_ids still stop).
+    pub ignore_eos: bool,
+    /// The model's end-of-sequence ids.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Why a request finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The last token is a stop or eos id.
+    Stop,
+    /// `max_tokens` tokens were generated.
+    Length,
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// The token's log-probability under the processed logits (before temperature), when
+    /// `logprobs` was requested.
+    pub logprob: Option<f32>,
+    /// Up to `top_logprobs` best (token, logprob) pairs, best first, ties by lower id. Masked
+    /// tokens have no probability and are never listed, so fewer appear when fewer remain.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Invalid parameters or inputs; nothing in this module panics instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SamplingError {
+    #[error("`{name}` = {value} is out of range: accepted {accepted}")]
+    OutOfRange {
+        name: &'static str,
+        value: String,
+        accepted: &'static str,
+    },
+    #[error("`{name}` holds token {token}, outside the vocabulary of {vocab_size} tokens")]
+    TokenOutOfVocab {
+        name: &'static str,
+        token: u32,
+        vocab_size: usize,
+    },
+    #[error("logits row has {actual} entries but the vocabulary has {expected}")]
+    LogitsLength { expected: usize, actual: usize },
+    #[error("no finite logit remains to sample from")]
+    NoFiniteLogit,
+    #[error("the request already finished ({0:?}); no further token may be sampled")]
+    Finished(FinishReason),
+}
+
+fn out_of_range(
+    name: &'static str,
+    value: impl std::fmt::Display,
+    accepted: &'static str,
+) -> SamplingError {
+    SamplingError::OutOfRange {
+        name,
+        value: value.to_string(),
+        accepted,
+    }
+}
+
+/// Checks every parameter against its documented range. NaN fails every range check, because
+/// `RangeInclusive::contains` and the explicit comparisons are all false for NaN.
+fn validate(
+    params: &SamplingParams,
+    stop: &StopConditions,
+    vocab_size: usize,
+) -> Result<(), SamplingError> {
+    // Token ids are u32, so a larger vocabulary could not be addressed.
+    if vocab_size == 0 || vocab_size as u64 > u64::from(u32::MAX) + 1 {
+        return Err(out_of_range("vocab_size", vocab_size, "[1, 2^32]"));
+    }
+    let p = params;
+    if !(0.0..=2.0).contains(&p.temperature) {
+        return Err(out_of_range("temperature", p.temperature, "[0, 2]"));
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return Err(out_of_range("top_p", p.top_p, "(0, 1]"));
+    }
+    if !(0.0..=1.0).contains(&p.min_p) {
+        return Err(out_of_range("min_p", p.min_p, "[0, 1]"));
+    }
+    if !(-2.0..=2.0).contains(&p.presence_penalty) {
+        return Err(out_of_range(
+            "presence_penalty",
+            p.presence_penalty,
+            "[-2, 2]",
+        ));
+    }
+    if !(-2.0..=2.0).contains(&p.frequency_penalty) {
+        return Err(out_of_range(
+            "frequency_penalty",
+            p.frequency_penalty,
+            "[-2, 2]",
+        ));
+    }
+    if !(p.repetition_penalty > 0.0 && p.repetition_penalty <= 2.0) {
+        return Err(out_of_range(
+            "repetition_penalty",
+            p.repetition_penalty,
+            "(0, 2]",
+        ));
+    }
+    if p.top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(out_of_range("top_logprobs", p.top_logprobs, "[0, 20]"));
+    }
+    for &(token, bias) in &p.logit_bias {
+        if token as usize >= vocab_size {
+            return Err(SamplingError::TokenOutOfVocab {
+                name: "logit_bias",
+                token,
+                vocab_size,
+            });
+        }
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(out_of_range(
+                "logit_bias",
+                format!("{bias} (token {token})"),
+                "[-100, 100]",
+            ));
+        }
+    }
+    if stop.max_tokens == 0 {
+        return Err(out_of_range("max_tokens", 0, ">= 1"));
+    }
+    if stop.min_tokens > stop.max_tokens {
+        return Err(out_of_range(
+            "min_tokens",
+            stop.min_tokens,
+            "[0, max_tokens]",
+        ));
+    }
+    Ok(())
+}
+
+/// Sorted, deduplicated ids below `vocab_size`, for binary search.
+fn id_set(ids: impl IntoIterator<Item = u32>, vocab_size: usize) -> Vec<u32> {
+    let mut v: Vec<u32> = ids
+        .into_iter()
+        .filter(|&t| (t as usize) < vocab_size)
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// Keeps a processed logit finite: overflow saturates instead of turning into ±inf.
+fn saturate(x: f32) -> f32 {
+    x.clamp(-f32::MAX, f32::MAX)
+}
+
+/// The candidate order used everywhere: logit descending, then token id ascending. It is total
+/// (ids are unique and only finite logits are compared), so sorts and selections give the same
+/// result whatever the algorithm. Probability is monotone in the logit, so this is also the
+/// "probability descending" order.
+fn by_rank(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The `n` best candidates in rank order.
+fn best_n(mut cands: Vec<(u32, f32)>, n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    if n < cands.len() {
+        cands.select_nth_unstable_by(n - 1, by_rank);
+        cands.truncate(n);
+    }
+    cands.sort_unstable_by(by_rank);
+    cands
+}
+
+/// Token sampling state of one request.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    stop: StopConditions,
+    vocab_size: usize,
+    seed: u64,
+    rng: SplitMix64,
+    /// Stop ids plus (unless `ignore_eos`) eos ids, in range, sorted: what ends the request and
+    /// what `min_tokens` suppresses.
+    stop_set: Vec<u32>,
+    generated: Vec<u32>,
+    /// Occurrences of each generated token, for frequency / presence penalties.
+    counts: BTreeMap<u32, u32>,
+    /// Prompt ∪ generated, for the repetition penalty; left empty when the penalty is disabled
+    /// so long prompts cost nothing.
+    seen: BTreeSet<u32>,
+}
+
+impl Sampler {
+    /// Validates everything up front so `sample` can only fail on its own input.
+    pub fn new(
+        params: SamplingParams,
+        stop: StopConditions,
+        prompt: &[u32],
+        vocab_size: usize,
+        default_seed: u64,
+    ) -> Result<Self, SamplingError> {
+        validate(&params, &stop, vocab_size)?;
+        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(SamplingError::TokenOutOfVocab {
+                name: "prompt",
+                token,
+                vocab_size,
+            });
+        }
+        let eos = if stop.ignore_eos {
+            &[][..]
+        } else {
+            &stop.eos_token_ids[..]
+        };
+        let stop_set = id_set(stop.stop_token_ids.iter().chain(eos).copied(), vocab_size);
+        #[allow(
+            clippy::float_cmp,
+            reason = "1 is exactly the documented 'disabled' value"
+        )]
+        let seen = if params.repetition_penalty == 1.0 {
+            BTreeSet::new()
+        } else {
+            prompt.iter().copied().collect()
+        };
+        let seed = params.seed.unwrap_or(default_seed);
+        Ok(Self {
+            params,
+            stop,
+            vocab_size,
+            seed,
+            rng: SplitMix64::new(seed),
+            stop_set,
+            generated: Vec::new(),
+            counts: BTreeMap::new(),
+            seen,
+        })
+    }
+
+    /// The seed in use: `params.seed`, or the default seed the engine supplied.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Tokens sampled so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    /// Whether the request is finished after the last sampled token. A stop / eos id takes
+    /// precedence over the length limit when both apply (as in vLLM).
+    pub fn finish(&self) -> Option<FinishReason> {
+        let &last = self.generated.last()?;
+        let n = self.generated.len();
+        if n >= self.stop.min_tokens as usize && self.stop_set.binary_search(&last).is_ok() {
+            return Some(FinishReason::Stop);
+        }
+        if n >= self.stop.max_tokens as usize {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+
+    /// Samples the next token from one logits row and records it.
+    ///
+    /// The random stream advances exactly once per sampled token, in greedy mode too (where the
+    /// word is drawn and unused): the stream position then always equals `generated().len()`,
+    /// so a request's state is reconstructible from its seed and its tokens alone (e.g. when a
+    /// decode worker takes over from a prefill worker). On error nothing is recorded and the
+    /// stream does not advance.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled, SamplingError> {
+        if let Some(reason) = self.finish() {
+            return Err(SamplingError::Finished(reason));
+        }
+        if logits.len() != self.vocab_size {
+            return Err(SamplingError::LogitsLength {
+                expected: self.vocab_size,
+                actual: logits.len(),
+            });
+        }
+        let processed = self.process(logits);
+        // Ids fit in u32: `new` bounds the vocabulary at 2^32.
+        let cands: Vec<(u32, f32)> = processed
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        if cands.is_empty() {
+            return Err(SamplingError::NoFiniteLogit);
+        }
+        let u = self.rng.next_uniform();
+        let lse = self.params.logprobs.then(|| log_sum_exp(&cands));
+        let top_logprobs = lse.map_or_else(Vec::new, |lse| {
+            ranked_logprobs(&cands, lse, self.params.top_logprobs as usize)
+        });
+        let token = if self.params.temperature == 0.0 {
+            greedy(&cands)
+        } else {
+            self.draw(cands, u)
+        };
+        let logprob = lse.map(|lse| logprob_of(processed.get(token as usize).copied(), lse));
+        self.record(token);
+        Ok(Sampled {
+            token,
+            logprob,
+            top_logprobs,
+        })
+    }
+
+    /// Steps 1-4: the logits every later step sees. Masked tokens are -inf, all others finite.
+    fn process(&self, logits: &[f32]) -> Vec<f32> {
+        let mut out: Vec<f32> = logits
+            .iter()
+            .map(|&l| if l.is_finite() { l } else { f32::NEG_INFINITY })
+            .collect();
+        // `get_mut` everywhere: ids were validated against the vocabulary and the row length
+        // checked, but a missing entry must never become a panic.
+        let mut adjust = |token: u32, f: &dyn Fn(f32) -> f32| {
+            if let Some(l) = out.get_mut(token as usize).filter(|l| l.is_finite()) {
+                *l = saturate(f(*l));
+            }
+        };
+        for &(token, bias) in &self.params.logit_bias {
+            adjust(token, &|l| l + bias);
+        }
+        let rep = self.params.repetition_penalty;
+        for &token in &self.seen {
+            adjust(token, &|l| if l > 0.0 { l / rep } else { l * rep });
+        }
+        let (freq, pres) = (self.params.frequency_penalty, self.params.presence_penalty);
+        if freq != 0.0 || pres != 0.0 {
+            for (&token, &count) in &self.counts {
+                // `count > 0` always holds for a recorded token, hence the plain `+ pres`.
+                adjust(token, &|l| l - (freq * count as f32 + pres));
+            }
+        }
+        if self.generated.len() < self.stop.min_tokens as usize && !self.stop_set.is_empty() {
+            let other_remains = out
+                .iter()
+                .enumerate()
+                .any(|(i, l)| l.is_finite() && self.stop_set.binary_search(&(i as u32)).is_err());
+            if other_remains {
+                for &token in &self.stop_set {
+                    if let Some(l) = out.get_mut(token as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Step 6 for temperature > 0: `cands` are the finite processed logits, `u` the step's
+    /// uniform in [0, 1).
+    fn draw(&self, cands: Vec<(u32, f32)>, u: f64) -> u32 {
+        let k = match self.params.top_k {
+            0 => cands.len(),
+            k => (k as usize).min(cands.len()),
+        };
+        let ranked = best_n(cands, k);
+        let Some(&(best, max)) = ranked.first() else {
+            // Unreachable: the caller passes at least one candidate and k >= 1.
+            return 0;
+        };
+        // Unnormalised probabilities exp((l - max) / T): the best weighs exactly 1, the rest are
+        // non-increasing in rank order. f64 so that neither the difference nor the division by a
+        // tiny temperature can overflow.
+        let temperature = f64::from(self.params.temperature);
+        let mut weights: Vec<f64> = ranked
+            .iter()
+            .map(|&(_, l)| exp_nonpositive((f64::from(l) - f64::from(max)) / temperature))
+            .collect();
+        // Tokens with weight exactly 0 can never be drawn; dropping them changes no outcome.
+        weights.truncate(weights.partition_point(|&w| w > 0.0));
+        if self.params.top_p < 1.0 {
+            let target = f64::from(self.params.top_p) * weights.iter().sum::<f64>();
+            let mut cum = 0.0;
+            // Smallest prefix reaching the mass; the first token always stays.
+            let keep = weights
+                .iter()
+                .position(|&w| {
+                    cum += w;
+                    cum >= target
+                })
+                .map_or(weights.len(), |i| i + 1);
+            weights.truncate(keep);
+        }
+        if self.params.min_p > 0.0 {
+            // Relative to the best token, whose weight is 1, so no normalisation is needed; the
+            // best itself always passes because min_p <= 1.
+            let floor = f64::from(self.params.min_p);
+            weights.truncate(weights.partition_point(|&w| w >= floor).max(1));
+        }
+        // Renormalising is folded into scaling the uniform by the kept mass. The walk sums in
+        // the same order as `total`, so `target < total` guarantees a pick inside the loop.
+        let total: f64 = weights.iter().sum();
+        let target = u * total;
+        let mut cum = 0.0;
+        for (&(token, _), &w) in ranked.iter().zip(&weights) {
+            cum += w;
+            if target < cum {
+                return token;
+            }
+        }
+        ranked
+            .get(weights.len().saturating_sub(1))
+            .map_or(best, |&(t, _)| t)
+    }
+
+    /// Step 7.
+    fn record(&mut self, token: u32) {
+        self.generated.push(token);
+        *self.counts.entry(token).or_insert(0) += 1;
+        #[allow(
+            clippy::float_cmp,
+            reason = "1 is exactly the documented 'disabled' value"
+        )]
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token);
+        }
+    }
+}
+
+/// Argmax with ties to the lowest id: `cands` is in id order and only a strictly larger logit
+/// replaces the current best.
+fn greedy(cands: &[(u32, f32)]) -> u32 {
+    let mut best = cands.first().copied().unwrap_or((0, f32::NEG_INFINITY));
+    for &c in cands {
+        if c.1 > best.1 {
+            best = c;
+        }
+    }
+    best.0
+}
+
+/// Step 5: log_softmax of the processed logits (the finite `cands`) is `l - lse`. Computed in
+/// f64 around the maximum, so no term overflows. The reported values use libm `exp`/`ln`; they
+/// do not influence which token is drawn.
+fn log_sum_exp(cands: &[(u32, f32)]) -> f64 {
+    let max = cands
+        .iter()
+        .map(|&(_, l)| f64::from(l))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = cands.iter().map(|&(_, l)| (f64::from(l) - max).exp()).sum();
+    max + sum.ln()
+}
+
+fn logprob_of(processed: Option<f32>, lse: f64) -> f32 {
+    processed.map_or(f32::NEG_INFINITY, |l| (f64::from(l) - lse) as f32)
+}
+
+/// The `n` best (token, logprob) pairs in rank order.
+fn ranked_logprobs(cands: &[(u32, f32)], lse: f64, n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    best_n(cands.to_vec(), n)
+        .into_iter()
+        .map(|(t, l)| (t, logprob_of(Some(l), lse)))
+        .collect()
+}
