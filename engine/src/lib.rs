@@ -12,6 +12,7 @@ pub mod quant;
 pub mod rope;
 pub mod safetensors;
 pub mod sampling;
+pub mod scheduler;
 pub mod schema;
 pub mod synth;
 pub mod tensor;

@@ -88,7 +88,9 @@ impl Default for SamplingParams {
 pub struct StopConditions {
     /// Tokens to generate at most; >= 1.
     pub max_tokens: u32,
-    /// Stop and eos ids cannot end the request before this many tokens; [0, max_tokens].
+    /// Stop and eos ids are masked until this many tokens exist, so at least this many precede
+    /// a stop; [0, max_tokens]. If masking would leave no token, a sampled stop id does not
+    /// end the request while fewer than this many tokens exist.
     pub min_tokens: u32,
     /// Ids that end the request (in addition to eos). Ids outside the vocabulary can never be
     /// sampled, so they are accepted and have no effect.
@@ -248,9 +250,12 @@ fn saturate(x: f32) -> f32 {
 /// The candidate order used everywhere: logit descending, then token id ascending. It is total
 /// (ids are unique and only finite logits are compared), so sorts and selections give the same
 /// result whatever the algorithm. Probability is monotone in the logit, so this is also the
-/// "probability descending" order.
-fn by_rank(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+/// "probability descending" order. `partial_cmp`, not `total_cmp`, so that -0.0 and 0.0 tie
+/// and fall to the id, exactly as in the greedy argmax.
+fn by_rank(a: (u32, f32), b: (u32, f32)) -> Ordering {
+    b.1.partial_cmp(&a.1)
+        .unwrap_or(Ordering::Equal)
+        .then(a.0.cmp(&b.0))
 }
 
 /// The `n` best candidates in rank order.
@@ -259,10 +264,10 @@ fn best_n(mut cands: Vec<(u32, f32)>, n: usize) -> Vec<(u32, f32)> {
         return Vec::new();
     }
     if n < cands.len() {
-        cands.select_nth_unstable_by(n - 1, by_rank);
+        cands.select_nth_unstable_by(n - 1, |a, b| by_rank(*a, *b));
         cands.truncate(n);
     }
-    cands.sort_unstable_by(by_rank);
+    cands.sort_unstable_by(|a, b| by_rank(*a, *b));
     cands
 }
 

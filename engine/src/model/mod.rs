@@ -39,6 +39,7 @@ pub struct SequenceState {
 impl SequenceState {
     /// The same state with windows trimmed to what the next step can attend to (for comparing
     /// states reached through different chunkings).
+    #[must_use]
     pub fn normalized(&self, config: &ModelConfig) -> Self {
         let mut out = self.clone();
         let keep = (config.sliding_window - 1) * config.head_dim;

@@ -92,7 +92,11 @@ impl PagedStore {
     /// with the sequence's tokens so far; only steps that end on a block boundary add one).
     pub fn offer_block(&mut self, seq: &PagedSeq, tokens: &[u32]) -> Result<(), PoolError> {
         let ps = self.layout.page_size;
-        if !self.prefix_enabled || seq.len == 0 || seq.len % ps != 0 || tokens.len() < seq.len {
+        if !self.prefix_enabled
+            || seq.len == 0
+            || !seq.len.is_multiple_of(ps)
+            || tokens.len() < seq.len
+        {
             return Ok(());
         }
         let depth = seq.len / ps - 1;

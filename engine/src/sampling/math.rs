@@ -45,8 +45,8 @@ const EXP_CUTOFF: f64 = -708.0;
 /// positive; positive inputs are clamped to 0 (weight 1) rather than overflowing.
 pub(crate) fn exp_nonpositive(x: f64) -> f64 {
     // Cody-Waite split of ln 2: the high part has trailing zero bits so `k * LN2_HI` is exact.
-    const LN2_HI: f64 = 6.931_471_803_691_238_164_90e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
+    const LN2_HI: f64 = 0.693_147_180_369_123_8;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     if x.is_nan() || x < EXP_CUTOFF {
         return 0.0;
     }

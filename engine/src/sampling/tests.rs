@@ -39,14 +39,14 @@ fn random_rows(rows: usize, vocab: usize, seed: u64) -> Vec<Vec<f32>> {
 }
 
 fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = f64::from(logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
     let lse = max
         + logits
             .iter()
-            .map(|&l| (l as f64 - max).exp())
+            .map(|&l| (f64::from(l) - max).exp())
             .sum::<f64>()
             .ln();
-    logits.iter().map(|&l| l as f64 - lse).collect()
+    logits.iter().map(|&l| f64::from(l) - lse).collect()
 }
 
 /// Draw frequencies of each token over `n` samples of the same row.
@@ -99,6 +99,15 @@ fn greedy_picks_argmax() {
 fn greedy_ties_pick_lowest_id() {
     let mut s = sampler(SamplingParams::default(), 5);
     assert_eq!(s.sample(&[1.0, 2.0, 0.0, 2.0, 2.0]).unwrap().token, 1);
+    // -0.0 and 0.0 are the same logit: the lower id wins, in greedy and in top-k alike.
+    assert_eq!(s.sample(&[-1.0, -0.0, 0.0, -2.0, -3.0]).unwrap().token, 1);
+    let top1 = SamplingParams {
+        top_k: 1,
+        ..random(1.0, 3)
+    };
+    let mut s = sampler(top1, 5);
+    assert_eq!(s.sample(&[-1.0, -0.0, 0.0, -2.0, -3.0]).unwrap().token, 1);
+    assert_eq!(s.sample(&[-1.0, 0.0, -0.0, -2.0, -3.0]).unwrap().token, 1);
 }
 
 #[test]

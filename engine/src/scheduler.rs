@@ -1,0 +1,417 @@
+//! The serving loop of one worker: requests wait in a FIFO queue, are admitted when their
+//! pages fit, and every `step` runs one batched forward pass mixing decode tokens (first, for
+//! latency) with prefill chunks (packed into the remaining token budget, cut at page
+//! boundaries so completed blocks enter the prefix cache). Pages for the prompt plus
+//! `max_tokens` are reserved at admission, so a running request can never run out of pages
+//! mid-flight. Because the forward pass is batch-invariant and each request samples from its
+//! own seeded stream, a request's tokens do not depend on what else is running.
+
+use std::collections::VecDeque;
+
+use crate::{
+    model::{ForwardError, Logits, Model, Step},
+    paged::{
+        layout::{KvStorage, LayoutError, StateLayout},
+        store::{PagedSeq, PagedStore},
+    },
+    pool::PoolError,
+    sampling::{FinishReason, Sampled, Sampler, SamplingError, SamplingParams, StopConditions},
+};
+
+/// Sizes and budgets of the engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub page_size: usize,
+    pub num_pages: u32,
+    /// Requests decoding or prefilling at once (also the number of state slots).
+    pub max_running: usize,
+    /// Tokens per forward step (decode tokens plus prefill chunks).
+    pub max_batch_tokens: usize,
+    pub kv: KvStorage,
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 64,
+            num_pages: 1024,
+            max_running: 32,
+            max_batch_tokens: 512,
+            kv: KvStorage::F32,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// A request to generate.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: StopConditions,
+}
+
+/// Token accounting of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What a step produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The request's `index`-th generated token.
+    Token {
+        id: u64,
+        index: usize,
+        sampled: Sampled,
+    },
+    Finished {
+        id: u64,
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Cancelled {
+        id: u64,
+    },
+    /// The request failed inside the engine; its pages are released.
+    Failed {
+        id: u64,
+        error: String,
+    },
+}
+
+/// Why a request is refused or the engine cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Sampling(#[from] SamplingError),
+    #[error("{0}")]
+    Layout(#[from] LayoutError),
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    #[error("request {0} already exists")]
+    DuplicateId(u64),
+    #[error("request needs {needed} pages ({tokens} tokens) but the pool has {total}")]
+    TooLarge {
+        needed: usize,
+        tokens: usize,
+        total: usize,
+    },
+    #[error("{tokens} tokens exceed the model's context of {limit}")]
+    TooLong { tokens: usize, limit: usize },
+}
+
+#[derive(Debug)]
+struct Running {
+    id: u64,
+    /// Prompt followed by the generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    cached: usize,
+    seq: PagedSeq,
+    sampler: Sampler,
+}
+
+/// One worker's engine.
+#[derive(Debug)]
+pub struct Engine {
+    model: Model,
+    store: PagedStore,
+    config: EngineConfig,
+    waiting: VecDeque<(GenerationRequest, Sampler)>,
+    running: Vec<Running>,
+}
+
+impl Engine {
+    pub fn new(model: Model, config: EngineConfig, fingerprint: &str) -> Result<Self, EngineError> {
+        let layout = StateLayout::new(&model.config, config.page_size, config.kv, fingerprint)?;
+        let mut store = PagedStore::new(
+            &model.config,
+            layout,
+            config.num_pages,
+            config.max_running as u32,
+        );
+        // Cannot fail: the cache starts empty.
+        let _ = store.set_prefix_cache(config.prefix_cache);
+        Ok(Self {
+            model,
+            store,
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn store(&self) -> &PagedStore {
+        &self.store
+    }
+
+    /// Requests running and waiting.
+    pub fn load(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len())
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Queues a request after validating it completely (parameters, token ids, size).
+    pub fn add(&mut self, req: GenerationRequest) -> Result<(), EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let known = self.running.iter().any(|r| r.id == req.id)
+            || self.waiting.iter().any(|(w, _)| w.id == req.id);
+        if known {
+            return Err(EngineError::DuplicateId(req.id));
+        }
+        let tokens = req.prompt.len() + req.stop.max_tokens as usize;
+        let limit = self.model.config.max_position_embeddings;
+        if tokens > limit {
+            return Err(EngineError::TooLong { tokens, limit });
+        }
+        let needed = self.store.pages_for(tokens);
+        if needed > self.store.pages().total() {
+            return Err(EngineError::TooLarge {
+                needed,
+                tokens,
+                total: self.store.pages().total(),
+            });
+        }
+        let sampler = Sampler::new(
+            req.sampling.clone(),
+            req.stop.clone(),
+            &req.prompt,
+            self.model.config.vocab_size,
+            default_seed(req.id),
+        )?;
+        self.waiting.push_back((req, sampler));
+        Ok(())
+    }
+
+    /// Removes a request wherever it is; its pages return to the pool.
+    pub fn cancel(&mut self, id: u64) -> Option<Event> {
+        if let Some(i) = self.waiting.iter().position(|(w, _)| w.id == id) {
+            self.waiting.remove(i);
+            return Some(Event::Cancelled { id });
+        }
+        let i = self.running.iter().position(|r| r.id == id)?;
+        let r = self.running.swap_remove(i);
+        Some(match self.store.release(r.seq) {
+            Ok(()) => Event::Cancelled { id },
+            Err(e) => Event::Failed {
+                id,
+                error: e.to_string(),
+            },
+        })
+    }
+
+    /// Admits waiting requests in order while their pages and a slot fit.
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_running {
+            let Some((req, _)) = self.waiting.front() else {
+                return;
+            };
+            let total = req.prompt.len() + req.stop.max_tokens as usize;
+            let Ok((mut seq, cached)) = self.store.open_prompt(&req.prompt) else {
+                return;
+            };
+            if self.store.reserve(&mut seq, total).is_err() {
+                // Not enough pages now: wait for running requests to finish (FIFO, no skip).
+                let _ = self.store.release(seq);
+                return;
+            }
+            let Some((req, sampler)) = self.waiting.pop_front() else {
+                return;
+            };
+            self.running.push(Running {
+                id: req.id,
+                prompt_len: req.prompt.len(),
+                tokens: req.prompt,
+                cached,
+                seq,
+                sampler,
+            });
+        }
+    }
+
+    /// Runs one forward step and returns what it produced.
+    pub fn step(&mut self) -> Vec<Event> {
+        self.admit();
+        let ps = self.config.page_size;
+        let mut budget = self.config.max_batch_tokens.max(1);
+        // (running index, token range, wants logits)
+        let mut plan: Vec<(usize, std::ops::Range<usize>, bool)> = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            if r.seq.len >= r.prompt_len && budget > 0 {
+                plan.push((i, r.seq.len..r.seq.len + 1, true));
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.running.iter().enumerate() {
+            if r.seq.len < r.prompt_len && budget > 0 {
+                let start = r.seq.len;
+                let mut end = (start + budget).min(r.prompt_len);
+                // Cut at a page boundary so the completed blocks can be cached.
+                if end < r.prompt_len && (end / ps) * ps > start {
+                    end = (end / ps) * ps;
+                }
+                budget -= end - start;
+                plan.push((i, start..end, end == r.prompt_len));
+            }
+        }
+        if plan.is_empty() {
+            return Vec::new();
+        }
+        let mut events = Vec::new();
+        let mut states = Vec::with_capacity(plan.len());
+        for &(i, _, _) in &plan {
+            states.push(self.store.gather(&self.running[i].seq));
+        }
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        let mut ok_states = Vec::new();
+        for ((i, range, logits), state) in plan.iter().zip(states) {
+            match state {
+                Ok(s) => ok_states.push((*i, range.clone(), *logits, s)),
+                Err(e) => failed.push((*i, e.to_string())),
+            }
+        }
+        let result = {
+            let mut batch: Vec<Step<'_>> = ok_states
+                .iter_mut()
+                .map(|(i, range, logits, state)| Step {
+                    state,
+                    tokens: &self.running[*i].tokens[range.clone()],
+                    logits: if *logits { Logits::Last } else { Logits::None },
+                })
+                .collect();
+            self.model.forward_batch(&mut batch)
+        };
+        match result {
+            Ok(outputs) => {
+                for ((i, _, _, state), mut logits) in ok_states.into_iter().zip(outputs) {
+                    if let Err(e) = self.advance(i, &state, logits.pop(), &mut events) {
+                        failed.push((i, e));
+                    }
+                }
+            }
+            Err(e) => {
+                let e: ForwardError = e;
+                failed.extend(ok_states.iter().map(|(i, ..)| (*i, e.to_string())));
+            }
+        }
+        self.retire(&mut events, failed);
+        events
+    }
+
+    /// Stores a request's new state, samples when it produced logits, and marks it done.
+    fn advance(
+        &mut self,
+        i: usize,
+        state: &crate::model::SequenceState,
+        logits: Option<Vec<f32>>,
+        events: &mut Vec<Event>,
+    ) -> Result<(), String> {
+        let r = &mut self.running[i];
+        self.store
+            .scatter(&mut r.seq, state)
+            .map_err(|e: PoolError| e.to_string())?;
+        self.store
+            .offer_block(&r.seq, &r.tokens)
+            .map_err(|e| e.to_string())?;
+        let Some(logits) = logits else {
+            return Ok(());
+        };
+        let sampled = r.sampler.sample(&logits).map_err(|e| e.to_string())?;
+        r.tokens.push(sampled.token);
+        let index = r.tokens.len() - r.prompt_len - 1;
+        events.push(Event::Token {
+            id: r.id,
+            index,
+            sampled,
+        });
+        if let Some(reason) = r.sampler.finish() {
+            events.push(Event::Finished {
+                id: r.id,
+                reason,
+                usage: Usage {
+                    prompt_tokens: r.prompt_len,
+                    cached_tokens: r.cached,
+                    completion_tokens: index + 1,
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// Releases finished and failed requests.
+    fn retire(&mut self, events: &mut Vec<Event>, failed: Vec<(usize, String)>) {
+        let finished: Vec<u64> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Finished { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let failed_ids: Vec<(u64, String)> = failed
+            .into_iter()
+            .map(|(i, e)| (self.running[i].id, e))
+            .collect();
+        let mut keep = Vec::with_capacity(self.running.len());
+        for r in std::mem::take(&mut self.running) {
+            let failure = failed_ids.iter().find(|(id, _)| *id == r.id);
+            if failure.is_none() && !finished.contains(&r.id) {
+                keep.push(r);
+                continue;
+            }
+            let id = r.id;
+            let released = self.store.release(r.seq);
+            if let Some((_, error)) = failure {
+                events.push(Event::Failed {
+                    id,
+                    error: error.clone(),
+                });
+            } else if let Err(e) = released {
+                events.push(Event::Failed {
+                    id,
+                    error: e.to_string(),
+                });
+            }
+        }
+        self.running = keep;
+    }
+
+    /// Runs steps until every request has finished; returns all events (bounded by the work
+    /// queued: each step makes progress on at least one request).
+    pub fn run_to_completion(&mut self) -> Vec<Event> {
+        let mut events = Vec::new();
+        while !self.is_idle() {
+            let step = self.step();
+            if step.is_empty() && self.running.is_empty() {
+                // Nothing admitted and nothing running: the head request can never fit.
+                if let Some((req, _)) = self.waiting.pop_front() {
+                    events.push(Event::Failed {
+                        id: req.id,
+                        error: "request does not fit in the page pool".into(),
+                    });
+                }
+            }
+            events.extend(step);
+        }
+        events
+    }
+}
+
+/// Seed for requests without one: derived from the id, so runs are reproducible.
+fn default_seed(id: u64) -> u64 {
+    id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed
+}

@@ -1,0 +1,201 @@
+//! The serving loop: continuous batching gives every request exactly the tokens it gets when
+//! running alone, under random arrivals, page pressure and prefix sharing; pages come back.
+#![allow(clippy::unwrap_used, reason = "test code")]
+
+use std::collections::BTreeMap;
+
+use engine::{
+    config::ExpertFormat,
+    model::Model,
+    sampling::{FinishReason, SamplingParams, StopConditions},
+    scheduler::{Engine, EngineConfig, EngineError, Event, GenerationRequest},
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+
+fn load() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 12,
+        experts: ExpertFormat::Mxfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    (dir, model)
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, temperature: f32) -> GenerationRequest {
+    GenerationRequest {
+        id,
+        prompt,
+        sampling: SamplingParams {
+            temperature,
+            top_p: 0.9,
+            seed: Some(id * 31),
+            ..SamplingParams::default()
+        },
+        stop: StopConditions {
+            max_tokens,
+            min_tokens: 0,
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            eos_token_ids: vec![1],
+        },
+    }
+}
+
+fn tokens_by_id(events: &[Event]) -> BTreeMap<u64, Vec<u32>> {
+    let mut out: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    for e in events {
+        if let Event::Token { id, index, sampled } = e {
+            let v = out.entry(*id).or_default();
+            assert_eq!(*index, v.len(), "tokens arrive in order");
+            v.push(sampled.token);
+        }
+    }
+    out
+}
+
+fn engine(config: EngineConfig) -> Engine {
+    let (_dir, model) = load();
+    Engine::new(model, config, "test").unwrap()
+}
+
+#[test]
+fn batched_requests_equal_solo_runs() {
+    let mut rng = Rng::for_tensor(3, "sched");
+    let shared: Vec<u32> = (0..140)
+        .map(|_| (rng.next_u64() % 129_280) as u32)
+        .collect();
+    let requests: Vec<GenerationRequest> = (0..6u64)
+        .map(|id| {
+            let len = [5usize, 70, 150, 33, 129, 200][id as usize];
+            let mut prompt: Vec<u32> = (0..len)
+                .map(|_| (rng.next_u64() % 129_280) as u32)
+                .collect();
+            if id % 2 == 1 {
+                // Half the requests share a long prefix (prefix cache in play).
+                prompt = [&shared[..], &prompt[..]].concat();
+            }
+            request(
+                id,
+                prompt,
+                6 + id as u32,
+                if id % 3 == 0 { 0.0 } else { 0.8 },
+            )
+        })
+        .collect();
+
+    // Solo: each request alone in a fresh engine.
+    let mut solo = BTreeMap::new();
+    for req in &requests {
+        let mut e = engine(EngineConfig::default());
+        e.add(req.clone()).unwrap();
+        solo.extend(tokens_by_id(&e.run_to_completion()));
+    }
+
+    // Together, with staggered arrivals, a small token budget and a tight page pool.
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages: 48,
+        max_running: 3,
+        max_batch_tokens: 40,
+        ..EngineConfig::default()
+    };
+    let mut e = engine(config);
+    let mut events = Vec::new();
+    let mut pending = requests.clone();
+    let mut steps = 0;
+    while !(pending.is_empty() && e.is_idle()) {
+        if !pending.is_empty() && steps % 3 == 0 {
+            e.add(pending.remove(0)).unwrap();
+        }
+        events.extend(e.step());
+        steps += 1;
+        assert!(steps < 5_000, "engine made no progress");
+    }
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::Failed { .. })),
+        "{events:?}"
+    );
+    let together = tokens_by_id(&events);
+    assert_eq!(together, solo);
+    for req in &requests {
+        assert_eq!(together[&req.id].len(), req.stop.max_tokens as usize);
+    }
+    let finished: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished { id, reason, usage } => Some((*id, *reason, *usage)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(finished.len(), requests.len());
+    assert!(finished.iter().all(|(_, r, _)| *r == FinishReason::Length));
+    assert!(
+        finished.iter().any(|(_, _, u)| u.cached_tokens > 0),
+        "the shared prefix was served from the cache"
+    );
+    // Every page is either free or held by the prefix cache.
+    let store = e.store();
+    assert_eq!(store.pages().used_count(), store.prefix().len());
+    assert_eq!(store.slots().used_count(), 0);
+}
+
+#[test]
+fn oversized_and_invalid_requests_are_refused() {
+    let mut e = engine(EngineConfig {
+        page_size: 16,
+        num_pages: 4,
+        ..EngineConfig::default()
+    });
+    let err = e.add(request(1, vec![3; 60], 10, 0.0)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::TooLarge {
+                needed: 5,
+                total: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(matches!(
+        e.add(request(2, vec![], 1, 0.0)),
+        Err(EngineError::EmptyPrompt)
+    ));
+    let err = e.add(request(3, vec![200_000], 1, 0.0)).unwrap_err();
+    assert!(err.to_string().contains("prompt"), "{err}");
+    let mut bad = request(4, vec![1, 2], 1, 0.0);
+    bad.sampling.top_p = 0.0;
+    assert!(e.add(bad).unwrap_err().to_string().contains("top_p"));
+    e.add(request(5, vec![1, 2], 1, 0.0)).unwrap();
+    assert!(matches!(
+        e.add(request(5, vec![1], 1, 0.0)),
+        Err(EngineError::DuplicateId(5))
+    ));
+}
+
+#[test]
+fn cancel_releases_everything() {
+    let mut e = engine(EngineConfig {
+        page_size: 16,
+        num_pages: 64,
+        ..EngineConfig::default()
+    });
+    e.add(request(1, vec![7; 100], 50, 0.0)).unwrap();
+    e.add(request(2, vec![8; 30], 50, 0.0)).unwrap();
+    e.step();
+    e.step();
+    assert!(e.store().pages().used_count() > 0);
+    assert_eq!(e.cancel(1), Some(Event::Cancelled { id: 1 }));
+    assert_eq!(e.cancel(2), Some(Event::Cancelled { id: 2 }));
+    assert_eq!(e.cancel(2), None);
+    assert!(e.is_idle());
+    let store = e.store();
+    assert_eq!(store.pages().used_count(), store.prefix().len());
+    assert_eq!(store.slots().used_count(), 0);
+}
