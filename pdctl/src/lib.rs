@@ -4,6 +4,7 @@
 
 pub mod bench_engine;
 pub mod cluster;
+pub mod generate;
 pub mod health;
 pub mod model_cmds;
 
@@ -29,6 +30,8 @@ pub enum Command {
     GenModel(model_cmds::GenModelArgs),
     /// Print reference f32 logits of a prompt from the engine's CPU model.
     Logits(model_cmds::LogitsArgs),
+    /// Generate from a prompt in this process with the engine's CPU model.
+    Generate(generate::GenerateArgs),
     /// Measure prefill and decode tokens/s of the engine's CPU model.
     BenchEngine(bench_engine::BenchEngineArgs),
 }
@@ -109,6 +112,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::GenModel(args) => model_cmds::gen_model(&args),
             Command::Logits(args) => model_cmds::logits(&args),
             Command::BenchEngine(args) => bench_engine::run(&args),
+            Command::Generate(args) => generate::run(&args),
         }
     });
     match result {
