@@ -151,6 +151,11 @@ impl Engine {
         &self.model
     }
 
+    /// Gives the model back (the engine's state is dropped).
+    pub fn into_model(self) -> Model {
+        self.model
+    }
+
     pub fn store(&self) -> &PagedStore {
         &self.store
     }

@@ -56,6 +56,32 @@ impl Matrix {
         }
     }
 
+    /// `self · x` for several vectors at once, reading each weight row once for all of them
+    /// (the big output head is memory-bound). Each output is the same `dot` as in `matvec`, so
+    /// results are bit-identical to one-at-a-time.
+    pub fn apply_many(&self, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        use rayon::prelude::*;
+        if xs.len() <= 1 {
+            return xs.iter().map(|x| self.apply(x)).collect();
+        }
+        let mut out = vec![0.0f32; xs.len() * self.rows];
+        // out is row-major [rows][xs]: chunks of ROWS_PER_TASK weight rows per task.
+        out.par_chunks_mut(ROWS_PER_TASK * xs.len())
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                let r0 = task * ROWS_PER_TASK;
+                for (i, o) in chunk.chunks_exact_mut(xs.len()).enumerate() {
+                    let row = self.row(r0 + i);
+                    for (oi, x) in o.iter_mut().zip(xs) {
+                        *oi = dot(row, x);
+                    }
+                }
+            });
+        (0..xs.len())
+            .map(|t| (0..self.rows).map(|r| out[r * xs.len() + t]).collect())
+            .collect()
+    }
+
     /// `self · x` as a new vector.
     pub fn apply(&self, x: &[f32]) -> Vec<f32> {
         let mut out = vec![0.0; self.rows];

@@ -1,10 +1,19 @@
-//! `pdctl bench-engine`: prefill and decode throughput of the CPU reference model.
+//! `pdctl bench-engine`: throughput of the CPU engine (prefill tokens/s, decode tokens/s at
+//! several batch sizes), bytes of request state per token per layer kind, the drift of FP8
+//! K=V storage against f32, and optionally `transformers` timed on the same checkpoint in the
+//! same run (the ratio is what the engine is judged by).
 
-use std::{path::PathBuf, time::Instant};
+use std::{path::PathBuf, process::Command, time::Instant};
 
 use engine::{
     config::ExpertFormat,
     model::{Logits, Model},
+    paged::{
+        layout::{KvStorage, StateLayout},
+        store::PagedStore,
+    },
+    sampling::{SamplingParams, StopConditions},
+    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
     synth::{self, GenerateOptions, Preset, Rng},
 };
 
@@ -16,18 +25,198 @@ pub struct BenchEngineArgs {
     /// Checkpoint folder; default: a generated `small` checkpoint with MXFP4 experts.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
-    /// Prompt tokens to prefill.
+    /// Prompt tokens for the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prompt_len: usize,
-    /// Decode steps after the prompt.
+    /// Decode steps per request in the decode measurements.
     #[arg(long, default_value_t = 32)]
-    pub decode_steps: usize,
+    pub decode_steps: u32,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// Python with torch + transformers (tools/golden/setup-venv.sh) to time transformers on
+    /// the same checkpoint in this run.
+    #[arg(long, value_name = "PYTHON")]
+    pub transformers_python: Option<PathBuf>,
+    /// Skip the FP8 K=V drift measurement.
+    #[arg(long)]
+    pub no_kv_drift: bool,
 }
 
-/// Runs `pdctl bench-engine` and prints a table.
+fn err(e: &dyn std::fmt::Display) -> PdctlError {
+    PdctlError::Model(e.to_string())
+}
+
+fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerationRequest {
+    GenerationRequest {
+        id,
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopConditions {
+            max_tokens,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: true,
+            eos_token_ids: Vec::new(),
+        },
+    }
+}
+
+/// Decode tokens/s with `batch` requests decoding together (prefill excluded).
+fn decode_rate(
+    model: Model,
+    batch: usize,
+    steps: u32,
+    rng: &mut Rng,
+) -> Result<(f64, Model), PdctlError> {
+    let vocab = model.config.vocab_size;
+    let config = EngineConfig {
+        max_running: batch.max(1),
+        num_pages: 4096,
+        max_batch_tokens: 64 * batch.max(1),
+        prefix_cache: false,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(model, config, "bench").map_err(|e| err(&e))?;
+    for id in 0..batch {
+        engine
+            .add(request(id as u64, random_tokens(rng, 64, vocab), steps + 1))
+            .map_err(|e| err(&e))?;
+    }
+    // Prefill until every request has its first token.
+    let mut first = 0;
+    while first < batch {
+        first += engine
+            .step()
+            .iter()
+            .filter(|e| matches!(e, Event::Token { index: 0, .. }))
+            .count();
+    }
+    let started = Instant::now();
+    let mut tokens = 0usize;
+    while !engine.is_idle() {
+        tokens += engine
+            .step()
+            .iter()
+            .filter(|e| matches!(e, Event::Token { .. }))
+            .count();
+    }
+    let rate = tokens as f64 / started.elapsed().as_secs_f64();
+    Ok((rate, engine.into_model()))
+}
+
+/// Mean KL(f32 ‖ fp8) of next-token distributions and top-1 agreement over a fixed prompt set:
+/// the first half of each prompt is prefilled, the rest decoded token by token, so the FP8
+/// rows are read back at every step.
+fn kv_drift(model: &Model) -> Result<Option<(f64, f64, usize)>, PdctlError> {
+    let c = &model.config;
+    let Ok(layout) = StateLayout::new(c, 64, KvStorage::Fp8, "drift") else {
+        return Ok(None);
+    };
+    let mut store = PagedStore::new(c, layout, 64, 1);
+    let mut rng = Rng::for_tensor(7, "kv-drift");
+    let (mut kl_sum, mut agree, mut n) = (0.0f64, 0usize, 0usize);
+    for _ in 0..6 {
+        let prompt = random_tokens(&mut rng, 192, c.vocab_size);
+        let mut reference = model.new_state();
+        let mut seq = store.open().map_err(|e| err(&e))?;
+        let mut prompt_done = 0usize;
+        for (i, chunk) in [&prompt[..96]]
+            .into_iter()
+            .chain(prompt[96..].chunks(1))
+            .enumerate()
+        {
+            let want = model
+                .forward(&mut reference, chunk, Logits::Last)
+                .map_err(|e| err(&e))?;
+            store
+                .reserve(&mut seq, prompt_done + chunk.len())
+                .map_err(|e| err(&e))?;
+            let mut state = store.gather(&seq).map_err(|e| err(&e))?;
+            let got = model
+                .forward(&mut state, chunk, Logits::Last)
+                .map_err(|e| err(&e))?;
+            store.scatter(&mut seq, &state).map_err(|e| err(&e))?;
+            prompt_done += chunk.len();
+            if i == 0 {
+                continue;
+            }
+            let (p, q) = (log_softmax(&want[0]), log_softmax(&got[0]));
+            kl_sum += p
+                .iter()
+                .zip(&q)
+                .map(|(a, b)| a.exp() * (a - b))
+                .sum::<f64>();
+            agree += usize::from(argmax(&want[0]) == argmax(&got[0]));
+            n += 1;
+        }
+        store.release(seq).map_err(|e| err(&e))?;
+    }
+    Ok(Some((kl_sum / n as f64, agree as f64 / n as f64, n)))
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    x.iter().map(|&v| f64::from(v - max) - sum.ln()).collect()
+}
+
+fn argmax(x: &[f32]) -> usize {
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0
+}
+
+/// Runs `golden.py time` and returns (prefill tok/s, decode tok/s) parsed from its output.
+fn transformers_rates(
+    python: &PathBuf,
+    dir: &std::path::Path,
+    prompt: usize,
+    steps: u32,
+) -> Result<(f64, f64), PdctlError> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/golden/golden.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .args(["time", "--model"])
+        .arg(dir)
+        .args([
+            "--prompt-len",
+            &prompt.to_string(),
+            "--decode-steps",
+            &steps.to_string(),
+        ])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rate = |label: &str| {
+        text.lines()
+            .find(|l| l.starts_with(label))
+            .and_then(|l| l.split("= ").nth(1))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|r| r.parse::<f64>().ok())
+    };
+    match (rate("prefill:"), rate("decode:")) {
+        (Some(p), Some(d)) => Ok((p, d)),
+        _ => Err(err(&format!(
+            "transformers timing failed: {}{}",
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        ))),
+    }
+}
+
+/// Runs `pdctl bench-engine` and prints tables.
 #[expect(clippy::print_stdout, reason = "CLI output")]
 pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
-    let err = |e: &dyn std::fmt::Display| PdctlError::Model(e.to_string());
     let tmp;
     let dir = if let Some(dir) = &args.model {
         dir.clone()
@@ -43,59 +232,88 @@ pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
         .map_err(|e| err(&e))?;
         tmp.path().to_path_buf()
     };
-    let model = Model::load(&dir).map_err(|e| err(&e))?;
+    let mut model = Model::load(&dir).map_err(|e| err(&e))?;
     let mut rng = Rng::for_tensor(1, "bench");
-    let vocab = model.config.vocab_size as u64;
-    let prompt: Vec<u32> = (0..args.prompt_len.max(1))
-        .map(|_| (rng.next_u64() % vocab) as u32)
-        .collect();
+    let threads = rayon::current_num_threads();
+    println!("model: {} ({threads} threads)", dir.display());
 
-    // Warm-up (page in weights).
+    let prompt = random_tokens(&mut rng, args.prompt_len.max(1), model.config.vocab_size);
     let mut warm = model.new_state();
     model
         .forward(&mut warm, &prompt[..prompt.len().min(8)], Logits::Last)
         .map_err(|e| err(&e))?;
-
     let mut state = model.new_state();
     let started = Instant::now();
-    let mut logits = model
+    let mut last = model
         .forward(&mut state, &prompt, Logits::Last)
         .map_err(|e| err(&e))?;
-    let prefill = started.elapsed().as_secs_f64();
+    let prefill = prompt.len() as f64 / started.elapsed().as_secs_f64();
     let started = Instant::now();
     for _ in 0..args.decode_steps {
-        let last = logits.pop().unwrap_or_default();
-        let next = last
-            .iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
-                if v > b.1 { (i, v) } else { b }
-            })
-            .0 as u32;
-        logits = model
+        let next = argmax(&last.pop().unwrap_or_default()) as u32;
+        last = model
             .forward(&mut state, &[next], Logits::Last)
             .map_err(|e| err(&e))?;
     }
-    let decode = started.elapsed().as_secs_f64();
-    println!("model: {}", dir.display());
+    let single_decode = f64::from(args.decode_steps) / started.elapsed().as_secs_f64();
+
+    println!("\n{:<28} {:>12}", "measurement", "tokens/s");
     println!(
-        "{:<10} {:>8} {:>10} {:>10}",
-        "phase", "tokens", "seconds", "tok/s"
+        "{:<28} {:>12.1}",
+        format!("prefill ({} tokens)", prompt.len()),
+        prefill
     );
     println!(
-        "{:<10} {:>8} {:>10.3} {:>10.1}",
-        "prefill",
-        prompt.len(),
-        prefill,
-        prompt.len() as f64 / prefill
+        "{:<28} {:>12.1}",
+        format!("decode after prefill (b=1)"),
+        single_decode
     );
-    if args.decode_steps > 0 {
+    for &batch in &args.batches {
+        let (rate, back) = decode_rate(model, batch, args.decode_steps, &mut rng)?;
+        model = back;
+        println!("{:<28} {:>12.1}", format!("decode, batch {batch}"), rate);
+    }
+    if let Some(python) = &args.transformers_python {
+        let (tp, td) = transformers_rates(python, &dir, prompt.len(), args.decode_steps)?;
+        println!("{:<28} {:>12.1}", "transformers prefill", tp);
+        println!("{:<28} {:>12.1}", "transformers decode (b=1)", td);
         println!(
-            "{:<10} {:>8} {:>10.3} {:>10.1}",
-            "decode",
-            args.decode_steps,
-            decode,
-            args.decode_steps as f64 / decode
+            "ratio engine/transformers: prefill {:.2}x, decode {:.2}x",
+            prefill / tp,
+            single_decode / td
+        );
+    }
+
+    println!("\nstate bytes per token (all layers), page size 64");
+    println!("{:<26} {:>12} {:>12}", "region", "f32", "fp8 k=v");
+    let f32_layout =
+        StateLayout::new(&model.config, 64, KvStorage::F32, "b").map_err(|e| err(&e))?;
+    let fp8_layout =
+        StateLayout::new(&model.config, 64, KvStorage::Fp8, "b").map_err(|e| err(&e))?;
+    let fp8 = fp8_layout.bytes_per_token();
+    for (kind, bytes) in f32_layout.bytes_per_token() {
+        let other = fp8
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(0.0, |(_, b)| *b);
+        println!(
+            "{:<26} {:>12.1} {:>12.1}",
+            format!("{kind:?}"),
+            bytes,
+            other
+        );
+    }
+    println!(
+        "{:<26} {:>12} {:>12}",
+        "slot (per request)", f32_layout.slot_bytes, fp8_layout.slot_bytes
+    );
+
+    if !args.no_kv_drift
+        && let Some((kl, top1, n)) = kv_drift(&model)?
+    {
+        println!(
+            "\nFP8 K=V storage vs f32 ({n} decode positions): mean KL {kl:.3e} nats, top-1 agreement {:.1}%",
+            top1 * 100.0
         );
     }
     Ok(())

@@ -13,7 +13,8 @@ plain float32 `DeepseekV4ForCausalLM` with eager attention and eager experts.
 
 Subcommands:
   logits    one full forward per prompt (batch 1, no padding, use_cache=False); writes a
-            fixture JSON (see tools/golden/README.md for the schema).
+            fixture JSON (see tools/golden/README.md for the schema); with --greedy N also
+            N greedy tokens per prompt, each from a full forward (no cache).
   time      prefill + greedy decode timing of transformers on a checkpoint (2 threads).
   selftest  builds random tiny models, writes them in the native layout, reloads them through
             load_checkpoint and proves the round trip and the decoders; needs no Rust output.
@@ -479,7 +480,15 @@ DEFAULT_MIN_REL_GAP = 1e-6
 
 
 def decision_margins(model, ids: list[int]) -> list[dict]:
-    """Gaps of the discrete choices inside one forward (diagnostic, not stored in the fixture).
+    """The records of `forward_with_margins` (without the logits)."""
+    return forward_with_margins(model, ids)[1]
+
+
+def forward_with_margins(model, ids: list[int]):
+    """One full forward (as `forward_logits`) with hooks that measure its discrete choices.
+    Returns (logits [len, V] float32, records); the records are diagnostic, not stored.
+
+    Gaps of the discrete choices inside one forward.
     For every top-k router and token: the gap between the k-th and (k+1)-th biased expert
     score. For every CSA indexer and query with more than index_topk causally visible entries:
     the gap between the k-th and (k+1)-th visible index score. Returns one record per
@@ -531,11 +540,11 @@ def decision_margins(model, ids: list[int]) -> list[dict]:
                 hooks.append(module.scorer.register_forward_hook(
                     indexer_hook(layer, module.compress_rate, module.index_topk)))
     try:
-        forward_logits(model, ids)
+        logits = forward_logits(model, ids)
     finally:
         for h in hooks:
             h.remove()
-    return found
+    return logits, found
 
 
 def summarize_margins(found: list[dict]) -> dict:
@@ -545,6 +554,44 @@ def summarize_margins(found: list[dict]) -> dict:
         if r["kind"] not in out or r["rel_gap"] < out[r["kind"]]["rel_gap"]:
             out[r["kind"]] = r
     return out
+
+
+def greedy_continuation(model, ids: list[int], steps: int, measure: bool = True) -> tuple[list[int], list[dict]]:
+    """`steps` greedy tokens after `ids` by FULL RECOMPUTATION (no KV cache): step k runs one
+    full forward (batch 1, no padding, use_cache=False, positions 0..len+k-1) over
+    `ids + tokens[:k]` and appends torch.argmax of the last row over the full vocabulary
+    (the lowest id on an exact tie). Returns (tokens, records).
+
+    With `measure`, every one of these forwards runs with the `decision_margins` hooks (all
+    router/indexer choices of every position of that forward are recorded, positions relative
+    to the start of the prompt, with `"step": k`), and each step adds a record of kind
+    "greedy" (`position` = len+k-1, the row the token is taken from; `gap` = top1 - top2 logit;
+    `rel_gap` = gap / max |logit|; `tied` = all ids sharing the max on an exact tie)."""
+    import torch
+
+    seq, tokens, records = list(ids), [], []
+    for k in range(steps):
+        if measure:
+            logits, found = forward_with_margins(model, seq)
+            for r in found:
+                r["step"] = k
+            records += found
+        else:
+            logits = forward_logits(model, seq)
+        row = logits[-1]
+        if not torch.isfinite(row).all():
+            raise RuntimeError(f"non-finite logits at greedy step {k}")
+        tok = int(torch.argmax(row))
+        if measure:
+            top = torch.topk(row, 2).values
+            gap = float(top[0] - top[1])
+            max_abs = float(row.abs().max())
+            tied = (row == top[0]).nonzero().flatten().tolist() if gap == 0 else []
+            records.append({"kind": "greedy", "layer": None, "position": len(seq) - 1, "step": k, "gap": gap,
+                            "rel_gap": gap / max_abs if max_abs > 0 else 0.0, "tied": tied})
+        tokens.append(tok)
+        seq.append(tok)
+    return tokens, records
 
 
 def prompt_record(logits, ids: list[int]) -> dict:
@@ -612,26 +659,55 @@ def cmd_logits(args) -> int:
     if not prompts:
         print("error: give at least one --ids or --random", file=sys.stderr)
         return 2
+    if args.greedy < 0:
+        print("error: --greedy must be >= 0", file=sys.stderr)
+        return 2
     model = load_model(args.model)
     fixture = make_fixture(args.model, prompts, model=model)
     tight = []
     for i, p in enumerate(fixture["prompts"]):
         print(f"prompt {i}: len {len(p['ids'])}, positions {p['positions']}, argmax {p['argmax']}, "
               f"min top2_gap/max_abs {min(g / m for g, m in zip(p['top2_gap'], p['max_abs'])):.3g}")
-        if args.min_rel_gap <= 0:
+        measure = args.min_rel_gap > 0
+        found = []
+        if args.greedy > 0:
+            # Step 0 of the continuation is the forward over the prompt itself, so its records
+            # are exactly decision_margins(model, ids); steps 1.. add the continuation forwards.
+            toks, found = greedy_continuation(model, p["ids"], args.greedy, measure=measure)
+            if toks[0] != p["argmax"][-1]:
+                raise RuntimeError(f"prompt {i}: first greedy token {toks[0]} != argmax {p['argmax'][-1]} of the "
+                                   f"last position (same forward)")
+            p["greedy"] = toks
+            print(f"  greedy {args.greedy} (full recompute): {toks}")
+        elif measure:
+            found = decision_margins(model, p["ids"])
+        if not measure:
             continue
-        found = decision_margins(model, p["ids"])
+        # one record per (kind, layer, position): the tightest over all forwards that saw it
+        dedup = {}
+        for r in found:
+            key = (r["kind"], r["layer"], r["position"])
+            if key not in dedup or r["rel_gap"] < dedup[key]["rel_gap"]:
+                dedup[key] = r
+        found = list(dedup.values())
         for kind, r in sorted(summarize_margins(found).items()):
-            print(f"  tightest {kind} top-k choice: layer {r['layer']} position {r['position']}, "
-                  f"gap {r['gap']:.3g}, relative {r['rel_gap']:.3g}")
+            where = (f"step {r['step']} (position {r['position']})" if kind == "greedy"
+                     else f"layer {r['layer']} position {r['position']}")
+            what = "top-1/top-2 logit" if kind == "greedy" else "top-k choice"
+            print(f"  tightest {kind} {what}: {where}, gap {r['gap']:.3g}, relative {r['rel_gap']:.3g}")
         bad = sorted((r for r in found if r["rel_gap"] < args.min_rel_gap), key=lambda r: r["position"])
         for r in bad[:5]:
             what = f"exact tie among {r['tied']}" if r["tied"] else f"relative gap {r['rel_gap']:.3g}"
-            print(f"  TIGHT: {r['kind']} layer {r['layer']} position {r['position']}: {what}; logits from "
-                  f"position {r['position']} on depend on float rounding / torch.topk tie order", file=sys.stderr)
+            if r["kind"] == "greedy":
+                print(f"  TIGHT: greedy step {r['step']} (logits of position {r['position']}): top-2 {what}; the "
+                      f"continuation from step {r['step']} on depends on float rounding", file=sys.stderr)
+            else:
+                print(f"  TIGHT: {r['kind']} layer {r['layer']} position {r['position']}: {what}; logits from "
+                      f"position {r['position']} on depend on float rounding / torch.topk tie order", file=sys.stderr)
         tight += bad
     if tight and not args.allow_tight:
-        print(f"error: {len(tight)} discrete choice(s) with relative gap < {args.min_rel_gap:g}; fixture NOT "
+        print(f"error: {len(tight)} discrete choice(s) (router/indexer top-k or greedy top-2) with relative gap < "
+              f"{args.min_rel_gap:g}; fixture NOT "
               f"written. Pick other prompts/seeds, or pass --allow-tight.", file=sys.stderr)
         return 3
     text = json.dumps(fixture, separators=(",", ":")) + "\n"
@@ -1246,6 +1322,10 @@ def main(argv=None) -> int:
                    help="refuse prompts where a router/indexer top-k choice is decided by a relative gap "
                         f"below this (default {DEFAULT_MIN_REL_GAP:g}; 0 disables the check)")
     p.add_argument("--allow-tight", action="store_true", help="write the fixture even with tight choices")
+    p.add_argument("--greedy", type=int, default=0, metavar="N",
+                   help="also store N greedy tokens per prompt as \"greedy\" (full recomputation, argmax over "
+                        "the full vocab; every forward and every step's top-2 gap is checked like the prompt's; "
+                        "default 0: no key)")
     p.set_defaults(fn=cmd_logits)
 
     p = sub.add_parser("time", help="time transformers prefill and greedy decode (2 threads)")

@@ -194,25 +194,31 @@ impl Model {
                     *x = hyper::post(x, &y, &mix, c.hc_mult);
                 });
         }
-        let mut out = Vec::with_capacity(batch.len());
-        for (step, span) in batch.iter_mut().zip(&spans) {
+        // Final hidden states of every wanted position of every sequence, then one pass over
+        // the output head for all of them.
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        for (s, (step, span)) in batch.iter_mut().zip(&spans).enumerate() {
             step.state.len += span.len();
-            let wanted: Vec<usize> = match step.logits {
+            let positions: Vec<usize> = match step.logits {
                 _ if span.is_empty() => Vec::new(),
                 Logits::None => Vec::new(),
                 Logits::Last => vec![span.end - 1],
                 Logits::All => span.clone().collect(),
             };
-            out.push(
-                wanted
-                    .into_par_iter()
-                    .map(|t| {
-                        let mut h = hyper::head(&streams[t], &w.hc_head, c);
-                        rms_norm(&mut h, &w.norm, c.rms_norm_eps);
-                        w.head.apply(&h)
-                    })
-                    .collect(),
-            );
+            wanted.extend(positions.into_iter().map(|t| (s, t)));
+        }
+        let hidden: Vec<Vec<f32>> = wanted
+            .par_iter()
+            .map(|&(_, t)| {
+                let mut h = hyper::head(&streams[t], &w.hc_head, c);
+                rms_norm(&mut h, &w.norm, c.rms_norm_eps);
+                h
+            })
+            .collect();
+        let logits = w.head.apply_many(&hidden);
+        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); batch.len()];
+        for ((s, _), l) in wanted.into_iter().zip(logits) {
+            out[s].push(l);
         }
         Ok(out)
     }
