@@ -24,8 +24,19 @@ pub const CACHE_DIR: &str = "PDSERVE_CACHE_DIR";
 /// Set by `scripts/setup --cuda`: the folder holding `bin/nvcc` from the PyPI CUDA wheels.
 pub const CUDA_HOME: &str = "PDSERVE_CUDA_HOME";
 
+/// Set to `1` (by the test command) to make a build without nvcc an error instead of a
+/// CPU-only build of the kernels crate.
+pub const REQUIRE_CUDA_KERNELS: &str = "PDSERVE_REQUIRE_CUDA_KERNELS";
+
 /// Variables that any pdserve process may see without them being a setting of that process.
-pub const GLOBAL: &[&str] = &[CONFIG, LOG, LOG_FORMAT, CACHE_DIR, CUDA_HOME];
+pub const GLOBAL: &[&str] = &[
+    CONFIG,
+    LOG,
+    LOG_FORMAT,
+    CACHE_DIR,
+    CUDA_HOME,
+    REQUIRE_CUDA_KERNELS,
+];
 
 /// The environment variable that sets the configuration key `path` (e.g. `["tls", "cert_file"]`).
 pub fn setting_var(path: &[&str]) -> String {

@@ -6,7 +6,7 @@
 //! and generated tokens, so its output never depends on batch composition, thread timing or
 //! other requests. Everything that decides the drawn token is specified to the bit: candidates
 //! are ordered by (logit descending, token id ascending), which is a total order, weights use a
-//! libm-free `exp` (see [`math`]), sums run in f64 in that fixed order, and the random stream is
+//! libm-free `exp` (see the private `math` module), sums run in f64 in that fixed order, and the random stream is
 //! SplitMix64. The same seed, prompt, parameters and logits therefore give the same tokens on
 //! any machine.
 //!

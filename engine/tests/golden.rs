@@ -16,6 +16,8 @@ use std::{collections::BTreeMap, path::Path};
 use engine::{
     config::ExpertFormat,
     model::{Logits, Model},
+    sampling::{SamplingParams, StopConditions},
+    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
     synth::{GenerateOptions, Preset, generate},
 };
 use serde_json::Value;
@@ -88,6 +90,7 @@ fn engine_matches_transformers_golden_logits() {
     );
     let mut longest = 0;
     let mut checked_positions = 0;
+    let mut greedy_checked = 0;
     let mut models: BTreeMap<String, (tempfile::TempDir, Model)> = BTreeMap::new();
     for path in &fixtures {
         let fixture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -170,4 +173,54 @@ fn engine_matches_transformers_golden_logits() {
         "{} fixtures, {checked_positions} positions checked",
         fixtures.len()
     );
+}
+
+/// The serving engine's greedy generation (the path `pdctl generate` takes) equals the
+/// continuation `transformers` recorded, token for token.
+fn greedy_matches(model: &Model, path: &Path, fixture: &Value, checked: &mut usize) {
+    let prompts = fixture["prompts"].as_array().unwrap();
+    let with_greedy: Vec<&Value> = prompts
+        .iter()
+        .filter(|p| p.get("greedy").is_some())
+        .collect();
+    if with_greedy.is_empty() {
+        return;
+    }
+    let copy = Model::new(model.config.clone(), model.weights.clone());
+    let mut engine = Engine::new(copy, EngineConfig::default(), "golden").unwrap();
+    let mut want = BTreeMap::new();
+    for (id, prompt) in with_greedy.iter().enumerate() {
+        let expected: Vec<u32> = ints(&prompt["greedy"])
+            .into_iter()
+            .map(|t| t as u32)
+            .collect();
+        engine
+            .add(GenerationRequest {
+                id: id as u64,
+                prompt: ints(&prompt["ids"]).into_iter().map(|t| t as u32).collect(),
+                sampling: SamplingParams::default(),
+                stop: StopConditions {
+                    max_tokens: expected.len() as u32,
+                    min_tokens: 0,
+                    stop_token_ids: Vec::new(),
+                    ignore_eos: true,
+                    eos_token_ids: model.config.eos_token_ids.clone(),
+                },
+            })
+            .unwrap();
+        want.insert(id as u64, expected);
+    }
+    let mut got: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    for event in engine.run_to_completion() {
+        if let Event::Token { id, sampled, .. } = event {
+            got.entry(id).or_default().push(sampled.token);
+        }
+    }
+    assert_eq!(
+        got,
+        want,
+        "{}: greedy continuation differs from transformers",
+        path.display()
+    );
+    *checked += want.len();
 }

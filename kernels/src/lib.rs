@@ -1,2 +1,40 @@
-//! CUDA kernels and their CPU references. The CPU reference of every kernel is the oracle its
-//! CUDA version is tested against. Kernels arrive with the "CUDA kernels" work.
+//! pdserve's CUDA kernels and the CPU references they are checked against.
+//!
+//! `build.rs` compiles `cuda/*.cu` with nvcc into fatbins for sm_90a, sm_100a and sm_120a
+//! (plus compute_90 PTX) when nvcc is available; [`compiled`] says whether it was. The launch
+//! wrappers (feature `cuda`) load cudarc dynamically and never panic on a machine without a
+//! driver: `cuda::Gpu::open` returns `Ok(None)` there.
+//!
+//! Kernels and their references:
+//! - `nvfp4_quant.cu` `nvfp4_quantize_rows` — [`cpu::nvfp4_quantize_rows`]
+//!   (`engine::quant::quant_nvfp4_activation` row by row).
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// Embedded fatbins (empty when built without nvcc).
+pub mod fatbins {
+    include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
+}
+
+/// Whether the CUDA kernels were compiled into this build.
+pub fn compiled() -> bool {
+    cfg!(kernels_compiled)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Where the test command demands kernels, they are really in the binary: a CUDA fatbin
+    /// (magic 0xBA55ED50) for every `.cu` file.
+    #[test]
+    fn kernels_are_embedded_when_required() {
+        if std::env::var("PDSERVE_REQUIRE_CUDA_KERNELS").as_deref() != Ok("1") {
+            return;
+        }
+        assert!(super::compiled());
+        let fatbin = super::fatbins::NVFP4_QUANT;
+        assert!(fatbin.len() > 16);
+        assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());
+    }
+}

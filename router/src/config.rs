@@ -1,6 +1,6 @@
 //! Settings of the router. Layering: defaults < `--config` TOML < `PDSERVE_*` env < flags.
 
-use std::{net::SocketAddr, path::PathBuf};
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
 
 use clap::Parser;
 use common::config::{Invalid, ServiceConfig, check_host_port, check_range};
@@ -22,6 +22,25 @@ pub struct RouterConfig {
     pub max_body_bytes: u64,
     /// Milliseconds in-flight requests may take to finish after SIGTERM.
     pub shutdown_grace_ms: u64,
+    /// Checkpoint folder (`config.json`, weights, `tokenizer.json`) served by the in-process
+    /// engine backend. Unset: no backend; `/health/ready` stays 503.
+    pub model_dir: Option<PathBuf>,
+    /// The model name the API reports and accepts.
+    pub served_model_name: String,
+    /// Further model names accepted in requests (reported as `served_model_name`).
+    pub model_aliases: Vec<String>,
+    /// Whether requests that do not choose a thinking mode think.
+    pub thinking_default: bool,
+    /// Extra `reasoning_effort` request values mapped onto accepted ones (`none`, `low`,
+    /// `high`, `max`), e.g. `medium = "high"`. Unmapped other values are a 400.
+    pub reasoning_effort_map: BTreeMap<String, String>,
+    /// Bearer keys accepted on the API; empty: no authentication.
+    pub api_keys: Vec<String>,
+    /// Context length in tokens (prompt plus completion). Unset: the smaller of the model's
+    /// `max_position_embeddings` and the engine's page pool.
+    pub max_model_len: Option<u32>,
+    /// Pages in the in-process engine's pool.
+    pub engine_num_pages: u32,
 }
 
 impl Default for RouterConfig {
@@ -33,6 +52,17 @@ impl Default for RouterConfig {
             decode_workers: Vec::new(),
             max_body_bytes: 16 << 20,
             shutdown_grace_ms: 30_000,
+            model_dir: None,
+            served_model_name: "deepseek-v4-flash".to_owned(),
+            model_aliases: vec![
+                "DeepSeek-V4-Flash".to_owned(),
+                "deepseek-ai/DeepSeek-V4-Flash".to_owned(),
+            ],
+            thinking_default: true,
+            reasoning_effort_map: BTreeMap::new(),
+            api_keys: Vec::new(),
+            max_model_len: None,
+            engine_num_pages: 1024,
         }
     }
 }
@@ -53,6 +83,32 @@ impl ServiceConfig for RouterConfig {
             return Err(Invalid::new("grpc_listen", "must differ from http_listen"));
         }
         check_range("max_body_bytes", self.max_body_bytes, 1024, 1 << 30)?;
+        if self.served_model_name.trim().is_empty() {
+            return Err(Invalid::new("served_model_name", "must not be empty"));
+        }
+        for (from, to) in &self.reasoning_effort_map {
+            if !crate::chat::ACCEPTED_EFFORTS.contains(&to.as_str()) {
+                return Err(Invalid::new(
+                    format!("reasoning_effort_map.{from}"),
+                    format!(
+                        "maps to {to:?}; accepted targets: {}",
+                        crate::chat::ACCEPTED_EFFORTS.join(", ")
+                    ),
+                ));
+            }
+        }
+        if self.api_keys.iter().any(String::is_empty) {
+            return Err(Invalid::new("api_keys", "keys must not be empty"));
+        }
+        if let Some(len) = self.max_model_len {
+            check_range("max_model_len", u64::from(len), 16, 1 << 24)?;
+        }
+        check_range(
+            "engine_num_pages",
+            u64::from(self.engine_num_pages),
+            1,
+            1 << 24,
+        )?;
         check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)
     }
 }
@@ -89,6 +145,34 @@ pub struct Cli {
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_ms: Option<u64>,
+    /// Checkpoint folder served by the in-process engine backend.
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_dir: Option<PathBuf>,
+    /// Model name the API reports and accepts.
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_model_name: Option<String>,
+    /// A further accepted model name; repeat for several (replaces the configured list).
+    #[arg(long = "model-alias", value_name = "NAME")]
+    #[serde(rename = "model_aliases", skip_serializing_if = "Vec::is_empty")]
+    pub model_aliases: Vec<String>,
+    /// Whether requests that do not choose a thinking mode think (true/false).
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thinking_default: Option<bool>,
+    /// An accepted API key (Bearer); repeat for several.
+    #[arg(long = "api-key", value_name = "KEY")]
+    #[serde(rename = "api_keys", skip_serializing_if = "Vec::is_empty")]
+    pub api_keys: Vec<String>,
+    /// Context length in tokens (prompt plus completion).
+    #[arg(long, value_name = "TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u32>,
+    /// Pages in the in-process engine's pool.
+    #[arg(long, value_name = "PAGES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_num_pages: Option<u32>,
 }
 
 #[cfg(test)]

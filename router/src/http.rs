@@ -1,55 +1,248 @@
-//! The HTTP surface. Today: liveness and an OpenAI-style 404; the API arrives with the
-//! OpenAI API work.
+//! The HTTP surface: OpenAI-compatible API, vLLM-style tokenize/detokenize, health.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, OnceLock},
+};
 
 use axum::{
     Json, Router,
-    http::StatusCode,
+    body::Bytes,
+    extract::{Request, State, rejection::BytesRejection},
+    http::{StatusCode, header},
+    middleware::{self, Next},
     response::{IntoResponse, Response},
-    routing::get,
+    routing::{get, post},
 };
-use serde::Serialize;
+use deepseek_recipe::{openai::ChatCompletionRequest, request::ProtocolRequest};
+use deepseek_recipe_encoding::PromptEncoding;
+use serde::Deserialize;
+use serde_json::{Value, json};
 
-/// OpenAI error body: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Serialize)]
-pub struct ErrorBody {
-    pub error: ErrorObject,
+pub use crate::api_error::{ErrorBody, ErrorObject};
+use crate::{api_error::ApiError, chat, served::Served};
+
+/// Shared state of the HTTP handlers.
+#[derive(Debug)]
+pub struct AppState {
+    /// Set once the model and backend are loaded.
+    pub served: OnceLock<Arc<Served>>,
+    /// Why loading failed, when it did.
+    pub load_error: OnceLock<String>,
+    pub api_keys: Vec<String>,
+    pub effort_map: BTreeMap<String, String>,
+    pub max_body_bytes: u64,
 }
 
-/// The inner OpenAI error object.
-#[derive(Debug, Serialize)]
-pub struct ErrorObject {
-    pub message: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<String>,
+impl AppState {
+    pub fn new(config: &crate::RouterConfig) -> Self {
+        Self {
+            served: OnceLock::new(),
+            load_error: OnceLock::new(),
+            api_keys: config.api_keys.clone(),
+            effort_map: config.reasoning_effort_map.clone(),
+            max_body_bytes: config.max_body_bytes,
+        }
+    }
+
+    fn served(&self) -> Result<Arc<Served>, ApiError> {
+        if let Some(served) = self.served.get() {
+            return Ok(Arc::clone(served));
+        }
+        Err(ApiError::Unavailable(match self.load_error.get() {
+            Some(e) => format!("the model failed to load: {e}"),
+            None => "no model is loaded yet (configure model_dir)".to_owned(),
+        }))
+    }
+
+    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+        body.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge(self.max_body_bytes)
+            } else {
+                ApiError::InvalidJson(rejection.body_text())
+            }
+        })
+    }
 }
 
-fn error(status: StatusCode, kind: &'static str, message: String) -> Response {
-    (
-        status,
-        Json(ErrorBody {
-            error: ErrorObject {
-                message,
-                kind,
-                param: None,
-                code: None,
-            },
-        }),
-    )
-        .into_response()
-}
+type Shared = State<Arc<AppState>>;
 
 /// All HTTP routes.
-pub fn routes(max_body_bytes: usize) -> Router {
+pub fn routes(state: Arc<AppState>) -> Router {
+    let max_body = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(&state), auth));
     Router::new()
         .route("/health", get(|| async { "ok" }))
-        .fallback(|uri: axum::http::Uri| async move {
-            error(
-                StatusCode::NOT_FOUND,
-                "not_found_error",
-                format!("no route for {}", uri.path()),
-            )
+        .route("/health/ready", get(ready))
+        .merge(api)
+        .fallback(|uri: axum::http::Uri| async move { ApiError::NotFound(uri.path().to_owned()) })
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+async fn auth(State(state): Shared, request: Request, next: Next) -> Response {
+    if state.api_keys.is_empty() {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(key) if state.api_keys.iter().any(|k| k == key) => next.run(request).await,
+        _ => ApiError::Unauthorized.into_response(),
+    }
+}
+
+async fn ready(State(state): Shared) -> Response {
+    match state.served() {
+        Ok(served) if served.backend.is_ready() => "ready".into_response(),
+        Ok(_) => ApiError::Unavailable("the backend is not ready".to_owned()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(
+    State(state): Shared,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = state.body(body)?;
+    let served = state.served()?;
+    let prepared = chat::prepare(&body, &served, &state.effort_map)?;
+    chat::respond(prepared, served).await
+}
+
+async fn models(State(state): Shared) -> Result<Response, ApiError> {
+    let served = state.served()?;
+    let data: Vec<Value> = served
+        .names
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "root": served.name,
+                "parent": null,
+                "max_model_len": served.max_model_len,
+            })
         })
-        .layer(axum::extract::DefaultBodyLimit::max(max_body_bytes))
+        .collect();
+    Ok(Json(json!({ "object": "list", "data": data })).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+fn check_optional_model(model: Option<&str>, served: &Served) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !served.accepts(m) => Err(ApiError::UnknownModel {
+            model: m.to_owned(),
+            served: served.names.join(", "),
+        }),
+        _ => Ok(()),
+    }
+}
+
+async fn tokenize(
+    State(state): Shared,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = state.body(body)?;
+    let served = state.served()?;
+    let mut obj = chat::parse_object(&body)?;
+    let model = match obj.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(m)) => Some(m.clone()),
+        Some(_) => return Err(ApiError::param("model", "`model` must be a string")),
+    };
+    check_optional_model(model.as_deref(), &served)?;
+    let add_special = match obj.get("add_special_tokens") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => {
+            return Err(ApiError::param(
+                "add_special_tokens",
+                "`add_special_tokens` must be a boolean",
+            ));
+        }
+    };
+    let tokens: Vec<u32> = match (obj.get("prompt"), obj.get("messages")) {
+        (Some(Value::String(prompt)), None) => served
+            .tokenizer
+            .encode(prompt.as_str(), add_special.unwrap_or(true))
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .get_ids()
+            .to_vec(),
+        (Some(_), None) => return Err(ApiError::param("prompt", "`prompt` must be a string")),
+        (None, Some(_)) => {
+            // The chat encoding renders BOS itself; `add_special_tokens` does not apply.
+            obj.insert("model".to_owned(), Value::String(served.name.clone()));
+            obj.remove("add_special_tokens");
+            obj.remove("return_token_strs");
+            chat::check_common(&mut obj, &served, &state.effort_map)?;
+            chat::check_sampling(&mut obj)?;
+            let request: ChatCompletionRequest = chat::deserialize(obj)?;
+            let converted = request
+                .convert(served.conversion_options())
+                .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+            served
+                .encoding
+                .encode(&converted.conversation)
+                .map_err(|e| ApiError::Internal(e.to_string()))?
+        }
+        _ => {
+            return Err(ApiError::InvalidRequest(
+                "exactly one of `prompt` or `messages` is required".to_owned(),
+            ));
+        }
+    };
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": served.max_model_len,
+        "tokens": tokens,
+        "token_strs": null,
+    }))
+    .into_response())
+}
+
+async fn detokenize(
+    State(state): Shared,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = state.body(body)?;
+    let served = state.served()?;
+    let request: DetokenizeRequest = chat::deserialize(chat::parse_object(&body)?)?;
+    check_optional_model(request.model.as_deref(), &served)?;
+    if let Some(bad) = request
+        .tokens
+        .iter()
+        .find(|&&t| t as usize >= served.vocab_size)
+    {
+        return Err(ApiError::param(
+            "tokens",
+            format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                served.vocab_size
+            ),
+        ));
+    }
+    let prompt = served
+        .tokenizer
+        .decode(&request.tokens, false)
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(Json(json!({ "prompt": prompt })).into_response())
 }

@@ -2,13 +2,18 @@
 //! registry, routing policies and the two-leg prefill/decode orchestration. Today it serves
 //! liveness over HTTP and the standard gRPC health service.
 
+pub mod api_error;
+pub mod backend;
+pub mod chat;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod served;
 
 use std::{
     future::{Future, IntoFuture},
     net::SocketAddr,
+    sync::Arc,
     time::Duration,
 };
 
@@ -58,7 +63,22 @@ impl BoundRouter {
         let (reporter, health) = grpc::health();
         grpc::set_serving(&reporter, &[]).await;
 
-        let app = http::routes(usize::try_from(self.config.max_body_bytes).unwrap_or(usize::MAX));
+        let state = Arc::new(http::AppState::new(&self.config));
+        if let Some(dir) = self.config.model_dir.clone() {
+            let config = self.config.clone();
+            let loading = Arc::clone(&state);
+            tokio::task::spawn_blocking(move || match served::Served::load_local(&config, &dir) {
+                Ok(served) => {
+                    tracing::info!(model = %served.name, dir = %dir.display(), "model loaded");
+                    let _ = loading.served.set(Arc::new(served));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "model failed to load");
+                    let _ = loading.load_error.set(e);
+                }
+            });
+        }
+        let app = http::routes(state);
         let mut http_stop = stop_rx.clone();
         let http_server = axum::serve(self.http, app).with_graceful_shutdown(async move {
             let _ = http_stop.wait_for(|stop| *stop).await;

@@ -1239,6 +1239,22 @@ def selftest_roundtrip(experts: str, prompt_len: int = 300, keep: str | None = N
             _check(sum(r["kind"] == "router" for r in found) == n_router
                    and sum(r["kind"] == "indexer" for r in found) == n_indexer,
                    f"decision_margins sees every router ({n_router}) and indexer ({n_indexer}) choice")
+            g0, steps = 40, 4
+            toks, recs = greedy_continuation(reloaded, ids[:g0], steps)
+            lens = range(g0, g0 + steps)
+            g_router = (n - 2) * sum(lens)
+            g_indexer = 2 * sum(1 for L in lens for t in range(L) if (t + 1) // 4 > 4)
+            greedy_recs = [r for r in recs if r["kind"] == "greedy"]
+            _check(sum(r["kind"] == "router" for r in recs) == g_router
+                   and sum(r["kind"] == "indexer" for r in recs) == g_indexer
+                   and [r["position"] for r in greedy_recs] == [L - 1 for L in lens]
+                   and toks[0] == int(la[g0 - 1].argmax()),
+                   f"greedy_continuation: {steps} full forwards, every router ({g_router}) / indexer "
+                   f"({g_indexer}) choice and every step's top-2 gap measured; step 0 = argmax of the prompt")
+            _, _, cached = run_generation(reloaded, ids[:g0], steps - 1)
+            print(f"  info: greedy {toks} (full recompute) vs cached decode {cached}: "
+                  f"{'same' if cached == toks else 'DIFFERENT'}; tightest step rel gap "
+                  f"{min(r['rel_gap'] for r in greedy_recs):.3g}")
             fx = make_fixture(tmp, [ids, ids[:7], ids[:1]], model=reloaded)
             text = json.dumps(fx, separators=(",", ":"))
             p0 = fx["prompts"][0]

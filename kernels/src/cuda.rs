@@ -1,0 +1,99 @@
+//! Launch wrappers. The driver library is loaded at run time; on a machine without it (or
+//! without a device) [`Gpu::open`] returns `Ok(None)` instead of panicking.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::fatbins;
+
+/// A failure talking to the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("the CUDA kernels were not compiled into this build (nvcc missing at build time)")]
+    NotCompiled,
+    #[error("bad shape: {0}")]
+    Shape(String),
+}
+
+/// One device with the kernels loaded.
+#[derive(Debug)]
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    nvfp4: Arc<CudaModule>,
+}
+
+impl Gpu {
+    /// Device 0, or `None` when no driver or no device is present.
+    pub fn open() -> Result<Option<Self>, KernelError> {
+        // SAFETY: only probes whether the shared library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Ok(None);
+        }
+        if CudaContext::device_count()? < 1 {
+            return Ok(None);
+        }
+        if fatbins::NVFP4_QUANT.is_empty() {
+            return Err(KernelError::NotCompiled);
+        }
+        let ctx = CudaContext::new(0)?;
+        let stream = ctx.default_stream();
+        let nvfp4 = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(
+            fatbins::NVFP4_QUANT.to_vec(),
+        ))?;
+        Ok(Some(Self { ctx, stream, nvfp4 }))
+    }
+
+    /// NVFP4-quantizes a row-major `[rows, cols]` matrix on the GPU (see `cpu::nvfp4_quantize_rows`).
+    /// `poison` pre-fills the outputs so stale memory can never pass for a result.
+    pub fn nvfp4_quantize_rows(
+        &self,
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+        global_scale: f32,
+        poison: u8,
+    ) -> Result<(Vec<u8>, Vec<u8>), KernelError> {
+        if !cols.is_multiple_of(16) || x.len() != rows * cols {
+            return Err(KernelError::Shape(format!(
+                "{rows}x{cols} with {} values",
+                x.len()
+            )));
+        }
+        let blocks = rows * cols / 16;
+        let d_x = self.stream.clone_htod(x)?;
+        let mut d_packed = self.stream.clone_htod(&vec![poison; blocks * 8])?;
+        let mut d_scales = self.stream.clone_htod(&vec![poison; blocks])?;
+        if blocks > 0 {
+            let f = self.nvfp4.load_function("nvfp4_quantize_rows")?;
+            let (rows_arg, cols_arg) = (rows as i64, cols as i64);
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&d_x)
+                .arg(&rows_arg)
+                .arg(&cols_arg)
+                .arg(&global_scale)
+                .arg(&mut d_packed)
+                .arg(&mut d_scales);
+            let threads = 128u32;
+            let grid = u32::try_from(blocks.div_ceil(threads as usize))
+                .map_err(|_| KernelError::Shape("too many blocks".into()))?;
+            // SAFETY: argument types and order match the kernel signature; buffers are sized
+            // for `blocks` blocks.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        Ok((
+            self.stream.clone_dtoh(&d_packed)?,
+            self.stream.clone_dtoh(&d_scales)?,
+        ))
+    }
+}

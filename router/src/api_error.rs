@@ -1,0 +1,153 @@
+//! Every error the HTTP API returns, and the one place that maps each to its status, OpenAI
+//! error `type`, `param` and `code`.
+
+use axum::{
+    Json,
+    http::StatusCode,
+    response::{IntoResponse, Response},
+};
+use serde::Serialize;
+
+/// OpenAI error body: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Serialize)]
+pub struct ErrorBody {
+    pub error: ErrorObject,
+}
+
+/// The inner OpenAI error object.
+#[derive(Debug, Serialize)]
+pub struct ErrorObject {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+/// An API error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON (or not a JSON object).
+    #[error("{0}")]
+    InvalidJson(String),
+    /// One parameter is invalid (wrong type, out of range, not accepted).
+    #[error("{message}")]
+    InvalidParam { param: String, message: String },
+    /// The request is invalid as a whole (e.g. the official converter refused it).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The `model` is not served here.
+    #[error("The model `{model}` does not exist. Served models: {served}.")]
+    UnknownModel { model: String, served: String },
+    /// Prompt plus completion exceed the context.
+    #[error("{message}")]
+    ContextLength { param: String, message: String },
+    /// The body exceeds `max_body_bytes`.
+    #[error("request body exceeds the limit of {0} bytes")]
+    PayloadTooLarge(u64),
+    /// Missing or wrong API key.
+    #[error("missing or invalid API key: send `Authorization: Bearer <key>`")]
+    Unauthorized,
+    /// No route.
+    #[error("no route for {0}")]
+    NotFound(String),
+    /// No backend can serve now.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A failure inside the router or backend.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn param(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidParam {
+            param: param.into(),
+            message: message.into(),
+        }
+    }
+
+    /// HTTP status, OpenAI `type`, `param` and `code` of this error.
+    pub fn parts(&self) -> (StatusCode, &'static str, Option<&str>, Option<&'static str>) {
+        const BAD: StatusCode = StatusCode::BAD_REQUEST;
+        const INVALID: &str = "invalid_request_error";
+        match self {
+            Self::InvalidJson(_) => (BAD, INVALID, None, Some("invalid_json")),
+            Self::InvalidParam { param, .. } => (BAD, INVALID, Some(param), Some("invalid_value")),
+            Self::InvalidRequest(_) => (BAD, INVALID, None, Some("invalid_request_error")),
+            Self::UnknownModel { .. } => (BAD, INVALID, Some("model"), Some("model_not_found")),
+            Self::ContextLength { param, .. } => {
+                (BAD, INVALID, Some(param), Some("context_length_exceeded"))
+            }
+            Self::PayloadTooLarge(_) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                INVALID,
+                None,
+                Some("request_too_large"),
+            ),
+            Self::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                None,
+                Some("invalid_api_key"),
+            ),
+            Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found_error", None, None),
+            Self::Unavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                None,
+                Some("service_unavailable"),
+            ),
+            Self::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                None,
+                Some("internal_error"),
+            ),
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> ErrorBody {
+        let (_, kind, param, code) = self.parts();
+        ErrorBody {
+            error: ErrorObject {
+                message: self.to_string(),
+                kind,
+                param: param.map(str::to_owned),
+                code: code.map(str::to_owned),
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, ..) = self.parts();
+        if status.is_server_error() {
+            tracing::warn!(error = %self, "request failed");
+        }
+        (status, Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses() {
+        assert_eq!(
+            ApiError::param("temperature", "x").parts().0,
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            ApiError::PayloadTooLarge(1).parts().0,
+            StatusCode::PAYLOAD_TOO_LARGE
+        );
+        assert_eq!(ApiError::Unauthorized.parts().0, StatusCode::UNAUTHORIZED);
+        let body = serde_json::to_value(ApiError::param("top_p", "bad").body()).unwrap();
+        assert_eq!(body["error"]["param"], "top_p");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+    }
+}

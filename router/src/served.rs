@@ -1,0 +1,123 @@
+//! The served model: its names, tokenizer, the official DeepSeek-V4 prompt encoding, context
+//! limit and the backend that generates for it.
+
+use std::{path::Path, sync::Arc};
+
+use deepseek_recipe::request::{ConversionOptions, ModelVersion};
+use deepseek_recipe_encoding::{PromptTokenizer, dsv4::DeepseekV4Encoding};
+use engine::{model::Model, scheduler::EngineConfig};
+use tokenizers::Tokenizer;
+
+use crate::{
+    RouterConfig,
+    backend::{LocalBackend, SharedBackend},
+};
+
+/// `system_fingerprint` reported by the in-process backend.
+pub const LOCAL_FINGERPRINT: &str = "pdserve-local";
+
+/// Everything a request needs about the served model.
+pub struct Served {
+    /// The name responses report.
+    pub name: String,
+    /// Every accepted request name (`name` first).
+    pub names: Vec<String>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub encoding: DeepseekV4Encoding,
+    /// Prompt plus completion tokens, at most.
+    pub max_model_len: u32,
+    pub vocab_size: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub thinking_default: bool,
+    pub backend: SharedBackend,
+    pub fingerprint: String,
+}
+
+impl std::fmt::Debug for Served {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Served")
+            .field("name", &self.name)
+            .field("names", &self.names)
+            .field("max_model_len", &self.max_model_len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Served {
+    /// Loads the checkpoint at `dir`, its tokenizer, and starts the in-process engine.
+    pub fn load_local(config: &RouterConfig, dir: &Path) -> Result<Self, String> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| format!("{}: {e}", tokenizer_path.display()))?;
+        let model = Model::load(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let engine_config = EngineConfig {
+            num_pages: config.engine_num_pages,
+            ..EngineConfig::default()
+        };
+        let pool_tokens = engine_config
+            .page_size
+            .saturating_mul(engine_config.num_pages as usize);
+        let limit = model.config.max_position_embeddings.min(pool_tokens);
+        let max_model_len = config
+            .max_model_len
+            .map_or(limit, |l| (l as usize).min(limit));
+        let vocab_size = model.config.vocab_size;
+        let eos_token_ids = model.config.eos_token_ids.clone();
+        let backend = LocalBackend::start(model, engine_config, LOCAL_FINGERPRINT)
+            .map_err(|e| format!("engine: {e}"))?;
+        Ok(Self::new(
+            config,
+            tokenizer,
+            u32::try_from(max_model_len).unwrap_or(u32::MAX),
+            vocab_size,
+            eos_token_ids,
+            Arc::new(backend),
+        ))
+    }
+
+    /// A served model over any backend.
+    pub fn new(
+        config: &RouterConfig,
+        tokenizer: Tokenizer,
+        max_model_len: u32,
+        vocab_size: usize,
+        eos_token_ids: Vec<u32>,
+        backend: SharedBackend,
+    ) -> Self {
+        let encoding = DeepseekV4Encoding::new().with_tokenizer(PromptTokenizer::new(&tokenizer));
+        let mut names = vec![config.served_model_name.clone()];
+        for alias in &config.model_aliases {
+            if !names.contains(alias) {
+                names.push(alias.clone());
+            }
+        }
+        Self {
+            name: config.served_model_name.clone(),
+            names,
+            tokenizer: Arc::new(tokenizer),
+            encoding,
+            max_model_len,
+            vocab_size,
+            eos_token_ids,
+            thinking_default: config.thinking_default,
+            backend,
+            fingerprint: LOCAL_FINGERPRINT.to_owned(),
+        }
+    }
+
+    /// Conversion options of the official converter: our names, all rendered as V4.
+    pub fn conversion_options(&self) -> ConversionOptions {
+        ConversionOptions::new()
+            .with_model_versions_by_name(
+                self.names
+                    .iter()
+                    .map(|name| (name.clone(), ModelVersion::DeepseekV4Pro)),
+            )
+            .with_default_thinking_mode(self.thinking_default)
+    }
+
+    /// Whether `model` names this model.
+    pub fn accepts(&self, model: &str) -> bool {
+        self.names.iter().any(|n| n == model)
+    }
+}
