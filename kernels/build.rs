@@ -76,6 +76,8 @@ fn build() -> Result<(), String> {
         .map(|e| e.path())
         .collect();
     sources.sort();
+    // The folder too, so an added kernel file triggers a rebuild.
+    println!("cargo:rerun-if-changed=cuda");
     for path in &sources {
         println!("cargo:rerun-if-changed={}", path.display());
     }

@@ -97,8 +97,32 @@ impl Matrix {
     }
 }
 
-/// Dot product with eight independent accumulators (vectorizes; fixed summation order).
+/// Dot product with eight independent accumulators (vectorizes; fixed summation order). On
+/// x86-64 with AVX2 the same code is compiled for 256-bit registers: the arithmetic per lane and
+/// the summation order are identical (no fused multiply-add), so both paths give the same bits.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { dot_avx2(a, b) };
+        }
+    }
+    dot_portable(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_portable(a, b)
+}
+
+#[expect(
+    clippy::inline_always,
+    reason = "must inline into the AVX2 caller to be compiled for AVX2"
+)]
+#[inline(always)]
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 8];
     let chunks = a.len() / 8;
@@ -194,6 +218,15 @@ mod tests {
                 .map(|(x, y)| f64::from(*x) * f64::from(*y))
                 .sum();
             assert!((f64::from(dot(&a, &b)) - naive).abs() < 1e-5, "{n}");
+        }
+    }
+
+    #[test]
+    fn vector_and_portable_paths_agree_bit_for_bit() {
+        for n in [1usize, 8, 13, 64, 1000] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 1.37).sin() * 3.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.71).cos() / 7.0).collect();
+            assert_eq!(dot(&a, &b).to_bits(), dot_portable(&a, &b).to_bits(), "{n}");
         }
     }
 

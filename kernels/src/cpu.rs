@@ -22,3 +22,26 @@ pub fn nvfp4_quantize_rows(
     }
     Ok((packed, scales))
 }
+
+/// `y = W · x` for an NVFP4 weight `[rows, cols]` (packed codes, e4m3 block scales, global
+/// scale), computed in f64 from the exactly dequantized weights: the reference the GPU GEMV's
+/// f32 result is compared with.
+pub fn nvfp4_gemv(
+    packed: &[u8],
+    scales: &[u8],
+    scale_2: f32,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let w = quant::dequant_nvfp4(packed, scales, scale_2, rows, cols)?;
+    Ok((0..rows)
+        .map(|r| {
+            w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(x)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>() as f32
+        })
+        .collect())
+}

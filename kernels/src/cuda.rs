@@ -24,6 +24,7 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     nvfp4: Arc<CudaModule>,
+    gemv: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -41,10 +42,15 @@ impl Gpu {
         }
         let ctx = CudaContext::new(0)?;
         let stream = ctx.default_stream();
-        let nvfp4 = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(
-            fatbins::NVFP4_QUANT.to_vec(),
-        ))?;
-        Ok(Some(Self { ctx, stream, nvfp4 }))
+        let load = |bin: &[u8]| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()));
+        let nvfp4 = load(fatbins::NVFP4_QUANT)?;
+        let gemv = load(fatbins::NVFP4_GEMV)?;
+        Ok(Some(Self {
+            ctx,
+            stream,
+            nvfp4,
+            gemv,
+        }))
     }
 
     /// NVFP4-quantizes a row-major `[rows, cols]` matrix on the GPU (see `cpu::nvfp4_quantize_rows`).
@@ -95,5 +101,54 @@ impl Gpu {
             self.stream.clone_dtoh(&d_packed)?,
             self.stream.clone_dtoh(&d_scales)?,
         ))
+    }
+
+    /// `y = W · x` with an NVFP4 weight (dequantize path; see `cpu::nvfp4_gemv`). `y` is
+    /// poisoned with NaN before the launch.
+    pub fn nvfp4_gemv(
+        &self,
+        packed: &[u8],
+        scales: &[u8],
+        scale_2: f32,
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<f32>, KernelError> {
+        if !cols.is_multiple_of(16)
+            || packed.len() != rows * cols / 2
+            || scales.len() != rows * cols / 16
+            || x.len() != cols
+        {
+            return Err(KernelError::Shape(format!("nvfp4_gemv {rows}x{cols}")));
+        }
+        let d_packed = self.stream.clone_htod(packed)?;
+        let d_scales = self.stream.clone_htod(scales)?;
+        let d_x = self.stream.clone_htod(x)?;
+        let mut d_y = self.stream.clone_htod(&vec![f32::NAN; rows])?;
+        if rows > 0 {
+            let f = self.gemv.load_function("nvfp4_gemv")?;
+            let (rows_arg, cols_arg) = (rows as i64, cols as i64);
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&d_packed)
+                .arg(&d_scales)
+                .arg(&scale_2)
+                .arg(&d_x)
+                .arg(&rows_arg)
+                .arg(&cols_arg)
+                .arg(&mut d_y);
+            let warps_per_block = 4usize;
+            let grid = u32::try_from(rows.div_ceil(warps_per_block))
+                .map_err(|_| KernelError::Shape("too many rows".into()))?;
+            // SAFETY: argument types and order match the kernel; buffers are sized above.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (32 * warps_per_block as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        Ok(self.stream.clone_dtoh(&d_y)?)
     }
 }

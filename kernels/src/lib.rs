@@ -8,6 +8,7 @@
 //! Kernels and their references:
 //! - `nvfp4_quant.cu` `nvfp4_quantize_rows` — [`cpu::nvfp4_quantize_rows`]
 //!   (`engine::quant::quant_nvfp4_activation` row by row).
+//! - `nvfp4_gemv.cu` `nvfp4_gemv` — [`cpu::nvfp4_gemv`] (dequantize path, every architecture).
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -33,8 +34,9 @@ mod tests {
             return;
         }
         assert!(super::compiled());
-        let fatbin = super::fatbins::NVFP4_QUANT;
-        assert!(fatbin.len() > 16);
-        assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());
+        for fatbin in [super::fatbins::NVFP4_QUANT, super::fatbins::NVFP4_GEMV] {
+            assert!(fatbin.len() > 16);
+            assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());
+        }
     }
 }
