@@ -45,3 +45,48 @@ pub fn nvfp4_gemv(
         })
         .collect())
 }
+
+/// Decode attention with sinks over gathered rows (f64 reference of `attn_decode.cu`):
+/// `q` is `[batch, heads, dim]`; request `b`'s rows are `rows[starts[b]..starts[b+1]]`, each
+/// `dim` values (K = V). Returns `[batch, heads, dim]`.
+pub fn attn_decode(
+    q: &[f32],
+    rows: &[Vec<f32>],
+    starts: &[usize],
+    sinks: &[f32],
+    dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let heads = sinks.len();
+    let batch = starts.len().saturating_sub(1);
+    let mut out = vec![0.0f32; batch * heads * dim];
+    for b in 0..batch {
+        let mine = &rows[starts[b]..starts[b + 1]];
+        for h in 0..heads {
+            let qv = &q[(b * heads + h) * dim..(b * heads + h + 1) * dim];
+            let scores: Vec<f64> = mine
+                .iter()
+                .map(|r| {
+                    f64::from(scale)
+                        * r.iter()
+                            .zip(qv)
+                            .map(|(a, c)| f64::from(*a) * f64::from(*c))
+                            .sum::<f64>()
+                })
+                .collect();
+            let sink = f64::from(sinks[h]);
+            let max = scores.iter().copied().fold(sink, f64::max);
+            let denom: f64 =
+                scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sink - max).exp();
+            for d in 0..dim {
+                let v: f64 = scores
+                    .iter()
+                    .zip(mine)
+                    .map(|(s, r)| (s - max).exp() * f64::from(r[d]))
+                    .sum();
+                out[(b * heads + h) * dim + d] = (v / denom) as f32;
+            }
+        }
+    }
+    out
+}

@@ -25,6 +25,18 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     nvfp4: Arc<CudaModule>,
     gemv: Arc<CudaModule>,
+    attn: Arc<CudaModule>,
+}
+
+/// Shapes of one decode-attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub heads: usize,
+    /// Row width (`head_dim`), at most 512.
+    pub dim: usize,
+    /// KV splits per (request, head); more splits than rows leaves some empty.
+    pub splits: usize,
+    pub scale: f32,
 }
 
 impl Gpu {
@@ -45,11 +57,13 @@ impl Gpu {
         let load = |bin: &[u8]| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()));
         let nvfp4 = load(fatbins::NVFP4_QUANT)?;
         let gemv = load(fatbins::NVFP4_GEMV)?;
+        let attn = load(fatbins::ATTN_DECODE)?;
         Ok(Some(Self {
             ctx,
             stream,
             nvfp4,
             gemv,
+            attn,
         }))
     }
 
@@ -150,5 +164,104 @@ impl Gpu {
             }
         }
         Ok(self.stream.clone_dtoh(&d_y)?)
+    }
+
+    /// Decode attention with sinks over rows at byte offsets of `pool` (see
+    /// `cpu::attn_decode`). `q` is `[batch, heads, dim]`, `starts` has `batch + 1` entries into
+    /// `row_offsets`. Output poisoned with NaN before the launch.
+    pub fn attn_decode(
+        &self,
+        q: &[f32],
+        pool: &[u8],
+        row_offsets: &[i64],
+        starts: &[i64],
+        sinks: &[f32],
+        shape: AttnShape,
+    ) -> Result<Vec<f32>, KernelError> {
+        let AttnShape {
+            heads,
+            dim,
+            splits,
+            scale,
+        } = shape;
+        let batch = starts.len().saturating_sub(1);
+        if dim == 0
+            || dim > 512
+            || splits == 0
+            || sinks.len() != heads
+            || q.len() != batch * heads * dim
+        {
+            return Err(KernelError::Shape(format!(
+                "attn_decode batch {batch} heads {heads} dim {dim} splits {splits}"
+            )));
+        }
+        let d_q = self.stream.clone_htod(q)?;
+        let d_pool = self.stream.clone_htod(pool)?;
+        let d_offsets = self.stream.clone_htod(&if row_offsets.is_empty() {
+            vec![0]
+        } else {
+            row_offsets.to_vec()
+        })?;
+        let d_starts = self.stream.clone_htod(starts)?;
+        let d_sinks = self.stream.clone_htod(sinks)?;
+        let parts = batch * heads * splits;
+        let mut d_m = self.stream.clone_htod(&vec![f32::NAN; parts.max(1)])?;
+        let mut d_l = self.stream.clone_htod(&vec![f32::NAN; parts.max(1)])?;
+        let mut d_acc = self
+            .stream
+            .clone_htod(&vec![f32::NAN; (parts * dim).max(1)])?;
+        let mut d_out = self
+            .stream
+            .clone_htod(&vec![f32::NAN; (batch * heads * dim).max(1)])?;
+        if batch > 0 {
+            let grid_x =
+                u32::try_from(batch * heads).map_err(|_| KernelError::Shape("grid".into()))?;
+            let (heads_i, dim_i, splits_i) = (heads as i32, dim as i32, splits as i32);
+            let partial = self.attn.load_function("attn_decode_partial")?;
+            let mut launch = self.stream.launch_builder(&partial);
+            launch
+                .arg(&d_q)
+                .arg(&d_pool)
+                .arg(&d_offsets)
+                .arg(&d_starts)
+                .arg(&heads_i)
+                .arg(&dim_i)
+                .arg(&splits_i)
+                .arg(&scale)
+                .arg(&mut d_m)
+                .arg(&mut d_l)
+                .arg(&mut d_acc);
+            // SAFETY: argument types and order match `attn_decode_partial`; every offset points
+            // at a whole row inside `pool` (the caller's contract, checked by the tests).
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid_x, splits as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+            let merge = self.attn.load_function("attn_decode_merge")?;
+            let mut launch = self.stream.launch_builder(&merge);
+            launch
+                .arg(&d_m)
+                .arg(&d_l)
+                .arg(&d_acc)
+                .arg(&d_sinks)
+                .arg(&heads_i)
+                .arg(&dim_i)
+                .arg(&splits_i)
+                .arg(&mut d_out);
+            // SAFETY: argument types and order match `attn_decode_merge`.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid_x, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let mut out = self.stream.clone_dtoh(&d_out)?;
+        out.truncate(batch * heads * dim);
+        Ok(out)
     }
 }

@@ -9,6 +9,8 @@
 //! - `nvfp4_quant.cu` `nvfp4_quantize_rows` — [`cpu::nvfp4_quantize_rows`]
 //!   (`engine::quant::quant_nvfp4_activation` row by row).
 //! - `nvfp4_gemv.cu` `nvfp4_gemv` — [`cpu::nvfp4_gemv`] (dequantize path, every architecture).
+//! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
+//!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -34,7 +36,11 @@ mod tests {
             return;
         }
         assert!(super::compiled());
-        for fatbin in [super::fatbins::NVFP4_QUANT, super::fatbins::NVFP4_GEMV] {
+        for fatbin in [
+            super::fatbins::NVFP4_QUANT,
+            super::fatbins::NVFP4_GEMV,
+            super::fatbins::ATTN_DECODE,
+        ] {
             assert!(fatbin.len() > 16);
             assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());
         }
