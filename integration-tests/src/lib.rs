@@ -220,3 +220,187 @@ pub async fn grpc_health(addr: SocketAddr, service: &str) -> Result<i32, tonic::
 
 /// `tonic_health` serving status value for SERVING.
 pub const SERVING: i32 = 1;
+
+/// A minimal HTTP/1.1 response read to the end (`Connection: close`), chunked bodies decoded.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    /// Header names lowercased.
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
+    }
+
+    /// The `data:` payloads of an SSE body, in order.
+    pub fn sse_data(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d).to_owned())
+            .collect()
+    }
+}
+
+/// One blocking HTTP request on loopback (bounded by `timeout`). `headers` are extra headers.
+pub fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> HttpResponse {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, timeout).expect("connect");
+    stream.set_read_timeout(Some(timeout)).expect("timeout");
+    stream.set_write_timeout(Some(timeout)).expect("timeout");
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        for part in [k, ": ", v, "\r\n"] {
+            head.push_str(part);
+        }
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).expect("write head");
+    // The server may answer (413) before reading everything; ignore write errors then.
+    let _ = stream.write_all(body);
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP head in {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut rest = raw[split + 4..].to_vec();
+    let mut lines = head.lines();
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    if chunked {
+        let mut out = Vec::new();
+        let mut pos = 0;
+        while let Some(end) = rest[pos..].windows(2).position(|w| w == b"\r\n") {
+            let size_line = String::from_utf8_lossy(&rest[pos..pos + end]).into_owned();
+            let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16)
+                .expect("chunk size");
+            pos += end + 2;
+            if size == 0 || pos + size > rest.len() {
+                break;
+            }
+            out.extend_from_slice(&rest[pos..pos + size]);
+            pos += size + 2;
+        }
+        rest = out;
+    }
+    HttpResponse {
+        status,
+        headers,
+        body: String::from_utf8(rest).expect("UTF-8 body"),
+    }
+}
+
+/// A tiny synthetic DeepSeek-V4 checkpoint with the real tokenizer, generated once per target
+/// folder with `pdctl gen-model` (seed 1, MXFP4 experts).
+pub fn tiny_model_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = bin_dir().join("test-models").join("tiny-mxfp4-seed1");
+        if dir.join("tokenizer.json").is_file() {
+            return dir;
+        }
+        let tmp = bin_dir()
+            .join("test-models")
+            .join(format!("tmp-{}", std::process::id()));
+        let mut cmd = command("pdctl");
+        cmd.args([
+            "gen-model",
+            "--preset",
+            "tiny",
+            "--seed",
+            "1",
+            "--experts",
+            "mxfp4",
+        ])
+        .arg("--out")
+        .arg(&tmp);
+        let (status, _, err) = run_to_exit(cmd, Duration::from_secs(120));
+        assert!(status.success(), "pdctl gen-model failed: {err}");
+        assert!(
+            tmp.join("tokenizer.json").is_file(),
+            "the tokenizer is missing: run scripts/setup"
+        );
+        // Another test process may have won the race; either copy is complete.
+        if std::fs::rename(&tmp, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        dir
+    })
+    .clone()
+}
+
+/// Starts `pdserve-router` on ephemeral ports with `args` and waits until `/health/ready`
+/// answers 200 (when `wait_ready`).
+pub fn start_router(args: &[&str], wait_ready: bool) -> Service {
+    let mut cmd = command("pdserve-router");
+    cmd.args([
+        "--http-listen",
+        "127.0.0.1:0",
+        "--grpc-listen",
+        "127.0.0.1:0",
+    ])
+    .args(args);
+    let service = Service::start(cmd);
+    if wait_ready {
+        let addr = service.addr("http");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let r = http(
+                addr,
+                "GET",
+                "/health/ready",
+                &[],
+                b"",
+                Duration::from_secs(5),
+            );
+            if r.status == 200 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "router not ready: {} {}",
+                r.status,
+                r.body
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    service
+}

@@ -90,3 +90,29 @@ pub fn attn_decode(
     }
     out
 }
+
+/// Lightning-indexer selection for one decode query (reference of `indexer.cu`): scores the
+/// first `visible` keys by `Σ_h w_h · ReLU(q_h · k) · scale` and returns the indices of the
+/// `min(k, visible)` best, ties to the lower index, in ascending index order.
+pub fn indexer_topk(
+    q: &[f32],
+    w: &[f32],
+    keys: &[Vec<f32>],
+    visible: usize,
+    scale: f32,
+    k: usize,
+) -> Vec<usize> {
+    let dim = keys.first().map_or(0, Vec::len);
+    let scores: Vec<f32> = keys[..visible]
+        .iter()
+        .map(|key| {
+            q.chunks_exact(dim.max(1))
+                .zip(w)
+                .map(|(qh, wh)| engine::tensor::dot(qh, key).max(0.0) * scale * wh)
+                .sum()
+        })
+        .collect();
+    let mut chosen = engine::tensor::top_k(&scores, k.min(visible));
+    chosen.sort_unstable();
+    chosen
+}

@@ -32,8 +32,9 @@ pub struct RouterConfig {
     /// Whether requests that do not choose a thinking mode think.
     pub thinking_default: bool,
     /// Extra `reasoning_effort` request values mapped onto accepted ones (`none`, `low`,
-    /// `high`, `max`), e.g. `medium = "high"`. Unmapped other values are a 400.
-    pub reasoning_effort_map: BTreeMap<String, String>,
+    /// `high`, `max`), each `"from=to"`, e.g. `["medium=high"]`. Unmapped other values are a
+    /// 400 listing the accepted ones.
+    pub reasoning_effort_map: Vec<String>,
     /// Bearer keys accepted on the API; empty: no authentication.
     pub api_keys: Vec<String>,
     /// Context length in tokens (prompt plus completion). Unset: the smaller of the model's
@@ -59,11 +60,38 @@ impl Default for RouterConfig {
                 "deepseek-ai/DeepSeek-V4-Flash".to_owned(),
             ],
             thinking_default: true,
-            reasoning_effort_map: BTreeMap::new(),
+            reasoning_effort_map: Vec::new(),
             api_keys: Vec::new(),
             max_model_len: None,
             engine_num_pages: 1024,
         }
+    }
+}
+
+impl RouterConfig {
+    /// `reasoning_effort_map` as a map (checked: `from=to`, `to` an accepted effort).
+    pub fn effort_map(&self) -> Result<BTreeMap<String, String>, Invalid> {
+        let mut map = BTreeMap::new();
+        for entry in &self.reasoning_effort_map {
+            let Some((from, to)) = entry.split_once('=') else {
+                return Err(Invalid::new(
+                    "reasoning_effort_map",
+                    format!("{entry:?} is not `from=to`"),
+                ));
+            };
+            let (from, to) = (from.trim(), to.trim());
+            if from.is_empty() || !crate::chat::ACCEPTED_EFFORTS.contains(&to) {
+                return Err(Invalid::new(
+                    "reasoning_effort_map",
+                    format!(
+                        "{entry:?}: the target must be one of {}",
+                        crate::chat::ACCEPTED_EFFORTS.join(", ")
+                    ),
+                ));
+            }
+            map.insert(from.to_owned(), to.to_owned());
+        }
+        Ok(map)
     }
 }
 
@@ -86,17 +114,7 @@ impl ServiceConfig for RouterConfig {
         if self.served_model_name.trim().is_empty() {
             return Err(Invalid::new("served_model_name", "must not be empty"));
         }
-        for (from, to) in &self.reasoning_effort_map {
-            if !crate::chat::ACCEPTED_EFFORTS.contains(&to.as_str()) {
-                return Err(Invalid::new(
-                    format!("reasoning_effort_map.{from}"),
-                    format!(
-                        "maps to {to:?}; accepted targets: {}",
-                        crate::chat::ACCEPTED_EFFORTS.join(", ")
-                    ),
-                ));
-            }
-        }
+        self.effort_map()?;
         if self.api_keys.iter().any(String::is_empty) {
             return Err(Invalid::new("api_keys", "keys must not be empty"));
         }
@@ -161,6 +179,10 @@ pub struct Cli {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub thinking_default: Option<bool>,
+    /// A `reasoning_effort` mapping `from=to`, e.g. `medium=high`; repeat for several.
+    #[arg(long = "reasoning-effort-map", value_name = "FROM=TO")]
+    #[serde(rename = "reasoning_effort_map", skip_serializing_if = "Vec::is_empty")]
+    pub reasoning_effort_map: Vec<String>,
     /// An accepted API key (Bearer); repeat for several.
     #[arg(long = "api-key", value_name = "KEY")]
     #[serde(rename = "api_keys", skip_serializing_if = "Vec::is_empty")]

@@ -40,7 +40,7 @@ impl AppState {
             served: OnceLock::new(),
             load_error: OnceLock::new(),
             api_keys: config.api_keys.clone(),
-            effort_map: config.reasoning_effort_map.clone(),
+            effort_map: config.effort_map().unwrap_or_default(),
             max_body_bytes: config.max_body_bytes,
         }
     }

@@ -1,6 +1,7 @@
 //! The router: OpenAI-compatible HTTP API, chat encoding and streaming detokenization, worker
-//! registry, routing policies and the two-leg prefill/decode orchestration. Today it serves
-//! liveness over HTTP and the standard gRPC health service.
+//! registry, routing policies and the two-leg prefill/decode orchestration. Today it serves the
+//! OpenAI chat API, `/v1/models`, `/tokenize`, `/detokenize` and health over HTTP with an
+//! in-process engine backend (`model_dir`), and the standard gRPC health service.
 
 pub mod api_error;
 pub mod backend;

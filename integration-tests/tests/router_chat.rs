@@ -1,0 +1,332 @@
+//! The router's OpenAI API end to end: the real `pdserve-router` binary with the in-process
+//! engine over a tiny synthetic checkpoint (real DeepSeek-V4 tokenizer).
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
+
+use std::{net::SocketAddr, time::Duration};
+
+use integration_tests::{HttpResponse, http, start_router, tiny_model_dir};
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(120);
+
+fn post(addr: SocketAddr, path: &str, body: &Value) -> HttpResponse {
+    http(addr, "POST", path, &[], body.to_string().as_bytes(), T)
+}
+
+fn model_arg() -> String {
+    tiny_model_dir().display().to_string()
+}
+
+/// Concatenates the deltas of an SSE chat stream: (content, reasoning, finish, usage).
+fn fold_stream(r: &HttpResponse) -> (String, String, Option<String>, Option<Value>) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.header("content-type")
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"]["role"], "assistant",
+        "role first: {:?}",
+        chunks[0]
+    );
+    let (mut content, mut reasoning, mut finish, mut usage) =
+        (String::new(), String::new(), None, None);
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(choice) = c["choices"].get(0) {
+            if let Some(s) = choice["delta"]["content"].as_str() {
+                content.push_str(s);
+            }
+            if let Some(s) = choice["delta"]["reasoning_content"].as_str() {
+                reasoning.push_str(s);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+        }
+        if c["usage"].is_object() {
+            usage = Some(c["usage"].clone());
+        }
+    }
+    (content, reasoning, finish, usage)
+}
+
+fn text(v: &Value) -> String {
+    v.as_str().unwrap_or_default().to_owned()
+}
+
+#[test]
+fn chat_stream_equals_non_stream_and_seeds_are_deterministic() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let cases = [
+        (1_u64, json!(null), 24),
+        (2, json!({"type": "disabled"}), 24),
+        (3, json!({"type": "enabled"}), 16),
+        (42, json!({"type": "disabled"}), 40),
+    ];
+    for (seed, thinking, max_tokens) in cases {
+        let mut body = json!({
+            "model": "deepseek-v4-flash",
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": format!("Say something about {seed} ünïcødé 你好")}
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0.9,
+            "seed": seed,
+        });
+        if !thinking.is_null() {
+            body["thinking"] = thinking;
+        }
+        let a = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(a.status, 200, "{}", a.body);
+        let a = a.json();
+        let b = post(addr, "/v1/chat/completions", &body).json();
+        assert_eq!(a["choices"], b["choices"], "same seed, same output");
+        assert_eq!(a["object"], "chat.completion");
+        assert_eq!(a["model"], "deepseek-v4-flash");
+        let message = &a["choices"][0]["message"];
+        let usage = &a["usage"];
+        assert!(usage["prompt_tokens"].as_u64().unwrap() > 5);
+        assert!(usage["completion_tokens"].as_u64().unwrap() <= max_tokens);
+
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let s = post(addr, "/v1/chat/completions", &body);
+        let (content, reasoning, finish, stream_usage) = fold_stream(&s);
+        assert_eq!(content, text(&message["content"]), "seed {seed}");
+        assert_eq!(
+            reasoning,
+            text(&message["reasoning_content"]),
+            "seed {seed}"
+        );
+        assert_eq!(
+            finish.as_deref(),
+            a["choices"][0]["finish_reason"].as_str(),
+            "seed {seed}"
+        );
+        assert_eq!(stream_usage.as_ref(), Some(usage), "seed {seed}");
+
+        // Without include_usage the same deltas (DeepSeek's official chunk generator still
+        // reports usage on the final chunk).
+        body["stream_options"] = json!(null);
+        let s = post(addr, "/v1/chat/completions", &body);
+        let (content2, reasoning2, finish2, _) = fold_stream(&s);
+        assert_eq!(
+            (content2, reasoning2, finish2),
+            (content, reasoning, finish)
+        );
+    }
+}
+
+#[test]
+fn chat_thinking_modes_effort_and_aliases() {
+    let router = start_router(&["--model-dir", &model_arg(), "--model-alias", "v4"], true);
+    let addr = router.addr("http");
+    let base = |extra: Value| {
+        let mut body = json!({
+            "model": "v4",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 8,
+            "seed": 5,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    // Alias accepted; the response reports the served name.
+    let r = post(addr, "/v1/chat/completions", &base(json!({})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["model"], "deepseek-v4-flash");
+
+    // Thinking on by default: reasoning only (the tiny model never closes </think> this soon).
+    let on = r.json();
+    assert!(!text(&on["choices"][0]["message"]["reasoning_content"]).is_empty());
+    // chat_template_kwargs.thinking=false: no reasoning.
+    let off = post(
+        addr,
+        "/v1/chat/completions",
+        &base(json!({"chat_template_kwargs": {"thinking": false}})),
+    )
+    .json();
+    assert!(text(&off["choices"][0]["message"]["reasoning_content"]).is_empty());
+    assert!(!text(&off["choices"][0]["message"]["content"]).is_empty());
+
+    // The rendered prompts, through /tokenize, end with <think> (128821) or </think> (128822).
+    let tok = |extra: Value| {
+        let r = post(addr, "/tokenize", &base(extra));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    // Default effort is high, which the V4 encoding renders as a prefix.
+    assert_eq!(tok(json!({})), tok(json!({"reasoning_effort": "high"})));
+    assert_eq!(
+        tok(json!({"chat_template_kwargs": {"thinking": false}})),
+        [0, 128_803, 19_923, 128_804, 128_822]
+    );
+    assert_eq!(
+        tok(json!({"reasoning_effort": "none"})),
+        [0, 128_803, 19_923, 128_804, 128_822]
+    );
+    // low renders no effort prefix; high and max prefix the prompt (different texts).
+    assert_eq!(
+        tok(json!({"reasoning_effort": "low"})),
+        [0, 128_803, 19_923, 128_804, 128_821]
+    );
+    let high = tok(json!({"reasoning_effort": "high"}));
+    let max = tok(json!({"reasoning_effort": "max"}));
+    assert!(high.len() > 5 && max.len() > 5 && high != max);
+    // medium is not a V4 effort: 400 listing the accepted values.
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &base(json!({"reasoning_effort": "medium"})),
+    );
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["error"]["param"], "reasoning_effort");
+    let message = text(&e["error"]["message"]);
+    assert!(message.contains("none, low, high, max"), "{message}");
+}
+
+#[test]
+fn chat_effort_mapping_and_thinking_default_are_configurable() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("router.toml");
+    std::fs::write(
+        &config,
+        "thinking_default = false\nreasoning_effort_map = [\"medium=high\"]\n",
+    )
+    .unwrap();
+    let router = start_router(
+        &[
+            "--model-dir",
+            &model_arg(),
+            "--config",
+            config.to_str().unwrap(),
+        ],
+        true,
+    );
+    let addr = router.addr("http");
+    let tok = |extra: Value| {
+        let mut body = json!({"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "Hello"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = post(addr, "/tokenize", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["tokens"].clone()
+    };
+    assert_eq!(
+        tok(json!({})),
+        json!([0, 128_803, 19_923, 128_804, 128_822])
+    );
+    assert_eq!(
+        tok(json!({"reasoning_effort": "medium"})),
+        tok(json!({"reasoning_effort": "high"}))
+    );
+}
+
+#[test]
+fn router_models_tokenize_detokenize_health() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let r = http(addr, "GET", "/health", &[], b"", T);
+    assert_eq!(r.status, 200);
+    let r = http(addr, "GET", "/health/ready", &[], b"", T);
+    assert_eq!(r.status, 200);
+
+    let models = http(addr, "GET", "/v1/models", &[], b"", T).json();
+    assert_eq!(models["object"], "list");
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids[0], "deepseek-v4-flash");
+    assert!(ids.contains(&"DeepSeek-V4-Flash"));
+    let max_len = models["data"][0]["max_model_len"].as_u64().unwrap();
+    assert!(max_len > 0);
+
+    let t = post(
+        addr,
+        "/tokenize",
+        &json!({"model": "deepseek-v4-flash", "prompt": "Hello world, 你好!"}),
+    );
+    assert_eq!(t.status, 200, "{}", t.body);
+    let t = t.json();
+    let tokens = t["tokens"].clone();
+    assert_eq!(t["count"], tokens.as_array().unwrap().len());
+    assert_eq!(t["max_model_len"].as_u64(), Some(max_len));
+    let d = post(
+        addr,
+        "/detokenize",
+        &json!({"model": "deepseek-v4-flash", "tokens": tokens}),
+    );
+    assert_eq!(d.status, 200, "{}", d.body);
+    assert_eq!(d.json()["prompt"], "Hello world, 你好!");
+    // The chat form renders with the official encoder.
+    let m = post(
+        addr,
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": "Hello"}], "reasoning_effort": "low"}),
+    );
+    assert_eq!(
+        m.json()["tokens"],
+        json!([0, 128_803, 19_923, 128_804, 128_821])
+    );
+    let d = post(
+        addr,
+        "/detokenize",
+        &json!({"tokens": [0, 128_803, 19_923, 128_804, 128_821]}),
+    );
+    assert_eq!(
+        d.json()["prompt"],
+        "<｜begin▁of▁sentence｜><｜User｜>Hello<｜Assistant｜><think>"
+    );
+    let bad = post(addr, "/detokenize", &json!({"tokens": [999_999_999]}));
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.json()["error"]["param"], "tokens");
+}
+
+#[test]
+fn chat_stop_strings_cut_output_in_stream_and_non_stream() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let mut body = json!({
+        "model": "deepseek-v4-flash",
+        "messages": [{"role": "user", "content": "Count"}],
+        "max_tokens": 40,
+        "seed": 9,
+        "thinking": {"type": "disabled"},
+    });
+    let full =
+        text(&post(addr, "/v1/chat/completions", &body).json()["choices"][0]["message"]["content"]);
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() > 12, "{full:?}");
+    let stop: String = chars[8..11].iter().collect();
+    let prefix = &full[..full.find(&stop).unwrap()];
+    body["stop"] = json!([stop]);
+    let cut = post(addr, "/v1/chat/completions", &body).json();
+    assert_eq!(text(&cut["choices"][0]["message"]["content"]), prefix);
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    body["stream"] = json!(true);
+    let (content, _, finish, _) = fold_stream(&post(addr, "/v1/chat/completions", &body));
+    assert_eq!(content, prefix);
+    assert_eq!(finish.as_deref(), Some("stop"));
+}
