@@ -328,6 +328,21 @@ struct Adapter {
     held: Option<GeneratedToken>,
     logprobs: bool,
     ended: bool,
+    failure: Failure,
+}
+
+/// Set when the backend fails or its stream ends without a finish: the response must then be
+/// an error, never the truncated text as if it were complete.
+pub type Failure = Arc<std::sync::Mutex<Option<String>>>;
+
+fn record(failure: &Failure, message: String) {
+    if let Ok(mut slot) = failure.lock() {
+        slot.get_or_insert(message);
+    }
+}
+
+fn failed(failure: &Failure) -> Option<String> {
+    failure.lock().ok().and_then(|slot| slot.clone())
 }
 
 impl Adapter {
@@ -355,6 +370,7 @@ pub fn inference_stream(
     prompt_tokens: usize,
     fingerprint: String,
     logprobs: bool,
+    failure: Failure,
 ) -> impl Stream<Item = InferenceChunk> + Send + 'static {
     let ready = InferenceChunk::Ready {
         system_fingerprint: Some(fingerprint),
@@ -369,6 +385,7 @@ pub fn inference_stream(
         held: None,
         logprobs,
         ended: false,
+        failure,
     };
     futures::stream::unfold(state, |mut st| async move {
         loop {
@@ -404,9 +421,16 @@ pub fn inference_stream(
                 }
                 Some(BackendEvent::Failed(error)) => {
                     tracing::error!(%error, "backend request failed");
+                    record(&st.failure, error.clone());
                     st.ended = true;
                 }
-                None => st.ended = true,
+                None => {
+                    record(
+                        &st.failure,
+                        "the backend stream ended before the request finished".into(),
+                    );
+                    st.ended = true;
+                }
             }
         }
     })
@@ -447,9 +471,17 @@ pub async fn respond(prepared: Prepared, served: Arc<Served>) -> Result<Response
     let stream = std::mem::take(&mut converted.stream);
     let processor =
         StreamProcessor::new(generator, parsing).with_tokenizer(Arc::clone(&served.tokenizer));
-    let inference = inference_stream(tokens, prompt.len(), served.fingerprint.clone(), logprobs);
+    let failure: Failure = Arc::default();
+    let inference = inference_stream(
+        tokens,
+        prompt.len(),
+        served.fingerprint.clone(),
+        logprobs,
+        Arc::clone(&failure),
+    );
     let chunks = processor.into_protocol_stream(inference);
     if stream {
+        let tail_failure = Arc::clone(&failure);
         let events = chunks
             .map(|item| {
                 let data = match item {
@@ -459,10 +491,16 @@ pub async fn respond(prepared: Prepared, served: Arc<Served>) -> Result<Response
                 };
                 Ok::<_, Infallible>(SseEvent::default().data(data))
             })
-            .chain(futures::stream::iter(
-                ChatCompletionResponse::sse_done_data()
-                    .map(|done| Ok(SseEvent::default().data(done))),
-            ));
+            // A failed request ends with an error event and no `[DONE]`, so no client takes
+            // the partial text for a complete answer.
+            .chain(futures::stream::once(async move {
+                let data = match failed(&tail_failure) {
+                    Some(message) => error_json(&ApiError::Internal(message)),
+                    None => ChatCompletionResponse::sse_done_data()
+                        .unwrap_or_else(|| "[DONE]".to_owned()),
+                };
+                Ok(SseEvent::default().data(data))
+            }));
         return Ok(Sse::new(events).into_response());
     }
     let mut response = ChatCompletionResponse::new(id, served.name.clone(), now(), prompt.len(), 0);
@@ -471,9 +509,82 @@ pub async fn respond(prepared: Prepared, served: Arc<Served>) -> Result<Response
         let chunk = item.map_err(|e| ApiError::Internal(e.to_string()))?;
         response.accumulate(chunk);
     }
+    if let Some(message) = failed(&failure) {
+        return Err(ApiError::Internal(message));
+    }
     Ok(axum::Json(response).into_response())
 }
 
 fn error_json(e: &ApiError) -> String {
     serde_json::to_string(&e.body()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod failure_tests {
+    use futures::StreamExt as _;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    fn token(id: u32) -> GeneratedToken {
+        GeneratedToken {
+            id,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+
+    async fn drive(events: Vec<BackendEvent>) -> (Vec<InferenceChunk>, Option<String>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        for e in events {
+            tx.send(e).unwrap();
+        }
+        drop(tx);
+        let failure: Failure = Arc::default();
+        let stream = inference_stream(
+            TokenStream::new(rx, || {}),
+            3,
+            "fp".into(),
+            false,
+            Arc::clone(&failure),
+        );
+        let chunks: Vec<InferenceChunk> = stream.collect().await;
+        (chunks, failed(&failure))
+    }
+
+    #[tokio::test]
+    async fn backend_failure_is_recorded_not_hidden() {
+        let (chunks, failure) = drive(vec![
+            BackendEvent::Tokens(vec![token(5), token(6)]),
+            BackendEvent::Failed("worker died".into()),
+        ])
+        .await;
+        assert_eq!(failure.as_deref(), Some("worker died"));
+        assert!(
+            !chunks
+                .iter()
+                .any(|c| matches!(c, InferenceChunk::Finish { .. })),
+            "no finish after a failure"
+        );
+    }
+
+    #[tokio::test]
+    async fn stream_ending_without_finish_is_a_failure() {
+        let (_, failure) = drive(vec![BackendEvent::Tokens(vec![token(5)])]).await;
+        assert!(failure.is_some_and(|m| m.contains("ended before")));
+    }
+
+    #[tokio::test]
+    async fn normal_finish_is_not_a_failure() {
+        let (chunks, failure) = drive(vec![
+            BackendEvent::Tokens(vec![token(5), token(6)]),
+            BackendEvent::Finished {
+                reason: FinishReason::Length,
+                usage: engine::scheduler::Usage::default(),
+            },
+        ])
+        .await;
+        assert!(failure.is_none());
+        assert!(matches!(chunks.last(), Some(InferenceChunk::Finish { .. })));
+    }
 }
