@@ -7,7 +7,7 @@ set -uo pipefail
 DIR="${1:-target/release/deps}"
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
 status=0
-for bin in "$DIR"/nvfp4_quant-* "$DIR"/nvfp4_gemv-* "$DIR"/attn_decode-*; do
+for bin in "$DIR"/nvfp4_quant-* "$DIR"/nvfp4_gemv-* "$DIR"/attn_decode-* "$DIR"/indexer-*; do
   [ -x "$bin" ] && [ -f "$bin" ] || continue
   echo "== $(basename "$bin")"
   "$bin" --nocapture --test-threads 1 || status=1

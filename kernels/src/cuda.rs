@@ -26,6 +26,24 @@ pub struct Gpu {
     nvfp4: Arc<CudaModule>,
     gemv: Arc<CudaModule>,
     attn: Arc<CudaModule>,
+    indexer: Arc<CudaModule>,
+}
+
+/// One batch of indexer queries: request `b` has `visible[b]` keys starting at
+/// `key_starts[b]` rows into `keys` (`dim` values each).
+#[derive(Debug, Clone, Copy)]
+pub struct IndexerBatch<'a> {
+    /// `[batch, heads, dim]` queries.
+    pub q: &'a [f32],
+    /// `[batch, heads]` head weights (already scaled by `heads^-0.5`).
+    pub w: &'a [f32],
+    pub keys: &'a [f32],
+    pub key_starts: &'a [i64],
+    pub visible: &'a [i32],
+    pub heads: usize,
+    pub dim: usize,
+    pub scale: f32,
+    pub top_k: usize,
 }
 
 /// Shapes of one decode-attention call.
@@ -58,12 +76,14 @@ impl Gpu {
         let nvfp4 = load(fatbins::NVFP4_QUANT)?;
         let gemv = load(fatbins::NVFP4_GEMV)?;
         let attn = load(fatbins::ATTN_DECODE)?;
+        let indexer = load(fatbins::INDEXER)?;
         Ok(Some(Self {
             ctx,
             stream,
             nvfp4,
             gemv,
             attn,
+            indexer,
         }))
     }
 
@@ -263,5 +283,94 @@ impl Gpu {
         let mut out = self.stream.clone_dtoh(&d_out)?;
         out.truncate(batch * heads * dim);
         Ok(out)
+    }
+
+    /// Lightning-indexer scores and top-k per request (see `cpu::indexer_topk`): returns, per
+    /// request, the chosen key indices in ascending order.
+    pub fn indexer_topk(&self, batch: &IndexerBatch<'_>) -> Result<Vec<Vec<usize>>, KernelError> {
+        let n = batch.visible.len();
+        let max_keys = batch.visible.iter().copied().max().unwrap_or(0).max(1) as usize;
+        if batch.q.len() != n * batch.heads * batch.dim
+            || batch.w.len() != n * batch.heads
+            || batch.key_starts.len() != n
+            || batch.top_k == 0
+        {
+            return Err(KernelError::Shape("indexer_topk".into()));
+        }
+        let d_q = self.stream.clone_htod(batch.q)?;
+        let d_w = self.stream.clone_htod(batch.w)?;
+        let d_keys = self.stream.clone_htod(&if batch.keys.is_empty() {
+            vec![0.0]
+        } else {
+            batch.keys.to_vec()
+        })?;
+        let d_starts = self.stream.clone_htod(batch.key_starts)?;
+        let d_visible = self.stream.clone_htod(batch.visible)?;
+        let mut d_scores = self.stream.clone_htod(&vec![f32::NAN; n * max_keys])?;
+        let mut d_out = self.stream.clone_htod(&vec![i32::MIN; n * batch.top_k])?;
+        if n > 0 {
+            let (n_i, heads_i, dim_i, k_i) = (
+                n as i32,
+                batch.heads as i32,
+                batch.dim as i32,
+                batch.top_k as i32,
+            );
+            let max_keys_i = max_keys as i64;
+            let scores = self.indexer.load_function("indexer_scores")?;
+            let mut launch = self.stream.launch_builder(&scores);
+            launch
+                .arg(&d_q)
+                .arg(&d_w)
+                .arg(&d_keys)
+                .arg(&d_starts)
+                .arg(&d_visible)
+                .arg(&n_i)
+                .arg(&heads_i)
+                .arg(&dim_i)
+                .arg(&batch.scale)
+                .arg(&max_keys_i)
+                .arg(&mut d_scores);
+            let warps = n * max_keys;
+            let grid = u32::try_from((warps * 32).div_ceil(256))
+                .map_err(|_| KernelError::Shape("grid".into()))?;
+            // SAFETY: argument types and order match `indexer_scores`; buffers sized above.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+            let topk = self.indexer.load_function("indexer_topk")?;
+            let mut launch = self.stream.launch_builder(&topk);
+            launch
+                .arg(&mut d_scores)
+                .arg(&d_visible)
+                .arg(&max_keys_i)
+                .arg(&k_i)
+                .arg(&mut d_out);
+            // SAFETY: argument types and order match `indexer_topk`.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let out = self.stream.clone_dtoh(&d_out)?;
+        Ok(out
+            .chunks(batch.top_k)
+            .take(n)
+            .map(|row| {
+                let mut chosen: Vec<usize> = row
+                    .iter()
+                    .filter(|&&i| i >= 0)
+                    .map(|&i| i as usize)
+                    .collect();
+                chosen.sort_unstable();
+                chosen
+            })
+            .collect())
     }
 }

@@ -11,6 +11,8 @@
 //! - `nvfp4_gemv.cu` `nvfp4_gemv` — [`cpu::nvfp4_gemv`] (dequantize path, every architecture).
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
+//! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
+//!   with the causal rule; ties to the lower index).
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -40,6 +42,7 @@ mod tests {
             super::fatbins::NVFP4_QUANT,
             super::fatbins::NVFP4_GEMV,
             super::fatbins::ATTN_DECODE,
+            super::fatbins::INDEXER,
         ] {
             assert!(fatbin.len() > 16);
             assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());

@@ -1,0 +1,97 @@
+//! Lightning-indexer selection on the GPU equals the CPU reference (the engine's rule, ties to
+//! the lower index): ragged key counts, fewer visible keys than k, k larger than any count,
+//! heads with negative weights (so many exact-zero scores). Skips without a GPU.
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
+
+use engine::synth::Rng;
+use kernels::{
+    cpu,
+    cuda::{Gpu, IndexerBatch},
+};
+
+#[test]
+fn gpu_indexer_matches_reference() {
+    let Some(gpu) = Gpu::open().unwrap() else {
+        eprintln!("skipping gpu_indexer_matches_reference: no CUDA driver or device");
+        return;
+    };
+    let mut rng = Rng::for_tensor(4, "indexer");
+    for (visible, heads, dim, k) in [
+        (vec![0i32, 1, 5, 37], 4usize, 16usize, 4usize),
+        (vec![300, 2, 1000], 8, 32, 16),
+        (vec![16_384], 64, 128, 512),
+        (vec![7, 9], 2, 16, 64),
+    ] {
+        let n = visible.len();
+        let mut key_starts = Vec::new();
+        let mut keys = Vec::new();
+        let mut rows: Vec<Vec<Vec<f32>>> = Vec::new();
+        for &v in &visible {
+            key_starts.push((keys.len() / dim) as i64);
+            let mine: Vec<Vec<f32>> = (0..v)
+                .map(|_| (0..dim).map(|_| rng.normal()).collect())
+                .collect();
+            keys.extend(mine.iter().flatten());
+            rows.push(mine);
+        }
+        let q: Vec<f32> = (0..n * heads * dim).map(|_| rng.normal()).collect();
+        let w: Vec<f32> = (0..n * heads).map(|_| rng.normal()).collect();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let got = gpu
+            .indexer_topk(&IndexerBatch {
+                q: &q,
+                w: &w,
+                keys: &keys,
+                key_starts: &key_starts,
+                visible: &visible,
+                heads,
+                dim,
+                scale,
+                top_k: k,
+            })
+            .unwrap();
+        for b in 0..n {
+            let want = cpu::indexer_topk(
+                &q[b * heads * dim..(b + 1) * heads * dim],
+                &w[b * heads..(b + 1) * heads],
+                &rows[b],
+                visible[b] as usize,
+                scale,
+                k,
+            );
+            if got[b] != want {
+                // Scores summed in a different order may swap keys whose scores agree to f32
+                // rounding at the top-k boundary; anything else is a bug.
+                let score = |s: usize| -> f64 {
+                    (0..heads)
+                        .map(|h| {
+                            let qh = &q[(b * heads + h) * dim..(b * heads + h + 1) * dim];
+                            let dotp: f64 = qh
+                                .iter()
+                                .zip(&rows[b][s])
+                                .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                                .sum();
+                            dotp.max(0.0) * f64::from(scale) * f64::from(w[b * heads + h])
+                        })
+                        .sum()
+                };
+                let boundary = want.iter().map(|&s| score(s)).fold(f64::INFINITY, f64::min);
+                let spread = (0..visible[b] as usize)
+                    .map(|s| score(s).abs())
+                    .fold(1e-30, f64::max);
+                for s in got[b]
+                    .iter()
+                    .filter(|s| !want.contains(s))
+                    .chain(want.iter().filter(|s| !got[b].contains(s)))
+                {
+                    assert!(
+                        (score(*s) - boundary).abs() <= 1e-5 * spread,
+                        "request {b} of {visible:?}: key {s} differs beyond rounding"
+                    );
+                }
+                assert_eq!(got[b].len(), want.len());
+            }
+        }
+    }
+}
