@@ -41,6 +41,75 @@ impl Proc {
     }
 }
 
+/// The embedded default model: `tiny` preset, MXFP4 experts, seed 0, with the real tokenizer,
+/// generated into the cache folder on first use (deterministic, so every machine gets the same).
+fn default_model() -> Result<PathBuf, PdctlError> {
+    let cache = common::assets::cache_dir().map_err(|e| PdctlError::Model(e.to_string()))?;
+    let dir = cache.join("models/tiny-mxfp4-seed0");
+    if dir.join("model.safetensors.index.json").is_file() {
+        return Ok(dir);
+    }
+    crate::model_cmds::gen_model(&crate::model_cmds::GenModelArgs {
+        preset: "tiny".into(),
+        seed: 0,
+        experts: "mxfp4".into(),
+        out: dir.clone(),
+        no_tokenizer: false,
+    })?;
+    Ok(dir)
+}
+
+/// Waits (bounded) for `/health/ready`: the router loads the model after it starts listening.
+async fn wait_ready(http: std::net::SocketAddr) -> Result<(), PdctlError> {
+    let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+    loop {
+        let ready = common::http_client::get(http, "/health/ready", Duration::from_secs(5)).await;
+        if matches!(ready, Ok(ref r) if r.status == 200) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(PdctlError::NotReady {
+                what: "router".into(),
+                reason: format!("/health/ready not 200 within {START_TIMEOUT:?}"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Sends one chat completion and returns the answer's text (or the error body).
+async fn ask(http: std::net::SocketAddr) -> Result<String, PdctlError> {
+    let body = serde_json::json!({
+        "model": "deepseek-v4-flash",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 16,
+        "seed": 1,
+        "reasoning_effort": "none",
+    });
+    let response = common::http_client::request(
+        http,
+        "POST",
+        "/v1/chat/completions",
+        Some(("application/json", body.to_string().into_bytes())),
+        Duration::from_secs(60),
+    )
+    .await
+    .map_err(|e| PdctlError::Unhealthy {
+        what: "chat completion".into(),
+        reason: e.to_string(),
+    })?;
+    let text = String::from_utf8_lossy(&response.body).into_owned();
+    if response.status != 200 {
+        return Err(PdctlError::Unhealthy {
+            what: "chat completion".into(),
+            reason: format!("status {}: {text}", response.status),
+        });
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| PdctlError::Model(e.to_string()))?;
+    Ok(serde_json::to_string(&doc["choices"][0]["message"]).unwrap_or(text))
+}
+
 fn default_bin_dir() -> Result<PathBuf, PdctlError> {
     let exe = std::env::current_exe()?;
     Ok(exe
@@ -154,11 +223,17 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
                 .await?,
             );
         }
+        let model = match &args.model {
+            Some(dir) => dir.clone(),
+            None => default_model()?,
+        };
         let mut router_args = vec![
             "--http-listen".to_owned(),
             args.http_listen.to_string(),
             "--grpc-listen".to_owned(),
             EPHEMERAL.to_owned(),
+            "--model-dir".to_owned(),
+            model.display().to_string(),
         ];
         for proc in &procs {
             let flag = if proc.name.starts_with("prefill") {
@@ -190,6 +265,12 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
                     format!("http://{http}")
                 );
             }
+        }
+        if let Some(router) = procs.iter().find(|p| p.name == "router") {
+            let http = router.addr("http")?;
+            wait_ready(http).await?;
+            let answer = ask(http).await?;
+            println!("chat completion: {answer}");
         }
         Ok::<_, PdctlError>(())
     }

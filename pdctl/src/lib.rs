@@ -54,6 +54,10 @@ pub struct UpArgs {
     /// Check the cluster end to end, stop it, and exit (0 when everything answered).
     #[arg(long)]
     pub smoke: bool,
+    /// Checkpoint to serve; default: the embedded default model, a tiny synthetic DeepSeek-V4
+    /// checkpoint generated once into the cache folder.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
 }
 
 /// Arguments of `pdctl health`.
