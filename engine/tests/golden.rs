@@ -164,13 +164,18 @@ fn engine_matches_transformers_golden_logits() {
             }
         }
         println!("{}: worst relative diff {worst:.3e}", path.display());
+        greedy_matches(model, path, &fixture, &mut greedy_checked);
     }
+    assert!(
+        greedy_checked >= 9,
+        "every fixture prompt records a greedy continuation"
+    );
     assert!(
         longest >= 300,
         "one golden prompt must have at least 300 tokens"
     );
     println!(
-        "{} fixtures, {checked_positions} positions checked",
+        "{} fixtures, {checked_positions} positions checked, {greedy_checked} greedy continuations equal",
         fixtures.len()
     );
 }
