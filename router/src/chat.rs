@@ -23,7 +23,8 @@ use serde_json::{Map, Value, json};
 
 use crate::{
     api_error::ApiError,
-    backend::{BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream},
+    backend::{BackendError, BackendEvent, BackendRequest, GeneratedToken},
+    metrics::Tracker,
     served::Served,
 };
 
@@ -322,8 +323,8 @@ pub fn backend_error(e: BackendError) -> ApiError {
     }
 }
 
-struct Adapter {
-    tokens: TokenStream,
+struct Adapter<S> {
+    tokens: S,
     out: VecDeque<InferenceChunk>,
     held: Option<GeneratedToken>,
     logprobs: bool,
@@ -345,7 +346,7 @@ fn failed(failure: &Failure) -> Option<String> {
     failure.lock().ok().and_then(|slot| slot.clone())
 }
 
-impl Adapter {
+impl<S> Adapter<S> {
     fn chunk(&self, tokens: &[GeneratedToken]) -> InferenceChunk {
         let logprobs = self.logprobs.then(|| {
             tokens
@@ -366,7 +367,7 @@ impl Adapter {
 /// Backend events as the stream processor's inference chunks: a `Ready` first, and the token
 /// that ended a `Stop` request held back and dropped (the library's contract).
 pub fn inference_stream(
-    tokens: TokenStream,
+    tokens: impl Stream<Item = BackendEvent> + Send + Unpin + 'static,
     prompt_tokens: usize,
     fingerprint: String,
     logprobs: bool,
@@ -448,13 +449,21 @@ pub fn new_id(prefix: &str) -> String {
 }
 
 /// Runs a prepared chat request on the backend and answers it (JSON or SSE).
-pub async fn respond(prepared: Prepared, served: Arc<Served>) -> Result<Response, ApiError> {
+pub async fn respond(
+    prepared: Prepared,
+    served: Arc<Served>,
+    mut tracker: Tracker,
+) -> Result<Response, ApiError> {
     let request = backend_request(&prepared, &served);
-    let tokens = served
-        .backend
-        .submit(request)
-        .await
-        .map_err(backend_error)?;
+    tracker.prompt(prepared.prompt.len());
+    let tokens = match served.backend.submit(request).await {
+        Ok(tokens) => crate::metrics::track(tokens, tracker),
+        Err(e) => {
+            let e = backend_error(e);
+            tracker.failed(&e);
+            return Err(e);
+        }
+    };
     let Prepared {
         mut converted,
         prompt,
@@ -525,6 +534,7 @@ mod failure_tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::backend::TokenStream;
 
     fn token(id: u32) -> GeneratedToken {
         GeneratedToken {

@@ -1,4 +1,5 @@
-//! The HTTP surface: OpenAI-compatible API, vLLM-style tokenize/detokenize, health.
+//! The HTTP surface: OpenAI-compatible API, vLLM-style tokenize/detokenize, health and
+//! Prometheus metrics (`/metrics`, like health outside the API-key check).
 
 use std::{
     collections::BTreeMap,
@@ -20,7 +21,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 pub use crate::api_error::{ErrorBody, ErrorObject};
-use crate::{api_error::ApiError, chat, served::Served};
+use crate::{
+    api_error::ApiError,
+    chat, completions,
+    metrics::{self, Endpoint, Tracker},
+    served::Served,
+};
 
 /// Shared state of the HTTP handlers.
 #[derive(Debug)]
@@ -73,6 +79,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
     let max_body = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
     let api = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(legacy_completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -80,6 +87,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/health/ready", get(ready))
+        .route("/metrics", get(prometheus))
         .merge(api)
         .fallback(|uri: axum::http::Uri| async move { ApiError::NotFound(uri.path().to_owned()) })
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
@@ -110,14 +118,53 @@ async fn ready(State(state): Shared) -> Response {
     }
 }
 
+async fn prometheus() -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        metrics::render(),
+    )
+        .into_response()
+}
+
 async fn chat_completions(
     State(state): Shared,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = state.body(body)?;
-    let served = state.served()?;
-    let prepared = chat::prepare(&body, &served, &state.effort_map)?;
-    chat::respond(prepared, served).await
+    let mut tracker = Tracker::new(Endpoint::ChatCompletions);
+    let prepared = state.body(body).and_then(|body| {
+        let served = state.served()?;
+        let prepared = chat::prepare(&body, &served, &state.effort_map)?;
+        Ok((prepared, served))
+    });
+    match prepared {
+        Ok((prepared, served)) => chat::respond(prepared, served, tracker).await,
+        Err(e) => {
+            tracker.failed(&e);
+            Err(e)
+        }
+    }
+}
+
+async fn legacy_completions(
+    State(state): Shared,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let mut tracker = Tracker::new(Endpoint::Completions);
+    let prepared = state.body(body).and_then(|body| {
+        let served = state.served()?;
+        let prepared = completions::prepare(&body, &served)?;
+        Ok((prepared, served))
+    });
+    match prepared {
+        Ok((prepared, served)) => completions::respond(prepared, served, tracker).await,
+        Err(e) => {
+            tracker.failed(&e);
+            Err(e)
+        }
+    }
 }
 
 async fn models(State(state): Shared) -> Result<Response, ApiError> {

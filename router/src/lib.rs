@@ -1,14 +1,17 @@
 //! The router: OpenAI-compatible HTTP API, chat encoding and streaming detokenization, worker
 //! registry, routing policies and the two-leg prefill/decode orchestration. Today it serves the
-//! OpenAI chat API, `/v1/models`, `/tokenize`, `/detokenize` and health over HTTP with an
-//! in-process engine backend (`model_dir`), and the standard gRPC health service.
+//! OpenAI chat and legacy completions APIs, `/v1/models`, `/tokenize`, `/detokenize`, health
+//! and Prometheus `/metrics` over HTTP with an in-process engine backend (`model_dir`), and the
+//! standard gRPC health service.
 
 pub mod api_error;
 pub mod backend;
 pub mod chat;
+pub mod completions;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod metrics;
 pub mod served;
 
 use std::{

@@ -1,0 +1,793 @@
+//! `POST /v1/completions` (OpenAI legacy completions): a raw prompt (text or token ids, no chat
+//! template), incremental detokenization that never emits half a character, and stop strings
+//! held back until resolved. Streamed and non-streamed answers come from the same text pieces,
+//! so their texts are equal.
+
+use std::{collections::VecDeque, convert::Infallible, sync::Arc, time::SystemTime};
+
+use axum::response::{
+    IntoResponse, Response,
+    sse::{Event as SseEvent, Sse},
+};
+use engine::sampling::{FinishReason, SamplingParams, StopConditions};
+use futures::{Stream, StreamExt};
+use serde_json::{Map, Value, json};
+use tokenizers::Tokenizer;
+
+use crate::{
+    api_error::ApiError,
+    backend::{BackendEvent, BackendRequest, TokenStream},
+    chat::{self, Extras},
+    metrics::Tracker,
+    served::Served,
+};
+
+/// OpenAI's default `max_tokens` for legacy completions.
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
+/// At most this many stop strings.
+pub const MAX_STOP: usize = 16;
+
+/// A validated completions request.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub sampling: SamplingParams,
+}
+
+fn prompt_ids(obj: &Map<String, Value>, served: &Served) -> Result<Vec<u32>, ApiError> {
+    let bad = || {
+        ApiError::param(
+            "prompt",
+            "`prompt` must be a string or a list of token ids (one prompt per request)",
+        )
+    };
+    let ids_of = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|v| {
+                let id = v
+                    .as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or_else(bad)?;
+                if id as usize >= served.vocab_size {
+                    return Err(ApiError::param(
+                        "prompt",
+                        format!(
+                            "token id {id} is outside the vocabulary (size {})",
+                            served.vocab_size
+                        ),
+                    ));
+                }
+                Ok(id)
+            })
+            .collect()
+    };
+    let encode = |text: &str| -> Result<Vec<u32>, ApiError> {
+        Ok(served
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .get_ids()
+            .to_vec())
+    };
+    let ids = match obj.get("prompt") {
+        None | Some(Value::Null) => return Err(ApiError::param("prompt", "`prompt` is required")),
+        Some(Value::String(text)) => encode(text)?,
+        Some(Value::Array(items)) => match items.as_slice() {
+            [Value::String(text)] => encode(text)?,
+            [Value::Array(inner)] => ids_of(inner)?,
+            items if items.iter().all(Value::is_number) => ids_of(items)?,
+            _ => {
+                return Err(ApiError::param(
+                    "prompt",
+                    "`prompt` must be a single prompt: a list of prompts is not supported",
+                ));
+            }
+        },
+        Some(_) => return Err(bad()),
+    };
+    if ids.is_empty() {
+        return Err(ApiError::param("prompt", "`prompt` must not be empty"));
+    }
+    Ok(ids)
+}
+
+fn stop_strings(obj: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    let bad = || {
+        ApiError::param(
+            "stop",
+            format!("`stop` must be a non-empty string or a list of at most {MAX_STOP} of them"),
+        )
+    };
+    let stop: Vec<String> = match obj.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(bad))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad()),
+    };
+    if stop.len() > MAX_STOP || stop.iter().any(String::is_empty) {
+        return Err(bad());
+    }
+    Ok(stop)
+}
+
+fn boolean(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(ApiError::param(key, format!("`{key}` must be a boolean"))),
+    }
+}
+
+/// Validates the body and tokenizes the prompt.
+pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
+    let mut obj = chat::parse_object(body)?;
+    match obj.get("model") {
+        Some(Value::String(model)) if served.accepts(model) => {}
+        Some(Value::String(model)) => {
+            return Err(ApiError::UnknownModel {
+                model: model.clone(),
+                served: served.names.join(", "),
+            });
+        }
+        None | Some(Value::Null) => return Err(ApiError::param("model", "`model` is required")),
+        Some(_) => return Err(ApiError::param("model", "`model` must be a string")),
+    }
+    let Extras {
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+    } = chat::check_sampling(&mut obj)?;
+    let number = |key: &str| obj.get(key).and_then(Value::as_f64);
+    let temperature = number("temperature").unwrap_or(1.0) as f32;
+    let top_p = number("top_p").unwrap_or(1.0) as f32;
+    let seed = obj.get("seed").and_then(Value::as_u64);
+    let stream = boolean(&obj, "stream")?.unwrap_or(false);
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(opts)) => boolean(opts, "include_usage")
+            .map_err(|_| {
+                ApiError::param(
+                    "stream_options.include_usage",
+                    "`stream_options.include_usage` must be a boolean",
+                )
+            })?
+            .unwrap_or(false),
+        Some(_) => {
+            return Err(ApiError::param(
+                "stream_options",
+                "`stream_options` must be an object",
+            ));
+        }
+    };
+    match obj.get("logprobs") {
+        None | Some(Value::Null) => {}
+        Some(v) => {
+            let n = v.as_i64().ok_or_else(|| {
+                ApiError::param("logprobs", "`logprobs` must be an integer in [0, 20]")
+            })?;
+            if !(0..=20).contains(&n) {
+                return Err(ApiError::param(
+                    "logprobs",
+                    format!("`logprobs` = {n} is out of range: accepted [0, 20]"),
+                ));
+            }
+            return Err(ApiError::param(
+                "logprobs",
+                "`logprobs` is not supported on /v1/completions yet; use /v1/chat/completions",
+            ));
+        }
+    }
+    if boolean(&obj, "echo")? == Some(true) {
+        return Err(ApiError::param("echo", "`echo` is not supported"));
+    }
+    if obj.get("suffix").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::param("suffix", "`suffix` is not supported"));
+    }
+    match obj.get("best_of") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_i64() == Some(1) => {}
+        Some(_) => return Err(ApiError::param("best_of", "`best_of` must be 1")),
+    }
+    let stop = stop_strings(&obj)?;
+    let prompt = prompt_ids(&obj, served)?;
+    let requested = obj
+        .get("max_tokens")
+        .and_then(Value::as_u64)
+        .map(|x| u32::try_from(x).unwrap_or(u32::MAX));
+    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+    let room = served.max_model_len.saturating_sub(prompt_len);
+    if room == 0 {
+        return Err(ApiError::ContextLength {
+            param: "prompt".to_owned(),
+            message: format!(
+                "the prompt has {prompt_len} tokens; this model's context is {} tokens",
+                served.max_model_len
+            ),
+        });
+    }
+    let max_tokens = match requested {
+        Some(m) if m > room => {
+            return Err(ApiError::ContextLength {
+                param: "max_tokens".to_owned(),
+                message: format!(
+                    "`max_tokens` = {m} plus the prompt's {prompt_len} tokens exceed this \
+                     model's context of {} tokens",
+                    served.max_model_len
+                ),
+            });
+        }
+        Some(m) => m,
+        None => DEFAULT_MAX_TOKENS.min(room),
+    };
+    Ok(Prepared {
+        prompt,
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+        sampling: SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            logit_bias: Vec::new(),
+            logprobs: false,
+            top_logprobs: 0,
+        },
+    })
+}
+
+/// Incremental detokenization with stop strings. Decodes a short window of the growing id
+/// list (the previous read position onwards, as vLLM does, so the work per token stays
+/// constant and tokenizers that treat a leading token specially still decode alike) and takes
+/// only the new complete text: never text ending in U+FFFD (half a character) nor a tail that
+/// may begin a stop string.
+#[derive(Debug)]
+pub struct Detokenizer {
+    tokenizer: Arc<Tokenizer>,
+    stop: Vec<String>,
+    ids: Vec<u32>,
+    /// The decoding window starts here; `read` is where the decoded text ends.
+    prefix: usize,
+    read: usize,
+    /// Complete text of `ids[..read]`.
+    text: String,
+    /// Bytes of `text` already released.
+    sent: usize,
+}
+
+/// What [`Detokenizer::push`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    pub text: String,
+    /// A stop string matched: the text ends before it and generation is over.
+    pub stopped: bool,
+}
+
+impl Detokenizer {
+    pub fn new(tokenizer: Arc<Tokenizer>, stop: Vec<String>) -> Self {
+        Self {
+            tokenizer,
+            stop,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+            text: String::new(),
+            sent: 0,
+        }
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        if ids.is_empty() {
+            return Ok(String::new());
+        }
+        self.tokenizer.decode(ids, false).map_err(|e| e.to_string())
+    }
+
+    /// Extends `text` with the newly complete text (all of it with `last`).
+    fn advance(&mut self, last: bool) -> Result<(), String> {
+        if self.read == self.ids.len() {
+            return Ok(());
+        }
+        let before = self.decode(&self.ids[self.prefix..self.read])?;
+        let window = self.decode(&self.ids[self.prefix..])?;
+        let complete = !window.ends_with('\u{FFFD}');
+        if (complete || last)
+            && window.len() >= before.len()
+            && window.is_char_boundary(before.len())
+        {
+            self.text.push_str(&window[before.len()..]);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        Ok(())
+    }
+
+    /// Adds tokens; returns the text that is now final. With `last`, everything left is
+    /// released (a trailing U+FFFD included: the tokens really end mid-character).
+    pub fn push(&mut self, ids: &[u32], last: bool) -> Result<Released, String> {
+        self.ids.extend_from_slice(ids);
+        self.advance(last)?;
+        let full = &self.text;
+        // A match may start in released text only if it ends in new text; released text never
+        // ended with the start of a stop string, so searching from `sent` minus the longest
+        // stop string is enough.
+        let search_from = floor_boundary(
+            full,
+            self.sent
+                .saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0)),
+        );
+        let hit = self
+            .stop
+            .iter()
+            .filter_map(|s| {
+                full[search_from..]
+                    .find(s.as_str())
+                    .map(|p| search_from + p)
+            })
+            .min();
+        if let Some(at) = hit {
+            let text = full.get(self.sent..at).unwrap_or_default().to_owned();
+            self.sent = at.max(self.sent);
+            return Ok(Released {
+                text,
+                stopped: true,
+            });
+        }
+        let mut safe = full.len();
+        if !last {
+            // A tail that may begin a stop string: wait until resolved.
+            safe -= self
+                .stop
+                .iter()
+                .map(|s| partial_suffix(full, s))
+                .max()
+                .unwrap_or(0);
+        }
+        if safe <= self.sent || !full.is_char_boundary(self.sent) {
+            return Ok(Released {
+                text: String::new(),
+                stopped: false,
+            });
+        }
+        let text = full[self.sent..safe].to_owned();
+        self.sent = safe;
+        Ok(Released {
+            text,
+            stopped: false,
+        })
+    }
+}
+
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// Length of the longest proper prefix of `stop` that `text` ends with.
+fn partial_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len())
+        .rev()
+        .filter(|&n| stop.is_char_boundary(n))
+        .find(|&n| text.ends_with(&stop[..n]))
+        .unwrap_or(0)
+}
+
+/// One step of a completion.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Text(String),
+    Finish {
+        reason: &'static str,
+        completion_tokens: usize,
+    },
+    Failed(String),
+}
+
+struct Run {
+    tokens: Option<TokenStream>,
+    tracker: Option<Tracker>,
+    detok: Detokenizer,
+    held: Option<u32>,
+    generated: usize,
+    out: VecDeque<Piece>,
+}
+
+impl Run {
+    fn release(&mut self, ids: &[u32], last: bool) -> Result<bool, String> {
+        let released = self.detok.push(ids, last)?;
+        if !released.text.is_empty() {
+            self.out.push_back(Piece::Text(released.text));
+        }
+        Ok(released.stopped)
+    }
+
+    fn finish(&mut self, reason: &'static str) {
+        if let Some(tracker) = self.tracker.as_mut() {
+            tracker.succeeded();
+        }
+        self.out.push_back(Piece::Finish {
+            reason,
+            completion_tokens: self.generated,
+        });
+        self.end();
+    }
+
+    fn fail(&mut self, message: String) {
+        tracing::error!(error = %message, "completion failed");
+        if let Some(tracker) = self.tracker.as_mut() {
+            tracker.server_error();
+        }
+        self.out.push_back(Piece::Failed(message));
+        self.end();
+    }
+
+    /// Drops the backend stream (cancelling it if still running) and the tracker.
+    fn end(&mut self) {
+        self.tokens = None;
+        self.tracker = None;
+    }
+}
+
+/// Backend events as completion pieces: text, then exactly one `Finish` or `Failed`.
+pub fn pieces(
+    tokens: TokenStream,
+    tracker: Tracker,
+    detok: Detokenizer,
+) -> impl Stream<Item = Piece> + Send + 'static {
+    let run = Run {
+        tokens: Some(tokens),
+        tracker: Some(tracker),
+        detok,
+        held: None,
+        generated: 0,
+        out: VecDeque::new(),
+    };
+    futures::stream::unfold(run, |mut run| async move {
+        loop {
+            if let Some(piece) = run.out.pop_front() {
+                return Some((piece, run));
+            }
+            let tokens = run.tokens.as_mut()?;
+            let event = tokens.next().await;
+            if let Some(tracker) = run.tracker.as_mut()
+                && let Some(BackendEvent::Tokens(batch)) = &event
+            {
+                tracker.generated(batch.len());
+            }
+            match event {
+                Some(BackendEvent::Tokens(batch)) => {
+                    run.generated += batch.len();
+                    // The last token is held back: it is the eos that ends a `Stop` request.
+                    let mut ids: Vec<u32> = run.held.take().into_iter().collect();
+                    ids.extend(batch.iter().map(|t| t.id));
+                    run.held = ids.pop();
+                    match run.release(&ids, false) {
+                        Ok(true) => run.finish("stop"),
+                        Ok(false) => {}
+                        Err(e) => run.fail(e),
+                    }
+                }
+                Some(BackendEvent::Finished { reason, .. }) => {
+                    let (ids, reason) = match reason {
+                        FinishReason::Length => (run.held.take().into_iter().collect(), "length"),
+                        FinishReason::Stop => (Vec::new(), "stop"),
+                    };
+                    match run.release(&ids, true) {
+                        Ok(_) => run.finish(reason),
+                        Err(e) => run.fail(e),
+                    }
+                }
+                Some(BackendEvent::Failed(error)) => run.fail(error),
+                None => run.fail("the backend stream ended before the request finished".into()),
+            }
+        }
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}
+
+fn error_json(e: &ApiError) -> String {
+    serde_json::to_string(&e.body()).unwrap_or_default()
+}
+
+/// Runs a prepared request and answers it (JSON or SSE).
+pub async fn respond(
+    prepared: Prepared,
+    served: Arc<Served>,
+    mut tracker: Tracker,
+) -> Result<Response, ApiError> {
+    let Prepared {
+        prompt,
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+        sampling,
+    } = prepared;
+    let prompt_len = prompt.len();
+    let request = BackendRequest {
+        prompt,
+        sampling,
+        stop: StopConditions {
+            max_tokens,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            eos_token_ids: served.eos_token_ids.clone(),
+        },
+    };
+    tracker.prompt(prompt_len);
+    let tokens = match served.backend.submit(request).await {
+        Ok(tokens) => tokens,
+        Err(e) => {
+            let e = chat::backend_error(e);
+            tracker.failed(&e);
+            return Err(e);
+        }
+    };
+    let detok = Detokenizer::new(Arc::clone(&served.tokenizer), stop);
+    let pieces = pieces(tokens, tracker, detok);
+    let id = chat::new_id("cmpl");
+    let created = now();
+    let model = served.name.clone();
+    let chunk = move |text: &str, finish: Option<&str>| {
+        json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+        })
+    };
+    if stream {
+        let events = pieces.flat_map(move |piece| {
+            let data: Vec<String> = match piece {
+                Piece::Text(text) => vec![chunk(&text, None).to_string()],
+                Piece::Finish {
+                    reason,
+                    completion_tokens,
+                } => {
+                    let mut out = vec![chunk("", Some(reason)).to_string()];
+                    if include_usage {
+                        let mut last = chunk("", None);
+                        last["choices"] = json!([]);
+                        last["usage"] = usage(prompt_len, completion_tokens);
+                        out.push(last.to_string());
+                    }
+                    out.push("[DONE]".to_owned());
+                    out
+                }
+                // A failed request ends with an error event and no `[DONE]`.
+                Piece::Failed(message) => vec![error_json(&ApiError::Internal(message))],
+            };
+            futures::stream::iter(
+                data.into_iter()
+                    .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
+            )
+        });
+        return Ok(Sse::new(events).into_response());
+    }
+    let mut text = String::new();
+    let mut pieces = std::pin::pin!(pieces);
+    while let Some(piece) = pieces.next().await {
+        match piece {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Finish {
+                reason,
+                completion_tokens,
+            } => {
+                let mut body = chunk(&text, Some(reason));
+                body["usage"] = usage(prompt_len, completion_tokens);
+                return Ok(axum::Json(body).into_response());
+            }
+            Piece::Failed(message) => return Err(ApiError::Internal(message)),
+        }
+    }
+    Err(ApiError::Internal(
+        "the completion ended without a finish".to_owned(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use tokenizers::{models::bpe::BPE, pre_tokenizers::byte_level::ByteLevel};
+
+    use super::*;
+
+    /// A byte-level tokenizer with one token per byte: multi-byte characters always span
+    /// several tokens.
+    fn byte_tokenizer() -> Arc<Tokenizer> {
+        let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        alphabet.sort_unstable();
+        let vocab: tokenizers::models::bpe::Vocab = alphabet
+            .iter()
+            .zip(0_u32..)
+            .map(|(c, i)| (c.to_string(), i))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .build()
+            .unwrap();
+        let mut tokenizer = Tokenizer::new(bpe);
+        tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, false, false)));
+        tokenizer.with_decoder(Some(ByteLevel::new(false, false, false)));
+        Arc::new(tokenizer)
+    }
+
+    fn ids(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
+        tokenizer.encode(text, false).unwrap().get_ids().to_vec()
+    }
+
+    /// Feeds `text` one token at a time; returns the released pieces and whether it stopped.
+    fn feed(text: &str, stop: &[&str]) -> (Vec<String>, bool) {
+        let tokenizer = byte_tokenizer();
+        let ids = ids(&tokenizer, text);
+        assert_eq!(ids.len(), text.len(), "one token per byte");
+        let mut detok = Detokenizer::new(tokenizer, stop.iter().map(|s| (*s).to_owned()).collect());
+        let mut out = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            let r = detok.push(&[*id], i + 1 == ids.len()).unwrap();
+            if !r.text.is_empty() {
+                out.push(r.text);
+            }
+            if r.stopped {
+                return (out, true);
+            }
+        }
+        (out, false)
+    }
+
+    #[test]
+    fn never_emits_half_a_character() {
+        let text = "héllo ünïcødé 你好 🦀!";
+        let (pieces, stopped) = feed(text, &[]);
+        assert!(!stopped);
+        for p in &pieces {
+            assert!(!p.contains('\u{FFFD}'), "{pieces:?}");
+        }
+        assert_eq!(pieces.concat(), text);
+        assert!(pieces.len() > 10, "released incrementally: {pieces:?}");
+    }
+
+    #[test]
+    fn stop_strings_spanning_tokens_are_held_back() {
+        let (pieces, stopped) = feed("hello STOP world", &["STOP"]);
+        assert!(stopped);
+        assert_eq!(pieces.concat(), "hello ");
+        assert!(pieces.iter().all(|p| !p.contains('S')), "{pieces:?}");
+        // A partial match that does not complete is released.
+        let (pieces, stopped) = feed("a STx STOq", &["STOP"]);
+        assert!(!stopped);
+        assert_eq!(pieces.concat(), "a STx STOq");
+        // Multi-byte stop string; the earliest of several wins.
+        let (pieces, stopped) = feed("x 你好 y end", &["end", "好"]);
+        assert!(stopped);
+        assert_eq!(pieces.concat(), "x 你");
+    }
+
+    #[test]
+    fn last_push_releases_a_dangling_partial_character() {
+        let tokenizer = byte_tokenizer();
+        let all = ids(&tokenizer, "é");
+        let mut detok = Detokenizer::new(Arc::clone(&tokenizer), Vec::new());
+        assert_eq!(detok.push(&all[..1], false).unwrap().text, "");
+        assert_eq!(detok.push(&[], true).unwrap().text, "\u{FFFD}");
+    }
+
+    async fn drive(events: Vec<BackendEvent>, stop: &[&str]) -> Vec<Piece> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for e in events {
+            tx.send(e).unwrap();
+        }
+        drop(tx);
+        let detok = Detokenizer::new(
+            byte_tokenizer(),
+            stop.iter().map(|s| (*s).to_owned()).collect(),
+        );
+        let tracker = Tracker::new(crate::metrics::Endpoint::Completions);
+        pieces(TokenStream::new(rx, || {}), tracker, detok)
+            .collect()
+            .await
+    }
+
+    fn tokens(text: &str) -> BackendEvent {
+        let tokenizer = byte_tokenizer();
+        BackendEvent::Tokens(
+            ids(&tokenizer, text)
+                .into_iter()
+                .map(|id| crate::backend::GeneratedToken {
+                    id,
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                })
+                .collect(),
+        )
+    }
+
+    #[tokio::test]
+    async fn backend_failure_ends_with_failed_not_finish() {
+        let pieces = drive(
+            vec![tokens("abc"), BackendEvent::Failed("boom".into())],
+            &[],
+        )
+        .await;
+        assert_eq!(pieces.last(), Some(&Piece::Failed("boom".into())));
+        assert!(!pieces.iter().any(|p| matches!(p, Piece::Finish { .. })));
+        let pieces = drive(vec![tokens("abc")], &[]).await;
+        assert!(matches!(pieces.last(), Some(Piece::Failed(m)) if m.contains("ended before")));
+    }
+
+    #[tokio::test]
+    async fn eos_is_dropped_and_length_keeps_the_last_token() {
+        let usage = engine::scheduler::Usage::default();
+        let stop = BackendEvent::Finished {
+            reason: FinishReason::Stop,
+            usage,
+        };
+        let pieces = drive(vec![tokens("ab"), tokens("cZ"), stop], &[]).await;
+        assert_eq!(pieces.first(), Some(&Piece::Text("a".into())));
+        let text: String = pieces
+            .iter()
+            .filter_map(|p| match p {
+                Piece::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(text, "abc", "the eos (last token) is not text");
+        assert_eq!(
+            pieces.last(),
+            Some(&Piece::Finish {
+                reason: "stop",
+                completion_tokens: 4
+            })
+        );
+        let length = BackendEvent::Finished {
+            reason: FinishReason::Length,
+            usage,
+        };
+        let pieces = drive(vec![tokens("abc"), length], &[]).await;
+        assert!(pieces.contains(&Piece::Text("c".into())), "{pieces:?}");
+        // A stop string ends the request early with finish `stop`.
+        let pieces = drive(vec![tokens("xxENDyy")], &["END"]).await;
+        assert_eq!(
+            pieces,
+            vec![
+                Piece::Text("xx".into()),
+                Piece::Finish {
+                    reason: "stop",
+                    completion_tokens: 7
+                }
+            ]
+        );
+    }
+}
