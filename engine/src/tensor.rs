@@ -114,29 +114,76 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_portable(a, b)
+    use std::arch::x86_64::{
+        __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    debug_assert_eq!(a.len(), b.len());
+    let n = a.len().min(b.len());
+    let chunks = n / 32;
+    let mut acc: [__m256; 4] = [_mm256_setzero_ps(); 4];
+    for i in 0..chunks {
+        for (v, lane) in acc.iter_mut().enumerate() {
+            let at = i * 32 + v * 8;
+            // SAFETY: at + 8 <= chunks * 32 <= n, within both slices; unaligned loads.
+            let (x, y) = unsafe {
+                (
+                    _mm256_loadu_ps(a.as_ptr().add(at)),
+                    _mm256_loadu_ps(b.as_ptr().add(at)),
+                )
+            };
+            // Multiply then add, as the portable lanes do (no fused multiply-add).
+            *lane = _mm256_add_ps(*lane, _mm256_mul_ps(x, y));
+        }
+    }
+    // The portable reduction's first two halvings, lane for lane: 0-15 += 16-31, 0-7 += 8-15.
+    let low = _mm256_add_ps(acc[0], acc[2]);
+    let high = _mm256_add_ps(acc[1], acc[3]);
+    let sum8 = _mm256_add_ps(low, high);
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds exactly 8 f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum8) };
+    let mut tail = 0.0f32;
+    for i in chunks * 32..n {
+        tail += a[i] * b[i];
+    }
+    let mut width = 8;
+    while width > 1 {
+        width /= 2;
+        for k in 0..width {
+            lanes[k] += lanes[k + width];
+        }
+    }
+    lanes[0] + tail
 }
 
-#[expect(
-    clippy::inline_always,
-    reason = "must inline into the AVX2 caller to be compiled for AVX2"
-)]
-#[inline(always)]
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    // 32 independent accumulators (four 8-lane vectors): one accumulator chain would stall on
+    // the add latency. The order of every addition is fixed, whatever the vector width.
+    const LANES: usize = 32;
     debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
+    let mut acc = [0.0f32; LANES];
+    let chunks = a.len() / LANES;
     for i in 0..chunks {
-        let (x, y) = (&a[i * 8..i * 8 + 8], &b[i * 8..i * 8 + 8]);
-        for k in 0..8 {
+        let (x, y) = (
+            &a[i * LANES..(i + 1) * LANES],
+            &b[i * LANES..(i + 1) * LANES],
+        );
+        for k in 0..LANES {
             acc[k] += x[k] * y[k];
         }
     }
     let mut tail = 0.0f32;
-    for i in chunks * 8..a.len() {
+    for i in chunks * LANES..a.len() {
         tail += a[i] * b[i];
     }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for k in 0..width {
+            acc[k] += acc[k + width];
+        }
+    }
+    acc[0] + tail
 }
 
 /// `x * rsqrt(mean(x²) + eps)`, the weightless RMS norm, in place.

@@ -83,3 +83,30 @@ fn logits_do_not_depend_on_the_batch() {
         }
     }
 }
+
+#[test]
+fn expert_major_moe_equals_token_major() {
+    use engine::model::moe;
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 2,
+        experts: ExpertFormat::Mxfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let c = &model.config;
+    let mut rng = Rng::for_tensor(9, "moe");
+    let xs: Vec<Vec<f32>> = (0..37)
+        .map(|_| (0..c.hidden_size).map(|_| rng.normal()).collect())
+        .collect();
+    let tokens: Vec<u32> = (0..37).map(|_| (rng.next_u64() % 129_280) as u32).collect();
+    for layer in &model.weights.layers {
+        let many = moe::forward_many(&layer.moe, &xs, &tokens, c);
+        for ((x, &t), got) in xs.iter().zip(&tokens).zip(&many) {
+            assert!(moe::forward(&layer.moe, x, t, c) == *got);
+        }
+    }
+}

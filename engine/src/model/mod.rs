@@ -181,18 +181,23 @@ impl Model {
                 })
                 .collect();
             let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
-            streams
+            let (ffn_mixes, ffn_inputs): (Vec<_>, Vec<_>) = streams
                 .par_iter_mut()
                 .zip(&attn)
                 .zip(&mixes)
-                .zip(&tokens)
-                .for_each(|(((x, y), mix), &token)| {
+                .map(|((x, y), mix)| {
                     *x = hyper::post(x, y, mix, c.hc_mult);
                     let (mix, mut collapsed) = hyper::pre(x, &layer.hc_ffn, c);
                     rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
-                    let y = moe::forward(&layer.moe, &collapsed, token, c);
-                    *x = hyper::post(x, &y, &mix, c.hc_mult);
-                });
+                    (mix, collapsed)
+                })
+                .unzip();
+            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c);
+            streams
+                .par_iter_mut()
+                .zip(&ffn)
+                .zip(&ffn_mixes)
+                .for_each(|((x, y), mix)| *x = hyper::post(x, y, mix, c.hc_mult));
         }
         // Final hidden states of every wanted position of every sequence, then one pass over
         // the output head for all of them.

@@ -65,3 +65,66 @@ pub fn forward(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> Vec<f3
     }
     out
 }
+
+/// The MoE outputs for many tokens at once, expert-major: each expert's weights are read once
+/// for all the tokens routed to it (the weights of all experts do not fit in cache, so the
+/// token-major order spends its time fetching them). Every token's result is bit-identical to
+/// [`forward`]: the same `expert` call per (token, expert) and the same order of additions.
+pub fn forward_many(
+    w: &MoeWeights,
+    xs: &[Vec<f32>],
+    tokens: &[u32],
+    c: &ModelConfig,
+) -> Vec<Vec<f32>> {
+    use rayon::prelude::*;
+    let routes: Vec<(Vec<usize>, Vec<f32>)> = xs
+        .par_iter()
+        .zip(tokens)
+        .map(|(x, &t)| route(w, x, t, c))
+        .collect();
+    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); w.experts.len()];
+    for (t, (chosen, _)) in routes.iter().enumerate() {
+        for (slot, &e) in chosen.iter().enumerate() {
+            by_expert[e].push((t, slot));
+        }
+    }
+    let computed: Vec<Vec<(usize, usize, Vec<f32>)>> = by_expert
+        .par_iter()
+        .enumerate()
+        .map(|(e, list)| {
+            list.iter()
+                .map(|&(t, slot)| (t, slot, expert(&w.experts[e], &xs[t], c.swiglu_limit)))
+                .collect()
+        })
+        .collect();
+    let mut per_token: Vec<Vec<Option<Vec<f32>>>> = routes
+        .iter()
+        .map(|(chosen, _)| vec![None; chosen.len()])
+        .collect();
+    for (t, slot, y) in computed.into_iter().flatten() {
+        per_token[t][slot] = Some(y);
+    }
+    let shared: Vec<Vec<f32>> = xs
+        .par_iter()
+        .map(|x| expert(&w.shared, x, c.swiglu_limit))
+        .collect();
+    per_token
+        .into_par_iter()
+        .zip(routes.par_iter())
+        .zip(shared.par_iter())
+        .map(|((ys, (_, weights)), shared)| {
+            let mut out = vec![0.0f32; shared.len()];
+            for (y, &weight) in ys.iter().zip(weights) {
+                if let Some(y) = y {
+                    for (o, v) in out.iter_mut().zip(y) {
+                        *o += v * weight;
+                    }
+                }
+            }
+            for (o, v) in out.iter_mut().zip(shared) {
+                *o += v;
+            }
+            out
+        })
+        .collect()
+}
