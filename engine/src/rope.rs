@@ -67,11 +67,37 @@ impl Rope {
     /// Rotates the trailing `rope_dim` dims of `x` to `position` (`inverse`: by `-position`,
     /// i.e. with `-sin`, which undoes a rotation).
     pub fn apply(&self, x: &mut [f32], position: usize, inverse: bool) {
-        let start = x.len() - self.rope_dim();
+        self.at(position).apply(x, inverse);
+    }
+
+    /// The rotation for one position, to apply to many vectors (every head of a token) without
+    /// recomputing its sines and cosines.
+    pub fn at(&self, position: usize) -> RopeAt {
         let pos = position as f32;
-        for (i, &inv) in self.inv_freq.iter().enumerate() {
-            let angle = pos * inv;
-            let (sin, cos) = (angle.sin(), angle.cos());
+        RopeAt {
+            sin_cos: self
+                .inv_freq
+                .iter()
+                .map(|&inv| {
+                    let angle = pos * inv;
+                    (angle.sin(), angle.cos())
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One position's rotation (see [`Rope::at`]).
+#[derive(Debug, Clone)]
+pub struct RopeAt {
+    sin_cos: Vec<(f32, f32)>,
+}
+
+impl RopeAt {
+    /// Rotates the trailing dims of `x` (`inverse`: backwards).
+    pub fn apply(&self, x: &mut [f32], inverse: bool) {
+        let start = x.len() - self.sin_cos.len() * 2;
+        for (i, &(sin, cos)) in self.sin_cos.iter().enumerate() {
             let sin = if inverse { -sin } else { sin };
             let (a, b) = (x[start + 2 * i], x[start + 2 * i + 1]);
             x[start + 2 * i] = a * cos - b * sin;

@@ -10,7 +10,7 @@ use super::compressor::{self, CompressorState};
 use crate::{
     config::{Attention, ModelConfig},
     rope::Rope,
-    tensor::{dot, rms_norm, rms_norm_unweighted, top_k},
+    tensor::{axpy, dots, rms_norm, rms_norm_unweighted, top_k},
     weights::{AttentionWeights, IndexerWeights},
 };
 
@@ -74,48 +74,46 @@ pub fn forward(
     let keep = (c.sliding_window - 1) * hd;
     rows.drain(..rows.len().saturating_sub(keep));
     let window_start = start - rows.len() / hd;
-    let projected: Vec<(Projected, Vec<f32>)> = xs
-        .par_iter()
-        .enumerate()
-        .map(|(t, x)| {
-            let pos = start + t;
-            let mut q_residual = w.wq_a.apply(x);
-            rms_norm(&mut q_residual, &w.q_norm, c.rms_norm_eps);
-            let mut q = w.wq_b.apply(&q_residual);
-            for head in q.chunks_exact_mut(hd) {
-                rms_norm_unweighted(head, c.rms_norm_eps);
-                rope.apply(head, pos, false);
-            }
-            let mut kv = w.wkv.apply(x);
-            rms_norm(&mut kv, &w.kv_norm, c.rms_norm_eps);
-            rope.apply(&mut kv, pos, false);
-            (Projected { q, q_residual }, kv)
-        })
-        .collect();
-    let projected: Vec<Projected> = projected
+    // Projections of the whole chunk at once (each weight row is read once per block of
+    // tokens; every output is still the same dot product as for a lone token).
+    let mut q_residuals = w.wq_a.apply_many(xs);
+    q_residuals
+        .par_iter_mut()
+        .for_each(|q| rms_norm(q, &w.q_norm, c.rms_norm_eps));
+    let mut qs = w.wq_b.apply_many(&q_residuals);
+    qs.par_iter_mut().enumerate().for_each(|(t, q)| {
+        let rotation = rope.at(start + t);
+        for head in q.chunks_exact_mut(hd) {
+            rms_norm_unweighted(head, c.rms_norm_eps);
+            rotation.apply(head, false);
+        }
+    });
+    let mut kvs = w.wkv.apply_many(xs);
+    kvs.par_iter_mut().enumerate().for_each(|(t, kv)| {
+        rms_norm(kv, &w.kv_norm, c.rms_norm_eps);
+        rope.apply(kv, start + t, false);
+    });
+    for kv in &kvs {
+        rows.extend_from_slice(kv);
+    }
+    let projected: Vec<Projected> = qs
         .into_iter()
-        .map(|(p, kv)| {
-            rows.extend_from_slice(&kv);
-            p
-        })
+        .zip(q_residuals)
+        .map(|(q, q_residual)| Projected { q, q_residual })
         .collect();
 
     // Compressed rows visible to each token: after token p, exactly (p+1)/ratio windows are
     // closed, and a row is visible to p iff its window closed at or before p.
     let mut visible = vec![0usize; xs.len()];
     if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
-        let inputs: Vec<_> = xs.par_iter().map(|x| compressor::project(cw, x)).collect();
+        let inputs = compressor::project_many(cw, xs);
         for (t, p) in inputs.into_iter().enumerate() {
             compressor::push(cw, cs, p, c.rms_norm_eps, compress_rope);
             visible[t] = cs.len(cw.head_dim);
         }
     }
     if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
-        let inputs: Vec<_> = xs
-            .par_iter()
-            .map(|x| compressor::project(&iw.compressor, x))
-            .collect();
-        for p in inputs {
+        for p in compressor::project_many(&iw.compressor, xs) {
             compressor::push(&iw.compressor, is, p, c.rms_norm_eps, compress_rope);
         }
     }
@@ -150,52 +148,63 @@ pub fn forward(
                 };
                 keys.extend(chosen.into_iter().map(|i| cs.row(i, cw.head_dim)));
             }
+            // Every head's logits against every key in one blocked product: [head][key].
+            let q = &projected[t].q;
+            let heads: Vec<&[f32]> = q.chunks_exact(hd).collect();
+            let mut all_logits = vec![0.0f32; h * keys.len()];
+            dots(|k| keys[k], keys.len(), &heads, &mut all_logits);
             let mut out = vec![0.0f32; h * hd];
-            let mut logits = vec![0.0f32; keys.len()];
+            let rotation = rope.at(pos);
             for (head, o) in out.chunks_exact_mut(hd).enumerate() {
-                let q = &projected[t].q[head * hd..(head + 1) * hd];
-                for (l, k) in logits.iter_mut().zip(&keys) {
-                    *l = dot(q, k) * scale;
+                let logits = &mut all_logits[head * keys.len()..(head + 1) * keys.len()];
+                for l in logits.iter_mut() {
+                    *l *= scale;
                 }
                 let sink = w.sink[head];
                 let max = logits.iter().copied().fold(sink, f32::max);
                 let mut denom = (sink - max).exp();
-                for l in &mut logits {
+                for l in logits.iter_mut() {
                     *l = (*l - max).exp();
                     denom += *l;
                 }
                 for (p, k) in logits.iter().zip(&keys) {
-                    let p = p / denom;
-                    for (oi, ki) in o.iter_mut().zip(k.iter()) {
-                        *oi += p * ki;
-                    }
+                    axpy(o, p / denom, k);
                 }
                 // V carries the keys' rotation; rotating back by the query position leaves only the
                 // relative offset in the rope dims.
-                rope.apply(o, pos, true);
+                rotation.apply(o, true);
             }
-            project_out(w, &out, c)
+            out
         })
         .collect();
+    let outputs = project_out(w, &outputs, c);
     // The whole chunk's rows stay until the next call trims them, so a paged store can copy
     // every new row into its pages.
     state.window = rows;
     outputs
 }
 
-/// The grouped low-rank output projection: each of `o_groups` head groups maps to
-/// `o_lora_rank` dims with its own block of `wo_a`, then `wo_b` mixes all groups.
-fn project_out(w: &AttentionWeights, out: &[f32], c: &ModelConfig) -> Vec<f32> {
-    let group_in = out.len() / c.o_groups;
-    let mut low = vec![0.0f32; c.o_groups * c.o_lora_rank];
-    for (g, chunk) in low.chunks_exact_mut(c.o_lora_rank).enumerate() {
-        w.wo_a.matvec_rows(
-            g * c.o_lora_rank,
-            &out[g * group_in..(g + 1) * group_in],
-            chunk,
-        );
+/// The grouped low-rank output projection for every token of a chunk: each of `o_groups` head
+/// groups maps to `o_lora_rank` dims with its own block of `wo_a`, then `wo_b` mixes all groups.
+fn project_out(w: &AttentionWeights, outs: &[Vec<f32>], c: &ModelConfig) -> Vec<Vec<f32>> {
+    let Some(first) = outs.first() else {
+        return Vec::new();
+    };
+    let group_in = first.len() / c.o_groups;
+    let mut lows = vec![Vec::with_capacity(c.o_groups * c.o_lora_rank); outs.len()];
+    for g in 0..c.o_groups {
+        let parts: Vec<&[f32]> = outs
+            .iter()
+            .map(|o| &o[g * group_in..(g + 1) * group_in])
+            .collect();
+        let group = w
+            .wo_a
+            .apply_rows_many(g * c.o_lora_rank, c.o_lora_rank, &parts);
+        for (low, part) in lows.iter_mut().zip(group) {
+            low.extend_from_slice(&part);
+        }
     }
-    w.wo_b.apply(&low)
+    w.wo_b.apply_many(&lows)
 }
 
 /// The lightning indexer: scores every visible compressed key by
@@ -226,8 +235,9 @@ fn select(
     }
     let di = c.index_head_dim;
     let mut q = iw.wq_b.apply(q_residual);
+    let rotation = compress_rope.at(pos);
     for head in q.chunks_exact_mut(di) {
-        compress_rope.apply(head, pos, false);
+        rotation.apply(head, false);
     }
     let head_scale = 1.0 / (c.index_n_heads as f32).sqrt();
     let weights: Vec<f32> = iw
@@ -237,12 +247,13 @@ fn select(
         .map(|v| v * head_scale)
         .collect();
     let softmax_scale = 1.0 / (di as f32).sqrt();
+    let heads: Vec<&[f32]> = q.chunks_exact(di).collect();
+    let mut head_scores = vec![0.0f32; heads.len() * visible];
+    dots(|s| is.row(s, di), visible, &heads, &mut head_scores);
     let scores: Vec<f32> = (0..visible)
         .map(|s| {
-            let k = is.row(s, di);
-            q.chunks_exact(di)
-                .zip(&weights)
-                .map(|(qh, wh)| dot(qh, k).max(0.0) * softmax_scale * wh)
+            (0..heads.len())
+                .map(|h| head_scores[h * visible + s].max(0.0) * softmax_scale * weights[h])
                 .sum()
         })
         .collect();

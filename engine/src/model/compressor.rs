@@ -38,10 +38,15 @@ impl CompressorState {
     }
 }
 
-/// One token's projected (kv, gate scores) for a compressor. Independent per token, so a chunk
-/// projects in parallel and then feeds [`push`] in order.
-pub fn project(w: &CompressorWeights, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    (w.wkv.apply(x), w.wgate.apply(x))
+/// Each token's projected (kv, gate scores) for a compressor. Independent per token, so a
+/// whole chunk is projected at once (each weight row read once per block of tokens) and then fed
+/// to [`push`] in order.
+pub fn project_many(w: &CompressorWeights, xs: &[Vec<f32>]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    w.wkv
+        .apply_many(xs)
+        .into_iter()
+        .zip(w.wgate.apply_many(xs))
+        .collect()
 }
 
 /// Feeds one token's projections; emits a row when its window closes.

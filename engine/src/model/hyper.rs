@@ -19,11 +19,34 @@ pub struct Mix {
 
 /// Computes (mix, collapsed input) for the streams `x` (`hc * D`, stream-major).
 pub fn pre(x: &[f32], w: &HyperWeights, c: &ModelConfig) -> (Mix, Vec<f32>) {
-    let hc = c.hc_mult;
-    let d = x.len() / hc;
     let mut flat = x.to_vec();
     rms_norm_unweighted(&mut flat, c.rms_norm_eps);
     let mixes = w.mix.apply(&flat);
+    pre_from_mixes(x, &mixes, w, c)
+}
+
+/// [`pre`] for every token of a batch (bit-identical; the mixing projection reads each weight
+/// row once per block of tokens).
+pub fn pre_many(xs: &[Vec<f32>], w: &HyperWeights, c: &ModelConfig) -> Vec<(Mix, Vec<f32>)> {
+    use rayon::prelude::*;
+    let flats: Vec<Vec<f32>> = xs
+        .par_iter()
+        .map(|x| {
+            let mut flat = x.clone();
+            rms_norm_unweighted(&mut flat, c.rms_norm_eps);
+            flat
+        })
+        .collect();
+    let mixes = w.mix.apply_many(&flats);
+    xs.par_iter()
+        .zip(&mixes)
+        .map(|(x, m)| pre_from_mixes(x, m, w, c))
+        .collect()
+}
+
+fn pre_from_mixes(x: &[f32], mixes: &[f32], w: &HyperWeights, c: &ModelConfig) -> (Mix, Vec<f32>) {
+    let hc = c.hc_mult;
+    let d = x.len() / hc;
     let eps = c.hc_eps;
     let pre: Vec<f32> = (0..hc)
         .map(|i| sigmoid(mixes[i] * w.scale[0] + w.base[i]) + eps)

@@ -157,10 +157,9 @@ impl Model {
             compress: &self.compress_rope,
         };
         for (i, layer) in w.layers.iter().enumerate() {
-            let (mixes, inputs): (Vec<_>, Vec<_>) = streams
-                .par_iter()
-                .map(|x| {
-                    let (mix, mut collapsed) = hyper::pre(x, &layer.hc_attn, c);
+            let (mixes, inputs): (Vec<_>, Vec<_>) = hyper::pre_many(&streams, &layer.hc_attn, c)
+                .into_par_iter()
+                .map(|(mix, mut collapsed)| {
                     rms_norm(&mut collapsed, &layer.attn_norm, c.rms_norm_eps);
                     (mix, collapsed)
                 })
@@ -181,17 +180,19 @@ impl Model {
                 })
                 .collect();
             let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
-            let (ffn_mixes, ffn_inputs): (Vec<_>, Vec<_>) = streams
+            streams
                 .par_iter_mut()
                 .zip(&attn)
                 .zip(&mixes)
-                .map(|((x, y), mix)| {
-                    *x = hyper::post(x, y, mix, c.hc_mult);
-                    let (mix, mut collapsed) = hyper::pre(x, &layer.hc_ffn, c);
-                    rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
-                    (mix, collapsed)
-                })
-                .unzip();
+                .for_each(|((x, y), mix)| *x = hyper::post(x, y, mix, c.hc_mult));
+            let (ffn_mixes, ffn_inputs): (Vec<_>, Vec<_>) =
+                hyper::pre_many(&streams, &layer.hc_ffn, c)
+                    .into_par_iter()
+                    .map(|(mix, mut collapsed)| {
+                        rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
+                        (mix, collapsed)
+                    })
+                    .unzip();
             let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c);
             streams
                 .par_iter_mut()

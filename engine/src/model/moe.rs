@@ -20,14 +20,37 @@ pub fn expert(w: &ExpertWeights, x: &[f32], limit: f32) -> Vec<f32> {
     w.w2.apply(&act)
 }
 
+/// [`expert`] for several tokens at once: bit-identical per token, each weight row read once per
+/// block of tokens.
+pub fn expert_many(w: &ExpertWeights, xs: &[&[f32]], limit: f32) -> Vec<Vec<f32>> {
+    let gates = w.w1.apply_many(xs);
+    let ups = w.w3.apply_many(xs);
+    let acts: Vec<Vec<f32>> = gates
+        .iter()
+        .zip(&ups)
+        .map(|(gate, up)| {
+            gate.iter()
+                .zip(up)
+                .map(|(g, u)| silu(g.min(limit)) * u.clamp(-limit, limit))
+                .collect()
+        })
+        .collect();
+    w.w2.apply_many(&acts)
+}
+
 /// The experts chosen for one token and their weights.
 pub fn route(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> (Vec<usize>, Vec<f32>) {
-    let scores: Vec<f32> = w
-        .gate
-        .apply(x)
-        .iter()
-        .map(|&l| softplus(l).sqrt())
-        .collect();
+    route_logits(w, &w.gate.apply(x), token, c)
+}
+
+/// Routing from the gate's logits for one token.
+fn route_logits(
+    w: &MoeWeights,
+    logits: &[f32],
+    token: u32,
+    c: &ModelConfig,
+) -> (Vec<usize>, Vec<f32>) {
+    let scores: Vec<f32> = logits.iter().map(|&l| softplus(l).sqrt()).collect();
     let k = c.experts_per_token;
     let chosen: Vec<usize> = match (&w.tid2eid, &w.bias) {
         (Some(table), _) => {
@@ -77,10 +100,12 @@ pub fn forward_many(
     c: &ModelConfig,
 ) -> Vec<Vec<f32>> {
     use rayon::prelude::*;
-    let routes: Vec<(Vec<usize>, Vec<f32>)> = xs
+    let routes: Vec<(Vec<usize>, Vec<f32>)> = w
+        .gate
+        .apply_many(xs)
         .par_iter()
         .zip(tokens)
-        .map(|(x, &t)| route(w, x, t, c))
+        .map(|(logits, &t)| route_logits(w, logits, t, c))
         .collect();
     let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); w.experts.len()];
     for (t, (chosen, _)) in routes.iter().enumerate() {
@@ -92,8 +117,11 @@ pub fn forward_many(
         .par_iter()
         .enumerate()
         .map(|(e, list)| {
+            let inputs: Vec<&[f32]> = list.iter().map(|&(t, _)| xs[t].as_slice()).collect();
+            let ys = expert_many(&w.experts[e], &inputs, c.swiglu_limit);
             list.iter()
-                .map(|&(t, slot)| (t, slot, expert(&w.experts[e], &xs[t], c.swiglu_limit)))
+                .zip(ys)
+                .map(|(&(t, slot), y)| (t, slot, y))
                 .collect()
         })
         .collect();
@@ -104,10 +132,8 @@ pub fn forward_many(
     for (t, slot, y) in computed.into_iter().flatten() {
         per_token[t][slot] = Some(y);
     }
-    let shared: Vec<Vec<f32>> = xs
-        .par_iter()
-        .map(|x| expert(&w.shared, x, c.swiglu_limit))
-        .collect();
+    let all: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+    let shared = expert_many(&w.shared, &all, c.swiglu_limit);
     per_token
         .into_par_iter()
         .zip(routes.par_iter())
