@@ -252,6 +252,29 @@ impl HttpResponse {
             .map(|d| d.strip_prefix(' ').unwrap_or(d).to_owned())
             .collect()
     }
+
+    /// The events of an SSE body, in order: (`event:` name if any, `data:` payload).
+    pub fn sse_events(&self) -> Vec<(Option<String>, String)> {
+        let field = |line: &str, name: &str| {
+            line.strip_prefix(name)
+                .map(|v| v.strip_prefix(' ').unwrap_or(v).to_owned())
+        };
+        self.body
+            .split("\n\n")
+            .filter_map(|block| {
+                let mut event = None;
+                let mut data = None;
+                for line in block.lines() {
+                    if let Some(v) = field(line, "event:") {
+                        event = Some(v);
+                    } else if let Some(v) = field(line, "data:") {
+                        data = Some(v);
+                    }
+                }
+                data.map(|d| (event, d))
+            })
+            .collect()
+    }
 }
 
 /// One blocking HTTP request on loopback (bounded by `timeout`). `headers` are extra headers.

@@ -121,13 +121,51 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+/// Which API's error body a response uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorStyle {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// Anthropic's `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
+}
+
+impl ApiError {
+    /// Anthropic's error `type` of this error.
+    fn anthropic_type(&self) -> &'static str {
+        let (status, kind, ..) = self.parts();
+        match status {
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            s if s.is_server_error() => "api_error",
+            _ => kind,
+        }
+    }
+
+    /// The error body in `style`.
+    pub fn body_json(&self, style: ErrorStyle) -> serde_json::Value {
+        match style {
+            ErrorStyle::OpenAi => serde_json::to_value(self.body()).unwrap_or_default(),
+            ErrorStyle::Anthropic => serde_json::json!({
+                "type": "error",
+                "error": { "type": self.anthropic_type(), "message": self.to_string() },
+            }),
+        }
+    }
+
+    /// The HTTP response in `style`.
+    pub fn into_styled_response(self, style: ErrorStyle) -> Response {
         let (status, ..) = self.parts();
         if status.is_server_error() {
             tracing::warn!(error = %self, "request failed");
         }
-        (status, Json(self.body())).into_response()
+        (status, Json(self.body_json(style))).into_response()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.into_styled_response(ErrorStyle::OpenAi)
     }
 }
 
@@ -149,5 +187,11 @@ mod tests {
         let body = serde_json::to_value(ApiError::param("top_p", "bad").body()).unwrap();
         assert_eq!(body["error"]["param"], "top_p");
         assert_eq!(body["error"]["type"], "invalid_request_error");
+        let anthropic = ApiError::param("top_p", "bad").body_json(ErrorStyle::Anthropic);
+        assert_eq!(anthropic["type"], "error");
+        assert_eq!(anthropic["error"]["type"], "invalid_request_error");
+        assert_eq!(anthropic["error"]["message"], "bad");
+        let busy = ApiError::Unavailable("x".into()).body_json(ErrorStyle::Anthropic);
+        assert_eq!(busy["error"]["type"], "overloaded_error");
     }
 }

@@ -1,30 +1,20 @@
-//! `POST /v1/chat/completions` on DeepSeek's official converter, encoder and stream processor
-//! (`deepseek-recipe`): this module only checks parameters the library passes through or
-//! drops, turns backend token batches into inference chunks, and transports the chunks.
+//! Request checks shared by the conversation APIs (the parameters DeepSeek's official
+//! converter passes through, drops or does not know), and the adapter from backend token batches
+//! to the stream processor's inference chunks. The protocols themselves are in
+//! [`crate::protocol`].
 
-use std::{collections::VecDeque, convert::Infallible, sync::Arc, time::SystemTime};
+use std::{collections::VecDeque, sync::Arc};
 
-use axum::response::{
-    IntoResponse, Response,
-    sse::{Event as SseEvent, Sse},
+use deepseek_recipe::stream::{
+    InferenceChunk, InferenceFinishReason, InferenceTokenLogprob, PromptUsage,
 };
-use deepseek_recipe::{
-    openai::{ChatCompletionRequest, chat_completion::response::ChatCompletionResponse},
-    request::{ConversationRequest, ProtocolRequest},
-    response::{Accumulate, ProtocolResponse},
-    stream::{
-        InferenceChunk, InferenceFinishReason, InferenceTokenLogprob, PromptUsage, StreamProcessor,
-    },
-};
-use deepseek_recipe_encoding::PromptEncoding;
-use engine::sampling::{FinishReason, SamplingParams, StopConditions};
+use engine::sampling::FinishReason;
 use futures::{Stream, StreamExt};
 use serde_json::{Map, Value, json};
 
 use crate::{
     api_error::ApiError,
-    backend::{BackendError, BackendEvent, BackendRequest, GeneratedToken},
-    metrics::Tracker,
+    backend::{BackendError, BackendEvent, GeneratedToken},
     served::Served,
 };
 
@@ -40,15 +30,18 @@ pub struct Extras {
     pub repetition_penalty: f32,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// (token id, bias) pairs; ids are checked against the vocabulary by the backend.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
-/// A request ready for the backend.
-#[derive(Debug)]
-pub struct Prepared {
-    pub converted: ConversationRequest,
-    pub prompt: Vec<u32>,
-    pub max_tokens: u32,
-    pub extras: Extras,
+impl Extras {
+    /// Settings that change nothing (no top-k, min-p, penalties or bias).
+    pub fn neutral() -> Self {
+        Self {
+            repetition_penalty: 1.0,
+            ..Self::default()
+        }
+    }
 }
 
 /// Parses a request body into a JSON object.
@@ -75,7 +68,7 @@ fn number(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> 
     }
 }
 
-fn in_range(
+pub fn in_range(
     obj: &Map<String, Value>,
     key: &str,
     lo: f64,
@@ -96,7 +89,12 @@ fn in_range(
     Ok(value)
 }
 
-fn integer(obj: &Map<String, Value>, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+pub fn integer(
+    obj: &Map<String, Value>,
+    key: &str,
+    lo: i64,
+    hi: i64,
+) -> Result<Option<i64>, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => {
@@ -120,6 +118,7 @@ pub fn check_common(
     obj: &mut Map<String, Value>,
     served: &Served,
     effort_map: &std::collections::BTreeMap<String, String>,
+    effort_path: &[&str],
 ) -> Result<(), ApiError> {
     match obj.get("model") {
         Some(Value::String(model)) if served.accepts(model) => {}
@@ -161,32 +160,50 @@ pub fn check_common(
             obj.insert("thinking".to_owned(), json!({ "type": kind }));
         }
     }
-    match obj.get("reasoning_effort") {
-        None | Some(Value::Null) => {}
+    check_effort(obj, effort_path, effort_map)
+}
+
+/// The reasoning effort at `path` (e.g. `reasoning_effort`, `reasoning.effort`): mapped by the
+/// deployment's table, and refused with the accepted values if this model does not take it.
+fn check_effort(
+    obj: &mut Map<String, Value>,
+    path: &[&str],
+    effort_map: &std::collections::BTreeMap<String, String>,
+) -> Result<(), ApiError> {
+    let Some((last, parents)) = path.split_last() else {
+        return Ok(());
+    };
+    let name = path.join(".");
+    let mut at = obj;
+    for key in parents {
+        match at.get_mut(*key) {
+            Some(Value::Object(inner)) => at = inner,
+            _ => return Ok(()),
+        }
+    }
+    match at.get(*last) {
+        None | Some(Value::Null) => Ok(()),
         Some(Value::String(effort)) => {
             let mapped = effort_map.get(effort).unwrap_or(effort).clone();
             if !ACCEPTED_EFFORTS.contains(&mapped.as_str()) {
                 let mut accepted: Vec<&str> = ACCEPTED_EFFORTS.to_vec();
                 accepted.extend(effort_map.keys().map(String::as_str));
                 return Err(ApiError::param(
-                    "reasoning_effort",
+                    name.clone(),
                     format!(
-                        "`reasoning_effort` = {effort:?} is not accepted by this model; accepted \
-                         values: {}",
+                        "`{name}` = {effort:?} is not accepted by this model; accepted values: {}",
                         accepted.join(", ")
                     ),
                 ));
             }
-            obj.insert("reasoning_effort".to_owned(), Value::String(mapped));
+            at.insert((*last).to_owned(), Value::String(mapped));
+            Ok(())
         }
-        Some(_) => {
-            return Err(ApiError::param(
-                "reasoning_effort",
-                "`reasoning_effort` must be a string",
-            ));
-        }
+        Some(_) => Err(ApiError::param(
+            name.clone(),
+            format!("`{name}` must be a string"),
+        )),
     }
-    Ok(())
 }
 
 /// Validates and extracts the sampling parameters (ranges as the engine accepts them).
@@ -207,13 +224,51 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
     let repetition = in_range(obj, "repetition_penalty", 0.0, 2.0, true)?;
     let min_p = in_range(obj, "min_p", 0.0, 1.0, false)?;
     let top_k = integer(obj, "top_k", -1, i64::from(u32::MAX))?;
+    let logit_bias = logit_bias(obj)?;
     Ok(Extras {
+        logit_bias,
         top_k: top_k.map_or(0, |k| u32::try_from(k).unwrap_or(0)),
         min_p: min_p.unwrap_or(0.0) as f32,
         repetition_penalty: repetition.unwrap_or(1.0) as f32,
         presence_penalty: presence.unwrap_or(0.0) as f32,
         frequency_penalty: frequency.unwrap_or(0.0) as f32,
     })
+}
+
+/// `logit_bias`: an object of token id (a decimal string, as OpenAI's API sends it) to a bias
+/// in [-100, 100]. Removed from the body: the converter does not read it.
+fn logit_bias(obj: &mut Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match obj.remove("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            return Err(ApiError::param(
+                "logit_bias",
+                "`logit_bias` must be an object of token id to bias",
+            ));
+        }
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let token: u32 = key.trim().parse().map_err(|_| {
+            ApiError::param(
+                "logit_bias",
+                format!("`logit_bias` key {key:?} is not a token id"),
+            )
+        })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                ApiError::param(
+                    "logit_bias",
+                    format!("`logit_bias` of token {token} must be a number in [-100, 100]"),
+                )
+            })?;
+        out.push((token, bias as f32));
+    }
+    out.sort_by_key(|&(token, _)| token);
+    Ok(out)
 }
 
 /// Typed deserialization that names the offending field.
@@ -227,92 +282,6 @@ pub fn deserialize<T: serde::de::DeserializeOwned>(obj: Map<String, Value>) -> R
             None => ApiError::InvalidRequest(message),
         }
     })
-}
-
-/// Everything from the body to the prompt token ids and the resolved `max_tokens`.
-pub fn prepare(
-    body: &[u8],
-    served: &Served,
-    effort_map: &std::collections::BTreeMap<String, String>,
-) -> Result<Prepared, ApiError> {
-    let mut obj = parse_object(body)?;
-    check_common(&mut obj, served, effort_map)?;
-    match obj.get("messages") {
-        Some(Value::Array(m)) if m.is_empty() => {
-            return Err(ApiError::param("messages", "`messages` must not be empty"));
-        }
-        Some(Value::Array(_)) => {}
-        None | Some(Value::Null) => {
-            return Err(ApiError::param("messages", "`messages` is required"));
-        }
-        Some(_) => return Err(ApiError::param("messages", "`messages` must be an array")),
-    }
-    let extras = check_sampling(&mut obj)?;
-    let request: ChatCompletionRequest = deserialize(obj)?;
-    let requested_max = request.max_tokens;
-    let converted = request
-        .convert(served.conversion_options())
-        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
-    let prompt = served
-        .encoding
-        .encode(&converted.conversation)
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
-    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
-    let max_tokens = converted
-        .resolve_max_tokens(prompt_len, served.max_model_len)
-        .map_err(|e| ApiError::ContextLength {
-            param: if requested_max.is_some() {
-                "max_tokens"
-            } else {
-                "messages"
-            }
-            .to_owned(),
-            message: e.to_string(),
-        })?;
-    Ok(Prepared {
-        converted,
-        prompt,
-        max_tokens,
-        extras,
-    })
-}
-
-/// The backend request of a prepared request.
-pub fn backend_request(prepared: &Prepared, served: &Served) -> BackendRequest {
-    let opts = &prepared.converted.inference_options;
-    let thinking = prepared.converted.conversation.thinking_mode;
-    // As DeepSeek's API: penalties take no effect in thinking mode.
-    let (presence, frequency) = if thinking {
-        (0.0, 0.0)
-    } else {
-        (
-            prepared.extras.presence_penalty,
-            prepared.extras.frequency_penalty,
-        )
-    };
-    BackendRequest {
-        prompt: prepared.prompt.clone(),
-        sampling: SamplingParams {
-            temperature: opts.temperature.unwrap_or(1.0),
-            top_p: opts.top_p.unwrap_or(1.0),
-            top_k: prepared.extras.top_k,
-            min_p: prepared.extras.min_p,
-            seed: opts.seed,
-            presence_penalty: presence,
-            frequency_penalty: frequency,
-            repetition_penalty: prepared.extras.repetition_penalty,
-            logit_bias: Vec::new(),
-            logprobs: opts.logprobs,
-            top_logprobs: u32::from(opts.top_logprobs.unwrap_or(0)),
-        },
-        stop: StopConditions {
-            max_tokens: prepared.max_tokens,
-            min_tokens: 0,
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-            eos_token_ids: served.eos_token_ids.clone(),
-        },
-    }
 }
 
 /// Maps a backend refusal.
@@ -342,7 +311,7 @@ fn record(failure: &Failure, message: String) {
     }
 }
 
-fn failed(failure: &Failure) -> Option<String> {
+pub fn failed(failure: &Failure) -> Option<String> {
     failure.lock().ok().and_then(|slot| slot.clone())
 }
 
@@ -437,95 +406,9 @@ pub fn inference_stream(
     })
 }
 
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// Response id of a new request.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::now_v7().simple())
-}
-
-/// Runs a prepared chat request on the backend and answers it (JSON or SSE).
-pub async fn respond(
-    prepared: Prepared,
-    served: Arc<Served>,
-    mut tracker: Tracker,
-) -> Result<Response, ApiError> {
-    let request = backend_request(&prepared, &served);
-    tracker.prompt(prepared.prompt.len());
-    let tokens = match served.backend.submit(request).await {
-        Ok(tokens) => crate::metrics::track(tokens, tracker),
-        Err(e) => {
-            let e = backend_error(e);
-            tracker.failed(&e);
-            return Err(e);
-        }
-    };
-    let Prepared {
-        mut converted,
-        prompt,
-        ..
-    } = prepared;
-    let id = new_id("chatcmpl");
-    let generator = <ChatCompletionRequest as ProtocolRequest>::chunk_generator(
-        &converted,
-        id.clone(),
-        served.name.clone(),
-    );
-    let parsing = converted.parsing_options.clone();
-    let logprobs = converted.inference_options.logprobs;
-    let stream = std::mem::take(&mut converted.stream);
-    let processor =
-        StreamProcessor::new(generator, parsing).with_tokenizer(Arc::clone(&served.tokenizer));
-    let failure: Failure = Arc::default();
-    let inference = inference_stream(
-        tokens,
-        prompt.len(),
-        served.fingerprint.clone(),
-        logprobs,
-        Arc::clone(&failure),
-    );
-    let chunks = processor.into_protocol_stream(inference);
-    if stream {
-        let tail_failure = Arc::clone(&failure);
-        let events = chunks
-            .map(|item| {
-                let data = match item {
-                    Ok(chunk) => serde_json::to_string(&chunk)
-                        .unwrap_or_else(|e| error_json(&ApiError::Internal(e.to_string()))),
-                    Err(e) => error_json(&ApiError::Internal(e.to_string())),
-                };
-                Ok::<_, Infallible>(SseEvent::default().data(data))
-            })
-            // A failed request ends with an error event and no `[DONE]`, so no client takes
-            // the partial text for a complete answer.
-            .chain(futures::stream::once(async move {
-                let data = match failed(&tail_failure) {
-                    Some(message) => error_json(&ApiError::Internal(message)),
-                    None => ChatCompletionResponse::sse_done_data()
-                        .unwrap_or_else(|| "[DONE]".to_owned()),
-                };
-                Ok(SseEvent::default().data(data))
-            }));
-        return Ok(Sse::new(events).into_response());
-    }
-    let mut response = ChatCompletionResponse::new(id, served.name.clone(), now(), prompt.len(), 0);
-    let mut chunks = std::pin::pin!(chunks);
-    while let Some(item) = chunks.next().await {
-        let chunk = item.map_err(|e| ApiError::Internal(e.to_string()))?;
-        response.accumulate(chunk);
-    }
-    if let Some(message) = failed(&failure) {
-        return Err(ApiError::Internal(message));
-    }
-    Ok(axum::Json(response).into_response())
-}
-
-fn error_json(e: &ApiError) -> String {
-    serde_json::to_string(&e.body()).unwrap_or_default()
 }
 
 #[cfg(test)]

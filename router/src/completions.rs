@@ -146,6 +146,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         repetition_penalty,
         presence_penalty,
         frequency_penalty,
+        logit_bias,
     } = chat::check_sampling(&mut obj)?;
     let number = |key: &str| obj.get(key).and_then(Value::as_f64);
     let temperature = number("temperature").unwrap_or(1.0) as f32;
@@ -244,7 +245,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
             presence_penalty,
             frequency_penalty,
             repetition_penalty,
-            logit_bias: Vec::new(),
+            logit_bias,
             logprobs: false,
             top_logprobs: 0,
         },

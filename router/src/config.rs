@@ -42,6 +42,10 @@ pub struct RouterConfig {
     pub max_model_len: Option<u32>,
     /// Pages in the in-process engine's pool.
     pub engine_num_pages: u32,
+    /// Output-token limit of requests that set none (`max_tokens` / `max_output_tokens`).
+    /// The official defaults (8192; 65536 when thinking) reserve that many tokens of pages per
+    /// request, so a deployment caps them; an explicit request value is kept.
+    pub default_max_tokens: u32,
 }
 
 impl Default for RouterConfig {
@@ -64,6 +68,7 @@ impl Default for RouterConfig {
             api_keys: Vec::new(),
             max_model_len: None,
             engine_num_pages: 1024,
+            default_max_tokens: 4096,
         }
     }
 }
@@ -124,6 +129,12 @@ impl ServiceConfig for RouterConfig {
         check_range(
             "engine_num_pages",
             u64::from(self.engine_num_pages),
+            1,
+            1 << 24,
+        )?;
+        check_range(
+            "default_max_tokens",
+            u64::from(self.default_max_tokens),
             1,
             1 << 24,
         )?;
@@ -195,6 +206,10 @@ pub struct Cli {
     #[arg(long, value_name = "PAGES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine_num_pages: Option<u32>,
+    /// Output-token limit of requests that set none.
+    #[arg(long, value_name = "TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_max_tokens: Option<u32>,
 }
 
 #[cfg(test)]

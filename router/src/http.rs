@@ -15,7 +15,11 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post},
 };
-use deepseek_recipe::{openai::ChatCompletionRequest, request::ProtocolRequest};
+use deepseek_recipe::{
+    anthropic::MessagesRequest,
+    openai::{ChatCompletionRequest, ResponsesRequest},
+    request::ProtocolRequest,
+};
 use deepseek_recipe_encoding::PromptEncoding;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -23,8 +27,10 @@ use serde_json::{Value, json};
 pub use crate::api_error::{ErrorBody, ErrorObject};
 use crate::{
     api_error::ApiError,
+    api_error::ErrorStyle,
     chat, completions,
     metrics::{self, Endpoint, Tracker},
+    protocol::{self, Protocol},
     served::Served,
 };
 
@@ -78,7 +84,12 @@ type Shared = State<Arc<AppState>>;
 pub fn routes(state: Arc<AppState>) -> Router {
     let max_body = usize::try_from(state.max_body_bytes).unwrap_or(usize::MAX);
     let api = Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
+        .route(
+            "/v1/chat/completions",
+            post(conversation::<ChatCompletionRequest>),
+        )
+        .route("/v1/messages", post(conversation::<MessagesRequest>))
+        .route("/v1/responses", post(conversation::<ResponsesRequest>))
         .route("/v1/completions", post(legacy_completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
@@ -98,16 +109,28 @@ async fn auth(State(state): Shared, request: Request, next: Next) -> Response {
     if state.api_keys.is_empty() {
         return next.run(request).await;
     }
-    let given = request
-        .headers()
+    // OpenAI clients send `Authorization: Bearer`, Anthropic clients `x-api-key`.
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    match given {
-        Some(key) if state.api_keys.iter().any(|k| k == key) => next.run(request).await,
-        _ => ApiError::Unauthorized.into_response(),
+    let x_api_key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    let accepted =
+        |key: Option<&str>| key.is_some_and(|key| state.api_keys.iter().any(|k| k == key));
+    if accepted(bearer) || accepted(x_api_key) {
+        return next.run(request).await;
     }
+    let style = if request.uri().path().starts_with("/v1/messages") {
+        ErrorStyle::Anthropic
+    } else {
+        ErrorStyle::OpenAi
+    };
+    ApiError::Unauthorized.into_styled_response(style)
 }
 
 async fn ready(State(state): Shared) -> Response {
@@ -129,23 +152,29 @@ async fn prometheus() -> Response {
         .into_response()
 }
 
-async fn chat_completions(
+/// `POST /v1/chat/completions`, `/v1/messages`, `/v1/responses`: one handler, one protocol
+/// each.
+async fn conversation<P: Protocol>(
     State(state): Shared,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let mut tracker = Tracker::new(Endpoint::ChatCompletions);
+) -> Response
+where
+    protocol::ChunkOf<P>: serde::Serialize + Send + 'static,
+{
+    let mut tracker = Tracker::new(P::ENDPOINT);
     let prepared = state.body(body).and_then(|body| {
         let served = state.served()?;
-        let prepared = chat::prepare(&body, &served, &state.effort_map)?;
+        let prepared = protocol::prepare::<P>(&body, &served, &state.effort_map)?;
         Ok((prepared, served))
     });
-    match prepared {
-        Ok((prepared, served)) => chat::respond(prepared, served, tracker).await,
+    let result = match prepared {
+        Ok((prepared, served)) => protocol::respond::<P>(prepared, served, tracker).await,
         Err(e) => {
             tracker.failed(&e);
             Err(e)
         }
-    }
+    };
+    result.unwrap_or_else(|e| e.into_styled_response(P::ERRORS))
 }
 
 async fn legacy_completions(
@@ -240,7 +269,12 @@ async fn tokenize(
             obj.insert("model".to_owned(), Value::String(served.name.clone()));
             obj.remove("add_special_tokens");
             obj.remove("return_token_strs");
-            chat::check_common(&mut obj, &served, &state.effort_map)?;
+            chat::check_common(
+                &mut obj,
+                &served,
+                &state.effort_map,
+                <ChatCompletionRequest as Protocol>::EFFORT,
+            )?;
             chat::check_sampling(&mut obj)?;
             let request: ChatCompletionRequest = chat::deserialize(obj)?;
             let converted = request

@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod protocol;
 pub mod served;
 
 use std::{

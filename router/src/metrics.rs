@@ -45,18 +45,32 @@ pub const ALL: [&str; 6] = [
 pub enum Endpoint {
     ChatCompletions,
     Completions,
+    /// Anthropic Messages.
+    Messages,
+    /// OpenAI Responses.
+    Responses,
 }
 
 impl Endpoint {
-    const ALL: [Self; 2] = [Self::ChatCompletions, Self::Completions];
+    const ALL: [Self; ENDPOINTS] = [
+        Self::ChatCompletions,
+        Self::Completions,
+        Self::Messages,
+        Self::Responses,
+    ];
 
     fn label(self) -> &'static str {
         match self {
             Self::ChatCompletions => "chat_completions",
             Self::Completions => "completions",
+            Self::Messages => "messages",
+            Self::Responses => "responses",
         }
     }
 }
+
+/// Number of [`Endpoint`]s.
+const ENDPOINTS: usize = 4;
 
 /// How a request ended (the `outcome` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,9 +165,9 @@ impl Histogram {
 
 #[derive(Debug)]
 struct Registry {
-    requests: [[AtomicU64; 4]; 2],
-    duration: Mutex<[Histogram; 2]>,
-    ttft: Mutex<[Histogram; 2]>,
+    requests: [[AtomicU64; 4]; ENDPOINTS],
+    duration: Mutex<[Histogram; ENDPOINTS]>,
+    ttft: Mutex<[Histogram; ENDPOINTS]>,
     generated: AtomicU64,
     prompt: AtomicU64,
     running: AtomicI64,
@@ -161,11 +175,8 @@ struct Registry {
 
 static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Registry {
     requests: Default::default(),
-    duration: Mutex::new([
-        Histogram::new(&DURATION_BUCKETS),
-        Histogram::new(&DURATION_BUCKETS),
-    ]),
-    ttft: Mutex::new([Histogram::new(&TTFT_BUCKETS), Histogram::new(&TTFT_BUCKETS)]),
+    duration: Mutex::new(std::array::from_fn(|_| Histogram::new(&DURATION_BUCKETS))),
+    ttft: Mutex::new(std::array::from_fn(|_| Histogram::new(&TTFT_BUCKETS))),
     generated: AtomicU64::new(0),
     prompt: AtomicU64::new(0),
     running: AtomicI64::new(0),
@@ -175,6 +186,8 @@ fn index(endpoint: Endpoint) -> usize {
     match endpoint {
         Endpoint::ChatCompletions => 0,
         Endpoint::Completions => 1,
+        Endpoint::Messages => 2,
+        Endpoint::Responses => 3,
     }
 }
 

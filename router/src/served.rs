@@ -29,6 +29,8 @@ pub struct Served {
     pub vocab_size: usize,
     pub eos_token_ids: Vec<u32>,
     pub thinking_default: bool,
+    /// Output-token limit of requests that set none.
+    pub default_max_tokens: u32,
     pub backend: SharedBackend,
     pub fingerprint: String,
 }
@@ -100,6 +102,7 @@ impl Served {
             vocab_size,
             eos_token_ids,
             thinking_default: config.thinking_default,
+            default_max_tokens: config.default_max_tokens,
             backend,
             fingerprint: LOCAL_FINGERPRINT.to_owned(),
         }

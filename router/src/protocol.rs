@@ -1,0 +1,364 @@
+//! The three conversation APIs (OpenAI Chat Completions, Anthropic Messages, OpenAI Responses)
+//! on DeepSeek's official converter, encoder and stream processor. What differs between them
+//! is the [`Protocol`] trait: the field names the router checks before the converter, the
+//! id prefix, the error body, and how a stream that failed half-way is ended. Everything else
+//! (encoding, context check, backend request, streaming, accumulation) is one code path.
+
+use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::SystemTime};
+
+use axum::response::{
+    IntoResponse, Response,
+    sse::{Event as SseEvent, Sse},
+};
+use deepseek_recipe::{
+    anthropic::MessagesRequest,
+    openai::{ChatCompletionRequest, ResponsesRequest},
+    request::{ConversationRequest, ProtocolRequest},
+    response::{Accumulate, ProtocolResponse},
+    stream::{ChunkGenerator, StreamProcessor},
+};
+use deepseek_recipe_encoding::PromptEncoding;
+use engine::sampling::{SamplingParams, StopConditions};
+use futures::StreamExt;
+use serde_json::{Map, Value, json};
+
+use crate::{
+    api_error::{ApiError, ErrorStyle},
+    backend::BackendRequest,
+    chat::{
+        self, Extras, Failure, backend_error, check_common, check_sampling, deserialize, in_range,
+        inference_stream, integer, parse_object,
+    },
+    metrics::{Endpoint, Tracker},
+    served::Served,
+};
+
+/// The stream chunk type of protocol `P` (an SSE event of its API).
+pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
+
+/// What differs between the conversation APIs.
+pub trait Protocol: ProtocolRequest + serde::de::DeserializeOwned {
+    /// The metrics label of the endpoint.
+    const ENDPOINT: Endpoint;
+    /// Prefix of response ids.
+    const ID_PREFIX: &'static str;
+    /// The error body clients of this API parse.
+    const ERRORS: ErrorStyle;
+    /// The field holding the conversation.
+    const INPUT: &'static str;
+    /// The field naming the output-token limit (for context-length errors).
+    const MAX_TOKENS: &'static str;
+    /// Where the request names a reasoning effort (a path of object keys).
+    const EFFORT: &'static [&'static str];
+
+    /// Checks the parameters the converter passes through, drops or does not know (ranges,
+    /// required fields) and returns the settings the router hands the backend itself.
+    fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError>;
+
+    /// The SSE event (name, data) that ends a stream whose backend failed: an error the client
+    /// recognises, and no end-of-stream marker, so no partial text passes for a whole answer.
+    fn stream_error(error: &ApiError) -> (Option<&'static str>, String);
+}
+
+impl Protocol for ChatCompletionRequest {
+    const ENDPOINT: Endpoint = Endpoint::ChatCompletions;
+    const ID_PREFIX: &'static str = "chatcmpl";
+    const ERRORS: ErrorStyle = ErrorStyle::OpenAi;
+    const INPUT: &'static str = "messages";
+    const MAX_TOKENS: &'static str = "max_tokens";
+    const EFFORT: &'static [&'static str] = &["reasoning_effort"];
+
+    fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
+        require_non_empty_array(obj, Self::INPUT)?;
+        check_sampling(obj)
+    }
+
+    fn stream_error(error: &ApiError) -> (Option<&'static str>, String) {
+        (None, error.body_json(ErrorStyle::OpenAi).to_string())
+    }
+}
+
+impl Protocol for MessagesRequest {
+    const ENDPOINT: Endpoint = Endpoint::Messages;
+    const ID_PREFIX: &'static str = "msg";
+    const ERRORS: ErrorStyle = ErrorStyle::Anthropic;
+    const INPUT: &'static str = "messages";
+    const MAX_TOKENS: &'static str = "max_tokens";
+    const EFFORT: &'static [&'static str] = &["output_config", "effort"];
+
+    fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
+        require_non_empty_array(obj, Self::INPUT)?;
+        // Required by the Messages API.
+        if obj.get("max_tokens").is_none_or(Value::is_null) {
+            return Err(ApiError::param("max_tokens", "`max_tokens` is required"));
+        }
+        integer(obj, "max_tokens", 1, i64::from(u32::MAX))?;
+        in_range(obj, "temperature", 0.0, 1.0, false)?;
+        in_range(obj, "top_p", 0.0, 1.0, true)?;
+        let top_k = integer(obj, "top_k", 0, i64::from(u32::MAX))?;
+        // The converter does not read `top_k`; the backend applies it.
+        obj.remove("top_k");
+        Ok(Extras {
+            top_k: top_k.map_or(0, |k| u32::try_from(k).unwrap_or(0)),
+            ..Extras::neutral()
+        })
+    }
+
+    fn stream_error(error: &ApiError) -> (Option<&'static str>, String) {
+        (
+            Some("error"),
+            error.body_json(ErrorStyle::Anthropic).to_string(),
+        )
+    }
+}
+
+impl Protocol for ResponsesRequest {
+    const ENDPOINT: Endpoint = Endpoint::Responses;
+    const ID_PREFIX: &'static str = "resp";
+    const ERRORS: ErrorStyle = ErrorStyle::OpenAi;
+    const INPUT: &'static str = "input";
+    const MAX_TOKENS: &'static str = "max_output_tokens";
+    const EFFORT: &'static [&'static str] = &["reasoning", "effort"];
+
+    fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
+        match obj.get("input") {
+            Some(Value::String(s)) if s.is_empty() => {
+                return Err(ApiError::param("input", "`input` must not be empty"));
+            }
+            Some(Value::Array(a)) if a.is_empty() => {
+                return Err(ApiError::param("input", "`input` must not be empty"));
+            }
+            Some(Value::String(_) | Value::Array(_)) => {}
+            None | Some(Value::Null) => {
+                return Err(ApiError::param("input", "`input` is required"));
+            }
+            Some(_) => {
+                return Err(ApiError::param(
+                    "input",
+                    "`input` must be a string or an array of input items",
+                ));
+            }
+        }
+        integer(obj, "max_output_tokens", 1, i64::from(u32::MAX))?;
+        integer(obj, "top_logprobs", 0, 20)?;
+        in_range(obj, "temperature", 0.0, 2.0, false)?;
+        in_range(obj, "top_p", 0.0, 1.0, true)?;
+        Ok(Extras::neutral())
+    }
+
+    fn stream_error(error: &ApiError) -> (Option<&'static str>, String) {
+        let (_, kind, param, code) = error.parts();
+        let data = json!({
+            "type": "error",
+            "code": code.unwrap_or(kind),
+            "message": error.to_string(),
+            "param": param,
+        });
+        (Some("error"), data.to_string())
+    }
+}
+
+fn require_non_empty_array(obj: &Map<String, Value>, key: &str) -> Result<(), ApiError> {
+    match obj.get(key) {
+        Some(Value::Array(m)) if m.is_empty() => {
+            Err(ApiError::param(key, format!("`{key}` must not be empty")))
+        }
+        Some(Value::Array(_)) => Ok(()),
+        None | Some(Value::Null) => Err(ApiError::param(key, format!("`{key}` is required"))),
+        Some(_) => Err(ApiError::param(key, format!("`{key}` must be an array"))),
+    }
+}
+
+/// A request ready for the backend.
+#[derive(Debug)]
+pub struct Prepared {
+    pub converted: ConversationRequest,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub extras: Extras,
+}
+
+/// Everything from the body to the prompt token ids and the resolved output limit.
+pub fn prepare<P: Protocol>(
+    body: &[u8],
+    served: &Served,
+    effort_map: &BTreeMap<String, String>,
+) -> Result<Prepared, ApiError> {
+    let mut obj = parse_object(body)?;
+    check_common(&mut obj, served, effort_map, P::EFFORT)?;
+    let extras = P::check(&mut obj)?;
+    let requested_max = obj.get(P::MAX_TOKENS).is_some_and(|v| !v.is_null());
+    let request: P = deserialize(obj)?;
+    let converted = request
+        .convert(served.conversion_options())
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+    let prompt = served
+        .encoding
+        .encode(&converted.conversation)
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+    let max_tokens = converted
+        .resolve_max_tokens(prompt_len, served.max_model_len)
+        .map_err(|e| ApiError::ContextLength {
+            param: if requested_max {
+                P::MAX_TOKENS
+            } else {
+                P::INPUT
+            }
+            .to_owned(),
+            message: e.to_string(),
+        })?;
+    // Without an explicit limit, the deployment's default cap applies (the library's default
+    // in thinking mode, 65536 tokens, would reserve most of a worker's pages for one request).
+    let max_tokens = if requested_max {
+        max_tokens
+    } else {
+        max_tokens.min(served.default_max_tokens)
+    };
+    Ok(Prepared {
+        converted,
+        prompt,
+        max_tokens,
+        extras,
+    })
+}
+
+/// The backend request of a prepared request.
+pub fn backend_request(prepared: &Prepared, served: &Served) -> BackendRequest {
+    let opts = &prepared.converted.inference_options;
+    let thinking = prepared.converted.conversation.thinking_mode;
+    // As DeepSeek's API: penalties take no effect in thinking mode.
+    let (presence, frequency) = if thinking {
+        (0.0, 0.0)
+    } else {
+        (
+            prepared.extras.presence_penalty,
+            prepared.extras.frequency_penalty,
+        )
+    };
+    BackendRequest {
+        prompt: prepared.prompt.clone(),
+        sampling: SamplingParams {
+            temperature: opts.temperature.unwrap_or(1.0),
+            top_p: opts.top_p.unwrap_or(1.0),
+            top_k: prepared.extras.top_k,
+            min_p: prepared.extras.min_p,
+            seed: opts.seed,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            repetition_penalty: prepared.extras.repetition_penalty,
+            logit_bias: prepared.extras.logit_bias.clone(),
+            logprobs: opts.logprobs,
+            top_logprobs: u32::from(opts.top_logprobs.unwrap_or(0)),
+        },
+        stop: StopConditions {
+            max_tokens: prepared.max_tokens,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            eos_token_ids: served.eos_token_ids.clone(),
+        },
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Runs a prepared request on the backend and answers it (JSON or SSE).
+pub async fn respond<P: Protocol>(
+    prepared: Prepared,
+    served: Arc<Served>,
+    mut tracker: Tracker,
+) -> Result<Response, ApiError>
+where
+    ChunkOf<P>: serde::Serialize + Send + 'static,
+{
+    let request = backend_request(&prepared, &served);
+    tracker.prompt(prepared.prompt.len());
+    let tokens = match served.backend.submit(request).await {
+        Ok(tokens) => crate::metrics::track(tokens, tracker),
+        Err(e) => {
+            let e = backend_error(e);
+            tracker.failed(&e);
+            return Err(e);
+        }
+    };
+    let Prepared {
+        mut converted,
+        prompt,
+        ..
+    } = prepared;
+    let id = chat::new_id(P::ID_PREFIX);
+    let generator = P::chunk_generator(&converted, id.clone(), served.name.clone());
+    let parsing = converted.parsing_options.clone();
+    let logprobs = converted.inference_options.logprobs;
+    let stream = std::mem::take(&mut converted.stream);
+    let processor =
+        StreamProcessor::new(generator, parsing).with_tokenizer(Arc::clone(&served.tokenizer));
+    let failure: Failure = Arc::default();
+    let inference = inference_stream(
+        tokens,
+        prompt.len(),
+        served.fingerprint.clone(),
+        logprobs,
+        Arc::clone(&failure),
+    );
+    let chunks = processor.into_protocol_stream(inference);
+    if stream {
+        let tail_failure = Arc::clone(&failure);
+        let events = chunks
+            .map(|item| {
+                let event = match item {
+                    Ok(chunk) => {
+                        let name = <P::Response as ProtocolResponse>::sse_event_name(&chunk);
+                        match serde_json::to_string(&chunk) {
+                            Ok(data) => named(name, data),
+                            Err(e) => error_event::<P>(&ApiError::Internal(e.to_string())),
+                        }
+                    }
+                    Err(e) => error_event::<P>(&ApiError::Internal(e.to_string())),
+                };
+                Ok::<_, Infallible>(event)
+            })
+            .chain(futures::stream::iter(
+                std::iter::from_fn(move || {
+                    Some(match chat::failed(&tail_failure) {
+                        Some(message) => Some(error_event::<P>(&ApiError::Internal(message))),
+                        None => <P::Response as ProtocolResponse>::sse_done_data()
+                            .map(|data| SseEvent::default().data(data)),
+                    })
+                })
+                .take(1)
+                .flatten()
+                .map(Ok::<_, Infallible>),
+            ));
+        return Ok(Sse::new(events).into_response());
+    }
+    let mut response =
+        <P::Response as ProtocolResponse>::new(id, served.name.clone(), now(), prompt.len(), 0);
+    let mut chunks = std::pin::pin!(chunks);
+    while let Some(item) = chunks.next().await {
+        let chunk = item.map_err(|e| ApiError::Internal(e.to_string()))?;
+        response.accumulate(chunk);
+    }
+    if let Some(message) = chat::failed(&failure) {
+        return Err(ApiError::Internal(message));
+    }
+    Ok(axum::Json(response).into_response())
+}
+
+fn named(name: Option<&'static str>, data: String) -> SseEvent {
+    let event = SseEvent::default().data(data);
+    match name {
+        Some(name) => event.event(name),
+        None => event,
+    }
+}
+
+fn error_event<P: Protocol>(error: &ApiError) -> SseEvent {
+    let (name, data) = P::stream_error(error);
+    named(name, data)
+}
