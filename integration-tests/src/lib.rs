@@ -427,3 +427,46 @@ pub fn start_router(args: &[&str], wait_ready: bool) -> Service {
     }
     service
 }
+
+/// Concatenates the deltas of an SSE chat stream: (content, reasoning, finish, usage).
+pub fn fold_chat_stream(
+    r: &HttpResponse,
+) -> (String, String, Option<String>, Option<serde_json::Value>) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.header("content-type")
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"]["role"], "assistant",
+        "role first: {:?}",
+        chunks[0]
+    );
+    let (mut content, mut reasoning, mut finish, mut usage) =
+        (String::new(), String::new(), None, None);
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(choice) = c["choices"].get(0) {
+            if let Some(s) = choice["delta"]["content"].as_str() {
+                content.push_str(s);
+            }
+            if let Some(s) = choice["delta"]["reasoning_content"].as_str() {
+                reasoning.push_str(s);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+        }
+        if c["usage"].is_object() {
+            usage = Some(c["usage"].clone());
+        }
+    }
+    (content, reasoning, finish, usage)
+}

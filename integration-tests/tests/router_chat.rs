@@ -4,7 +4,9 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use integration_tests::{HttpResponse, http, start_router, tiny_model_dir};
+use integration_tests::{
+    HttpResponse, fold_chat_stream as fold_stream, http, start_router, tiny_model_dir,
+};
 use serde_json::{Value, json};
 
 const T: Duration = Duration::from_secs(120);
@@ -15,47 +17,6 @@ fn post(addr: SocketAddr, path: &str, body: &Value) -> HttpResponse {
 
 fn model_arg() -> String {
     tiny_model_dir().display().to_string()
-}
-
-/// Concatenates the deltas of an SSE chat stream: (content, reasoning, finish, usage).
-fn fold_stream(r: &HttpResponse) -> (String, String, Option<String>, Option<Value>) {
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert!(
-        r.header("content-type")
-            .unwrap()
-            .starts_with("text/event-stream")
-    );
-    let data = r.sse_data();
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
-    assert_eq!(
-        chunks[0]["choices"][0]["delta"]["role"], "assistant",
-        "role first: {:?}",
-        chunks[0]
-    );
-    let (mut content, mut reasoning, mut finish, mut usage) =
-        (String::new(), String::new(), None, None);
-    for c in &chunks {
-        assert_eq!(c["object"], "chat.completion.chunk");
-        if let Some(choice) = c["choices"].get(0) {
-            if let Some(s) = choice["delta"]["content"].as_str() {
-                content.push_str(s);
-            }
-            if let Some(s) = choice["delta"]["reasoning_content"].as_str() {
-                reasoning.push_str(s);
-            }
-            if let Some(f) = choice["finish_reason"].as_str() {
-                finish = Some(f.to_owned());
-            }
-        }
-        if c["usage"].is_object() {
-            usage = Some(c["usage"].clone());
-        }
-    }
-    (content, reasoning, finish, usage)
 }
 
 fn text(v: &Value) -> String {

@@ -5,7 +5,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use integration_tests::{HttpResponse, http, start_router, tiny_model_dir};
+use integration_tests::{HttpResponse, fold_chat_stream, http, start_router, tiny_model_dir};
 use serde_json::{Value, json};
 
 const T: Duration = Duration::from_secs(120);
@@ -357,5 +357,150 @@ fn default_output_cap_and_logit_bias_apply() {
         );
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
         assert_eq!(r.json()["error"]["param"], "logit_bias");
+    }
+}
+
+const WEATHER_TOOL: &str = r#"{"type": "function", "function": {"name": "weather",
+    "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                   "unit": {"type": "string", "enum": ["C", "F"]}}, "required": ["city"]}}}"#;
+
+/// A tool conversation: a call (arguments in the given spelling), its result, a follow-up.
+fn tool_conversation(arguments: &Value) -> Value {
+    json!([
+        {"role": "system", "content": "Use tools when useful."},
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Two cities.",
+         "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": arguments}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "Rain, 9 C"},
+        {"role": "user", "content": "And tomorrow?"},
+    ])
+}
+
+#[test]
+fn tool_round_trip_renders_object_and_string_arguments_the_same() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let tools: Value = serde_json::from_str(&format!("[{WEATHER_TOOL}]")).unwrap();
+    let spellings = [
+        json!("{\"city\": \"Paris\", \"unit\": \"C\"}"),
+        json!("{\"city\":\"Paris\",\"unit\":\"C\"}"),
+        json!({"city": "Paris", "unit": "C"}),
+    ];
+    let mut seen = Vec::new();
+    for arguments in &spellings {
+        let messages = tool_conversation(arguments);
+        let tokens = post(
+            addr,
+            "/tokenize",
+            &json!({"model": "deepseek-v4-flash", "messages": messages, "tools": tools}),
+        );
+        assert_eq!(tokens.status, 200, "{}", tokens.body);
+        let r = post(
+            addr,
+            "/v1/chat/completions",
+            &json!({"model": "deepseek-v4-flash", "messages": messages, "tools": tools,
+                    "tool_choice": "auto", "max_tokens": 3, "seed": 7}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(
+            v["usage"]["prompt_tokens"],
+            tokens.json()["count"],
+            "the chat request encodes exactly what /tokenize reports"
+        );
+        seen.push((tokens.json()["tokens"].clone(), v["choices"][0].clone()));
+    }
+    for (tokens, choice) in &seen[1..] {
+        assert_eq!(
+            tokens, &seen[0].0,
+            "same prompt for every arguments spelling"
+        );
+        assert_eq!(choice, &seen[0].1, "same seeded answer");
+    }
+    // Responses: a function_call input item with object or string arguments.
+    let mut counts = Vec::new();
+    for arguments in &spellings {
+        let r = post(
+            addr,
+            "/v1/responses",
+            &json!({"model": "deepseek-v4-flash", "max_output_tokens": 2,
+                    "tools": [{"type": "function", "name": "weather",
+                               "parameters": tools[0]["function"]["parameters"]}],
+                    "input": [
+                        {"role": "user", "content": "Weather in Paris?"},
+                        {"type": "function_call", "call_id": "call_1", "name": "weather",
+                         "arguments": arguments},
+                        {"type": "function_call_output", "call_id": "call_1",
+                         "output": "Sunny"}]}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        counts.push(r.json()["usage"]["input_tokens"].clone());
+    }
+    assert!(counts.iter().all(|c| c == &counts[0]), "{counts:?}");
+}
+
+/// A small deterministic generator for request parameters.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+
+    fn pick<T: Copy>(&mut self, options: &[T]) -> T {
+        options[(self.next() as usize) % options.len()]
+    }
+}
+
+#[test]
+fn randomised_seeded_requests_stream_equals_non_stream() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let mut rng = Lcg(20_261_203);
+    for case in 0..8 {
+        let mut body = json!({
+            "model": "deepseek-v4-flash",
+            "seed": rng.next(),
+            "max_tokens": rng.pick(&[1, 5, 13, 24]),
+            "temperature": rng.pick(&[0.0, 0.3, 0.9, 1.5]),
+            "top_p": rng.pick(&[1.0, 0.9, 0.5]),
+            "top_k": rng.pick(&[-1, 0, 5, 50]),
+            "min_p": rng.pick(&[0.0, 0.05]),
+            "presence_penalty": rng.pick(&[0.0, 0.5]),
+            "frequency_penalty": rng.pick(&[0.0, -0.5, 1.0]),
+            "repetition_penalty": rng.pick(&[1.0, 1.2]),
+            "chat_template_kwargs": {"thinking": rng.pick(&[true, false])},
+            "messages": [{"role": "user",
+                          "content": format!("case {case}: {}", "ünï 你好 ".repeat(case + 1))}],
+        });
+        let r = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{body}: {}", r.body);
+        let full = r.json();
+        let message = &full["choices"][0]["message"];
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let (content, reasoning, finish, usage) =
+            fold_chat_stream(&post(addr, "/v1/chat/completions", &body));
+        assert_eq!(content, message["content"].as_str().unwrap_or(""), "{body}");
+        assert_eq!(
+            reasoning,
+            message["reasoning_content"].as_str().unwrap_or(""),
+            "{body}"
+        );
+        assert_eq!(
+            finish.as_deref(),
+            full["choices"][0]["finish_reason"].as_str()
+        );
+        assert_eq!(usage.unwrap(), full["usage"], "{body}");
     }
 }

@@ -271,6 +271,39 @@ fn logit_bias(obj: &mut Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError>
     Ok(out)
 }
 
+/// Past tool-call `arguments` given as a JSON object (as many clients send them) become the
+/// JSON string the converter reads; the encoder parses them, so both spellings render the same
+/// prompt. `items` is the conversation array, `calls` picks each item's tool calls.
+pub fn normalize_tool_arguments(
+    obj: &mut Map<String, Value>,
+    items_key: &str,
+    calls: impl Fn(&mut Value) -> Vec<&mut Value>,
+) {
+    let Some(Value::Array(items)) = obj.get_mut(items_key) else {
+        return;
+    };
+    for item in items {
+        for call in calls(item) {
+            if let Some(arguments) = call.get_mut("arguments")
+                && (arguments.is_object() || arguments.is_array())
+            {
+                *arguments = Value::String(arguments.to_string());
+            }
+        }
+    }
+}
+
+/// Chat Completions: `messages[].tool_calls[].function`.
+pub fn chat_tool_calls(message: &mut Value) -> Vec<&mut Value> {
+    match message.get_mut("tool_calls") {
+        Some(Value::Array(calls)) => calls
+            .iter_mut()
+            .filter_map(|c| c.get_mut("function"))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// Typed deserialization that names the offending field.
 pub fn deserialize<T: serde::de::DeserializeOwned>(obj: Map<String, Value>) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(Value::Object(obj)).map_err(|e| {

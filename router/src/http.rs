@@ -275,6 +275,7 @@ async fn tokenize(
                 &state.effort_map,
                 <ChatCompletionRequest as Protocol>::EFFORT,
             )?;
+            chat::normalize_tool_arguments(&mut obj, "messages", chat::chat_tool_calls);
             chat::check_sampling(&mut obj)?;
             let request: ChatCompletionRequest = chat::deserialize(obj)?;
             let converted = request

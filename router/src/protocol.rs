@@ -70,6 +70,7 @@ impl Protocol for ChatCompletionRequest {
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         require_non_empty_array(obj, Self::INPUT)?;
+        chat::normalize_tool_arguments(obj, Self::INPUT, chat::chat_tool_calls);
         check_sampling(obj)
     }
 
@@ -139,6 +140,14 @@ impl Protocol for ResponsesRequest {
                 ));
             }
         }
+        // `function_call` input items carry their arguments directly.
+        chat::normalize_tool_arguments(obj, Self::INPUT, |item| {
+            if item.get("type").and_then(Value::as_str) == Some("function_call") {
+                vec![item]
+            } else {
+                Vec::new()
+            }
+        });
         integer(obj, "max_output_tokens", 1, i64::from(u32::MAX))?;
         integer(obj, "top_logprobs", 0, 20)?;
         in_range(obj, "temperature", 0.0, 2.0, false)?;
