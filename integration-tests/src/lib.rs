@@ -435,14 +435,15 @@ pub fn fold_chat_stream(
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(
         r.header("content-type")
-            .unwrap()
-            .starts_with("text/event-stream")
+            .is_some_and(|t| t.starts_with("text/event-stream")),
+        "not an event stream: {:?}",
+        r.headers
     );
     let data = r.sse_data();
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
     let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
         .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("chunk is not JSON ({e}): {d}")))
         .collect();
     assert_eq!(
         chunks[0]["choices"][0]["delta"]["role"], "assistant",
