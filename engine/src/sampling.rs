@@ -360,6 +360,27 @@ impl Sampler {
         None
     }
 
+    /// Takes over a request whose first tokens were sampled elsewhere (a prefill worker): the
+    /// random stream advances once per token, exactly as if this sampler had drawn them, and
+    /// the tokens count for penalties and stop conditions.
+    pub fn resume(&mut self, tokens: &[u32]) -> Result<(), SamplingError> {
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(SamplingError::TokenOutOfVocab {
+                name: "generated",
+                token,
+                vocab_size: self.vocab_size,
+            });
+        }
+        for &token in tokens {
+            if let Some(reason) = self.finish() {
+                return Err(SamplingError::Finished(reason));
+            }
+            let _ = self.rng.next_uniform();
+            self.record(token);
+        }
+        Ok(())
+    }
+
     /// Samples the next token from one logits row and records it.
     ///
     /// The random stream advances exactly once per sampled token, in greedy mode too (where the

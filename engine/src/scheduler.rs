@@ -8,6 +8,10 @@
 
 use std::collections::VecDeque;
 
+mod handoff;
+
+pub use handoff::{HandoffError, PromptState, Reservation};
+
 use crate::{
     model::{ForwardError, Logits, Model, Step},
     paged::{
@@ -83,6 +87,19 @@ pub enum Event {
         id: u64,
         error: String,
     },
+    /// A prefill-only request ([`Engine::add_prefill`]) computed its prompt and sampled its
+    /// first token (reported just before as `Token` index 0): its state, exported in this
+    /// engine's layout for a decode worker. Its pages are released.
+    Prefilled {
+        id: u64,
+        state: PromptState,
+        /// The seed of its random stream (decode continues it).
+        seed: u64,
+        /// Prompt tokens taken from the prefix cache.
+        cached_tokens: usize,
+        /// Set when the first token already ends the request.
+        finish: Option<FinishReason>,
+    },
 }
 
 /// Why a request is refused or the engine cannot be built.
@@ -104,6 +121,10 @@ pub enum EngineError {
     },
     #[error("{tokens} tokens exceed the model's context of {limit}")]
     TooLong { tokens: usize, limit: usize },
+    #[error("page pool: {0}")]
+    Pool(PoolError),
+    #[error("handoff: {0}")]
+    Handoff(#[from] HandoffError),
 }
 
 #[derive(Debug)]
@@ -115,6 +136,8 @@ struct Running {
     cached: usize,
     seq: PagedSeq,
     sampler: Sampler,
+    /// Prefill only: export the state after the first token instead of decoding.
+    handoff: bool,
 }
 
 /// One worker's engine.
@@ -123,8 +146,11 @@ pub struct Engine {
     model: Model,
     store: PagedStore,
     config: EngineConfig,
-    waiting: VecDeque<(GenerationRequest, Sampler)>,
+    /// (request, sampler, prefill only)
+    waiting: VecDeque<(GenerationRequest, Sampler, bool)>,
     running: Vec<Running>,
+    /// Pages reserved for prompt state another worker writes ([`Engine::reserve`]).
+    reserved: Vec<(u64, PagedSeq)>,
 }
 
 impl Engine {
@@ -144,6 +170,7 @@ impl Engine {
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            reserved: Vec::new(),
         })
     }
 
@@ -171,11 +198,16 @@ impl Engine {
 
     /// Queues a request after validating it completely (parameters, token ids, size).
     pub fn add(&mut self, req: GenerationRequest) -> Result<(), EngineError> {
+        self.enqueue(req, false)
+    }
+
+    fn enqueue(&mut self, req: GenerationRequest, handoff: bool) -> Result<(), EngineError> {
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
         let known = self.running.iter().any(|r| r.id == req.id)
-            || self.waiting.iter().any(|(w, _)| w.id == req.id);
+            || self.waiting.iter().any(|(w, ..)| w.id == req.id)
+            || self.reserved.iter().any(|(id, _)| *id == req.id);
         if known {
             return Err(EngineError::DuplicateId(req.id));
         }
@@ -199,14 +231,17 @@ impl Engine {
             self.model.config.vocab_size,
             default_seed(req.id),
         )?;
-        self.waiting.push_back((req, sampler));
+        self.waiting.push_back((req, sampler, handoff));
         Ok(())
     }
 
     /// Removes a request wherever it is; its pages return to the pool.
     pub fn cancel(&mut self, id: u64) -> Option<Event> {
-        if let Some(i) = self.waiting.iter().position(|(w, _)| w.id == id) {
+        if let Some(i) = self.waiting.iter().position(|(w, ..)| w.id == id) {
             self.waiting.remove(i);
+            return Some(Event::Cancelled { id });
+        }
+        if self.release_reservation(id) {
             return Some(Event::Cancelled { id });
         }
         let i = self.running.iter().position(|r| r.id == id)?;
@@ -223,10 +258,15 @@ impl Engine {
     /// Admits waiting requests in order while their pages and a slot fit.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running {
-            let Some((req, _)) = self.waiting.front() else {
+            let Some((req, _, handoff)) = self.waiting.front() else {
                 return;
             };
-            let total = req.prompt.len() + req.stop.max_tokens as usize;
+            // A prefill-only request never decodes here: its prompt is all it needs.
+            let total = if *handoff {
+                req.prompt.len()
+            } else {
+                req.prompt.len() + req.stop.max_tokens as usize
+            };
             let Ok((mut seq, cached)) = self.store.open_prompt(&req.prompt) else {
                 return;
             };
@@ -235,7 +275,7 @@ impl Engine {
                 let _ = self.store.release(seq);
                 return;
             }
-            let Some((req, sampler)) = self.waiting.pop_front() else {
+            let Some((req, sampler, handoff)) = self.waiting.pop_front() else {
                 return;
             };
             self.running.push(Running {
@@ -245,6 +285,7 @@ impl Engine {
                 cached,
                 seq,
                 sampler,
+                handoff,
             });
         }
     }
@@ -344,6 +385,11 @@ impl Engine {
             index,
             sampled,
         });
+        if r.handoff {
+            let event = handoff::export(&self.store, r).map_err(|e| e.to_string())?;
+            events.push(event);
+            return Ok(());
+        }
         if let Some(reason) = r.sampler.finish() {
             events.push(Event::Finished {
                 id: r.id,
@@ -363,7 +409,7 @@ impl Engine {
         let finished: Vec<u64> = events
             .iter()
             .filter_map(|e| match e {
-                Event::Finished { id, .. } => Some(*id),
+                Event::Finished { id, .. } | Event::Prefilled { id, .. } => Some(*id),
                 _ => None,
             })
             .collect();
@@ -403,7 +449,7 @@ impl Engine {
             let step = self.step();
             if step.is_empty() && self.running.is_empty() {
                 // Nothing admitted and nothing running: the head request can never fit.
-                if let Some((req, _)) = self.waiting.pop_front() {
+                if let Some((req, ..)) = self.waiting.pop_front() {
                     events.push(Event::Failed {
                         id: req.id,
                         error: "request does not fit in the page pool".into(),

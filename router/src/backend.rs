@@ -267,6 +267,11 @@ fn engine_loop(mut engine: Engine, commands: &std_mpsc::Receiver<Command>) {
                 Event::Cancelled { id } => {
                     streams.remove(&id);
                 }
+                // This backend never queues prefill-only requests.
+                Event::Prefilled { id, .. } => ends.push((
+                    id,
+                    BackendEvent::Failed("unexpected prefill handoff".to_owned()),
+                )),
             }
         }
         for (id, batch) in batches {

@@ -114,6 +114,10 @@ impl PagedStore {
         &mut self.pages
     }
 
+    pub fn slots_mut(&mut self) -> &mut PagePool {
+        &mut self.slots
+    }
+
     pub fn slots(&self) -> &PagePool {
         &self.slots
     }
