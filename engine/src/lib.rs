@@ -1,8 +1,6 @@
-//! The DeepSeek-V4 engine: model config and checkpoints, the forward pass over a backend,
-//! paged request state, prefix cache, schedulers and sampling. Token ids in, token ids out.
-//!
-//! The model arrives with the "Engine I" work; this crate is the placeholder the workspace
-//! layout promises.
+//! The DeepSeek-V4 engine: model config and checkpoints, the forward pass, paged request
+//! state, prefix cache, the continuous-batching scheduler with the prefill/decode handoff,
+//! sampling, and a thread runner for async services. Token ids in, token ids out.
 pub mod config;
 pub mod formats;
 pub mod model;
@@ -10,6 +8,7 @@ pub mod paged;
 pub mod pool;
 pub mod quant;
 pub mod rope;
+pub mod runner;
 pub mod safetensors;
 pub mod sampling;
 pub mod scheduler;

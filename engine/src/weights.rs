@@ -3,6 +3,10 @@
 //! every value must be finite; any problem is an error naming the tensor, and nothing is
 //! returned from a partial load.
 
+mod fingerprint;
+
+pub use fingerprint::fingerprint;
+
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},

@@ -1,0 +1,235 @@
+//! The engine on its own OS thread, for async services: callers send closures that run on the
+//! engine (queue a request, reserve pages, write state, commit, cancel) and receive the events
+//! of the requests they subscribed to. The thread steps the engine while it has work and
+//! blocks on its job channel when idle; it ends when every handle is dropped and the engine is
+//! idle.
+
+use std::{collections::HashMap, sync::mpsc as std_mpsc};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::scheduler::{Engine, Event};
+
+/// Where each request's events go.
+#[derive(Debug, Default)]
+pub struct Subscribers {
+    routes: HashMap<u64, mpsc::UnboundedSender<Event>>,
+}
+
+impl Subscribers {
+    /// Sends the events of request `id` to the returned receiver until its terminal event.
+    pub fn subscribe(&mut self, id: u64) -> mpsc::UnboundedReceiver<Event> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes.insert(id, tx);
+        rx
+    }
+
+    /// Stops delivering request `id`'s events.
+    pub fn unsubscribe(&mut self, id: u64) {
+        self.routes.remove(&id);
+    }
+
+    /// Delivers one event; a terminal event ends the subscription.
+    pub fn deliver(&mut self, event: Event) {
+        let id = event_id(&event);
+        let terminal = !matches!(event, Event::Token { .. });
+        if let Some(tx) = self.routes.get(&id) {
+            let _ = tx.send(event);
+        }
+        if terminal {
+            self.routes.remove(&id);
+        }
+    }
+}
+
+/// The request an event belongs to.
+pub fn event_id(event: &Event) -> u64 {
+    match event {
+        Event::Token { id, .. }
+        | Event::Finished { id, .. }
+        | Event::Cancelled { id }
+        | Event::Failed { id, .. }
+        | Event::Prefilled { id, .. } => *id,
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut Engine, &mut Subscribers) + Send>;
+
+/// The engine thread has stopped (it panicked or the process is ending).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the engine thread stopped")]
+pub struct Stopped;
+
+/// A handle to the engine thread; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    jobs: std_mpsc::Sender<Job>,
+}
+
+impl Runner {
+    /// Starts the engine thread.
+    pub fn start(engine: Engine, name: &str) -> std::io::Result<Self> {
+        let (jobs, receiver) = std_mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || run(engine, &receiver))?;
+        Ok(Self { jobs })
+    }
+
+    /// Runs `f` on the engine thread (between steps) and returns its result.
+    pub async fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Engine, &mut Subscribers) -> R + Send + 'static,
+    ) -> Result<R, Stopped> {
+        let (tx, rx) = oneshot::channel();
+        self.jobs
+            .send(Box::new(move |engine, subs| {
+                let _ = tx.send(f(engine, subs));
+            }))
+            .map_err(|_| Stopped)?;
+        rx.await.map_err(|_| Stopped)
+    }
+
+    /// Queues `f` without waiting for it (for cancellation from `Drop`).
+    pub fn post(
+        &self,
+        f: impl FnOnce(&mut Engine, &mut Subscribers) + Send + 'static,
+    ) -> Result<(), Stopped> {
+        self.jobs.send(Box::new(f)).map_err(|_| Stopped)
+    }
+}
+
+fn run(mut engine: Engine, jobs: &std_mpsc::Receiver<Job>) {
+    let mut subs = Subscribers::default();
+    loop {
+        if engine.is_idle() {
+            let Ok(job) = jobs.recv() else {
+                return;
+            };
+            job(&mut engine, &mut subs);
+        }
+        loop {
+            match jobs.try_recv() {
+                Ok(job) => job(&mut engine, &mut subs),
+                Err(std_mpsc::TryRecvError::Disconnected) if engine.is_idle() => return,
+                Err(_) => break,
+            }
+        }
+        if engine.is_idle() {
+            continue;
+        }
+        let events = engine.step();
+        if events.is_empty() && engine.load().0 == 0 {
+            // Requests are waiting for pages that reservations hold: nothing can run until a
+            // job (a commit, a release) changes that, so wait for one instead of spinning.
+            match jobs.recv_timeout(std::time::Duration::from_millis(5)) {
+                Ok(job) => job(&mut engine, &mut subs),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        for event in events {
+            subs.deliver(event);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use super::*;
+    use crate::{
+        config::ExpertFormat,
+        model::Model,
+        sampling::{FinishReason, SamplingParams, StopConditions},
+        scheduler::{EngineConfig, GenerationRequest},
+        synth::{GenerateOptions, Preset, generate},
+    };
+
+    fn runner() -> Runner {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 3,
+            experts: ExpertFormat::Bf16,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let model = Model::load(dir.path()).unwrap();
+        Runner::start(
+            Engine::new(model, EngineConfig::default(), "t").unwrap(),
+            "test-engine",
+        )
+        .unwrap()
+    }
+
+    fn request(id: u64, max_tokens: u32) -> GenerationRequest {
+        GenerationRequest {
+            id,
+            prompt: vec![5, 6, 7],
+            sampling: SamplingParams::default(),
+            stop: StopConditions {
+                max_tokens,
+                min_tokens: 0,
+                stop_token_ids: vec![],
+                ignore_eos: true,
+                eos_token_ids: vec![],
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn events_reach_their_subscriber_and_cancel_frees_pages() {
+        let runner = runner();
+        let mut rx = runner
+            .call(|engine, subs| {
+                engine.add(request(1, 4)).unwrap();
+                subs.subscribe(1)
+            })
+            .await
+            .unwrap();
+        let mut tokens = 0;
+        loop {
+            match rx.recv().await.unwrap() {
+                Event::Token { .. } => tokens += 1,
+                Event::Finished { reason, .. } => {
+                    assert_eq!(reason, FinishReason::Length);
+                    break;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(tokens, 4);
+        assert!(rx.recv().await.is_none(), "the subscription ends");
+        // A long request cancelled from outside ends with Cancelled and returns its pages.
+        let mut rx = runner
+            .call(|engine, subs| {
+                engine.add(request(2, 10_000)).unwrap();
+                subs.subscribe(2)
+            })
+            .await
+            .unwrap();
+        assert!(matches!(rx.recv().await, Some(Event::Token { .. })));
+        runner
+            .post(|engine, subs| {
+                if let Some(event) = engine.cancel(2) {
+                    subs.deliver(event);
+                }
+            })
+            .unwrap();
+        loop {
+            match rx.recv().await {
+                Some(Event::Token { .. }) => {}
+                Some(Event::Cancelled { id: 2 }) => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let used = runner
+            .call(|engine, _| engine.store().pages().used_count() - engine.store().prefix().len())
+            .await
+            .unwrap();
+        assert_eq!(used, 0);
+    }
+}
