@@ -50,5 +50,11 @@ pub fn fingerprint(dir: &Path) -> Result<String, LoadError> {
             h.update(&view.data[view.data.len() - SAMPLE_BYTES..]);
         }
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(h.finalize()
+        .iter()
+        .fold(String::with_capacity(64), |mut hex, b| {
+            use std::fmt::Write as _;
+            let _ = write!(hex, "{b:02x}");
+            hex
+        }))
 }
