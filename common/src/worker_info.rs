@@ -41,6 +41,15 @@ impl WorkerHandle {
         self.info.write().await.state = state.into();
     }
 
+    /// Records the served model: its name (here, the fingerprint) and state layout, and the
+    /// transports this build offers.
+    pub async fn set_model(&self, model_name: String, layout: proto::v1::StateLayout) {
+        let mut info = self.info.write().await;
+        info.model_name = model_name;
+        info.layout = Some(layout);
+        info.transports = vec![proto::v1::TransportKind::Tcp.into()];
+    }
+
     pub async fn set_load(&self, load: Load) {
         self.info.write().await.load = Some(load);
     }

@@ -23,13 +23,16 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// The worker could not start serving (e.g. its model failed to load).
+    #[error("{0}")]
+    Startup(String),
 }
 
 impl ExitStatus for ServeError {
     fn exit_code(&self) -> u8 {
         match self {
             ServeError::Config(e) => e.exit_code(),
-            ServeError::Transport(_) | ServeError::Io(_) => EXIT_RUNTIME,
+            ServeError::Transport(_) | ServeError::Io(_) | ServeError::Startup(_) => EXIT_RUNTIME,
         }
     }
 }

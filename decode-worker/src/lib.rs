@@ -1,15 +1,18 @@
 //! The decode worker: serves `pdserve.v1.Decode` and `StateTransfer`, reserves pages for
 //! incoming prompt state, admits committed requests into its running batch and streams tokens.
-//! Today it serves identity (`Worker`) and gRPC health; decoding arrives with the PD data path
-//! work.
+//! Without a configured model it serves identity (`Worker`) and gRPC health only.
 
 pub mod config;
+pub mod service;
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use common::worker_server::{ListenOptions, ServeError, WorkerServer};
 pub use config::{Cli, DecodeConfig};
-use proto::v1::Role;
+use engine::scheduler::EngineConfig;
+use kv_transfer::tcp::StateTransferService;
+use proto::v1::{Role, decode_server::DecodeServer, state_transfer_server::StateTransferServer};
+use service::{DecodeService, DecodeWorker};
 
 /// Binds the decode worker's listener.
 pub async fn bind(config: &DecodeConfig) -> Result<WorkerServer, ServeError> {
@@ -25,13 +28,48 @@ pub async fn bind(config: &DecodeConfig) -> Result<WorkerServer, ServeError> {
     .await
 }
 
+/// The engine settings of a worker configuration.
+pub fn engine_config(config: &DecodeConfig) -> EngineConfig {
+    EngineConfig {
+        page_size: config.page_size as usize,
+        num_pages: config.engine_num_pages,
+        max_running: config.max_running as usize,
+        max_batch_tokens: config.max_batch_tokens as usize,
+        ..EngineConfig::default()
+    }
+}
+
 /// Runs the worker as a process until SIGTERM/SIGINT.
 pub async fn run(
     config: DecodeConfig,
     signal: common::shutdown::ShutdownSignal,
 ) -> Result<(), ServeError> {
-    bind(&config)
-        .await?
-        .run_until_signal("decode", |routes| routes, &[], signal)
+    let server = bind(&config).await?;
+    let Some(dir) = &config.model_dir else {
+        return server
+            .run_until_signal("decode", |routes| routes, &[], signal)
+            .await;
+    };
+    let loaded = engine::runner::start_from_dir(dir, engine_config(&config), "pdserve-decode")
+        .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
+    let info = server.handle().snapshot().await;
+    server
+        .handle()
+        .set_model(loaded.fingerprint.clone(), loaded.layout.clone())
+        .await;
+    let worker = Arc::new(DecodeWorker::new(loaded, info.worker_id, info.address));
+    let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));
+    let transfer = StateTransferServer::new(StateTransferService::new(worker))
+        .max_decoding_message_size(kv_transfer::tcp::FRAME_BYTES * 2);
+    server
+        .run_until_signal(
+            "decode",
+            |routes| routes.add_service(decode).add_service(transfer),
+            &[
+                proto::service_names::DECODE,
+                proto::service_names::STATE_TRANSFER,
+            ],
+            signal,
+        )
         .await
 }

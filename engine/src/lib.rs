@@ -16,3 +16,4 @@ pub mod schema;
 pub mod synth;
 pub mod tensor;
 pub mod weights;
+pub mod wire;

@@ -99,6 +99,40 @@ impl Runner {
     }
 }
 
+/// An engine loaded for a worker: its thread, the layout it exposes to peers and the facts
+/// about the model a worker needs.
+#[derive(Debug, Clone)]
+pub struct LoadedEngine {
+    pub runner: Runner,
+    pub layout: proto::v1::StateLayout,
+    pub eos_token_ids: Vec<u32>,
+    pub vocab_size: usize,
+    pub fingerprint: String,
+}
+
+/// Loads the checkpoint at `dir`, computes its fingerprint, builds the engine and starts its
+/// thread.
+pub fn start_from_dir(
+    dir: &std::path::Path,
+    config: crate::scheduler::EngineConfig,
+    thread_name: &str,
+) -> Result<LoadedEngine, String> {
+    let fingerprint = crate::weights::fingerprint(dir).map_err(|e| e.to_string())?;
+    let model = crate::model::Model::load(dir).map_err(|e| e.to_string())?;
+    let eos_token_ids = model.config.eos_token_ids.clone();
+    let vocab_size = model.config.vocab_size;
+    let engine = Engine::new(model, config, &fingerprint).map_err(|e| e.to_string())?;
+    let layout = engine.store().layout.to_proto();
+    let runner = Runner::start(engine, thread_name).map_err(|e| e.to_string())?;
+    Ok(LoadedEngine {
+        runner,
+        layout,
+        eos_token_ids,
+        vocab_size,
+        fingerprint,
+    })
+}
+
 fn run(mut engine: Engine, jobs: &std_mpsc::Receiver<Job>) {
     let mut subs = Subscribers::default();
     loop {

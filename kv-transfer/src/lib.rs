@@ -1,2 +1,46 @@
-//! Moving request state between processes (UCX, NCCL, plain TCP) and the layout handshake.
-//! Transports arrive with the "PD data path" work.
+//! Moving request state between processes, and the handshake that makes sure both sides read
+//! the same bytes the same way.
+//!
+//! - [`handshake`]: layout comparison (model fingerprint, page size, every region) and transport
+//!   negotiation; a mismatch is an error naming every difference.
+//! - [`tcp`]: the plain-TCP transport: the prefill side streams `PageWrite` frames to the
+//!   decode side's `StateTransfer` service, which applies them through a [`tcp::PageSink`].
+//!
+//! UCX (one-sided puts into registered memory) and NCCL are further implementations of the same
+//! flow; the descriptor already carries their endpoint data.
+
+pub mod handshake;
+pub mod tcp;
+
+use proto::v1::{ErrorInfo, ErrorKind};
+
+/// A transfer that did not complete. Any of these fails the request: a partially written
+/// state must never be committed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    /// The two sides' layouts differ.
+    #[error("state layouts differ: {0}")]
+    LayoutMismatch(String),
+    /// The descriptor cannot be used by this transport.
+    #[error("bad transfer descriptor: {0}")]
+    Descriptor(String),
+    /// The peer refused or the connection failed.
+    #[error("transfer to {peer} failed: {message}")]
+    Failed { peer: String, message: String },
+}
+
+impl TransferError {
+    /// The wire error for this failure.
+    pub fn info(&self, worker_id: &str) -> ErrorInfo {
+        let kind = match self {
+            Self::LayoutMismatch(_) => ErrorKind::LayoutMismatch,
+            Self::Descriptor(_) => ErrorKind::InvalidArgument,
+            Self::Failed { .. } => ErrorKind::TransferFailed,
+        };
+        ErrorInfo {
+            kind: kind.into(),
+            message: self.to_string(),
+            worker_id: worker_id.to_owned(),
+        }
+    }
+}

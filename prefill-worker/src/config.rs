@@ -17,6 +17,18 @@ pub struct PrefillConfig {
     pub advertise_address: Option<String>,
     /// Milliseconds in-flight calls may take to finish after SIGTERM.
     pub shutdown_grace_ms: u64,
+    /// Checkpoint folder (`config.json`, weights). Unset: the worker serves only identity and
+    /// health, and its role's calls fail with UNAVAILABLE.
+    pub model_dir: Option<PathBuf>,
+    /// Tokens per state page. Prefill and decode workers must agree (the layout handshake
+    /// refuses to pair them otherwise).
+    pub page_size: u32,
+    /// Pages in the worker's pool.
+    pub engine_num_pages: u32,
+    /// Requests in the engine at once (also its state slots).
+    pub max_running: u32,
+    /// Tokens per forward step.
+    pub max_batch_tokens: u32,
 }
 
 impl Default for PrefillConfig {
@@ -25,6 +37,11 @@ impl Default for PrefillConfig {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 8101)),
             advertise_address: None,
             shutdown_grace_ms: 30_000,
+            model_dir: None,
+            page_size: 64,
+            engine_num_pages: 1024,
+            max_running: 32,
+            max_batch_tokens: 512,
         }
     }
 }
@@ -34,6 +51,26 @@ impl ServiceConfig for PrefillConfig {
 
     fn validate(&self) -> Result<(), Invalid> {
         common::config::check_advertise("advertise_address", self.advertise_address.as_deref())?;
+        let page_size = u64::from(self.page_size);
+        if !page_size.is_power_of_two() || !(4..=4096).contains(&page_size) {
+            return Err(Invalid::new(
+                "page_size",
+                "must be a power of two between 4 and 4096",
+            ));
+        }
+        common::config::check_range(
+            "engine_num_pages",
+            u64::from(self.engine_num_pages),
+            1,
+            1 << 24,
+        )?;
+        common::config::check_range("max_running", u64::from(self.max_running), 1, 4096)?;
+        common::config::check_range(
+            "max_batch_tokens",
+            u64::from(self.max_batch_tokens),
+            1,
+            1 << 20,
+        )?;
         common::config::check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)
     }
 }
@@ -58,6 +95,26 @@ pub struct Cli {
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_ms: Option<u64>,
+    /// Checkpoint folder served by this worker.
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_dir: Option<PathBuf>,
+    /// Tokens per state page (must match the other role's workers).
+    #[arg(long, value_name = "TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<u32>,
+    /// Pages in the worker's pool.
+    #[arg(long, value_name = "PAGES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_num_pages: Option<u32>,
+    /// Requests in the engine at once.
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<u32>,
+    /// Tokens per forward step.
+    #[arg(long, value_name = "TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<u32>,
 }
 
 #[cfg(test)]

@@ -1,14 +1,17 @@
 //! The prefill worker: serves `pdserve.v1.Prefill`, runs engine prefill and writes the prompt
-//! state into decode reservations. Today it serves identity (`Worker`) and gRPC health; the
-//! prefill path arrives with the PD data path work.
+//! state into decode reservations. Without a configured model it serves identity (`Worker`)
+//! and gRPC health only.
 
 pub mod config;
+pub mod service;
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use common::worker_server::{ListenOptions, ServeError, WorkerServer};
 pub use config::{Cli, PrefillConfig};
-use proto::v1::Role;
+use engine::scheduler::EngineConfig;
+use proto::v1::{Role, prefill_server::PrefillServer};
+use service::{PrefillService, PrefillWorker};
 
 /// Binds the prefill worker's listener.
 pub async fn bind(config: &PrefillConfig) -> Result<WorkerServer, ServeError> {
@@ -24,13 +27,43 @@ pub async fn bind(config: &PrefillConfig) -> Result<WorkerServer, ServeError> {
     .await
 }
 
+/// The engine settings of a worker configuration.
+pub fn engine_config(config: &PrefillConfig) -> EngineConfig {
+    EngineConfig {
+        page_size: config.page_size as usize,
+        num_pages: config.engine_num_pages,
+        max_running: config.max_running as usize,
+        max_batch_tokens: config.max_batch_tokens as usize,
+        ..EngineConfig::default()
+    }
+}
+
 /// Runs the worker as a process until SIGTERM/SIGINT.
 pub async fn run(
     config: PrefillConfig,
     signal: common::shutdown::ShutdownSignal,
 ) -> Result<(), ServeError> {
-    bind(&config)
-        .await?
-        .run_until_signal("prefill", |routes| routes, &[], signal)
+    let server = bind(&config).await?;
+    let Some(dir) = &config.model_dir else {
+        return server
+            .run_until_signal("prefill", |routes| routes, &[], signal)
+            .await;
+    };
+    let loaded = engine::runner::start_from_dir(dir, engine_config(&config), "pdserve-prefill")
+        .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
+    let info = server.handle().snapshot().await;
+    server
+        .handle()
+        .set_model(loaded.fingerprint.clone(), loaded.layout.clone())
+        .await;
+    let worker = Arc::new(PrefillWorker::new(loaded, info.worker_id));
+    let prefill = PrefillServer::new(PrefillService(worker));
+    server
+        .run_until_signal(
+            "prefill",
+            |routes| routes.add_service(prefill),
+            &[proto::service_names::PREFILL],
+            signal,
+        )
         .await
 }

@@ -1,0 +1,586 @@
+//! The decode side of a request: `Reserve` (pages under a lease), `StateTransfer` writes into
+//! them, `Commit` (first token and seed from the prefill) and `Generate` (the token stream),
+//! in either order of the last two. A reservation has one owner (the router that reserved it)
+//! and a deadline; an uncommitted one expires and frees its pages, and a stream that goes away
+//! cancels its request.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use engine::{
+    runner::{LoadedEngine, Runner},
+    scheduler::{EngineError, Event, GenerationRequest, HandoffError},
+    wire,
+};
+use futures::future::BoxFuture;
+use kv_transfer::{handshake, tcp::StateSink};
+use proto::v1::{
+    Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, FinishReason, GenerateRequest,
+    GeneratedToken, PageRef, PageWrite, RequestId, ReserveRequest, ReserveResponse, StateLayout,
+    TcpTarget, TokenBatch, TransferDescriptor, TransferHello, TransferHelloReply, TransportKind,
+    decode_server::Decode, transfer_descriptor::Target,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+/// Leases are clamped to this range (milliseconds).
+const LEASE_MS: (u32, u32) = (100, 600_000);
+
+fn error(kind: ErrorKind, message: impl Into<String>, worker: &str) -> Status {
+    proto::error::to_status(&ErrorInfo {
+        kind: kind.into(),
+        message: message.into(),
+        worker_id: worker.to_owned(),
+    })
+}
+
+/// A started request: its first token and the engine's events for the rest.
+struct Started {
+    first: GeneratedToken,
+    events: mpsc::UnboundedReceiver<Event>,
+}
+
+struct Reservation {
+    engine_id: u64,
+    request: RequestId,
+    prompt_len: usize,
+    /// Pool page numbers in sequence order.
+    pages: Vec<u64>,
+    commit: Option<(GeneratedToken, u64)>,
+    generate: Option<(GenerateRequest, oneshot::Sender<Result<Started, Status>>)>,
+    started: bool,
+}
+
+/// The decode worker's request handling.
+pub struct DecodeWorker {
+    engine: LoadedEngine,
+    worker_id: String,
+    /// host:port peers dial for `StateTransfer`.
+    address: String,
+    next_id: AtomicU64,
+    reservations: Mutex<HashMap<String, Reservation>>,
+}
+
+impl std::fmt::Debug for DecodeWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeWorker")
+            .field("worker_id", &self.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DecodeWorker {
+    pub fn new(engine: LoadedEngine, worker_id: String, address: String) -> Self {
+        Self {
+            engine,
+            worker_id,
+            address,
+            next_id: AtomicU64::new(1),
+            reservations: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn layout(&self) -> &StateLayout {
+        &self.engine.layout
+    }
+
+    fn runner(&self) -> &Runner {
+        &self.engine.runner
+    }
+
+    fn err(&self, kind: ErrorKind, message: impl Into<String>) -> Status {
+        error(kind, message, &self.worker_id)
+    }
+
+    fn stopped(&self) -> Status {
+        self.err(ErrorKind::Internal, "the engine thread stopped")
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Reservation>> {
+        // A panic while holding the lock leaves the map consistent (every update is one
+        // insert or remove), so a poisoned lock is still usable.
+        self.reservations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts the request once both its commit and its generate call have arrived.
+    async fn try_start(self: &Arc<Self>, reservation_id: &str) {
+        let ready = {
+            let mut map = self.lock();
+            let Some(r) = map.get_mut(reservation_id) else {
+                return;
+            };
+            if r.started || r.commit.is_none() || r.generate.is_none() {
+                return;
+            }
+            r.started = true;
+            match (r.commit.take(), r.generate.take()) {
+                (Some(commit), Some(generate)) => Some((r.engine_id, r.prompt_len, commit, generate)),
+                _ => None,
+            }
+        };
+        let Some((engine_id, prompt_len, (first, seed), (request, reply))) = ready else {
+            return;
+        };
+        let sampling = wire::sampling_from_proto(&request.sampling.unwrap_or_default());
+        let stop = wire::stop_from_proto(
+            &request.stop.unwrap_or_default(),
+            &self.engine.eos_token_ids,
+        );
+        let prompt = request.prompt_token_ids;
+        let result = if prompt.len() == prompt_len {
+            let req = GenerationRequest {
+                id: engine_id,
+                prompt,
+                sampling,
+                stop,
+            };
+            let token = first.token_id;
+            self.runner()
+                .call(move |engine, subs| match engine.commit(req, token, seed) {
+                    Ok(None) => Ok(subs.subscribe(engine_id)),
+                    Ok(Some(done)) => {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        let _ = tx.send(done);
+                        Ok(rx)
+                    }
+                    Err(e) => {
+                        engine.release_reservation(engine_id);
+                        Err(e)
+                    }
+                })
+                .await
+                .map_err(|_| self.stopped())
+                .and_then(|r| r.map_err(|e| self.engine_error(&e)))
+        } else {
+            Err(self.err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "generate sent {} prompt tokens; the reservation holds {prompt_len}",
+                    prompt.len()
+                ),
+            ))
+        };
+        if result.is_err() {
+            self.lock().remove(reservation_id);
+            let _ = self
+                .runner()
+                .call(move |engine, _| engine.release_reservation(engine_id))
+                .await;
+        }
+        let _ = reply.send(result.map(|events| Started { first, events }));
+    }
+
+    fn engine_error(&self, e: &EngineError) -> Status {
+        let kind = match e {
+            EngineError::Pool(_) => ErrorKind::Overloaded,
+            EngineError::Handoff(HandoffError::Pool(_)) => ErrorKind::Internal,
+            _ => ErrorKind::InvalidArgument,
+        };
+        self.err(kind, e.to_string())
+    }
+
+    /// Drops the bookkeeping of a request whose stream ended.
+    fn forget(&self, engine_id: u64) {
+        self.lock().retain(|_, r| r.engine_id != engine_id);
+    }
+
+    /// Expires `reservation_id` after `lease` unless it has started by then.
+    fn arm_lease(self: &Arc<Self>, reservation_id: String, lease: Duration) {
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(lease).await;
+            let expired = {
+                let mut map = this.lock();
+                match map.get(&reservation_id) {
+                    Some(r) if !r.started => map.remove(&reservation_id),
+                    _ => None,
+                }
+            };
+            if let Some(r) = expired {
+                tracing::warn!(reservation = %reservation_id, "reservation lease expired");
+                let id = r.engine_id;
+                let _ = this
+                    .runner()
+                    .call(move |engine, _| engine.release_reservation(id))
+                    .await;
+                if let Some((_, reply)) = r.generate {
+                    let _ = reply.send(Err(this.err(
+                        ErrorKind::DeadlineExceeded,
+                        "the reservation expired before it was committed",
+                    )));
+                }
+            }
+        });
+    }
+
+    /// Checks a call's reservation and request id; returns the engine id.
+    fn check(&self, reservation_id: &str, request: Option<&RequestId>) -> Result<u64, Status> {
+        let map = self.lock();
+        let r = map.get(reservation_id).ok_or_else(|| {
+            self.err(
+                ErrorKind::NotFound,
+                format!("no live reservation {reservation_id:?} (expired, cancelled or unknown)"),
+            )
+        })?;
+        if request != Some(&r.request) {
+            return Err(self.err(
+                ErrorKind::InvalidArgument,
+                format!("reservation {reservation_id:?} belongs to another request"),
+            ));
+        }
+        Ok(r.engine_id)
+    }
+}
+
+/// The gRPC adapter (the worker itself is shared with the `StateTransfer` sink).
+#[derive(Debug, Clone)]
+pub struct DecodeService(pub Arc<DecodeWorker>);
+
+#[tonic::async_trait]
+impl Decode for DecodeService {
+    async fn reserve(
+        &self,
+        request: Request<ReserveRequest>,
+    ) -> Result<Response<ReserveResponse>, Status> {
+        let w = &self.0;
+        let req = request.into_inner();
+        let request_id = req
+            .request_id
+            .clone()
+            .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "request_id is required"))?;
+        let theirs = req.prefill_layout.clone().unwrap_or_default();
+        handshake::check_layouts(w.layout(), &theirs)
+            .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
+        let transport = handshake::negotiate(&req.transports, handshake::SUPPORTED)
+            .ok_or_else(|| {
+                w.err(
+                    ErrorKind::InvalidArgument,
+                    "no transport in common (this worker supports TCP)",
+                )
+            })?;
+        let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
+        let (prompt, max_new) = (req.prompt_tokens as usize, req.max_new_tokens as usize);
+        let reservation = w
+            .runner()
+            .call(move |engine, _| engine.reserve(engine_id, prompt, max_new))
+            .await
+            .map_err(|_| w.stopped())?
+            .map_err(|e| w.engine_error(&e))?;
+        let reservation_id = format!("{}-{engine_id}", w.worker_id);
+        let lease_ms = req.lease_ms.clamp(LEASE_MS.0, LEASE_MS.1);
+        let destination = TransferDescriptor {
+            transport: transport.into(),
+            reservation_id: reservation_id.clone(),
+            decode_worker_id: w.worker_id.clone(),
+            layout: Some(w.layout().clone()),
+            pages: reservation
+                .pages
+                .iter()
+                .map(|&(page, offset)| PageRef {
+                    region: 0,
+                    page: u64::from(page),
+                    offset_bytes: offset,
+                })
+                .collect(),
+            slot: Some(PageRef {
+                region: 0,
+                page: u64::from(reservation.slot.0),
+                offset_bytes: reservation.slot.1,
+            }),
+            target: Some(Target::Tcp(TcpTarget {
+                address: w.address.clone(),
+            })),
+        };
+        w.lock().insert(
+            reservation_id.clone(),
+            Reservation {
+                engine_id,
+                request: request_id,
+                prompt_len: prompt,
+                pages: reservation.pages.iter().map(|&(p, _)| u64::from(p)).collect(),
+                commit: None,
+                generate: None,
+                started: false,
+            },
+        );
+        w.arm_lease(reservation_id, Duration::from_millis(u64::from(lease_ms)));
+        Ok(Response::new(ReserveResponse {
+            destination: Some(destination),
+            lease_ms,
+        }))
+    }
+
+    async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<Ack>, Status> {
+        let w = &self.0;
+        let req = request.into_inner();
+        w.check(&req.reservation_id, req.request_id.as_ref())?;
+        if !req.checksums.is_empty() {
+            return Err(w.err(
+                ErrorKind::InvalidArgument,
+                "page checksums are not supported by this worker; commit without them",
+            ));
+        }
+        let first = req
+            .first_token
+            .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "first_token is required"))?;
+        {
+            let mut map = w.lock();
+            let Some(r) = map.get_mut(&req.reservation_id) else {
+                return Err(w.err(ErrorKind::NotFound, "the reservation expired"));
+            };
+            if r.prompt_len != req.prompt_tokens as usize {
+                return Err(w.err(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "commit for {} prompt tokens; the reservation holds {}",
+                        req.prompt_tokens, r.prompt_len
+                    ),
+                ));
+            }
+            if r.commit.is_some() || r.started {
+                return Err(w.err(ErrorKind::InvalidArgument, "already committed"));
+            }
+            r.commit = Some((first, req.seed));
+        }
+        w.try_start(&req.reservation_id).await;
+        Ok(Response::new(Ack {}))
+    }
+
+    type GenerateStream = ReceiverStream<Result<TokenBatch, Status>>;
+
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let w = Arc::clone(&self.0);
+        let req = request.into_inner();
+        let engine_id = w.check(&req.reservation_id, req.request_id.as_ref())?;
+        let reservation_id = req.reservation_id.clone();
+        let request_id = req.request_id.clone();
+        let (started_tx, started_rx) = oneshot::channel();
+        {
+            let mut map = w.lock();
+            let Some(r) = map.get_mut(&reservation_id) else {
+                return Err(w.err(ErrorKind::NotFound, "the reservation expired"));
+            };
+            if r.generate.is_some() || r.started {
+                return Err(w.err(ErrorKind::InvalidArgument, "already generating"));
+            }
+            r.generate = Some((req, started_tx));
+        }
+        w.try_start(&reservation_id).await;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(stream_tokens(w, engine_id, request_id, started_rx, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<Ack>, Status> {
+        let w = &self.0;
+        let req = request.into_inner();
+        let found = {
+            let mut map = w.lock();
+            let key = map
+                .iter()
+                .find(|(_, r)| Some(&r.request) == req.request_id.as_ref())
+                .map(|(k, _)| k.clone());
+            key.and_then(|k| map.remove(&k))
+        };
+        if let Some(r) = found {
+            if let Some((_, reply)) = r.generate {
+                let _ = reply.send(Err(w.err(ErrorKind::Cancelled, req.reason.clone())));
+            }
+            // Releases the reservation, or stops the running request (its stream then ends
+            // with FINISH_REASON_CANCELLED).
+            let id = r.engine_id;
+            let _ = w.runner().post(move |engine, subs| {
+                if let Some(event) = engine.cancel(id) {
+                    subs.deliver(event);
+                }
+            });
+        }
+        Ok(Response::new(Ack {}))
+    }
+}
+
+/// Feeds a `Generate` stream: waits for the start, sends the first token, then the engine's
+/// tokens; the last batch carries the finish reason and usage. If the client goes away the
+/// request is cancelled and its pages freed.
+async fn stream_tokens(
+    w: Arc<DecodeWorker>,
+    engine_id: u64,
+    request_id: Option<RequestId>,
+    started: oneshot::Receiver<Result<Started, Status>>,
+    tx: mpsc::Sender<Result<TokenBatch, Status>>,
+) {
+    feed(&w, engine_id, request_id, started, tx).await;
+    w.forget(engine_id);
+}
+
+async fn feed(
+    w: &Arc<DecodeWorker>,
+    engine_id: u64,
+    request_id: Option<RequestId>,
+    started: oneshot::Receiver<Result<Started, Status>>,
+    tx: mpsc::Sender<Result<TokenBatch, Status>>,
+) {
+    let cancel = |w: &Arc<DecodeWorker>| {
+        let _ = w.runner().post(move |engine, subs| {
+            if let Some(event) = engine.cancel(engine_id) {
+                subs.deliver(event);
+            }
+        });
+    };
+    let started = tokio::select! {
+        started = started => started,
+        () = tx.closed() => {
+            // The client left before the start: drop the reservation (or the request, if the
+            // start raced with us).
+            cancel(w);
+            return;
+        }
+    };
+    let Started { first, mut events } = match started {
+        Ok(Ok(started)) => started,
+        Ok(Err(status)) => {
+            let _ = tx.send(Err(status)).await;
+            return;
+        }
+        Err(_) => {
+            let _ = tx.send(Err(w.stopped())).await;
+            return;
+        }
+    };
+    let batch = |tokens: Vec<GeneratedToken>| TokenBatch {
+        request_id: request_id.clone(),
+        tokens,
+        ..TokenBatch::default()
+    };
+    let mut pending = vec![first];
+    loop {
+        let event = tokio::select! {
+            event = events.recv() => event,
+            () = tx.closed() => {
+                cancel(w);
+                return;
+            }
+        };
+        let last = match event {
+            Some(Event::Token { sampled, .. }) => {
+                pending.push(wire::token_to_proto(&sampled));
+                // Send what has accumulated whenever the engine is ahead of nobody.
+                if events.is_empty()
+                    && tx
+                        .send(Ok(batch(std::mem::take(&mut pending))))
+                        .await
+                        .is_err()
+                {
+                    cancel(w);
+                    return;
+                }
+                continue;
+            }
+            Some(Event::Finished { reason, usage, .. }) => TokenBatch {
+                finish_reason: wire::finish_to_proto(reason).into(),
+                usage: Some(wire::usage_to_proto(&usage)),
+                ..batch(std::mem::take(&mut pending))
+            },
+            Some(Event::Failed { error, .. }) => TokenBatch {
+                finish_reason: FinishReason::Error.into(),
+                error: Some(ErrorInfo {
+                    kind: ErrorKind::Internal.into(),
+                    message: error,
+                    worker_id: w.worker_id.clone(),
+                }),
+                ..batch(std::mem::take(&mut pending))
+            },
+            Some(Event::Cancelled { .. }) => TokenBatch {
+                finish_reason: FinishReason::Cancelled.into(),
+                ..batch(std::mem::take(&mut pending))
+            },
+            Some(Event::Prefilled { .. }) | None => TokenBatch {
+                finish_reason: FinishReason::Error.into(),
+                error: Some(ErrorInfo {
+                    kind: ErrorKind::Internal.into(),
+                    message: "the engine ended the request without a finish".to_owned(),
+                    worker_id: w.worker_id.clone(),
+                }),
+                ..batch(std::mem::take(&mut pending))
+            },
+        };
+        let _ = tx.send(Ok(last)).await;
+        return;
+    }
+}
+
+impl StateSink for DecodeWorker {
+    fn hello(&self, hello: TransferHello) -> BoxFuture<'_, Result<TransferHelloReply, Status>> {
+        Box::pin(async move {
+            handshake::check_layouts(self.layout(), &hello.layout.unwrap_or_default())
+                .map_err(|e| proto::error::to_status(&e.info(&self.worker_id)))?;
+            let transport = handshake::negotiate(&hello.transports, handshake::SUPPORTED)
+                .unwrap_or(TransportKind::Unspecified);
+            Ok(TransferHelloReply {
+                worker_id: self.worker_id.clone(),
+                layout: Some(self.layout().clone()),
+                transport: transport.into(),
+            })
+        })
+    }
+
+    fn write(&self, frame: PageWrite) -> BoxFuture<'_, Result<u64, Status>> {
+        Box::pin(async move {
+            let (engine_id, index) = {
+                let map = self.lock();
+                let r = map.get(&frame.reservation_id).ok_or_else(|| {
+                    self.err(
+                        ErrorKind::NotFound,
+                        format!("no live reservation {:?}", frame.reservation_id),
+                    )
+                })?;
+                if frame.request_id.as_ref() != Some(&r.request) {
+                    return Err(self.err(
+                        ErrorKind::InvalidArgument,
+                        "the frame's request does not own the reservation",
+                    ));
+                }
+                if r.commit.is_some() || r.started {
+                    return Err(self.err(
+                        ErrorKind::InvalidArgument,
+                        "the reservation is already committed",
+                    ));
+                }
+                let index = if frame.slot {
+                    None
+                } else {
+                    let page = frame.page.map(|p| p.page).ok_or_else(|| {
+                        self.err(ErrorKind::InvalidArgument, "a page frame needs a page")
+                    })?;
+                    Some(r.pages.iter().position(|&p| p == page).ok_or_else(|| {
+                        self.err(
+                            ErrorKind::InvalidArgument,
+                            format!("page {page} is not part of the reservation"),
+                        )
+                    })?)
+                };
+                (r.engine_id, index)
+            };
+            let offset = usize::try_from(frame.offset_bytes).unwrap_or(usize::MAX);
+            let bytes = frame.data.len() as u64;
+            self.runner()
+                .call(move |engine, _| engine.write_state(engine_id, index, offset, &frame.data))
+                .await
+                .map_err(|_| self.stopped())?
+                .map_err(|e| self.err(ErrorKind::TransferFailed, e.to_string()))?;
+            Ok(bytes)
+        })
+    }
+}
