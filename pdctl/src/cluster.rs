@@ -203,12 +203,18 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
     };
     let mut procs = Vec::new();
     let result = async {
+        let model = match &args.model {
+            Some(dir) => dir.clone(),
+            None => default_model()?,
+        };
+        let model_arg = model.display().to_string();
+        let worker_args = ["--grpc-listen", EPHEMERAL, "--model-dir", model_arg.as_str()];
         for i in 0..args.decode {
             procs.push(
                 spawn(
                     &dir.join("pdserve-decode"),
                     format!("decode-{i}"),
-                    &["--grpc-listen", EPHEMERAL],
+                    &worker_args,
                 )
                 .await?,
             );
@@ -218,15 +224,11 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
                 spawn(
                     &dir.join("pdserve-prefill"),
                     format!("prefill-{i}"),
-                    &["--grpc-listen", EPHEMERAL],
+                    &worker_args,
                 )
                 .await?,
             );
         }
-        let model = match &args.model {
-            Some(dir) => dir.clone(),
-            None => default_model()?,
-        };
         let mut router_args = vec![
             "--http-listen".to_owned(),
             args.http_listen.to_string(),

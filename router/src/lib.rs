@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod pd;
 pub mod protocol;
 pub mod served;
 
@@ -72,14 +73,23 @@ impl BoundRouter {
         if let Some(dir) = self.config.model_dir.clone() {
             let config = self.config.clone();
             let loading = Arc::clone(&state);
-            tokio::task::spawn_blocking(move || match served::Served::load_local(&config, &dir) {
-                Ok(served) => {
-                    tracing::info!(model = %served.name, dir = %dir.display(), "model loaded");
-                    let _ = loading.served.set(Arc::new(served));
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "model failed to load");
-                    let _ = loading.load_error.set(e);
+            let disaggregated =
+                !config.prefill_workers.is_empty() && !config.decode_workers.is_empty();
+            tokio::task::spawn_blocking(move || {
+                let loaded = if disaggregated {
+                    served::Served::load_pd(&config, &dir)
+                } else {
+                    served::Served::load_local(&config, &dir)
+                };
+                match loaded {
+                    Ok(served) => {
+                        tracing::info!(model = %served.name, dir = %dir.display(), "model loaded");
+                        let _ = loading.served.set(Arc::new(served));
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "model failed to load");
+                        let _ = loading.load_error.set(e);
+                    }
                 }
             });
         }

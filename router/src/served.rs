@@ -77,6 +77,29 @@ impl Served {
         ))
     }
 
+    /// The disaggregated deployment: the tokenizer and config from `dir` (no weights: the
+    /// workers hold them) over the two-leg backend to the configured workers.
+    pub fn load_pd(config: &RouterConfig, dir: &Path) -> Result<Self, String> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| format!("{}: {e}", tokenizer_path.display()))?;
+        let model = engine::config::ModelConfig::from_dir(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let limit = u32::try_from(model.max_position_embeddings).unwrap_or(u32::MAX);
+        let max_model_len = config.max_model_len.map_or(limit, |l| l.min(limit));
+        let backend = crate::pd::PdBackend::new(&config.prefill_workers, &config.decode_workers)?;
+        let mut served = Self::new(
+            config,
+            tokenizer,
+            max_model_len,
+            model.vocab_size,
+            model.eos_token_ids.clone(),
+            Arc::new(backend),
+        );
+        "pdserve-pd".clone_into(&mut served.fingerprint);
+        Ok(served)
+    }
+
     /// A served model over any backend.
     pub fn new(
         config: &RouterConfig,
