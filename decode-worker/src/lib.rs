@@ -14,6 +14,9 @@ use kv_transfer::tcp::StateTransferService;
 use proto::v1::{Role, decode_server::DecodeServer, state_transfer_server::StateTransferServer};
 use service::{DecodeService, DecodeWorker};
 
+/// How often the worker refreshes the load it reports in `Info`.
+const LOAD_EVERY: Duration = Duration::from_millis(100);
+
 /// Binds the decode worker's listener.
 pub async fn bind(config: &DecodeConfig) -> Result<WorkerServer, ServeError> {
     WorkerServer::bind(
@@ -57,6 +60,11 @@ pub async fn run(
         .handle()
         .set_model(loaded.fingerprint.clone(), loaded.layout.clone())
         .await;
+    let handle = server.handle().clone();
+    tokio::spawn(loaded.runner.clone().report_load(LOAD_EVERY, move |load| {
+        let handle = handle.clone();
+        async move { handle.set_load(load).await }
+    }));
     let worker = Arc::new(DecodeWorker::new(loaded, info.worker_id, info.address));
     let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));
     let transfer = StateTransferServer::new(StateTransferService::new(worker))

@@ -123,7 +123,9 @@ impl DecodeWorker {
             }
             r.started = true;
             match (r.commit.take(), r.generate.take()) {
-                (Some(commit), Some(generate)) => Some((r.engine_id, r.prompt_len, commit, generate)),
+                (Some(commit), Some(generate)) => {
+                    Some((r.engine_id, r.prompt_len, commit, generate))
+                }
                 _ => None,
             }
         };
@@ -260,8 +262,8 @@ impl Decode for DecodeService {
         let theirs = req.prefill_layout.clone().unwrap_or_default();
         handshake::check_layouts(w.layout(), &theirs)
             .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
-        let transport = handshake::negotiate(&req.transports, handshake::SUPPORTED)
-            .ok_or_else(|| {
+        let transport =
+            handshake::negotiate(&req.transports, handshake::SUPPORTED).ok_or_else(|| {
                 w.err(
                     ErrorKind::InvalidArgument,
                     "no transport in common (this worker supports TCP)",
@@ -306,7 +308,11 @@ impl Decode for DecodeService {
                 engine_id,
                 request: request_id,
                 prompt_len: prompt,
-                pages: reservation.pages.iter().map(|&(p, _)| u64::from(p)).collect(),
+                pages: reservation
+                    .pages
+                    .iter()
+                    .map(|&(p, _)| u64::from(p))
+                    .collect(),
                 commit: None,
                 generate: None,
                 started: false,

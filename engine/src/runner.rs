@@ -90,6 +90,36 @@ impl Runner {
         rx.await.map_err(|_| Stopped)
     }
 
+    /// The engine's occupancy, as workers report it.
+    pub async fn load(&self) -> Result<proto::v1::Load, Stopped> {
+        self.call(|engine, _| {
+            let (running, queued) = engine.load();
+            let pages = engine.store().pages();
+            let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+            proto::v1::Load {
+                running_requests: n(running),
+                queued_requests: n(queued),
+                pages_total: pages.total() as u64,
+                pages_used: pages.used_count() as u64,
+                pages_cached: engine.store().prefix().len() as u64,
+                reservations: n(engine.reservations()),
+            }
+        })
+        .await
+    }
+
+    /// Keeps `publish` up to date with the engine's load (every `every`) until the engine stops.
+    pub async fn report_load<F, Fut>(self, every: std::time::Duration, publish: F)
+    where
+        F: Fn(proto::v1::Load) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        while let Ok(load) = self.load().await {
+            publish(load).await;
+            tokio::time::sleep(every).await;
+        }
+    }
+
     /// Queues `f` without waiting for it (for cancellation from `Drop`).
     pub fn post(
         &self,

@@ -176,3 +176,208 @@ fn mismatched_layouts_refuse_to_pair_with_a_clear_error() {
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("page_size_tokens"), "{message}");
 }
+
+/// A worker's reported load (`Info`).
+fn load(addr: SocketAddr) -> proto::v1::Load {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = proto::v1::worker_client::WorkerClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        client.info(proto::v1::InfoRequest {}).await.unwrap()
+    })
+    .into_inner()
+    .load
+    .unwrap_or_default()
+}
+
+/// Pages a worker holds for requests (its prefix cache aside), requests and reservations.
+fn busy(addr: SocketAddr) -> (u64, u32, u32) {
+    let l = load(addr);
+    (
+        l.pages_used - l.pages_cached,
+        l.running_requests + l.queued_requests,
+        l.reservations,
+    )
+}
+
+/// Waits (bounded) until `addr`'s (pages, requests, reservations) satisfy `ok`.
+fn wait_load(addr: SocketAddr, what: &str, ok: impl Fn((u64, u32, u32)) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = busy(addr);
+        if ok(now) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: (pages, requests, reservations) = {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits (bounded) until `addr` holds nothing for requests.
+fn wait_idle(addr: SocketAddr, what: &str) {
+    wait_load(addr, what, |now| now == (0, 0, 0));
+}
+
+/// Opens a streaming chat request and returns the connection once the first event arrived.
+fn open_stream(addr: SocketAddr, body: &Value) -> (std::net::TcpStream, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"content\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "connection closed: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&seen);
+        assert!(
+            !text.contains("\r\n") || text.starts_with("HTTP/1.1 200"),
+            "{text}"
+        );
+    }
+    (s, String::from_utf8_lossy(&seen).into_owned())
+}
+
+fn long_request() -> Value {
+    // Fits the decode pool (1024 pages of 16 tokens) and runs far longer than the test.
+    let mut body = chat(20, 3, 0.8, 10_000);
+    body["stream"] = json!(true);
+    body["logprobs"] = json!(false);
+    body.as_object_mut().unwrap().remove("top_logprobs");
+    body
+}
+
+#[test]
+fn client_disconnect_cancels_both_legs_and_frees_pages() {
+    let cluster = cluster(1, 1);
+    let router = cluster.router.addr("http");
+    let (decode, prefill) = (
+        cluster._workers[0].addr("grpc"),
+        cluster._workers[1].addr("grpc"),
+    );
+    // Warm: one full request, so baselines include nothing transient.
+    assert_eq!(
+        post(router, "/v1/chat/completions", &chat(10, 1, 0.0, 3)).status,
+        200
+    );
+    wait_idle(decode, "decode");
+    wait_idle(prefill, "prefill");
+    for _ in 0..3 {
+        let (conn, _) = open_stream(router, &long_request());
+        wait_load(
+            decode,
+            "the long request runs on the decode worker",
+            |(pages, n, _)| n == 1 && pages > 0,
+        );
+        drop(conn);
+        wait_idle(decode, "decode");
+        wait_idle(prefill, "prefill");
+    }
+}
+
+#[test]
+fn killed_decode_worker_fails_its_requests_and_new_ones_avoid_it() {
+    use std::io::Read;
+    let mut cluster = cluster(1, 2);
+    let router = cluster.router.addr("http");
+    let (conn, _) = open_stream(router, &long_request());
+    let decodes = [
+        cluster._workers[0].addr("grpc"),
+        cluster._workers[1].addr("grpc"),
+    ];
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let victim = loop {
+        if let Some(i) = (0..2).find(|&i| busy(decodes[i]).1 == 1) {
+            break i;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request runs nowhere"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let killed = std::time::Instant::now();
+    cluster._workers[victim].signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = cluster._workers[victim].wait(Duration::from_secs(5));
+    // The in-flight request ends with an error event, never [DONE], within 2 s.
+    let mut conn = conn;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                rest.extend_from_slice(&buf[..n]);
+                if String::from_utf8_lossy(&rest).contains("\"error\"") {
+                    break;
+                }
+            }
+        }
+    }
+    let elapsed = killed.elapsed();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.contains("\"error\""), "no error event: {text}");
+    assert!(
+        !text.contains("[DONE]"),
+        "a failed stream must not end with [DONE]"
+    );
+    assert!(elapsed < Duration::from_secs(2), "failed after {elapsed:?}");
+    // New requests go to the surviving worker (after at most one poll interval).
+    std::thread::sleep(Duration::from_millis(1500));
+    for i in 0..4 {
+        let r = post(
+            router,
+            "/v1/chat/completions",
+            &chat(5 + i, i as u64, 0.0, 3),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let survivor = decodes[1 - victim];
+    wait_idle(survivor, "surviving decode");
+    wait_idle(cluster._workers[2].addr("grpc"), "prefill");
+}
+
+#[test]
+fn a_failed_prefill_is_retried_once_on_another_worker() {
+    let mut cluster = cluster(2, 1);
+    let router = cluster.router.addr("http");
+    let reference = post(router, "/v1/chat/completions", &chat(12, 5, 0.0, 4));
+    assert_eq!(reference.status, 200);
+    // Kill one prefill worker and send requests at once: until the router's next poll (every
+    // 250 ms) notices, requests spread over both workers, those that pick the dead one fail on
+    // the prefill leg and are retried on the other. Every answer must still be right.
+    cluster._workers[1].signal(nix::sys::signal::Signal::SIGKILL);
+    let body = chat(12, 5, 0.0, 4);
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| essence(&post(router, "/v1/chat/completions", &body))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for answer in &answers {
+        assert_eq!(answer, &essence(&reference));
+    }
+    let _ = cluster._workers[1].wait(Duration::from_secs(5));
+    wait_idle(cluster._workers[0].addr("grpc"), "decode");
+    wait_idle(cluster._workers[2].addr("grpc"), "surviving prefill");
+}

@@ -59,6 +59,9 @@ mod tests {
         let Err(TransferError::LayoutMismatch(message)) = check_layouts(&ours, &theirs) else {
             panic!("mismatch expected");
         };
-        assert!(message.contains("page_size") && message.contains("fingerprint"), "{message}");
+        assert!(
+            message.contains("page_size") && message.contains("fingerprint"),
+            "{message}"
+        );
     }
 }

@@ -44,7 +44,10 @@ impl<S: StateSink> state_transfer_server::StateTransfer for StateTransferService
         &self,
         request: Request<TransferHello>,
     ) -> Result<Response<TransferHelloReply>, Status> {
-        self.sink.hello(request.into_inner()).await.map(Response::new)
+        self.sink
+            .hello(request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn write(

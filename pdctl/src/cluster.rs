@@ -208,7 +208,12 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
             None => default_model()?,
         };
         let model_arg = model.display().to_string();
-        let worker_args = ["--grpc-listen", EPHEMERAL, "--model-dir", model_arg.as_str()];
+        let worker_args = [
+            "--grpc-listen",
+            EPHEMERAL,
+            "--model-dir",
+            model_arg.as_str(),
+        ];
         for i in 0..args.decode {
             procs.push(
                 spawn(

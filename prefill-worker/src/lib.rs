@@ -13,6 +13,9 @@ use engine::scheduler::EngineConfig;
 use proto::v1::{Role, prefill_server::PrefillServer};
 use service::{PrefillService, PrefillWorker};
 
+/// How often the worker refreshes the load it reports in `Info`.
+const LOAD_EVERY: Duration = Duration::from_millis(100);
+
 /// Binds the prefill worker's listener.
 pub async fn bind(config: &PrefillConfig) -> Result<WorkerServer, ServeError> {
     WorkerServer::bind(
@@ -56,6 +59,11 @@ pub async fn run(
         .handle()
         .set_model(loaded.fingerprint.clone(), loaded.layout.clone())
         .await;
+    let handle = server.handle().clone();
+    tokio::spawn(loaded.runner.clone().report_load(LOAD_EVERY, move |load| {
+        let handle = handle.clone();
+        async move { handle.set_load(load).await }
+    }));
     let worker = Arc::new(PrefillWorker::new(loaded, info.worker_id));
     let prefill = PrefillServer::new(PrefillService(worker));
     server

@@ -166,8 +166,11 @@ impl Prefill for PrefillService {
             .destination
             .clone()
             .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "destination is required"))?;
-        handshake::check_layouts(&w.engine.layout, &destination.layout.clone().unwrap_or_default())
-            .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
+        handshake::check_layouts(
+            &w.engine.layout,
+            &destination.layout.clone().unwrap_or_default(),
+        )
+        .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
         if destination.transport != i32::from(TransportKind::Tcp) {
             return Err(w.err(
                 ErrorKind::InvalidArgument,

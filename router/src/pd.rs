@@ -4,9 +4,12 @@
 //! tokens, the prefill's first token first. A failure on either leg cancels the other and ends
 //! the request with an error; dropping the token stream (client gone) cancels both legs.
 
-use std::sync::{
-    Arc, Mutex,
-    atomic::{AtomicUsize, Ordering},
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
 };
 
 use engine::{
@@ -15,11 +18,11 @@ use engine::{
 };
 use futures::future::BoxFuture;
 use proto::v1::{
-    CancelRequest, ErrorKind, GenerateRequest, InfoRequest, PrefillRequest, RequestId,
+    CancelRequest, ErrorKind, GenerateRequest, InfoRequest, Load, PrefillRequest, RequestId,
     ReserveRequest, StateLayout, TokenBatch, TransportKind, decode_client::DecodeClient,
     prefill_client::PrefillClient, worker_client::WorkerClient,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::backend::{
@@ -29,47 +32,146 @@ use crate::backend::{
 /// Milliseconds a reservation may wait for its commit.
 const LEASE_MS: u32 = 30_000;
 
-/// Workers of one role, picked round-robin.
+/// How often the router asks each worker for its `Info` (liveness and load).
+const POLL_EVERY: Duration = Duration::from_millis(250);
+/// A worker that does not answer `Info` within this is considered dead.
+const POLL_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// Requests this router has in flight on one worker; the guard decrements on drop.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One worker as the router sees it.
+#[derive(Debug)]
+struct Worker {
+    address: String,
+    channel: Channel,
+    /// Whether its last `Info` poll succeeded; in-flight streams watch it.
+    alive: watch::Sender<bool>,
+    /// Its last reported load.
+    load: Mutex<Load>,
+    /// Requests this router has in flight on it (exact, unlike the polled load).
+    in_flight: Arc<AtomicUsize>,
+    /// Its state layout, from `Info`.
+    layout: Mutex<Option<StateLayout>>,
+}
+
+/// Workers of one role: polled for liveness and load, picked least-loaded among the live ones
+/// (ties in turn).
 #[derive(Debug)]
 struct Pool {
-    addresses: Vec<String>,
-    channels: Vec<Channel>,
+    role: &'static str,
+    workers: Vec<Arc<Worker>>,
     next: AtomicUsize,
 }
 
 impl Pool {
-    fn new(addresses: &[String]) -> Result<Self, String> {
-        let channels = addresses
+    fn new(role: &'static str, addresses: &[String]) -> Result<Self, String> {
+        let workers = addresses
             .iter()
             .map(|a| {
-                Endpoint::from_shared(format!("http://{a}"))
-                    .map(|e| e.connect_lazy())
-                    .map_err(|e| format!("worker address {a}: {e}"))
+                let channel = Endpoint::from_shared(format!("http://{a}"))
+                    .map(|e| e.connect_timeout(POLL_TIMEOUT).connect_lazy())
+                    .map_err(|e| format!("worker address {a}: {e}"))?;
+                Ok(Arc::new(Worker {
+                    address: a.clone(),
+                    channel,
+                    // Assumed alive until a poll says otherwise, so the first request after
+                    // start does not wait for a poll.
+                    alive: watch::Sender::new(true),
+                    load: Mutex::new(Load::default()),
+                    in_flight: Arc::new(AtomicUsize::new(0)),
+                    layout: Mutex::new(None),
+                }))
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, String>>()?;
         Ok(Self {
-            addresses: addresses.to_vec(),
-            channels,
+            role,
+            workers,
             next: AtomicUsize::new(0),
         })
     }
 
-    fn pick(&self) -> (usize, &str, Channel) {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.addresses.len();
-        (i, &self.addresses[i], self.channels[i].clone())
+    /// Polls every worker's `Info` until the pool is dropped.
+    fn monitor(self: &Arc<Self>) {
+        for worker in &self.workers {
+            let worker = Arc::downgrade(worker);
+            tokio::spawn(async move {
+                loop {
+                    let Some(w) = worker.upgrade() else { return };
+                    let mut client = WorkerClient::new(w.channel.clone());
+                    let polled =
+                        tokio::time::timeout(POLL_TIMEOUT, client.info(InfoRequest {})).await;
+                    match polled {
+                        Ok(Ok(info)) => {
+                            let info = info.into_inner();
+                            *lock(&w.load) = info.load.unwrap_or_default();
+                            if info.layout.is_some() {
+                                *lock(&w.layout) = info.layout;
+                            }
+                            w.alive.send_if_modified(|a| !std::mem::replace(a, true));
+                        }
+                        _ => {
+                            if w.alive.send_if_modified(|a| std::mem::replace(a, false)) {
+                                tracing::warn!(worker = %w.address, "worker stopped answering");
+                            }
+                        }
+                    }
+                    drop(w);
+                    tokio::time::sleep(POLL_EVERY).await;
+                }
+            });
+        }
     }
+
+    /// The least-loaded live worker other than `exclude`.
+    fn pick(&self, exclude: Option<usize>) -> Result<(usize, Arc<Worker>), BackendError> {
+        let n = self.workers.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|&i| Some(i) != exclude && *self.workers[i].alive.borrow())
+            .min_by_key(|&i| {
+                let w = &self.workers[i];
+                let load = lock(&w.load);
+                (
+                    w.in_flight.load(Ordering::Relaxed),
+                    load.pages_used.saturating_sub(load.pages_cached),
+                )
+            })
+            .map(|i| (i, Arc::clone(&self.workers[i])))
+            .ok_or_else(|| BackendError::Unavailable(format!("no live {} worker", self.role)))
+    }
+
+    fn any_alive(&self) -> bool {
+        self.workers.iter().any(|w| *w.alive.borrow())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The two-leg backend over static prefill and decode worker lists.
 #[derive(Debug)]
 pub struct PdBackend {
-    prefill: Pool,
-    decode: Pool,
-    /// Each prefill worker's layout (from its `Info`), fetched on first use.
-    layouts: Mutex<Vec<Option<StateLayout>>>,
+    prefill: Arc<Pool>,
+    decode: Arc<Pool>,
 }
 
-fn unavailable(what: &str, status: &tonic::Status) -> BackendError {
+fn status_error(what: &str, status: &tonic::Status) -> BackendError {
     let info = proto::error::from_status(status);
     match ErrorKind::try_from(info.kind).unwrap_or(ErrorKind::Internal) {
         ErrorKind::InvalidArgument => BackendError::Invalid(info.message),
@@ -77,56 +179,84 @@ fn unavailable(what: &str, status: &tonic::Status) -> BackendError {
     }
 }
 
+/// A failed attempt, and whether another prefill worker may be tried (the prefill leg failed
+/// for a reason other than the request itself, before any token was streamed).
+struct Failed {
+    error: BackendError,
+    retry: bool,
+}
+
 impl PdBackend {
+    /// The backend over these workers; starts polling them (call within a Tokio runtime).
     pub fn new(prefill: &[String], decode: &[String]) -> Result<Self, String> {
         if prefill.is_empty() || decode.is_empty() {
             return Err("the PD backend needs prefill and decode workers".to_owned());
         }
-        Ok(Self {
-            layouts: Mutex::new(vec![None; prefill.len()]),
-            prefill: Pool::new(prefill)?,
-            decode: Pool::new(decode)?,
-        })
+        let prefill = Arc::new(Pool::new("prefill", prefill)?);
+        let decode = Arc::new(Pool::new("decode", decode)?);
+        prefill.monitor();
+        decode.monitor();
+        Ok(Self { prefill, decode })
     }
 
-    async fn prefill_layout(
-        &self,
-        i: usize,
-        channel: Channel,
-    ) -> Result<StateLayout, BackendError> {
-        let cached = self
-            .layouts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)[i]
-            .clone();
-        if let Some(layout) = cached {
+    async fn prefill_layout(&self, worker: &Worker) -> Result<StateLayout, BackendError> {
+        if let Some(layout) = lock(&worker.layout).clone() {
             return Ok(layout);
         }
-        let info = WorkerClient::new(channel)
+        let info = WorkerClient::new(worker.channel.clone())
             .info(InfoRequest {})
             .await
-            .map_err(|s| unavailable("prefill worker", &s))?
+            .map_err(|s| status_error("prefill worker", &s))?
             .into_inner();
         let layout = info.layout.ok_or_else(|| {
             BackendError::Unavailable("the prefill worker serves no model".to_owned())
         })?;
-        self.layouts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)[i] = Some(layout.clone());
+        *lock(&worker.layout) = Some(layout.clone());
         Ok(layout)
     }
 
     async fn start(&self, request: BackendRequest) -> Result<TokenStream, BackendError> {
-        let (p, _, p_channel) = self.prefill.pick();
-        let (_, decode_address, d_channel) = self.decode.pick();
-        let decode_address = decode_address.to_owned();
-        let layout = self.prefill_layout(p, p_channel.clone()).await?;
-        let request_id = RequestId {
-            id: uuid::Uuid::now_v7().to_string(),
-            attempt: 1,
+        let id = uuid::Uuid::now_v7().to_string();
+        let (first, prefill) = self.prefill.pick(None)?;
+        match self.attempt(&request, &id, 1, &prefill).await {
+            Ok(stream) => Ok(stream),
+            Err(Failed { error, retry: true }) => match self.prefill.pick(Some(first)) {
+                Ok((_, other)) => {
+                    tracing::warn!(%error, worker = %prefill.address, "prefill failed; retrying once on another worker");
+                    self.attempt(&request, &id, 2, &other)
+                        .await
+                        .map_err(|f| f.error)
+                }
+                Err(_) => Err(error),
+            },
+            Err(failed) => Err(failed.error),
+        }
+    }
+
+    /// One try: reserve on a decode worker, open its stream, prefill on `prefill`.
+    async fn attempt(
+        &self,
+        request: &BackendRequest,
+        id: &str,
+        attempt: u32,
+        prefill: &Arc<Worker>,
+    ) -> Result<TokenStream, Failed> {
+        let fail = |error: BackendError| Failed {
+            error,
+            retry: false,
         };
-        let mut decode = DecodeClient::new(d_channel.clone());
-        let reserved = decode
+        let (_, decode) = self.decode.pick(None).map_err(fail)?;
+        let decode_guard = InFlight::new(&decode.in_flight);
+        let layout = self
+            .prefill_layout(prefill)
+            .await
+            .map_err(|error| Failed { error, retry: true })?;
+        let request_id = RequestId {
+            id: id.to_owned(),
+            attempt,
+        };
+        let mut decode_client = DecodeClient::new(decode.channel.clone());
+        let reserved = decode_client
             .reserve(ReserveRequest {
                 request_id: Some(request_id.clone()),
                 prompt_tokens: u32::try_from(request.prompt.len()).unwrap_or(u32::MAX),
@@ -136,15 +266,17 @@ impl PdBackend {
                 transports: vec![TransportKind::Tcp.into()],
             })
             .await
-            .map_err(|s| unavailable("decode worker", &s))?
+            .map_err(|s| fail(status_error("decode worker", &s)))?
             .into_inner();
         let destination = reserved.destination.ok_or_else(|| {
-            BackendError::Unavailable("the decode worker returned no destination".to_owned())
+            fail(BackendError::Unavailable(
+                "the decode worker returned no destination".to_owned(),
+            ))
         })?;
         let sampling = wire::sampling_to_proto(&request.sampling);
         let stop = wire::stop_to_proto(&request.stop);
         let cancel_both = {
-            let (d, p) = (d_channel.clone(), p_channel.clone());
+            let (d, p) = (decode.channel.clone(), prefill.channel.clone());
             let id = request_id.clone();
             move |reason: &str| {
                 let (d, p, id, reason) = (d.clone(), p.clone(), id.clone(), reason.to_owned());
@@ -159,7 +291,7 @@ impl PdBackend {
             }
         };
         // The decode stream first: it waits for the commit the prefill sends.
-        let stream = match decode
+        let stream = match decode_client
             .generate(GenerateRequest {
                 reservation_id: destination.reservation_id.clone(),
                 request_id: Some(request_id.clone()),
@@ -173,37 +305,48 @@ impl PdBackend {
             Ok(s) => s.into_inner(),
             Err(s) => {
                 cancel_both("decode stream refused");
-                return Err(unavailable("decode worker", &s));
+                return Err(fail(status_error("decode worker", &s)));
             }
         };
-        let prefilled = PrefillClient::new(p_channel)
+        let prefill_guard = InFlight::new(&prefill.in_flight);
+        let prefilled = PrefillClient::new(prefill.channel.clone())
             .prefill(PrefillRequest {
                 request_id: Some(request_id.clone()),
-                prompt_token_ids: request.prompt,
+                prompt_token_ids: request.prompt.clone(),
                 sampling: Some(sampling),
                 stop: Some(stop),
                 destination: Some(destination),
-                decode_address,
+                decode_address: decode.address.clone(),
                 checksums: false,
                 deadline_ms: 0,
             })
             .await;
+        drop(prefill_guard);
         let prefilled = match prefilled {
             Ok(r) => r.into_inner(),
             Err(s) => {
                 cancel_both("prefill failed");
-                return Err(unavailable("prefill worker", &s));
+                let kind = ErrorKind::try_from(proto::error::from_status(&s).kind)
+                    .unwrap_or(ErrorKind::Internal);
+                return Err(Failed {
+                    error: status_error("prefill worker", &s),
+                    // The request itself is fine and nothing was streamed yet.
+                    retry: !matches!(kind, ErrorKind::InvalidArgument | ErrorKind::Cancelled),
+                });
             }
         };
         let cached = prefilled
             .usage
             .map_or(0, |u| u.cached_prompt_tokens as usize);
         let (tx, rx) = mpsc::unbounded_channel();
-        let forward = tokio::spawn(forward(stream, tx, cached));
-        let cancel = Arc::new(cancel_both);
+        let alive = decode.alive.subscribe();
+        let forward = tokio::spawn(async move {
+            let _guard = decode_guard;
+            forward(stream, tx, cached, alive).await;
+        });
         Ok(TokenStream::new(rx, move || {
             forward.abort();
-            cancel("client went away");
+            cancel_both("client went away");
         }))
     }
 }
@@ -214,9 +357,24 @@ async fn forward(
     mut stream: tonic::Streaming<TokenBatch>,
     tx: mpsc::UnboundedSender<BackendEvent>,
     cached_tokens: usize,
+    mut alive: watch::Receiver<bool>,
 ) {
     loop {
-        let batch = match stream.message().await {
+        let message = tokio::select! {
+            message = stream.message() => message,
+            // A worker that stops answering polls fails its requests now rather than leaving
+            // them hanging on a connection that may never close.
+            dead = async { alive.wait_for(|a| !*a).await.is_ok() } => {
+                if dead {
+                    let _ = tx.send(BackendEvent::Failed(
+                        "the decode worker stopped answering".to_owned(),
+                    ));
+                    return;
+                }
+                stream.message().await
+            }
+        };
+        let batch = match message {
             Ok(Some(batch)) => batch,
             Ok(None) => {
                 let _ = tx.send(BackendEvent::Failed(
@@ -285,6 +443,6 @@ impl Backend for PdBackend {
     }
 
     fn is_ready(&self) -> bool {
-        true
+        self.prefill.any_alive() && self.decode.any_alive()
     }
 }
