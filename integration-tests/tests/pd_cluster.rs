@@ -30,7 +30,8 @@ fn worker(binary: &str, extra: &[&str]) -> Service {
 /// Prefill and decode workers and a router in front of them.
 struct Cluster {
     router: Service,
-    _workers: Vec<Service>,
+    /// Decode workers first, then prefill workers, in start order.
+    workers: Vec<Service>,
 }
 
 fn cluster(prefill: usize, decode: usize) -> Cluster {
@@ -51,7 +52,7 @@ fn cluster(prefill: usize, decode: usize) -> Cluster {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Cluster {
         router: start_router(&args, true),
-        _workers: workers,
+        workers,
     }
 }
 
@@ -271,8 +272,8 @@ fn client_disconnect_cancels_both_legs_and_frees_pages() {
     let cluster = cluster(1, 1);
     let router = cluster.router.addr("http");
     let (decode, prefill) = (
-        cluster._workers[0].addr("grpc"),
-        cluster._workers[1].addr("grpc"),
+        cluster.workers[0].addr("grpc"),
+        cluster.workers[1].addr("grpc"),
     );
     // Warm: one full request, so baselines include nothing transient.
     assert_eq!(
@@ -301,8 +302,8 @@ fn killed_decode_worker_fails_its_requests_and_new_ones_avoid_it() {
     let router = cluster.router.addr("http");
     let (conn, _) = open_stream(router, &long_request());
     let decodes = [
-        cluster._workers[0].addr("grpc"),
-        cluster._workers[1].addr("grpc"),
+        cluster.workers[0].addr("grpc"),
+        cluster.workers[1].addr("grpc"),
     ];
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let victim = loop {
@@ -316,8 +317,8 @@ fn killed_decode_worker_fails_its_requests_and_new_ones_avoid_it() {
         std::thread::sleep(Duration::from_millis(50));
     };
     let killed = std::time::Instant::now();
-    cluster._workers[victim].signal(nix::sys::signal::Signal::SIGKILL);
-    let _ = cluster._workers[victim].wait(Duration::from_secs(5));
+    cluster.workers[victim].signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = cluster.workers[victim].wait(Duration::from_secs(5));
     // The in-flight request ends with an error event, never [DONE], within 2 s.
     let mut conn = conn;
     conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -354,7 +355,7 @@ fn killed_decode_worker_fails_its_requests_and_new_ones_avoid_it() {
     }
     let survivor = decodes[1 - victim];
     wait_idle(survivor, "surviving decode");
-    wait_idle(cluster._workers[2].addr("grpc"), "prefill");
+    wait_idle(cluster.workers[2].addr("grpc"), "prefill");
 }
 
 #[test]
@@ -366,7 +367,7 @@ fn a_failed_prefill_is_retried_once_on_another_worker() {
     // Kill one prefill worker and send requests at once: until the router's next poll (every
     // 250 ms) notices, requests spread over both workers, those that pick the dead one fail on
     // the prefill leg and are retried on the other. Every answer must still be right.
-    cluster._workers[1].signal(nix::sys::signal::Signal::SIGKILL);
+    cluster.workers[1].signal(nix::sys::signal::Signal::SIGKILL);
     let body = chat(12, 5, 0.0, 4);
     let answers: Vec<Value> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
@@ -377,7 +378,7 @@ fn a_failed_prefill_is_retried_once_on_another_worker() {
     for answer in &answers {
         assert_eq!(answer, &essence(&reference));
     }
-    let _ = cluster._workers[1].wait(Duration::from_secs(5));
-    wait_idle(cluster._workers[0].addr("grpc"), "decode");
-    wait_idle(cluster._workers[2].addr("grpc"), "surviving prefill");
+    let _ = cluster.workers[1].wait(Duration::from_secs(5));
+    wait_idle(cluster.workers[0].addr("grpc"), "decode");
+    wait_idle(cluster.workers[2].addr("grpc"), "surviving prefill");
 }
