@@ -327,7 +327,14 @@ impl Engine {
         let mut ok_states = Vec::new();
         for ((i, range, logits), state) in plan.iter().zip(states) {
             match state {
-                Ok(s) => ok_states.push((*i, range.clone(), *logits, s)),
+                Ok(mut s) => {
+                    // Record the compressors at every block boundary inside the chunk, so
+                    // each completed block can enter the prefix cache.
+                    for layer in &mut s.layers {
+                        layer.boundary_every = if self.config.prefix_cache { ps } else { 0 };
+                    }
+                    ok_states.push((*i, range.clone(), *logits, s));
+                }
                 Err(e) => failed.push((*i, e.to_string())),
             }
         }
@@ -371,6 +378,9 @@ impl Engine {
         self.store
             .scatter(&mut r.seq, state)
             .map_err(|e: PoolError| e.to_string())?;
+        self.store
+            .offer_inner_blocks(&r.seq, state, &r.tokens)
+            .map_err(|e| e.to_string())?;
         self.store
             .offer_block(&r.seq, &r.tokens)
             .map_err(|e| e.to_string())?;

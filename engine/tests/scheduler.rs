@@ -199,3 +199,51 @@ fn cancel_releases_everything() {
     assert_eq!(store.pages().used_count(), store.prefix().len());
     assert_eq!(store.slots().used_count(), 0);
 }
+
+/// A prompt computed in one chunk caches every full block it completed (compressor snapshots
+/// at each boundary), and a later request sharing a prefix reuses all of them, bit-exactly.
+#[test]
+fn one_chunk_prefill_caches_every_block() {
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages: 256,
+        max_running: 4,
+        max_batch_tokens: 512,
+        kv: engine::paged::layout::KvStorage::F32,
+        prefix_cache: true,
+    };
+    let mut cached = engine(config.clone());
+    let mut fresh = engine(EngineConfig {
+        prefix_cache: false,
+        ..config
+    });
+    let mut rng = Rng::for_tensor(9, "one-chunk");
+    let a: Vec<u32> = (0..150)
+        .map(|_| (rng.next_u64() % 129_280) as u32)
+        .collect();
+    let mut b: Vec<u32> = a[..141].to_vec();
+    b.extend((0..30).map(|_| (rng.next_u64() % 129_280) as u32));
+    cached.add(request(1, a, 3, 0.0)).unwrap();
+    cached.run_to_completion();
+    // 150 tokens in one chunk: blocks 1..=9 (positions 16..144) complete inside it.
+    assert_eq!(cached.store().prefix().len(), 9);
+    cached.add(request(2, b.clone(), 6, 0.7)).unwrap();
+    let events = cached.run_to_completion();
+    let usage = events
+        .iter()
+        .find_map(|e| match e {
+            Event::Finished { usage, .. } => Some(*usage),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        usage.cached_tokens, 128,
+        "the 8 full blocks of the shared 141 tokens"
+    );
+    fresh.add(request(2, b, 6, 0.7)).unwrap();
+    assert_eq!(
+        tokens_by_id(&events),
+        tokens_by_id(&fresh.run_to_completion()),
+        "a cache hit equals a miss"
+    );
+}

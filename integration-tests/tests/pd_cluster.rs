@@ -35,8 +35,13 @@ struct Cluster {
 }
 
 fn cluster(prefill: usize, decode: usize) -> Cluster {
+    cluster_with(prefill, decode, &[])
+}
+
+fn cluster_with(prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
     let mut workers = Vec::new();
     let mut args = vec!["--model-dir".to_owned(), model_arg()];
+    args.extend(router_args.iter().map(|a| (*a).to_owned()));
     for _ in 0..decode {
         let w = worker("pdserve-decode", &["--page-size", "16"]);
         args.push("--decode-worker".to_owned());
@@ -381,4 +386,30 @@ fn a_failed_prefill_is_retried_once_on_another_worker() {
     let _ = cluster.workers[1].wait(Duration::from_secs(5));
     wait_idle(cluster.workers[0].addr("grpc"), "decode");
     wait_idle(cluster.workers[2].addr("grpc"), "surviving prefill");
+}
+
+#[test]
+fn prefix_affinity_sends_a_repeated_prompt_to_the_worker_that_cached_it() {
+    // Prefill workers with a prefix cache: the same long prompt five times. With prefix
+    // affinity one worker holds its blocks; in turn (round-robin) both compute and cache it.
+    for (policy, caching_workers) in [("prefix-affinity", 1), ("round-robin", 2)] {
+        let cluster = cluster_with(2, 1, &["--prefill-policy", policy]);
+        let router = cluster.router.addr("http");
+        let body = chat(90, 9, 0.0, 2);
+        let first = essence(&post(router, "/v1/chat/completions", &body));
+        // The router learns the page size from the workers' Info polls.
+        std::thread::sleep(Duration::from_millis(400));
+        for _ in 0..5 {
+            assert_eq!(essence(&post(router, "/v1/chat/completions", &body)), first);
+        }
+        let cached: Vec<u64> = [1, 2]
+            .iter()
+            .map(|&i| load(cluster.workers[i].addr("grpc")).pages_cached)
+            .collect();
+        assert_eq!(
+            cached.iter().filter(|&&c| c > 0).count(),
+            caching_workers,
+            "{policy}: cached pages per prefill worker {cached:?}"
+        );
+    }
 }

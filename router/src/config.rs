@@ -46,6 +46,26 @@ pub struct RouterConfig {
     /// The official defaults (8192; 65536 when thinking) reserve that many tokens of pages per
     /// request, so a deployment caps them; an explicit request value is kept.
     pub default_max_tokens: u32,
+    /// How the PD backend picks a prefill worker: `prefix-affinity` (the worker that last
+    /// prefilled the longest cached prefix of the prompt, unless it is busier than the
+    /// least-loaded live worker by more than `affinity_slack` requests), `least-loaded` or
+    /// `round-robin`.
+    pub prefill_policy: Policy,
+    /// How the PD backend picks a decode worker: `least-loaded` (requests in flight, then pages
+    /// in use), `power-of-two` (the less loaded of two random live workers) or `round-robin`.
+    pub decode_policy: Policy,
+    /// Requests a prefix-affinity choice may exceed the least-loaded worker by.
+    pub affinity_slack: u32,
+}
+
+/// A worker selection policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    PrefixAffinity,
+    LeastLoaded,
+    PowerOfTwo,
+    RoundRobin,
 }
 
 impl Default for RouterConfig {
@@ -69,6 +89,9 @@ impl Default for RouterConfig {
             max_model_len: None,
             engine_num_pages: 1024,
             default_max_tokens: 4096,
+            prefill_policy: Policy::PrefixAffinity,
+            decode_policy: Policy::LeastLoaded,
+            affinity_slack: 4,
         }
     }
 }
@@ -132,6 +155,13 @@ impl ServiceConfig for RouterConfig {
             1,
             1 << 24,
         )?;
+        if self.decode_policy == Policy::PrefixAffinity {
+            return Err(Invalid::new(
+                "decode_policy",
+                "prefix-affinity applies to prefill workers only",
+            ));
+        }
+        check_range("affinity_slack", u64::from(self.affinity_slack), 0, 1 << 20)?;
         check_range(
             "default_max_tokens",
             u64::from(self.default_max_tokens),
@@ -210,6 +240,18 @@ pub struct Cli {
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_max_tokens: Option<u32>,
+    /// Prefill worker selection.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_policy: Option<Policy>,
+    /// Decode worker selection.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_policy: Option<Policy>,
+    /// Requests a prefix-affinity choice may exceed the least-loaded worker by.
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_slack: Option<u32>,
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! the request with an error; dropping the token stream (client gone) cancels both legs.
 
 use std::{
+    collections::{HashMap, VecDeque},
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
@@ -13,6 +14,7 @@ use std::{
 };
 
 use engine::{
+    paged::prefix::{BlockKey, block_keys},
     sampling::FinishReason,
     wire::{self, token_from_proto},
 };
@@ -25,8 +27,10 @@ use proto::v1::{
 use tokio::sync::{mpsc, watch};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::backend::{
-    Backend, BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream,
+use crate::{
+    RouterConfig,
+    backend::{Backend, BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream},
+    config::Policy,
 };
 
 /// Milliseconds a reservation may wait for its commit.
@@ -136,21 +140,70 @@ impl Pool {
         }
     }
 
-    /// The least-loaded live worker other than `exclude`.
-    fn pick(&self, exclude: Option<usize>) -> Result<(usize, Arc<Worker>), BackendError> {
+    /// Live workers other than `exclude`, starting at a rotating position (so ties take
+    /// turns).
+    fn candidates(&self, exclude: Option<usize>) -> Vec<usize> {
         let n = self.workers.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         (0..n)
             .map(|k| (start + k) % n)
             .filter(|&i| Some(i) != exclude && *self.workers[i].alive.borrow())
-            .min_by_key(|&i| {
-                let w = &self.workers[i];
-                let load = lock(&w.load);
-                (
-                    w.in_flight.load(Ordering::Relaxed),
-                    load.pages_used.saturating_sub(load.pages_cached),
-                )
-            })
+            .collect()
+    }
+
+    /// Load order: requests this router has in flight there, then pages it holds.
+    fn score(&self, i: usize) -> (usize, u64) {
+        let w = &self.workers[i];
+        let load = lock(&w.load);
+        (
+            w.in_flight.load(Ordering::Relaxed),
+            load.pages_used.saturating_sub(load.pages_cached),
+        )
+    }
+
+    /// A live worker other than `exclude`, chosen by `policy`; `preferred` is the
+    /// prefix-affinity candidate (taken unless busier than the least loaded by more than
+    /// `slack` requests).
+    fn pick(
+        &self,
+        policy: Policy,
+        exclude: Option<usize>,
+        preferred: Option<usize>,
+        slack: usize,
+    ) -> Result<(usize, Arc<Worker>), BackendError> {
+        let candidates = self.candidates(exclude);
+        let least = candidates.iter().copied().min_by_key(|&i| self.score(i));
+        let chosen = match policy {
+            Policy::RoundRobin => candidates.first().copied(),
+            Policy::LeastLoaded => least,
+            Policy::PowerOfTwo => {
+                // Two distinct pseudo-random live workers (a multiplicative hash of the turn
+                // counter), the less loaded of them.
+                let n = candidates.len();
+                let h = (self.next.load(Ordering::Relaxed) as u64)
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    >> 16;
+                match n {
+                    0 => None,
+                    1 => Some(candidates[0]),
+                    _ => {
+                        let first = (h % n as u64) as usize;
+                        let second = (first + 1 + ((h >> 24) % (n as u64 - 1)) as usize) % n;
+                        let (a, b) = (candidates[first], candidates[second]);
+                        Some(if self.score(b) < self.score(a) { b } else { a })
+                    }
+                }
+            }
+            Policy::PrefixAffinity => match (preferred, least) {
+                (Some(p), Some(l))
+                    if candidates.contains(&p) && self.score(p).0 <= self.score(l).0 + slack =>
+                {
+                    Some(p)
+                }
+                _ => least,
+            },
+        };
+        chosen
             .map(|i| (i, Arc::clone(&self.workers[i])))
             .ok_or_else(|| BackendError::Unavailable(format!("no live {} worker", self.role)))
     }
@@ -164,11 +217,46 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Blocks of prompt whose prefill-worker owner is remembered, at most.
+const AFFINITY_BLOCKS: usize = 1 << 16;
+
+/// Which prefill worker last computed each prompt block (chained block keys, as the workers'
+/// prefix caches key them); bounded, oldest forgotten first.
+#[derive(Debug, Default)]
+struct Affinity {
+    owners: HashMap<BlockKey, usize>,
+    order: VecDeque<BlockKey>,
+}
+
+impl Affinity {
+    /// The worker that holds the longest known prefix of `keys`.
+    fn preferred(&self, keys: &[BlockKey]) -> Option<usize> {
+        keys.iter().rev().find_map(|k| self.owners.get(k).copied())
+    }
+
+    fn record(&mut self, keys: &[BlockKey], worker: usize) {
+        for key in keys {
+            if self.owners.insert(*key, worker).is_none() {
+                self.order.push_back(*key);
+            }
+        }
+        while self.order.len() > AFFINITY_BLOCKS {
+            if let Some(old) = self.order.pop_front() {
+                self.owners.remove(&old);
+            }
+        }
+    }
+}
+
 /// The two-leg backend over static prefill and decode worker lists.
 #[derive(Debug)]
 pub struct PdBackend {
     prefill: Arc<Pool>,
     decode: Arc<Pool>,
+    prefill_policy: Policy,
+    decode_policy: Policy,
+    slack: usize,
+    affinity: Mutex<Affinity>,
 }
 
 fn status_error(what: &str, status: &tonic::Status) -> BackendError {
@@ -187,16 +275,39 @@ struct Failed {
 }
 
 impl PdBackend {
-    /// The backend over these workers; starts polling them (call within a Tokio runtime).
-    pub fn new(prefill: &[String], decode: &[String]) -> Result<Self, String> {
-        if prefill.is_empty() || decode.is_empty() {
+    /// The backend over the configured workers; starts polling them (call within a Tokio
+    /// runtime).
+    pub fn new(config: &RouterConfig) -> Result<Self, String> {
+        if config.prefill_workers.is_empty() || config.decode_workers.is_empty() {
             return Err("the PD backend needs prefill and decode workers".to_owned());
         }
-        let prefill = Arc::new(Pool::new("prefill", prefill)?);
-        let decode = Arc::new(Pool::new("decode", decode)?);
+        let prefill = Arc::new(Pool::new("prefill", &config.prefill_workers)?);
+        let decode = Arc::new(Pool::new("decode", &config.decode_workers)?);
         prefill.monitor();
         decode.monitor();
-        Ok(Self { prefill, decode })
+        Ok(Self {
+            prefill,
+            decode,
+            prefill_policy: config.prefill_policy,
+            decode_policy: config.decode_policy,
+            slack: config.affinity_slack as usize,
+            affinity: Mutex::new(Affinity::default()),
+        })
+    }
+
+    /// Block keys of `prompt` at the prefill workers' page size (none until a layout is known).
+    fn block_keys(&self, prompt: &[u32]) -> Vec<BlockKey> {
+        let page_size = self.prefill.workers.iter().find_map(|w| {
+            lock(&w.layout)
+                .as_ref()
+                .map(|l| l.page_size_tokens as usize)
+        });
+        match page_size {
+            Some(ps) if ps > 0 && self.prefill_policy == Policy::PrefixAffinity => {
+                block_keys(prompt, ps)
+            }
+            _ => Vec::new(),
+        }
     }
 
     async fn prefill_layout(&self, worker: &Worker) -> Result<StateLayout, BackendError> {
@@ -217,20 +328,36 @@ impl PdBackend {
 
     async fn start(&self, request: BackendRequest) -> Result<TokenStream, BackendError> {
         let id = uuid::Uuid::now_v7().to_string();
-        let (first, prefill) = self.prefill.pick(None)?;
-        match self.attempt(&request, &id, 1, &prefill).await {
-            Ok(stream) => Ok(stream),
-            Err(Failed { error, retry: true }) => match self.prefill.pick(Some(first)) {
-                Ok((_, other)) => {
-                    tracing::warn!(%error, worker = %prefill.address, "prefill failed; retrying once on another worker");
-                    self.attempt(&request, &id, 2, &other)
-                        .await
-                        .map_err(|f| f.error)
+        let keys = self.block_keys(&request.prompt);
+        let preferred = lock(&self.affinity).preferred(&keys);
+        let (first, prefill) =
+            self.prefill
+                .pick(self.prefill_policy, None, preferred, self.slack)?;
+        let (used, result) = match self.attempt(&request, &id, 1, &prefill).await {
+            Ok(stream) => (first, Ok(stream)),
+            Err(Failed { error, retry: true }) => {
+                match self
+                    .prefill
+                    .pick(self.prefill_policy, Some(first), None, self.slack)
+                {
+                    Ok((other, worker)) => {
+                        tracing::warn!(%error, worker = %prefill.address, "prefill failed; retrying once on another worker");
+                        (
+                            other,
+                            self.attempt(&request, &id, 2, &worker)
+                                .await
+                                .map_err(|f| f.error),
+                        )
+                    }
+                    Err(_) => (first, Err(error)),
                 }
-                Err(_) => Err(error),
-            },
-            Err(failed) => Err(failed.error),
+            }
+            Err(failed) => (first, Err(failed.error)),
+        };
+        if result.is_ok() && !keys.is_empty() {
+            lock(&self.affinity).record(&keys, used);
         }
+        result
     }
 
     /// One try: reserve on a decode worker, open its stream, prefill on `prefill`.
@@ -245,7 +372,10 @@ impl PdBackend {
             error,
             retry: false,
         };
-        let (_, decode) = self.decode.pick(None).map_err(fail)?;
+        let (_, decode) = self
+            .decode
+            .pick(self.decode_policy, None, None, 0)
+            .map_err(fail)?;
         let decode_guard = InFlight::new(&decode.in_flight);
         let layout = self
             .prefill_layout(prefill)

@@ -87,7 +87,7 @@ impl Served {
             .map_err(|e| format!("{}: {e}", dir.display()))?;
         let limit = u32::try_from(model.max_position_embeddings).unwrap_or(u32::MAX);
         let max_model_len = config.max_model_len.map_or(limit, |l| l.min(limit));
-        let backend = crate::pd::PdBackend::new(&config.prefill_workers, &config.decode_workers)?;
+        let backend = crate::pd::PdBackend::new(config)?;
         let mut served = Self::new(
             config,
             tokenizer,

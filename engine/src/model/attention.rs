@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::compressor::{self, CompressorState};
+use super::compressor::{self, CompressorState, PendingState};
 use crate::{
     config::{Attention, ModelConfig},
     rope::Rope,
@@ -24,6 +24,20 @@ pub struct AttentionState {
     pub compressor: Option<CompressorState>,
     /// The indexer's compressor (CSA layers).
     pub indexer: Option<CompressorState>,
+    /// When non-zero, a forward call records the slot part of both compressors after every
+    /// position that is a multiple of this (a prefix-cache block boundary) into `boundaries`.
+    pub boundary_every: usize,
+    /// (sequence length, compressor, indexer) at each boundary the last call passed.
+    pub boundaries: Vec<Boundary>,
+}
+
+/// The slot part of a layer's compressors at a block boundary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Boundary {
+    /// Tokens processed at the boundary.
+    pub len: usize,
+    pub compressor: Option<PendingState>,
+    pub indexer: Option<PendingState>,
 }
 
 impl AttentionState {
@@ -32,6 +46,8 @@ impl AttentionState {
             window: Vec::new(),
             compressor: (kind != Attention::Sliding).then(CompressorState::default),
             indexer: matches!(kind, Attention::Csa { .. }).then(CompressorState::default),
+            boundary_every: 0,
+            boundaries: Vec::new(),
         }
     }
 }
@@ -105,16 +121,38 @@ pub fn forward(
     // Compressed rows visible to each token: after token p, exactly (p+1)/ratio windows are
     // closed, and a row is visible to p iff its window closed at or before p.
     let mut visible = vec![0usize; xs.len()];
+    // Block boundaries strictly inside this call (the state at the call's end is the state
+    // itself): after token t when start + t + 1 is a multiple of `boundary_every`.
+    let every = state.boundary_every;
+    let at_boundary =
+        |t: usize| every > 0 && (start + t + 1).is_multiple_of(every) && t + 1 < xs.len();
+    state.boundaries.clear();
     if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
         let inputs = compressor::project_many(cw, xs);
         for (t, p) in inputs.into_iter().enumerate() {
             compressor::push(cw, cs, p, c.rms_norm_eps, compress_rope);
             visible[t] = cs.len(cw.head_dim);
+            if at_boundary(t) {
+                state.boundaries.push(Boundary {
+                    len: start + t + 1,
+                    compressor: Some(cs.pending()),
+                    indexer: None,
+                });
+            }
         }
     }
     if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
-        for p in compressor::project_many(&iw.compressor, xs) {
+        let mut boundary = state.boundaries.iter_mut();
+        for (t, p) in compressor::project_many(&iw.compressor, xs)
+            .into_iter()
+            .enumerate()
+        {
             compressor::push(&iw.compressor, is, p, c.rms_norm_eps, compress_rope);
+            if at_boundary(t)
+                && let Some(b) = boundary.next()
+            {
+                b.indexer = Some(is.pending());
+            }
         }
     }
 

@@ -27,7 +27,28 @@ pub struct CompressorState {
     pub prev_gate: Vec<f32>,
 }
 
+/// The part of a compressor's state that lives in the per-request slot: the unfinished window
+/// and the overlap slice. Captured at block boundaries inside a chunk so the prefix cache can
+/// resume there.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PendingState {
+    pub pending_kv: Vec<f32>,
+    pub pending_gate: Vec<f32>,
+    pub prev_kv: Vec<f32>,
+    pub prev_gate: Vec<f32>,
+}
+
 impl CompressorState {
+    /// The slot part of the state now.
+    pub fn pending(&self) -> PendingState {
+        PendingState {
+            pending_kv: self.pending_kv.clone(),
+            pending_gate: self.pending_gate.clone(),
+            prev_kv: self.prev_kv.clone(),
+            prev_gate: self.prev_gate.clone(),
+        }
+    }
+
     /// Number of emitted rows.
     pub fn len(&self, head_dim: usize) -> usize {
         self.rows.len() / head_dim

@@ -46,6 +46,8 @@ impl SequenceState {
         for layer in &mut out.layers {
             let drop = layer.window.len().saturating_sub(keep);
             layer.window.drain(..drop);
+            layer.boundary_every = 0;
+            layer.boundaries.clear();
         }
         out
     }

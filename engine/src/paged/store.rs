@@ -160,6 +160,86 @@ impl PagedStore {
         self.slots.release(seq.slot)
     }
 
+    /// The slot bytes as a step ending at block boundary `len` would have left them, from the
+    /// compressor snapshots the forward call recorded there (`state.layers[l].boundaries`).
+    fn slot_at(
+        &self,
+        seq: &PagedSeq,
+        state: &SequenceState,
+        len: usize,
+    ) -> Result<Vec<u8>, PoolError> {
+        let mut bytes = self.slots.page(seq.slot)?.to_vec();
+        for (l, spec) in self.config.layers.iter().enumerate() {
+            let Some(b) = state.layers[l].boundaries.iter().find(|b| b.len == len) else {
+                continue;
+            };
+            let ratio = spec.attention.ratio();
+            let csa = matches!(spec.attention, Attention::Csa { .. });
+            let parts = [
+                (
+                    &b.compressor,
+                    RegionKind::CompressorState,
+                    self.config.head_dim,
+                    csa,
+                ),
+                (
+                    &b.indexer,
+                    RegionKind::IndexerCompressorState,
+                    self.config.index_head_dim,
+                    true,
+                ),
+            ];
+            for (pending, kind, d, overlap) in parts {
+                if let (Some(p), Some(region)) = (pending, self.region(l, kind)) {
+                    encode_pending(
+                        &mut bytes,
+                        region,
+                        (&p.pending_kv, &p.pending_gate, &p.prev_kv, &p.prev_gate),
+                        len % ratio,
+                        (ratio, d, overlap),
+                    );
+                }
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Offers to the prefix cache every block that a step completed strictly inside its
+    /// chunk (the block ending at the step's end goes through [`Self::offer_block`]), using
+    /// the compressor snapshots `state` carries for each boundary.
+    pub fn offer_inner_blocks(
+        &mut self,
+        seq: &PagedSeq,
+        state: &SequenceState,
+        tokens: &[u32],
+    ) -> Result<(), PoolError> {
+        let ps = self.layout.page_size;
+        if !self.prefix_enabled {
+            return Ok(());
+        }
+        let mut lens: Vec<usize> = state
+            .layers
+            .iter()
+            .flat_map(|l| l.boundaries.iter().map(|b| b.len))
+            .filter(|&len| {
+                len > 0 && len.is_multiple_of(ps) && len < seq.len && len <= tokens.len()
+            })
+            .collect();
+        lens.sort_unstable();
+        lens.dedup();
+        if lens.is_empty() {
+            return Ok(());
+        }
+        let keys = prefix::block_keys(&tokens[..*lens.last().unwrap_or(&0)], ps);
+        for len in lens {
+            let depth = len / ps - 1;
+            let slot = self.slot_at(seq, state, len)?;
+            self.prefix
+                .insert(&mut self.pages, keys[depth], seq.pages[depth], &slot, depth)?;
+        }
+        Ok(())
+    }
+
     fn region(&self, layer: usize, kind: RegionKind) -> Option<&Region> {
         self.layout.region(layer, kind)
     }
@@ -372,21 +452,45 @@ impl PagedStore {
             let (page, row) = self.compressed_slot(ratio, w);
             self.write_row(seq, rows, page, row, comp.row(w, d))?;
         }
-        let width = if overlap { 2 * d } else { d };
-        let mut row = vec![0.0f32; 2 * width];
-        for i in 0..to % ratio {
-            row[..width].copy_from_slice(&comp.pending_kv[i * width..(i + 1) * width]);
-            row[width..].copy_from_slice(&comp.pending_gate[i * width..(i + 1) * width]);
-            self.write_row(seq, slot, 0, i, &row)?;
-        }
-        if overlap && !comp.prev_kv.is_empty() {
-            for i in 0..ratio {
-                row.fill(0.0);
-                row[..d].copy_from_slice(&comp.prev_kv[i * d..(i + 1) * d]);
-                row[width..width + d].copy_from_slice(&comp.prev_gate[i * d..(i + 1) * d]);
-                self.write_row(seq, slot, 0, ratio + i, &row)?;
-            }
-        }
+        let slot_bytes = self.slots.page_mut(seq.slot)?;
+        encode_pending(
+            slot_bytes,
+            slot,
+            (
+                &comp.pending_kv,
+                &comp.pending_gate,
+                &comp.prev_kv,
+                &comp.prev_gate,
+            ),
+            to % ratio,
+            (ratio, d, overlap),
+        );
         Ok(())
+    }
+}
+
+/// Writes a compressor's slot part (`pending` rows of the unfinished window, then the overlap
+/// slice) into slot bytes.
+fn encode_pending(
+    bytes: &mut [u8],
+    slot: &Region,
+    (pending_kv, pending_gate, prev_kv, prev_gate): (&[f32], &[f32], &[f32], &[f32]),
+    pending: usize,
+    (ratio, d, overlap): (usize, usize, bool),
+) {
+    let width = if overlap { 2 * d } else { d };
+    let mut row = vec![0.0f32; 2 * width];
+    for i in 0..pending {
+        row[..width].copy_from_slice(&pending_kv[i * width..(i + 1) * width]);
+        row[width..].copy_from_slice(&pending_gate[i * width..(i + 1) * width]);
+        codec::encode(slot.format, &row, &mut bytes[slot.row_range(i)]);
+    }
+    if overlap && !prev_kv.is_empty() {
+        for i in 0..ratio {
+            row.fill(0.0);
+            row[..d].copy_from_slice(&prev_kv[i * d..(i + 1) * d]);
+            row[width..width + d].copy_from_slice(&prev_gate[i * d..(i + 1) * d]);
+            codec::encode(slot.format, &row, &mut bytes[slot.row_range(ratio + i)]);
+        }
     }
 }
