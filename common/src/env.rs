@@ -28,6 +28,9 @@ pub const CUDA_HOME: &str = "PDSERVE_CUDA_HOME";
 /// CPU-only build of the kernels crate.
 pub const REQUIRE_CUDA_KERNELS: &str = "PDSERVE_REQUIRE_CUDA_KERNELS";
 
+/// API key `pdctl` sends to a router (`pdctl workers --api-key`).
+pub const API_KEY: &str = "PDSERVE_API_KEY";
+
 /// Variables that any pdserve process may see without them being a setting of that process.
 pub const GLOBAL: &[&str] = &[
     CONFIG,
@@ -36,6 +39,7 @@ pub const GLOBAL: &[&str] = &[
     CACHE_DIR,
     CUDA_HOME,
     REQUIRE_CUDA_KERNELS,
+    API_KEY,
 ];
 
 /// The environment variable that sets the configuration key `path` (e.g. `["tls", "cert_file"]`).

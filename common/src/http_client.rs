@@ -39,6 +39,18 @@ pub async fn request(
     body: Option<(&str, Vec<u8>)>,
     timeout: Duration,
 ) -> Result<HttpResponse, HttpError> {
+    request_with(addr, method, path, &[], body, timeout).await
+}
+
+/// [`request`] with extra headers (e.g. `authorization`).
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<(&str, Vec<u8>)>,
+    timeout: Duration,
+) -> Result<HttpResponse, HttpError> {
     tokio::time::timeout(timeout, async {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
@@ -50,6 +62,9 @@ pub async fn request(
             .method(method)
             .uri(path)
             .header("host", addr.to_string());
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
         let payload = match body {
             Some((content_type, bytes)) => {
                 builder = builder.header("content-type", content_type);

@@ -11,6 +11,7 @@ pub mod grpc;
 pub mod http_client;
 pub mod listen;
 pub mod logging;
+pub mod registration;
 pub mod shutdown;
 pub mod worker_info;
 pub mod worker_server;

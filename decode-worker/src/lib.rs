@@ -65,6 +65,12 @@ pub async fn run(
         let handle = handle.clone();
         async move { handle.set_load(load).await }
     }));
+    if let Some(router) = config.router.clone() {
+        tokio::spawn(common::registration::keep_registered(
+            server.handle().clone(),
+            router,
+        ));
+    }
     let worker = Arc::new(DecodeWorker::new(loaded, info.worker_id, info.address));
     let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));
     let transfer = StateTransferServer::new(StateTransferService::new(worker))

@@ -413,3 +413,77 @@ fn prefix_affinity_sends_a_repeated_prompt_to_the_worker_that_cached_it() {
         );
     }
 }
+
+fn wait_ready(addr: SocketAddr, want: u16) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = http(addr, "GET", "/health/ready", &[], b"", T);
+        if r.status == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ready: {} {}",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn listed(addr: SocketAddr) -> Vec<Value> {
+    let r = http(addr, "GET", "/workers", &[], b"", T);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["workers"].as_array().unwrap().clone()
+}
+
+#[test]
+fn workers_register_heartbeat_and_are_dropped_when_they_stop() {
+    let router = start_router(&["--model-dir", &model_arg(), "--backend", "pd"], false);
+    let (http_addr, grpc) = (router.addr("http"), router.addr("grpc").to_string());
+    wait_ready(http_addr, 503);
+    let mut decode = worker("pdserve-decode", &["--page-size", "16", "--router", &grpc]);
+    let _prefill = worker("pdserve-prefill", &["--page-size", "16", "--router", &grpc]);
+    wait_ready(http_addr, 200);
+    let local = start_router(&["--model-dir", &model_arg()], true);
+    let body = chat(33, 4, 0.6, 6);
+    assert_eq!(
+        essence(&post(http_addr, "/v1/chat/completions", &body)),
+        essence(&post(local.addr("http"), "/v1/chat/completions", &body))
+    );
+    let workers = listed(http_addr);
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    assert!(
+        workers
+            .iter()
+            .all(|w| w["registered"] == true && w["alive"] == true)
+    );
+    // `pdctl workers` shows them.
+    let mut cmd = command("pdctl");
+    cmd.args(["workers", "--url", &http_addr.to_string()]);
+    let (status, out, err) = integration_tests::run_to_exit(cmd, T);
+    assert!(status.success(), "{err}");
+    assert!(
+        out.contains("decode") && out.contains("prefill") && out.contains("registered"),
+        "{out}"
+    );
+
+    // A decode worker that dies stops heartbeating and is dropped; requests are then refused
+    // with a clear 503 until another one registers.
+    decode.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = decode.wait(Duration::from_secs(5));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while listed(http_addr).iter().any(|w| w["role"] == "decode") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead worker is still listed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let r = post(http_addr, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 503, "{}", r.body);
+    let _decode = worker("pdserve-decode", &["--page-size", "16", "--router", &grpc]);
+    wait_ready(http_addr, 200);
+    let r = post(http_addr, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+}

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod generate;
 pub mod health;
 pub mod model_cmds;
+pub mod workers;
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
@@ -34,6 +35,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode tokens/s of the engine's CPU model.
     BenchEngine(bench_engine::BenchEngineArgs),
+    /// List a router's prefill and decode workers with their liveness and load.
+    Workers(workers::WorkersArgs),
 }
 
 /// Arguments of `pdctl up`.
@@ -117,6 +120,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::Logits(args) => model_cmds::logits(&args),
             Command::BenchEngine(args) => bench_engine::run(&args),
             Command::Generate(args) => generate::run(&args),
+            Command::Workers(args) => workers::run(&args).await,
         }
     });
     match result {

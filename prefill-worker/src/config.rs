@@ -29,6 +29,9 @@ pub struct PrefillConfig {
     pub max_running: u32,
     /// Tokens per forward step.
     pub max_batch_tokens: u32,
+    /// host:port of a router's gRPC server to register with (and heartbeat to). Unset: the
+    /// worker is listed statically in the router's configuration.
+    pub router: Option<String>,
 }
 
 impl Default for PrefillConfig {
@@ -42,6 +45,7 @@ impl Default for PrefillConfig {
             engine_num_pages: 1024,
             max_running: 32,
             max_batch_tokens: 512,
+            router: None,
         }
     }
 }
@@ -71,6 +75,9 @@ impl ServiceConfig for PrefillConfig {
             1,
             1 << 20,
         )?;
+        if let Some(router) = &self.router {
+            common::config::check_host_port("router", router)?;
+        }
         common::config::check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)
     }
 }
@@ -115,6 +122,10 @@ pub struct Cli {
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_tokens: Option<u32>,
+    /// Register with the router at this gRPC host:port.
+    #[arg(long, value_name = "HOST:PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router: Option<String>,
 }
 
 #[cfg(test)]

@@ -64,6 +64,12 @@ pub async fn run(
         let handle = handle.clone();
         async move { handle.set_load(load).await }
     }));
+    if let Some(router) = config.router.clone() {
+        tokio::spawn(common::registration::keep_registered(
+            server.handle().clone(),
+            router,
+        ));
+    }
     let worker = Arc::new(PrefillWorker::new(loaded, info.worker_id));
     let prefill = PrefillServer::new(PrefillService(worker));
     server

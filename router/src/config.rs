@@ -56,6 +56,19 @@ pub struct RouterConfig {
     pub decode_policy: Policy,
     /// Requests a prefix-affinity choice may exceed the least-loaded worker by.
     pub affinity_slack: u32,
+    /// Where requests are generated: `pd` (prefill and decode workers, static and
+    /// registered), `local` (an engine inside the router, for development), or `auto`: `pd`
+    /// when workers are configured, else `local`.
+    pub backend: BackendKind,
+}
+
+/// See [`RouterConfig::backend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendKind {
+    Auto,
+    Pd,
+    Local,
 }
 
 /// A worker selection policy.
@@ -92,11 +105,23 @@ impl Default for RouterConfig {
             prefill_policy: Policy::PrefixAffinity,
             decode_policy: Policy::LeastLoaded,
             affinity_slack: 4,
+            backend: BackendKind::Auto,
         }
     }
 }
 
 impl RouterConfig {
+    /// Whether requests go to prefill and decode workers.
+    pub fn disaggregated(&self) -> bool {
+        match self.backend {
+            BackendKind::Pd => true,
+            BackendKind::Local => false,
+            BackendKind::Auto => {
+                !self.prefill_workers.is_empty() || !self.decode_workers.is_empty()
+            }
+        }
+    }
+
     /// `reasoning_effort_map` as a map (checked: `from=to`, `to` an accepted effort).
     pub fn effort_map(&self) -> Result<BTreeMap<String, String>, Invalid> {
         let mut map = BTreeMap::new();
@@ -252,6 +277,10 @@ pub struct Cli {
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_slack: Option<u32>,
+    /// Where requests are generated: auto, pd or local.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<BackendKind>,
 }
 
 #[cfg(test)]

@@ -11,13 +11,18 @@ pub enum RouterError {
     Grpc(#[from] tonic::transport::Error),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// The router could not start serving.
+    #[error("{0}")]
+    Startup(String),
 }
 
 impl ExitStatus for RouterError {
     fn exit_code(&self) -> u8 {
         match self {
             RouterError::Config(e) => e.exit_code(),
-            RouterError::Grpc(_) | RouterError::Io(_) => common::cli::EXIT_RUNTIME,
+            RouterError::Grpc(_) | RouterError::Io(_) | RouterError::Startup(_) => {
+                common::cli::EXIT_RUNTIME
+            }
         }
     }
 }

@@ -44,11 +44,14 @@ pub struct AppState {
     pub api_keys: Vec<String>,
     pub effort_map: BTreeMap<String, String>,
     pub max_body_bytes: u64,
+    /// Prefill and decode workers (static and registered).
+    pub workers: Arc<crate::workers::Workers>,
 }
 
 impl AppState {
-    pub fn new(config: &crate::RouterConfig) -> Self {
+    pub fn new(config: &crate::RouterConfig, workers: Arc<crate::workers::Workers>) -> Self {
         Self {
+            workers,
             served: OnceLock::new(),
             load_error: OnceLock::new(),
             api_keys: config.api_keys.clone(),
@@ -94,6 +97,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/workers", get(workers))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&state), auth));
     Router::new()
         .route("/health", get(|| async { "ok" }))
@@ -131,6 +135,11 @@ async fn auth(State(state): Shared, request: Request, next: Next) -> Response {
         ErrorStyle::OpenAi
     };
     ApiError::Unauthorized.into_styled_response(style)
+}
+
+/// `GET /workers`: every prefill and decode worker with its liveness and load.
+async fn workers(State(state): Shared) -> Response {
+    Json(json!({ "workers": state.workers.listing() })).into_response()
 }
 
 async fn ready(State(state): Shared) -> Response {

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod pd;
 pub mod protocol;
 pub mod served;
+pub mod workers;
 
 use std::{
     future::{Future, IntoFuture},
@@ -26,6 +27,7 @@ use std::{
 use common::grpc;
 pub use config::{Cli, RouterConfig};
 pub use error::RouterError;
+use proto::v1::registry_server::RegistryServer;
 use tokio::{net::TcpListener, sync::watch};
 use tonic::service::Routes;
 
@@ -69,15 +71,17 @@ impl BoundRouter {
         let (reporter, health) = grpc::health();
         grpc::set_serving(&reporter, &[]).await;
 
-        let state = Arc::new(http::AppState::new(&self.config));
+        let workers =
+            workers::Workers::new(&self.config.prefill_workers, &self.config.decode_workers)
+                .map_err(RouterError::Startup)?;
+        let state = Arc::new(http::AppState::new(&self.config, Arc::clone(&workers)));
         if let Some(dir) = self.config.model_dir.clone() {
             let config = self.config.clone();
             let loading = Arc::clone(&state);
-            let disaggregated =
-                !config.prefill_workers.is_empty() && !config.decode_workers.is_empty();
+            let pd_workers = Arc::clone(&workers);
             tokio::task::spawn_blocking(move || {
-                let loaded = if disaggregated {
-                    served::Served::load_pd(&config, &dir)
+                let loaded = if config.disaggregated() {
+                    served::Served::load_pd(&config, &dir, pd_workers)
                 } else {
                     served::Served::load_local(&config, &dir)
                 };
@@ -101,7 +105,7 @@ impl BoundRouter {
         let mut grpc_stop = stop_rx.clone();
         let grpc_server = grpc::serve(
             self.grpc,
-            Routes::new(health),
+            Routes::new(health).add_service(RegistryServer::new(workers::RegistryService(workers))),
             async move {
                 let _ = grpc_stop.wait_for(|stop| *stop).await;
                 grpc::set_not_serving(&reporter, &[]).await;

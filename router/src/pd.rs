@@ -6,11 +6,7 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicUsize, Ordering},
-    },
-    time::Duration,
+    sync::{Arc, Mutex},
 };
 
 use engine::{
@@ -20,202 +16,21 @@ use engine::{
 };
 use futures::future::BoxFuture;
 use proto::v1::{
-    CancelRequest, ErrorKind, GenerateRequest, InfoRequest, Load, PrefillRequest, RequestId,
+    CancelRequest, ErrorKind, GenerateRequest, InfoRequest, PrefillRequest, RequestId,
     ReserveRequest, StateLayout, TokenBatch, TransportKind, decode_client::DecodeClient,
     prefill_client::PrefillClient, worker_client::WorkerClient,
 };
 use tokio::sync::{mpsc, watch};
-use tonic::transport::{Channel, Endpoint};
 
 use crate::{
     RouterConfig,
     backend::{Backend, BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream},
     config::Policy,
+    workers::{InFlight, Worker, Workers, lock},
 };
 
 /// Milliseconds a reservation may wait for its commit.
 const LEASE_MS: u32 = 30_000;
-
-/// How often the router asks each worker for its `Info` (liveness and load).
-const POLL_EVERY: Duration = Duration::from_millis(250);
-/// A worker that does not answer `Info` within this is considered dead.
-const POLL_TIMEOUT: Duration = Duration::from_millis(1000);
-
-/// Requests this router has in flight on one worker; the guard decrements on drop.
-struct InFlight(Arc<AtomicUsize>);
-
-impl InFlight {
-    fn new(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        Self(Arc::clone(count))
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// One worker as the router sees it.
-#[derive(Debug)]
-struct Worker {
-    address: String,
-    channel: Channel,
-    /// Whether its last `Info` poll succeeded; in-flight streams watch it.
-    alive: watch::Sender<bool>,
-    /// Its last reported load.
-    load: Mutex<Load>,
-    /// Requests this router has in flight on it (exact, unlike the polled load).
-    in_flight: Arc<AtomicUsize>,
-    /// Its state layout, from `Info`.
-    layout: Mutex<Option<StateLayout>>,
-}
-
-/// Workers of one role: polled for liveness and load, picked least-loaded among the live ones
-/// (ties in turn).
-#[derive(Debug)]
-struct Pool {
-    role: &'static str,
-    workers: Vec<Arc<Worker>>,
-    next: AtomicUsize,
-}
-
-impl Pool {
-    fn new(role: &'static str, addresses: &[String]) -> Result<Self, String> {
-        let workers = addresses
-            .iter()
-            .map(|a| {
-                let channel = Endpoint::from_shared(format!("http://{a}"))
-                    .map(|e| e.connect_timeout(POLL_TIMEOUT).connect_lazy())
-                    .map_err(|e| format!("worker address {a}: {e}"))?;
-                Ok(Arc::new(Worker {
-                    address: a.clone(),
-                    channel,
-                    // Assumed alive until a poll says otherwise, so the first request after
-                    // start does not wait for a poll.
-                    alive: watch::Sender::new(true),
-                    load: Mutex::new(Load::default()),
-                    in_flight: Arc::new(AtomicUsize::new(0)),
-                    layout: Mutex::new(None),
-                }))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        Ok(Self {
-            role,
-            workers,
-            next: AtomicUsize::new(0),
-        })
-    }
-
-    /// Polls every worker's `Info` until the pool is dropped.
-    fn monitor(self: &Arc<Self>) {
-        for worker in &self.workers {
-            let worker = Arc::downgrade(worker);
-            tokio::spawn(async move {
-                loop {
-                    let Some(w) = worker.upgrade() else { return };
-                    let mut client = WorkerClient::new(w.channel.clone());
-                    let polled =
-                        tokio::time::timeout(POLL_TIMEOUT, client.info(InfoRequest {})).await;
-                    match polled {
-                        Ok(Ok(info)) => {
-                            let info = info.into_inner();
-                            *lock(&w.load) = info.load.unwrap_or_default();
-                            if info.layout.is_some() {
-                                *lock(&w.layout) = info.layout;
-                            }
-                            w.alive.send_if_modified(|a| !std::mem::replace(a, true));
-                        }
-                        _ => {
-                            if w.alive.send_if_modified(|a| std::mem::replace(a, false)) {
-                                tracing::warn!(worker = %w.address, "worker stopped answering");
-                            }
-                        }
-                    }
-                    drop(w);
-                    tokio::time::sleep(POLL_EVERY).await;
-                }
-            });
-        }
-    }
-
-    /// Live workers other than `exclude`, starting at a rotating position (so ties take
-    /// turns).
-    fn candidates(&self, exclude: Option<usize>) -> Vec<usize> {
-        let n = self.workers.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n)
-            .map(|k| (start + k) % n)
-            .filter(|&i| Some(i) != exclude && *self.workers[i].alive.borrow())
-            .collect()
-    }
-
-    /// Load order: requests this router has in flight there, then pages it holds.
-    fn score(&self, i: usize) -> (usize, u64) {
-        let w = &self.workers[i];
-        let load = lock(&w.load);
-        (
-            w.in_flight.load(Ordering::Relaxed),
-            load.pages_used.saturating_sub(load.pages_cached),
-        )
-    }
-
-    /// A live worker other than `exclude`, chosen by `policy`; `preferred` is the
-    /// prefix-affinity candidate (taken unless busier than the least loaded by more than
-    /// `slack` requests).
-    fn pick(
-        &self,
-        policy: Policy,
-        exclude: Option<usize>,
-        preferred: Option<usize>,
-        slack: usize,
-    ) -> Result<(usize, Arc<Worker>), BackendError> {
-        let candidates = self.candidates(exclude);
-        let least = candidates.iter().copied().min_by_key(|&i| self.score(i));
-        let chosen = match policy {
-            Policy::RoundRobin => candidates.first().copied(),
-            Policy::LeastLoaded => least,
-            Policy::PowerOfTwo => {
-                // Two distinct pseudo-random live workers (a multiplicative hash of the turn
-                // counter), the less loaded of them.
-                let n = candidates.len();
-                let h = (self.next.load(Ordering::Relaxed) as u64)
-                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                    >> 16;
-                match n {
-                    0 => None,
-                    1 => Some(candidates[0]),
-                    _ => {
-                        let first = (h % n as u64) as usize;
-                        let second = (first + 1 + ((h >> 24) % (n as u64 - 1)) as usize) % n;
-                        let (a, b) = (candidates[first], candidates[second]);
-                        Some(if self.score(b) < self.score(a) { b } else { a })
-                    }
-                }
-            }
-            Policy::PrefixAffinity => match (preferred, least) {
-                (Some(p), Some(l))
-                    if candidates.contains(&p) && self.score(p).0 <= self.score(l).0 + slack =>
-                {
-                    Some(p)
-                }
-                _ => least,
-            },
-        };
-        chosen
-            .map(|i| (i, Arc::clone(&self.workers[i])))
-            .ok_or_else(|| BackendError::Unavailable(format!("no live {} worker", self.role)))
-    }
-
-    fn any_alive(&self) -> bool {
-        self.workers.iter().any(|w| *w.alive.borrow())
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// Blocks of prompt whose prefill-worker owner is remembered, at most.
 const AFFINITY_BLOCKS: usize = 1 << 16;
@@ -224,19 +39,19 @@ const AFFINITY_BLOCKS: usize = 1 << 16;
 /// prefix caches key them); bounded, oldest forgotten first.
 #[derive(Debug, Default)]
 struct Affinity {
-    owners: HashMap<BlockKey, usize>,
+    owners: HashMap<BlockKey, Arc<str>>,
     order: VecDeque<BlockKey>,
 }
 
 impl Affinity {
-    /// The worker that holds the longest known prefix of `keys`.
-    fn preferred(&self, keys: &[BlockKey]) -> Option<usize> {
-        keys.iter().rev().find_map(|k| self.owners.get(k).copied())
+    /// The worker (id) that holds the longest known prefix of `keys`.
+    fn preferred(&self, keys: &[BlockKey]) -> Option<Arc<str>> {
+        keys.iter().rev().find_map(|k| self.owners.get(k).cloned())
     }
 
-    fn record(&mut self, keys: &[BlockKey], worker: usize) {
+    fn record(&mut self, keys: &[BlockKey], worker: &Arc<str>) {
         for key in keys {
-            if self.owners.insert(*key, worker).is_none() {
+            if self.owners.insert(*key, Arc::clone(worker)).is_none() {
                 self.order.push_back(*key);
             }
         }
@@ -251,8 +66,7 @@ impl Affinity {
 /// The two-leg backend over static prefill and decode worker lists.
 #[derive(Debug)]
 pub struct PdBackend {
-    prefill: Arc<Pool>,
-    decode: Arc<Pool>,
+    workers: Arc<Workers>,
     prefill_policy: Policy,
     decode_policy: Policy,
     slack: usize,
@@ -275,29 +89,20 @@ struct Failed {
 }
 
 impl PdBackend {
-    /// The backend over the configured workers; starts polling them (call within a Tokio
-    /// runtime).
-    pub fn new(config: &RouterConfig) -> Result<Self, String> {
-        if config.prefill_workers.is_empty() || config.decode_workers.is_empty() {
-            return Err("the PD backend needs prefill and decode workers".to_owned());
-        }
-        let prefill = Arc::new(Pool::new("prefill", &config.prefill_workers)?);
-        let decode = Arc::new(Pool::new("decode", &config.decode_workers)?);
-        prefill.monitor();
-        decode.monitor();
-        Ok(Self {
-            prefill,
-            decode,
+    /// The backend over `workers` (static and registered).
+    pub fn new(config: &RouterConfig, workers: Arc<Workers>) -> Self {
+        Self {
+            workers,
             prefill_policy: config.prefill_policy,
             decode_policy: config.decode_policy,
             slack: config.affinity_slack as usize,
             affinity: Mutex::new(Affinity::default()),
-        })
+        }
     }
 
     /// Block keys of `prompt` at the prefill workers' page size (none until a layout is known).
     fn block_keys(&self, prompt: &[u32]) -> Vec<BlockKey> {
-        let page_size = self.prefill.workers.iter().find_map(|w| {
+        let page_size = self.workers.prefill.snapshot().iter().find_map(|w| {
             lock(&w.layout)
                 .as_ref()
                 .map(|l| l.page_size_tokens as usize)
@@ -330,32 +135,28 @@ impl PdBackend {
         let id = uuid::Uuid::now_v7().to_string();
         let keys = self.block_keys(&request.prompt);
         let preferred = lock(&self.affinity).preferred(&keys);
-        let (first, prefill) =
-            self.prefill
-                .pick(self.prefill_policy, None, preferred, self.slack)?;
+        let pool = &self.workers.prefill;
+        let prefill = pool.pick(self.prefill_policy, None, preferred.as_deref(), self.slack)?;
         let (used, result) = match self.attempt(&request, &id, 1, &prefill).await {
-            Ok(stream) => (first, Ok(stream)),
+            Ok(stream) => (prefill, Ok(stream)),
             Err(Failed { error, retry: true }) => {
-                match self
-                    .prefill
-                    .pick(self.prefill_policy, Some(first), None, self.slack)
-                {
-                    Ok((other, worker)) => {
+                match pool.pick(self.prefill_policy, Some(&prefill), None, self.slack) {
+                    Ok(other) => {
                         tracing::warn!(%error, worker = %prefill.address, "prefill failed; retrying once on another worker");
-                        (
-                            other,
-                            self.attempt(&request, &id, 2, &worker)
-                                .await
-                                .map_err(|f| f.error),
-                        )
+                        let result = self
+                            .attempt(&request, &id, 2, &other)
+                            .await
+                            .map_err(|f| f.error);
+                        (other, result)
                     }
-                    Err(_) => (first, Err(error)),
+                    Err(_) => (prefill, Err(error)),
                 }
             }
-            Err(failed) => (first, Err(failed.error)),
+            Err(failed) => (prefill, Err(failed.error)),
         };
         if result.is_ok() && !keys.is_empty() {
-            lock(&self.affinity).record(&keys, used);
+            let id: Arc<str> = lock(&used.id).as_str().into();
+            lock(&self.affinity).record(&keys, &id);
         }
         result
     }
@@ -372,11 +173,12 @@ impl PdBackend {
             error,
             retry: false,
         };
-        let (_, decode) = self
+        let decode = self
+            .workers
             .decode
             .pick(self.decode_policy, None, None, 0)
             .map_err(fail)?;
-        let decode_guard = InFlight::new(&decode.in_flight);
+        let decode_guard = InFlight::new(&decode);
         let layout = self
             .prefill_layout(prefill)
             .await
@@ -438,7 +240,7 @@ impl PdBackend {
                 return Err(fail(status_error("decode worker", &s)));
             }
         };
-        let prefill_guard = InFlight::new(&prefill.in_flight);
+        let prefill_guard = InFlight::new(prefill);
         let prefilled = PrefillClient::new(prefill.channel.clone())
             .prefill(PrefillRequest {
                 request_id: Some(request_id.clone()),
@@ -573,6 +375,6 @@ impl Backend for PdBackend {
     }
 
     fn is_ready(&self) -> bool {
-        self.prefill.any_alive() && self.decode.any_alive()
+        self.workers.prefill.any_alive() && self.workers.decode.any_alive()
     }
 }

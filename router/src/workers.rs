@@ -1,0 +1,424 @@
+//! The workers the router knows: static ones from its configuration and dynamic ones that
+//! registered over gRPC (`Registry`). Every worker is polled (`Info`) for liveness and load; a
+//! dynamic one that misses its heartbeats is dropped. Requests pick a live worker by policy.
+
+use std::{
+    sync::{
+        Arc, Mutex, RwLock,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use proto::v1::{
+    Ack, DeregisterRequest, HeartbeatRequest, HeartbeatResponse, InfoRequest, Load,
+    RegisterRequest, RegisterResponse, Role, StateLayout, registry_server::Registry,
+    worker_client::WorkerClient,
+};
+use serde::Serialize;
+use tokio::sync::watch;
+use tonic::{
+    Request, Response, Status,
+    transport::{Channel, Endpoint},
+};
+
+use crate::{backend::BackendError, config::Policy};
+
+/// How often the router asks each worker for its `Info` (liveness and load).
+const POLL_EVERY: Duration = Duration::from_millis(250);
+/// A worker that does not answer `Info` within this is considered dead.
+const POLL_TIMEOUT: Duration = Duration::from_millis(1000);
+/// Heartbeat interval asked of registered workers.
+pub const HEARTBEAT_MS: u32 = 500;
+/// A registered worker whose last heartbeat is older than this is dropped.
+pub const EXPIRY_MS: u32 = 2000;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One worker as the router sees it.
+#[derive(Debug)]
+pub struct Worker {
+    /// Its id (`WorkerInfo.worker_id`; for static workers, the address until a poll says).
+    pub id: Mutex<String>,
+    pub address: String,
+    pub channel: Channel,
+    /// Whether its last `Info` poll succeeded; in-flight streams watch it.
+    pub alive: watch::Sender<bool>,
+    /// Its last reported load.
+    pub load: Mutex<Load>,
+    /// Requests this router has in flight on it (exact, unlike the polled load).
+    pub in_flight: Arc<AtomicUsize>,
+    /// Its state layout, from `Info`.
+    pub layout: Mutex<Option<StateLayout>>,
+    /// Registered over gRPC (dropped when its heartbeats stop) rather than configured.
+    pub dynamic: bool,
+    pub last_heartbeat: Mutex<Instant>,
+}
+
+impl Worker {
+    fn new(address: &str, id: String, dynamic: bool) -> Result<Arc<Self>, String> {
+        let channel = Endpoint::from_shared(format!("http://{address}"))
+            .map(|e| e.connect_timeout(POLL_TIMEOUT).connect_lazy())
+            .map_err(|e| format!("worker address {address}: {e}"))?;
+        Ok(Arc::new(Self {
+            id: Mutex::new(id),
+            address: address.to_owned(),
+            channel,
+            // Assumed alive until a poll says otherwise, so the first request after start does
+            // not wait for a poll.
+            alive: watch::Sender::new(true),
+            load: Mutex::new(Load::default()),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            layout: Mutex::new(None),
+            dynamic,
+            last_heartbeat: Mutex::new(Instant::now()),
+        }))
+    }
+
+    pub fn is_alive(&self) -> bool {
+        *self.alive.borrow()
+    }
+
+    /// Load order: requests this router has in flight there, then pages it holds.
+    fn score(&self) -> (usize, u64) {
+        let load = lock(&self.load);
+        (
+            self.in_flight.load(Ordering::Relaxed),
+            load.pages_used.saturating_sub(load.pages_cached),
+        )
+    }
+
+    /// Polls `Info` until the worker leaves its pool.
+    fn monitor(self: &Arc<Self>) {
+        let worker = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(w) = worker.upgrade() else { return };
+                let mut client = WorkerClient::new(w.channel.clone());
+                let polled = tokio::time::timeout(POLL_TIMEOUT, client.info(InfoRequest {})).await;
+                match polled {
+                    Ok(Ok(info)) => {
+                        let info = info.into_inner();
+                        *lock(&w.load) = info.load.unwrap_or_default();
+                        if info.layout.is_some() {
+                            *lock(&w.layout) = info.layout;
+                        }
+                        if !info.worker_id.is_empty() {
+                            *lock(&w.id) = info.worker_id;
+                        }
+                        w.alive.send_if_modified(|a| !std::mem::replace(a, true));
+                    }
+                    _ => {
+                        if w.alive.send_if_modified(|a| std::mem::replace(a, false)) {
+                            tracing::warn!(worker = %w.address, "worker stopped answering");
+                        }
+                    }
+                }
+                drop(w);
+                tokio::time::sleep(POLL_EVERY).await;
+            }
+        });
+    }
+}
+
+/// Requests this router has in flight on one worker; the guard decrements on drop.
+#[derive(Debug)]
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    pub fn new(worker: &Worker) -> Self {
+        worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(&worker.in_flight))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Workers of one role.
+#[derive(Debug)]
+pub struct Pool {
+    role: &'static str,
+    workers: RwLock<Vec<Arc<Worker>>>,
+    next: AtomicUsize,
+}
+
+impl Pool {
+    /// A pool of the static `addresses`; starts polling them (call within a Tokio runtime).
+    pub fn new(role: &'static str, addresses: &[String]) -> Result<Self, String> {
+        let workers = addresses
+            .iter()
+            .map(|a| Worker::new(a, a.clone(), false))
+            .collect::<Result<Vec<_>, String>>()?;
+        for w in &workers {
+            w.monitor();
+        }
+        Ok(Self {
+            role,
+            workers: RwLock::new(workers),
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn snapshot(&self) -> Vec<Arc<Worker>> {
+        self.workers
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Adds or refreshes a registered worker (by id; a new address replaces the old entry).
+    fn register(&self, id: &str, address: &str) -> Result<(), String> {
+        let mut workers = self
+            .workers
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(w) = workers
+            .iter()
+            .find(|w| *lock(&w.id) == id && w.address == address)
+        {
+            *lock(&w.last_heartbeat) = Instant::now();
+            return Ok(());
+        }
+        workers.retain(|w| !(w.dynamic && *lock(&w.id) == id) && w.address != address);
+        let worker = Worker::new(address, id.to_owned(), true)?;
+        worker.monitor();
+        workers.push(worker);
+        tracing::info!(role = self.role, worker = id, address, "worker registered");
+        Ok(())
+    }
+
+    /// Records a heartbeat; false if the worker is unknown (it must register again).
+    fn heartbeat(&self, id: &str, load: Option<Load>) -> bool {
+        self.snapshot()
+            .iter()
+            .find(|w| w.dynamic && *lock(&w.id) == id)
+            .is_some_and(|w| {
+                *lock(&w.last_heartbeat) = Instant::now();
+                if let Some(load) = load {
+                    *lock(&w.load) = load;
+                }
+                true
+            })
+    }
+
+    /// Drops a registered worker; true if it was known.
+    fn deregister(&self, id: &str) -> bool {
+        let mut workers = self
+            .workers
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = workers.len();
+        workers.retain(|w| !(w.dynamic && *lock(&w.id) == id));
+        let removed = workers.len() < before;
+        if removed {
+            tracing::info!(role = self.role, worker = id, "worker deregistered");
+        }
+        removed
+    }
+
+    /// Drops registered workers whose heartbeats stopped; marks them dead first so streams on
+    /// them fail now.
+    fn expire(&self, expiry: Duration) {
+        let mut workers = self
+            .workers
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        workers.retain(|w| {
+            let stale = w.dynamic && lock(&w.last_heartbeat).elapsed() > expiry;
+            if stale {
+                w.alive.send_replace(false);
+                tracing::warn!(role = self.role, worker = %w.address, "worker missed its heartbeats; dropped");
+            }
+            !stale
+        });
+    }
+
+    /// A live worker other than `exclude`, chosen by `policy`; `preferred` (an id) is the
+    /// prefix-affinity candidate, taken unless it has more than `slack` requests in flight
+    /// beyond the least loaded.
+    pub fn pick(
+        &self,
+        policy: Policy,
+        exclude: Option<&Arc<Worker>>,
+        preferred: Option<&str>,
+        slack: usize,
+    ) -> Result<Arc<Worker>, BackendError> {
+        let all = self.snapshot();
+        let n = all.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let candidates: Vec<&Arc<Worker>> = (0..n)
+            .map(|k| &all[(start + k) % n.max(1)])
+            .filter(|w| w.is_alive() && exclude.is_none_or(|x| !Arc::ptr_eq(x, w)))
+            .collect();
+        let least = candidates.iter().copied().min_by_key(|w| w.score());
+        let chosen = match policy {
+            Policy::RoundRobin => candidates.first().copied(),
+            Policy::LeastLoaded => least,
+            Policy::PowerOfTwo => match candidates.len() {
+                0 => None,
+                1 => Some(candidates[0]),
+                len => {
+                    // Two distinct pseudo-random live workers (a multiplicative hash of the
+                    // turn counter), the less loaded of them.
+                    let h = (start as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16;
+                    let first = (h % len as u64) as usize;
+                    let second = (first + 1 + ((h >> 24) % (len as u64 - 1)) as usize) % len;
+                    let (a, b) = (candidates[first], candidates[second]);
+                    Some(if b.score() < a.score() { b } else { a })
+                }
+            },
+            Policy::PrefixAffinity => {
+                let favourite = preferred
+                    .and_then(|id| candidates.iter().copied().find(|w| *lock(&w.id) == id));
+                match (favourite, least) {
+                    (Some(f), Some(l)) if f.score().0 <= l.score().0 + slack => Some(f),
+                    _ => least,
+                }
+            }
+        };
+        chosen
+            .cloned()
+            .ok_or_else(|| BackendError::Unavailable(format!("no live {} worker", self.role)))
+    }
+
+    pub fn any_alive(&self) -> bool {
+        self.snapshot().iter().any(|w| w.is_alive())
+    }
+}
+
+/// Prefill and decode pools, shared by the PD backend and the `Registry` service.
+#[derive(Debug)]
+pub struct Workers {
+    pub prefill: Pool,
+    pub decode: Pool,
+}
+
+impl Workers {
+    /// The configured static workers; starts the heartbeat expiry task.
+    pub fn new(prefill: &[String], decode: &[String]) -> Result<Arc<Self>, String> {
+        let workers = Arc::new(Self {
+            prefill: Pool::new("prefill", prefill)?,
+            decode: Pool::new("decode", decode)?,
+        });
+        let weak = Arc::downgrade(&workers);
+        tokio::spawn(async move {
+            let expiry = Duration::from_millis(u64::from(EXPIRY_MS));
+            loop {
+                tokio::time::sleep(POLL_EVERY).await;
+                let Some(w) = weak.upgrade() else { return };
+                w.prefill.expire(expiry);
+                w.decode.expire(expiry);
+            }
+        });
+        Ok(workers)
+    }
+
+    fn pool(&self, role: Role) -> Option<&Pool> {
+        match role {
+            Role::Prefill => Some(&self.prefill),
+            Role::Decode => Some(&self.decode),
+            Role::Unspecified => None,
+        }
+    }
+
+    /// Every worker with its state, for `GET /workers`.
+    pub fn listing(&self) -> Vec<WorkerListing> {
+        [("prefill", &self.prefill), ("decode", &self.decode)]
+            .into_iter()
+            .flat_map(|(role, pool)| {
+                pool.snapshot().into_iter().map(move |w| {
+                    let load = *lock(&w.load);
+                    WorkerListing {
+                        id: lock(&w.id).clone(),
+                        role,
+                        address: w.address.clone(),
+                        alive: w.is_alive(),
+                        registered: w.dynamic,
+                        in_flight: w.in_flight.load(Ordering::Relaxed),
+                        running_requests: load.running_requests,
+                        queued_requests: load.queued_requests,
+                        reservations: load.reservations,
+                        pages_used: load.pages_used,
+                        pages_cached: load.pages_cached,
+                        pages_total: load.pages_total,
+                    }
+                })
+            })
+            .collect()
+    }
+}
+
+/// One row of `GET /workers`.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerListing {
+    pub id: String,
+    pub role: &'static str,
+    pub address: String,
+    pub alive: bool,
+    pub registered: bool,
+    pub in_flight: usize,
+    pub running_requests: u32,
+    pub queued_requests: u32,
+    pub reservations: u32,
+    pub pages_used: u64,
+    pub pages_cached: u64,
+    pub pages_total: u64,
+}
+
+/// The `Registry` gRPC service over [`Workers`].
+#[derive(Debug, Clone)]
+pub struct RegistryService(pub Arc<Workers>);
+
+#[tonic::async_trait]
+impl Registry for RegistryService {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        let info = request
+            .into_inner()
+            .worker
+            .ok_or_else(|| Status::invalid_argument("worker is required"))?;
+        let role = Role::try_from(info.role).unwrap_or(Role::Unspecified);
+        let pool = self
+            .0
+            .pool(role)
+            .ok_or_else(|| Status::invalid_argument("worker role must be prefill or decode"))?;
+        if info.worker_id.is_empty() || info.address.is_empty() {
+            return Err(Status::invalid_argument(
+                "worker_id and address are required",
+            ));
+        }
+        pool.register(&info.worker_id, &info.address)
+            .map_err(Status::invalid_argument)?;
+        Ok(Response::new(RegisterResponse {
+            heartbeat_interval_ms: HEARTBEAT_MS,
+            expiry_ms: EXPIRY_MS,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let req = request.into_inner();
+        let known = self.0.prefill.heartbeat(&req.worker_id, req.load)
+            || self.0.decode.heartbeat(&req.worker_id, req.load);
+        Ok(Response::new(HeartbeatResponse { known }))
+    }
+
+    async fn deregister(
+        &self,
+        request: Request<DeregisterRequest>,
+    ) -> Result<Response<Ack>, Status> {
+        let id = request.into_inner().worker_id;
+        let _ = self.0.prefill.deregister(&id) || self.0.decode.deregister(&id);
+        Ok(Response::new(Ack {}))
+    }
+}
