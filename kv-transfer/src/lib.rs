@@ -4,7 +4,7 @@
 //! - [`handshake`]: layout comparison (model fingerprint, page size, every region) and transport
 //!   negotiation; a mismatch is an error naming every difference.
 //! - [`tcp`]: the plain-TCP transport: the prefill side streams `PageWrite` frames to the
-//!   decode side's `StateTransfer` service, which applies them through a [`tcp::PageSink`].
+//!   decode side's `StateTransfer` service, which applies them through a [`tcp::StateSink`].
 //!
 //! UCX (one-sided puts into registered memory) and NCCL are further implementations of the same
 //! flow; the descriptor already carries their endpoint data.
