@@ -42,12 +42,17 @@ impl WorkerHandle {
     }
 
     /// Records the served model: its name (here, the fingerprint) and state layout, and the
-    /// transports this build offers.
-    pub async fn set_model(&self, model_name: String, layout: proto::v1::StateLayout) {
+    /// transports the worker offers.
+    pub async fn set_model(
+        &self,
+        model_name: String,
+        layout: proto::v1::StateLayout,
+        transports: &[proto::v1::TransportKind],
+    ) {
         let mut info = self.info.write().await;
         info.model_name = model_name;
         info.layout = Some(layout);
-        info.transports = vec![proto::v1::TransportKind::Tcp.into()];
+        info.transports = transports.iter().map(|&t| t.into()).collect();
     }
 
     pub async fn set_load(&self, load: Load) {

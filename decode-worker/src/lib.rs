@@ -56,12 +56,18 @@ pub async fn run(
     let loaded = engine::runner::start_from_dir(dir, engine_config(&config), "pdserve-decode")
         .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
     let info = server.handle().snapshot().await;
+    let transports = kv_transfer::handshake::parse_transports(&config.transports)
+        .map_err(ServeError::Startup)?;
+    let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
+    let runner = loaded.runner.clone();
+    let worker =
+        Arc::new(DecodeWorker::new(loaded, info.worker_id, info.address, transports).await);
     server
         .handle()
-        .set_model(loaded.fingerprint.clone(), loaded.layout.clone())
+        .set_model(fingerprint, layout, worker.transports())
         .await;
     let handle = server.handle().clone();
-    tokio::spawn(loaded.runner.clone().report_load(LOAD_EVERY, move |load| {
+    tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
         let handle = handle.clone();
         async move { handle.set_load(load).await }
     }));
@@ -71,7 +77,6 @@ pub async fn run(
             router,
         ));
     }
-    let worker = Arc::new(DecodeWorker::new(loaded, info.worker_id, info.address));
     let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));
     let transfer = StateTransferServer::new(StateTransferService::new(worker))
         .max_decoding_message_size(kv_transfer::tcp::FRAME_BYTES * 2);

@@ -19,7 +19,11 @@ use engine::{
     wire,
 };
 use futures::future::BoxFuture;
-use kv_transfer::{handshake, tcp::StateSink};
+use kv_transfer::{
+    handshake,
+    tcp::StateSink,
+    ucx::{Exporter, Region},
+};
 use proto::v1::{
     Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, FinishReason, GenerateRequest,
     GeneratedToken, PageRef, PageWrite, RequestId, ReserveRequest, ReserveResponse, StateLayout,
@@ -66,6 +70,10 @@ pub struct DecodeWorker {
     address: String,
     next_id: AtomicU64,
     reservations: Mutex<HashMap<String, Reservation>>,
+    /// Transports offered, in order of preference.
+    transports: Vec<TransportKind>,
+    /// The registered pool memory, when UCX is offered.
+    ucx: Option<Exporter>,
 }
 
 impl std::fmt::Debug for DecodeWorker {
@@ -77,14 +85,45 @@ impl std::fmt::Debug for DecodeWorker {
 }
 
 impl DecodeWorker {
-    pub fn new(engine: LoadedEngine, worker_id: String, address: String) -> Self {
+    /// The worker over `engine`, offering `transports`. Offering UCX registers the engine's
+    /// page and slot pools for remote writes; if UCX cannot start here the worker offers the
+    /// rest (with a warning).
+    pub async fn new(
+        engine: LoadedEngine,
+        worker_id: String,
+        address: String,
+        mut transports: Vec<TransportKind>,
+    ) -> Self {
+        let mut ucx = None;
+        if transports.contains(&TransportKind::Ucx) {
+            let regions = engine
+                .runner
+                .call(|engine, _| engine.state_memory())
+                .await
+                .map(|m| m.map(|(base, length)| Region { base, length }).to_vec());
+            match regions.map(Exporter::start) {
+                Ok(Ok(exporter)) => ucx = Some(exporter),
+                Ok(Err(e)) => tracing::warn!(error = %e, "UCX unavailable; not offering it"),
+                Err(_) => tracing::warn!("the engine stopped; not offering UCX"),
+            }
+            if ucx.is_none() {
+                transports.retain(|t| *t != TransportKind::Ucx);
+            }
+        }
         Self {
             engine,
             worker_id,
             address,
             next_id: AtomicU64::new(1),
             reservations: Mutex::new(HashMap::new()),
+            transports,
+            ucx,
         }
+    }
+
+    /// The transports this worker offers (after start-up checks).
+    pub fn transports(&self) -> &[TransportKind] {
+        &self.transports
     }
 
     pub fn layout(&self) -> &StateLayout {
@@ -293,14 +332,18 @@ impl Decode for DecodeService {
                     offset_bytes: offset,
                 })
                 .collect(),
+            // Pages live in region 0 (the page pool), the slot in region 1 (the slot pool).
             slot: Some(PageRef {
-                region: 0,
+                region: 1,
                 page: u64::from(reservation.slot.0),
                 offset_bytes: reservation.slot.1,
             }),
-            target: Some(Target::Tcp(TcpTarget {
-                address: w.address.clone(),
-            })),
+            target: Some(match (transport, &w.ucx) {
+                (TransportKind::Ucx, Some(ucx)) => Target::Ucx(ucx.target().clone()),
+                _ => Target::Tcp(TcpTarget {
+                    address: w.address.clone(),
+                }),
+            }),
         };
         w.lock().insert(
             reservation_id.clone(),
@@ -532,7 +575,7 @@ impl StateSink for DecodeWorker {
         Box::pin(async move {
             handshake::check_layouts(self.layout(), &hello.layout.unwrap_or_default())
                 .map_err(|e| proto::error::to_status(&e.info(&self.worker_id)))?;
-            let transport = handshake::negotiate(&hello.transports, handshake::SUPPORTED)
+            let transport = handshake::negotiate(&hello.transports, &self.transports)
                 .unwrap_or(TransportKind::Unspecified);
             Ok(TransferHelloReply {
                 worker_id: self.worker_id.clone(),

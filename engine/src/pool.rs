@@ -62,6 +62,13 @@ impl PagePool {
         u64::from(page) * self.page_bytes as u64
     }
 
+    /// The pool's memory (base address, length): one allocation that never moves or changes
+    /// size, so a transport can register it for remote writes into reserved pages. Nothing in
+    /// this process touches a reserved page until its request is committed.
+    pub fn memory(&mut self) -> (usize, usize) {
+        (self.data.as_mut_ptr() as usize, self.data.len())
+    }
+
     /// Allocates `n` zeroed pages with one reference each, or none at all.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, PoolError> {
         if n > self.free.len() {

@@ -39,17 +39,32 @@ fn cluster(prefill: usize, decode: usize) -> Cluster {
 }
 
 fn cluster_with(prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
+    cluster_full(prefill, decode, router_args, &[])
+}
+
+fn cluster_full(
+    prefill: usize,
+    decode: usize,
+    router_args: &[&str],
+    worker_args: &[&str],
+) -> Cluster {
     let mut workers = Vec::new();
     let mut args = vec!["--model-dir".to_owned(), model_arg()];
     args.extend(router_args.iter().map(|a| (*a).to_owned()));
     for _ in 0..decode {
-        let w = worker("pdserve-decode", &["--page-size", "16"]);
+        let w = worker(
+            "pdserve-decode",
+            &[&["--page-size", "16"], worker_args].concat(),
+        );
         args.push("--decode-worker".to_owned());
         args.push(w.addr("grpc").to_string());
         workers.push(w);
     }
     for _ in 0..prefill {
-        let w = worker("pdserve-prefill", &["--page-size", "16"]);
+        let w = worker(
+            "pdserve-prefill",
+            &[&["--page-size", "16"], worker_args].concat(),
+        );
         args.push("--prefill-worker".to_owned());
         args.push(w.addr("grpc").to_string());
         workers.push(w);
@@ -91,9 +106,19 @@ fn essence(r: &HttpResponse) -> Value {
 }
 
 #[test]
-fn cluster_equals_single_process_engine_for_many_prompt_lengths() {
+fn cluster_equals_single_process_engine_for_many_prompt_lengths_over_tcp() {
+    equals_single_process_engine("tcp");
+}
+
+#[test]
+fn cluster_equals_single_process_engine_for_many_prompt_lengths_over_ucx() {
+    equals_single_process_engine("ucx");
+}
+
+/// Workers offering only `transport`: if it failed, no request could be served.
+fn equals_single_process_engine(transport: &str) {
     let local = start_router(&["--model-dir", &model_arg()], true);
-    let cluster = cluster(1, 1);
+    let cluster = cluster_full(1, 1, &[], &["--transport", transport]);
     let (a, b) = (local.addr("http"), cluster.router.addr("http"));
     let mut lengths = Vec::new();
     for (i, words) in [0usize, 1, 3, 9, 30, 61, 62, 130, 250, 400]

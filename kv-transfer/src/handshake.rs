@@ -5,7 +5,28 @@ use proto::v1::{StateLayout, TransportKind};
 use crate::TransferError;
 
 /// Transports this build implements, in order of preference.
-pub const SUPPORTED: &[TransportKind] = &[TransportKind::Tcp];
+pub const SUPPORTED: &[TransportKind] = &[TransportKind::Ucx, TransportKind::Tcp];
+
+/// Transport names from a configuration (`ucx`, `tcp`), in order; an unknown, repeated or
+/// missing name is an error.
+pub fn parse_transports(names: &[String]) -> Result<Vec<TransportKind>, String> {
+    let mut out = Vec::new();
+    for name in names {
+        let kind = match name.as_str() {
+            "ucx" => TransportKind::Ucx,
+            "tcp" => TransportKind::Tcp,
+            other => return Err(format!("unknown transport {other:?} (accepted: ucx, tcp)")),
+        };
+        if out.contains(&kind) {
+            return Err(format!("transport {name:?} is listed twice"));
+        }
+        out.push(kind);
+    }
+    if out.is_empty() {
+        return Err("at least one transport is required".to_owned());
+    }
+    Ok(out)
+}
 
 /// Ok when `theirs` describes exactly the bytes `ours` does; otherwise every difference.
 pub fn check_layouts(ours: &StateLayout, theirs: &StateLayout) -> Result<(), TransferError> {
@@ -38,9 +59,17 @@ mod tests {
             negotiate(&[ucx, tcp], &[TransportKind::Tcp, TransportKind::Ucx]),
             Some(TransportKind::Ucx)
         );
-        assert_eq!(negotiate(&[ucx, tcp], SUPPORTED), Some(TransportKind::Tcp));
-        assert_eq!(negotiate(&[ucx], SUPPORTED), None);
+        assert_eq!(negotiate(&[tcp, ucx], SUPPORTED), Some(TransportKind::Tcp));
+        assert_eq!(negotiate(&[ucx], &[TransportKind::Tcp]), None);
         assert_eq!(negotiate(&[0, 99], SUPPORTED), None);
+        let names = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            parse_transports(&names(&["tcp", "ucx"])),
+            Ok(vec![TransportKind::Tcp, TransportKind::Ucx])
+        );
+        assert!(parse_transports(&names(&["rdma"])).is_err());
+        assert!(parse_transports(&names(&["tcp", "tcp"])).is_err());
+        assert!(parse_transports(&[]).is_err());
     }
 
     #[test]

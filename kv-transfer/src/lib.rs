@@ -6,11 +6,15 @@
 //! - [`tcp`]: the plain-TCP transport: the prefill side streams `PageWrite` frames to the
 //!   decode side's `StateTransfer` service, which applies them through a [`tcp::StateSink`].
 //!
-//! UCX (one-sided puts into registered memory) and NCCL are further implementations of the same
-//! flow; the descriptor already carries their endpoint data.
+//! - [`ucx`]: one-sided puts into the decode worker's registered page pool, flushed before the
+//!   commit.
+//!
+//! NCCL is a further implementation of the same flow; the descriptor carries its rendezvous
+//! data.
 
 pub mod handshake;
 pub mod tcp;
+pub mod ucx;
 
 use proto::v1::{ErrorInfo, ErrorKind};
 

@@ -32,6 +32,10 @@ pub struct PrefillConfig {
     /// host:port of a router's gRPC server to register with (and heartbeat to). Unset: the
     /// worker is listed statically in the router's configuration.
     pub router: Option<String>,
+    /// State transports this worker offers, in order of preference: `ucx` (one-sided puts into
+    /// registered memory), `tcp` (page frames over gRPC). A pair uses the first transport of the
+    /// prefill worker's list that the decode worker also offers.
+    pub transports: Vec<String>,
 }
 
 impl Default for PrefillConfig {
@@ -46,6 +50,7 @@ impl Default for PrefillConfig {
             max_running: 32,
             max_batch_tokens: 512,
             router: None,
+            transports: vec!["ucx".to_owned(), "tcp".to_owned()],
         }
     }
 }
@@ -75,6 +80,8 @@ impl ServiceConfig for PrefillConfig {
             1,
             1 << 20,
         )?;
+        kv_transfer::handshake::parse_transports(&self.transports)
+            .map_err(|e| Invalid::new("transports", e))?;
         if let Some(router) = &self.router {
             common::config::check_host_port("router", router)?;
         }
@@ -126,6 +133,10 @@ pub struct Cli {
     #[arg(long, value_name = "HOST:PORT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router: Option<String>,
+    /// A state transport to offer (ucx, tcp), in order of preference; repeat for several.
+    #[arg(long = "transport", value_name = "NAME")]
+    #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
+    pub transports: Vec<String>,
 }
 
 #[cfg(test)]

@@ -17,10 +17,14 @@ use engine::{
     scheduler::{Event, GenerationRequest, PromptState},
     wire,
 };
-use kv_transfer::handshake;
+use kv_transfer::{
+    TransferError, handshake,
+    ucx::{Put, Putter},
+};
 use proto::v1::{
     Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, PrefillRequest, PrefillResponse,
-    RequestId, Timings, TransportKind, Usage, decode_client::DecodeClient, prefill_server::Prefill,
+    RequestId, Timings, TransferDescriptor, TransportKind, Usage, decode_client::DecodeClient,
+    prefill_server::Prefill, transfer_descriptor::Target,
 };
 use tonic::{Request, Response, Status};
 
@@ -31,6 +35,10 @@ pub struct PrefillWorker {
     next_id: AtomicU64,
     /// Engine ids of running prefills, by (request id, attempt).
     running: Mutex<HashMap<(String, u32), u64>>,
+    /// Transports offered, in order of preference.
+    transports: Vec<TransportKind>,
+    /// The UCX initiator, when UCX is offered.
+    ucx: Option<Putter>,
 }
 
 impl std::fmt::Debug for PrefillWorker {
@@ -69,12 +77,87 @@ struct Prefilled {
 }
 
 impl PrefillWorker {
-    pub fn new(engine: LoadedEngine, worker_id: String) -> Self {
+    /// The worker over `engine`, offering `transports` (UCX is dropped, with a warning, when
+    /// it cannot start here).
+    pub fn new(
+        engine: LoadedEngine,
+        worker_id: String,
+        mut transports: Vec<TransportKind>,
+    ) -> Self {
+        let mut ucx = None;
+        if transports.contains(&TransportKind::Ucx) {
+            match Putter::start() {
+                Ok(putter) => ucx = Some(putter),
+                Err(e) => {
+                    tracing::warn!(error = %e, "UCX unavailable; not offering it");
+                    transports.retain(|t| *t != TransportKind::Ucx);
+                }
+            }
+        }
         Self {
             engine,
             worker_id,
             next_id: AtomicU64::new(1),
             running: Mutex::new(HashMap::new()),
+            transports,
+            ucx,
+        }
+    }
+
+    /// The transports this worker offers (after start-up checks).
+    pub fn transports(&self) -> &[TransportKind] {
+        &self.transports
+    }
+
+    /// Writes the prompt state into the destination with its negotiated transport.
+    async fn write_state(
+        &self,
+        destination: &TransferDescriptor,
+        request_id: &RequestId,
+        state: &PromptState,
+    ) -> Result<u64, TransferError> {
+        match (
+            TransportKind::try_from(destination.transport),
+            &destination.target,
+        ) {
+            (Ok(TransportKind::Tcp), _) if self.transports.contains(&TransportKind::Tcp) => {
+                kv_transfer::tcp::send_state(destination, request_id, &state.pages, &state.slot)
+                    .await
+            }
+            (Ok(TransportKind::Ucx), Some(Target::Ucx(target))) => {
+                let putter = self.ucx.as_ref().ok_or_else(|| {
+                    TransferError::Descriptor("this worker does not offer UCX".to_owned())
+                })?;
+                let slot = destination
+                    .slot
+                    .ok_or_else(|| TransferError::Descriptor("no state slot".to_owned()))?;
+                if state.pages.len() > destination.pages.len() {
+                    return Err(TransferError::Descriptor(format!(
+                        "{} pages of state but {} reserved",
+                        state.pages.len(),
+                        destination.pages.len()
+                    )));
+                }
+                let mut puts: Vec<Put> = state
+                    .pages
+                    .iter()
+                    .zip(&destination.pages)
+                    .map(|(bytes, page)| Put {
+                        region: page.region as usize,
+                        offset: page.offset_bytes,
+                        data: bytes.clone(),
+                    })
+                    .collect();
+                puts.push(Put {
+                    region: slot.region as usize,
+                    offset: slot.offset_bytes,
+                    data: state.slot.clone(),
+                });
+                putter.put(target.clone(), puts).await
+            }
+            (kind, _) => Err(TransferError::Descriptor(format!(
+                "transport {kind:?} is not offered by this worker or lacks its target"
+            ))),
         }
     }
 
@@ -171,12 +254,6 @@ impl Prefill for PrefillService {
             &destination.layout.clone().unwrap_or_default(),
         )
         .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
-        if destination.transport != i32::from(TransportKind::Tcp) {
-            return Err(w.err(
-                ErrorKind::InvalidArgument,
-                "this worker writes state over TCP only",
-            ));
-        }
         let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
         let key = (request_id.id.clone(), request_id.attempt);
         w.running().insert(key.clone(), engine_id);
@@ -197,14 +274,10 @@ impl Prefill for PrefillService {
         let work = async {
             let prefilled = w.compute(generation).await?;
             let forward_ns = started.elapsed().as_nanos();
-            let transferred = kv_transfer::tcp::send_state(
-                &destination,
-                &request_id,
-                &prefilled.state.pages,
-                &prefilled.state.slot,
-            )
-            .await
-            .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
+            let transferred = w
+                .write_state(&destination, &request_id, &prefilled.state)
+                .await
+                .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
             let transfer_ns = started.elapsed().as_nanos() - forward_ns;
             let first_token = wire::token_to_proto(&prefilled.first);
             let mut decode = DecodeClient::connect(format!("http://{}", req.decode_address))

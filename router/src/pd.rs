@@ -128,6 +128,7 @@ impl PdBackend {
             BackendError::Unavailable("the prefill worker serves no model".to_owned())
         })?;
         *lock(&worker.layout) = Some(layout.clone());
+        *lock(&worker.transports) = info.transports;
         Ok(layout)
     }
 
@@ -195,7 +196,15 @@ impl PdBackend {
                 max_new_tokens: request.stop.max_tokens,
                 lease_ms: LEASE_MS,
                 prefill_layout: Some(layout),
-                transports: vec![TransportKind::Tcp.into()],
+                // The prefill worker's preference; TCP until its first `Info` says more.
+                transports: {
+                    let offered = lock(&prefill.transports).clone();
+                    if offered.is_empty() {
+                        vec![TransportKind::Tcp.into()]
+                    } else {
+                        offered
+                    }
+                },
             })
             .await
             .map_err(|s| fail(status_error("decode worker", &s)))?

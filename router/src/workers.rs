@@ -52,6 +52,8 @@ pub struct Worker {
     pub in_flight: Arc<AtomicUsize>,
     /// Its state layout, from `Info`.
     pub layout: Mutex<Option<StateLayout>>,
+    /// Transports it offers, in its order of preference (`TransportKind` values), from `Info`.
+    pub transports: Mutex<Vec<i32>>,
     /// Registered over gRPC (dropped when its heartbeats stop) rather than configured.
     pub dynamic: bool,
     pub last_heartbeat: Mutex<Instant>,
@@ -72,6 +74,7 @@ impl Worker {
             load: Mutex::new(Load::default()),
             in_flight: Arc::new(AtomicUsize::new(0)),
             layout: Mutex::new(None),
+            transports: Mutex::new(Vec::new()),
             dynamic,
             last_heartbeat: Mutex::new(Instant::now()),
         }))
@@ -107,6 +110,9 @@ impl Worker {
                         }
                         if !info.worker_id.is_empty() {
                             *lock(&w.id) = info.worker_id;
+                        }
+                        if !info.transports.is_empty() {
+                            *lock(&w.transports) = info.transports;
                         }
                         w.alive.send_if_modified(|a| !std::mem::replace(a, true));
                     }

@@ -149,6 +149,15 @@ impl Engine {
         true
     }
 
+    /// The page pool's and the slot pool's memory (base address, length), for a transport
+    /// that writes reserved pages remotely (see [`crate::pool::PagePool::memory`]).
+    pub fn state_memory(&mut self) -> [(usize, usize); 2] {
+        [
+            self.store.pages_mut().memory(),
+            self.store.slots_mut().memory(),
+        ]
+    }
+
     /// Reservations waiting for their state.
     pub fn reservations(&self) -> usize {
         self.reserved.len()
