@@ -410,23 +410,35 @@ fn put_job(
         peer.keys.push((region.remote_key.clone(), rkey));
         keys.push(rkey);
     }
+    // Issue every put, then wait for them together: each is non-blocking, and the buffers live
+    // in `puts` until this function returns.
     let mut bytes = 0u64;
+    let mut pending = Vec::new();
+    let mut failure = None;
     for put in puts {
         let region = target.regions.get(put.region).ok_or_else(|| {
             TransferError::Descriptor(format!("no region {} in the UCX target", put.region))
-        })?;
+        });
+        let region = match region {
+            Ok(r) => r,
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        };
         let end = put.offset.checked_add(put.data.len() as u64);
         if end.is_none_or(|end| end > region.length) {
-            return Err(TransferError::Descriptor(format!(
+            failure = Some(TransferError::Descriptor(format!(
                 "a put of {} bytes at offset {} overruns region {} ({} bytes)",
                 put.data.len(),
                 put.offset,
                 put.region,
                 region.length
             )));
+            break;
         }
-        // SAFETY: the source buffer lives in `puts` until the flush below completes; the
-        // remote range was checked against the region the peer registered.
+        // SAFETY: the source buffer lives in `puts` until every request below has completed;
+        // the remote range was checked against the region the peer registered.
         let request = unsafe {
             let param: sys::ucp_request_param_t = std::mem::zeroed();
             sys::ucp_put_nbx(
@@ -438,8 +450,24 @@ fn put_job(
                 &raw const param,
             )
         };
-        worker.wait(request, deadline)?;
+        match ucx_rs::decode_status_ptr(request) {
+            Ok(None) => {}
+            Ok(Some(request)) => pending.push(request),
+            Err(status) => {
+                failure = Some(status_error("ucp_put_nbx", status));
+                break;
+            }
+        }
         bytes += put.data.len() as u64;
+    }
+    // Every issued request completes (or fails) before the buffers may go away.
+    for request in pending {
+        if let Err(e) = worker.wait(request, deadline) {
+            failure.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failure {
+        return Err(e);
     }
     // Remote completion of every put before the caller commits.
     // SAFETY: live endpoint; zeroed params request no callbacks.

@@ -3,6 +3,7 @@
 //! CPU reference model's logits. Verify, bench and status commands arrive with their issues.
 
 pub mod bench_engine;
+pub mod bench_transfer;
 pub mod cluster;
 pub mod generate;
 pub mod health;
@@ -37,6 +38,8 @@ pub enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// List a router's prefill and decode workers with their liveness and load.
     Workers(workers::WorkersArgs),
+    /// Measure page-transfer throughput over UCX and TCP between two processes.
+    BenchTransfer(bench_transfer::BenchTransferArgs),
 }
 
 /// Arguments of `pdctl up`.
@@ -121,6 +124,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::BenchEngine(args) => bench_engine::run(&args),
             Command::Generate(args) => generate::run(&args),
             Command::Workers(args) => workers::run(&args).await,
+            Command::BenchTransfer(args) => bench_transfer::run(&args).await,
         }
     });
     match result {
