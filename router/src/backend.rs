@@ -1,7 +1,7 @@
 //! Backends: where token ids go to be generated from. The HTTP layer submits a prompt's token
 //! ids with sampling and stop parameters and receives a stream of token batches; dropping the
 //! stream cancels the request. [`LocalBackend`] runs the engine in this process on one
-//! dedicated OS thread; the prefill/decode backend arrives with the PD work.
+//! dedicated OS thread (development); the prefill/decode backend is [`crate::pd`].
 
 use std::{
     fmt,

@@ -1,8 +1,8 @@
-//! The router: OpenAI-compatible HTTP API, chat encoding and streaming detokenization, worker
-//! registry, routing policies and the two-leg prefill/decode orchestration. Today it serves the
-//! OpenAI chat and legacy completions APIs, `/v1/models`, `/tokenize`, `/detokenize`, health
-//! and Prometheus `/metrics` over HTTP with an in-process engine backend (`model_dir`), and the
-//! standard gRPC health service.
+//! The router: OpenAI-compatible HTTP API (chat completions, completions, Anthropic messages,
+//! responses, models, tokenize/detokenize, health, metrics, worker listing) on DeepSeek's
+//! official encoder and parser; the worker registry (`Registry` gRPC service, static lists,
+//! health polling) and routing policies; the two-leg prefill/decode backend ([`pd`]), or an
+//! in-process engine for development.
 
 pub mod api_error;
 pub mod backend;
