@@ -373,10 +373,30 @@ impl Decode for DecodeService {
         let req = request.into_inner();
         w.check(&req.reservation_id, req.request_id.as_ref())?;
         if !req.checksums.is_empty() {
-            return Err(w.err(
-                ErrorKind::InvalidArgument,
-                "page checksums are not supported by this worker; commit without them",
-            ));
+            let engine_id = w.check(&req.reservation_id, req.request_id.as_ref())?;
+            let checksums = req.checksums.clone();
+            let verified = w
+                .runner()
+                .call(move |engine, _| {
+                    kv_transfer::checksum::verify(&checksums, |page| {
+                        engine.reserved_bytes(engine_id, page).ok()
+                    })
+                })
+                .await
+                .map_err(|_| w.stopped())?;
+            if let Err(e) = verified {
+                // The state is wrong: the request fails on both legs, its pages are freed.
+                let removed = w.lock().remove(&req.reservation_id);
+                let _ = w
+                    .runner()
+                    .call(move |engine, _| engine.release_reservation(engine_id))
+                    .await;
+                let status = proto::error::to_status(&e.info(&w.worker_id));
+                if let Some((_, reply)) = removed.and_then(|r| r.generate) {
+                    let _ = reply.send(Err(status.clone()));
+                }
+                return Err(status);
+            }
         }
         let first = req
             .first_token

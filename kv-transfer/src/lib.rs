@@ -12,6 +12,7 @@
 //! NCCL is a further implementation of the same flow; the descriptor carries its rendezvous
 //! data.
 
+pub mod checksum;
 pub mod handshake;
 pub mod tcp;
 pub mod ucx;

@@ -295,7 +295,15 @@ impl Prefill for PrefillService {
                     first_token: Some(first_token.clone()),
                     prompt_tokens: u32::try_from(req.prompt_token_ids.len()).unwrap_or(u32::MAX),
                     seed: prefilled.seed,
-                    checksums: Vec::new(),
+                    checksums: if req.checksums {
+                        kv_transfer::checksum::of_state(
+                            &destination,
+                            &prefilled.state.pages,
+                            &prefilled.state.slot,
+                        )
+                    } else {
+                        Vec::new()
+                    },
                     transferred_bytes: transferred,
                 })
                 .await?;

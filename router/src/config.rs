@@ -60,6 +60,9 @@ pub struct RouterConfig {
     /// registered), `local` (an engine inside the router, for development), or `auto`: `pd`
     /// when workers are configured, else `local`.
     pub backend: BackendKind,
+    /// The prefill worker sends a checksum of every state page it wrote and the decode worker
+    /// verifies them before admitting the request (a mismatch fails the request).
+    pub transfer_checksums: bool,
 }
 
 /// See [`RouterConfig::backend`].
@@ -106,6 +109,7 @@ impl Default for RouterConfig {
             decode_policy: Policy::LeastLoaded,
             affinity_slack: 4,
             backend: BackendKind::Auto,
+            transfer_checksums: true,
         }
     }
 }
@@ -281,6 +285,10 @@ pub struct Cli {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<BackendKind>,
+    /// Verify every transferred state page by checksum (true/false).
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transfer_checksums: Option<bool>,
 }
 
 #[cfg(test)]

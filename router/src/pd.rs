@@ -71,6 +71,7 @@ pub struct PdBackend {
     decode_policy: Policy,
     slack: usize,
     affinity: Mutex<Affinity>,
+    checksums: bool,
 }
 
 fn status_error(what: &str, status: &tonic::Status) -> BackendError {
@@ -97,6 +98,7 @@ impl PdBackend {
             decode_policy: config.decode_policy,
             slack: config.affinity_slack as usize,
             affinity: Mutex::new(Affinity::default()),
+            checksums: config.transfer_checksums,
         }
     }
 
@@ -258,7 +260,7 @@ impl PdBackend {
                 stop: Some(stop),
                 destination: Some(destination),
                 decode_address: decode.address.clone(),
-                checksums: false,
+                checksums: self.checksums,
                 deadline_ms: 0,
             })
             .await;

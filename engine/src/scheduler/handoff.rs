@@ -207,6 +207,26 @@ impl Engine {
         Ok(())
     }
 
+    /// The bytes of a reservation's page (by pool page number) or of its slot (`None`), to
+    /// verify what a transport wrote.
+    pub fn reserved_bytes(&self, id: u64, page: Option<u64>) -> Result<&[u8], HandoffError> {
+        let seq = self.reservation(id)?;
+        match page {
+            None => Ok(self.store.slots().page(seq.slot)?),
+            Some(p) => {
+                let page = seq
+                    .pages
+                    .iter()
+                    .copied()
+                    .find(|&q| u64::from(q) == p)
+                    .ok_or_else(|| {
+                        HandoffError::OutOfBounds(format!("page {p} is not reserved"))
+                    })?;
+                Ok(self.store.pages().page(page)?)
+            }
+        }
+    }
+
     /// Writes a whole exported state into a reservation (the in-process transport).
     pub fn import(&mut self, id: u64, state: &PromptState) -> Result<(), HandoffError> {
         let seq = self.reservation(id)?;
