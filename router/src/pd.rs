@@ -176,12 +176,6 @@ impl PdBackend {
             error,
             retry: false,
         };
-        let decode = self
-            .workers
-            .decode
-            .pick(self.decode_policy, None, None, 0)
-            .map_err(fail)?;
-        let decode_guard = InFlight::new(&decode);
         let layout = self
             .prefill_layout(prefill)
             .await
@@ -190,25 +184,46 @@ impl PdBackend {
             id: id.to_owned(),
             attempt,
         };
+        let reserve = ReserveRequest {
+            request_id: Some(request_id.clone()),
+            prompt_tokens: u32::try_from(request.prompt.len()).unwrap_or(u32::MAX),
+            max_new_tokens: request.stop.max_tokens,
+            lease_ms: LEASE_MS,
+            prefill_layout: Some(layout),
+            // The prefill worker's preference; TCP until its first `Info` says more.
+            transports: {
+                let offered = lock(&prefill.transports).clone();
+                if offered.is_empty() {
+                    vec![TransportKind::Tcp.into()]
+                } else {
+                    offered
+                }
+            },
+        };
+        // A decode worker that is full or unreachable: try one other before giving up.
+        let mut decode = self
+            .workers
+            .decode
+            .pick(self.decode_policy, None, None, 0)
+            .map_err(fail)?;
         let mut decode_client = DecodeClient::new(decode.channel.clone());
-        let reserved = decode_client
-            .reserve(ReserveRequest {
-                request_id: Some(request_id.clone()),
-                prompt_tokens: u32::try_from(request.prompt.len()).unwrap_or(u32::MAX),
-                max_new_tokens: request.stop.max_tokens,
-                lease_ms: LEASE_MS,
-                prefill_layout: Some(layout),
-                // The prefill worker's preference; TCP until its first `Info` says more.
-                transports: {
-                    let offered = lock(&prefill.transports).clone();
-                    if offered.is_empty() {
-                        vec![TransportKind::Tcp.into()]
-                    } else {
-                        offered
-                    }
-                },
-            })
-            .await
+        let mut result = decode_client.reserve(reserve.clone()).await;
+        if let Err(status) = &result {
+            let kind = ErrorKind::try_from(proto::error::from_status(status).kind)
+                .unwrap_or(ErrorKind::Internal);
+            if matches!(kind, ErrorKind::Overloaded | ErrorKind::Unavailable)
+                && let Ok(other) =
+                    self.workers
+                        .decode
+                        .pick(self.decode_policy, Some(&decode), None, 0)
+            {
+                decode = other;
+                decode_client = DecodeClient::new(decode.channel.clone());
+                result = decode_client.reserve(reserve).await;
+            }
+        }
+        let decode_guard = InFlight::new(&decode);
+        let reserved = result
             .map_err(|s| fail(status_error("decode worker", &s)))?
             .into_inner();
         let destination = reserved.destination.ok_or_else(|| {
