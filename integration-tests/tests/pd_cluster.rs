@@ -140,6 +140,23 @@ fn equals_single_process_engine(transport: &str) {
     assert!(lengths.iter().any(|&n| n > 256), "{lengths:?}");
     assert!(lengths.iter().any(|&n| n < 16), "{lengths:?}");
 
+    // Every state moved over the configured transport, and the router counted it.
+    let metrics = http(b, "GET", "/metrics", &[], b"", T).body;
+    let count = |t: &str| -> u64 {
+        let prefix = format!("pdserve_transfers_total{{transport=\"{t}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in {metrics}"))
+    };
+    let other = if transport == "ucx" { "tcp" } else { "ucx" };
+    assert_eq!(count(transport), 10, "{metrics}");
+    assert_eq!(count(other), 0);
+    assert!(metrics.contains(&format!(
+        "pdserve_transfer_bytes_total{{transport=\"{transport}\"}}"
+    )));
+
     // Streaming through the cluster gives the same text.
     let mut body = chat(45, 7, 0.7, 10);
     let want = post(a, "/v1/chat/completions", &body).json();

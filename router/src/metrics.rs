@@ -30,14 +30,27 @@ pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
 /// Requests in flight (gauge).
 pub const RUNNING_REQUESTS: &str = "pdserve_running_requests";
 
+/// Prompt states moved from prefill to decode workers, by transport (counter).
+pub const TRANSFERS_TOTAL: &str = "pdserve_transfers_total";
+/// Bytes of prompt state moved, by transport (counter).
+pub const TRANSFER_BYTES_TOTAL: &str = "pdserve_transfer_bytes_total";
+/// Seconds prefill workers spent writing prompt state, by transport (counter).
+pub const TRANSFER_SECONDS_TOTAL: &str = "pdserve_transfer_seconds_total";
+/// Prefills retried on another worker after a failure (counter).
+pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
+
 /// Every metric name, for documentation and tests.
-pub const ALL: [&str; 6] = [
+pub const ALL: [&str; 10] = [
     REQUESTS_TOTAL,
     REQUEST_DURATION_SECONDS,
     TIME_TO_FIRST_TOKEN_SECONDS,
     GENERATED_TOKENS_TOTAL,
     PROMPT_TOKENS_TOTAL,
     RUNNING_REQUESTS,
+    TRANSFERS_TOTAL,
+    TRANSFER_BYTES_TOTAL,
+    TRANSFER_SECONDS_TOTAL,
+    PREFILL_RETRIES_TOTAL,
 ];
 
 /// The endpoints recorded (the `endpoint` label).
@@ -171,6 +184,25 @@ struct Registry {
     generated: AtomicU64,
     prompt: AtomicU64,
     running: AtomicI64,
+    /// Per transport (UCX, TCP): transfers, bytes, nanoseconds.
+    transfers: [[AtomicU64; 3]; 2],
+    prefill_retries: AtomicU64,
+}
+
+/// The transports transfers are counted by (the `transport` label).
+const TRANSPORT_LABELS: [&str; 2] = ["ucx", "tcp"];
+
+/// Records one prompt-state transfer (`ucx` is false for TCP).
+pub fn transfer(ucx: bool, bytes: u64, seconds: f64) {
+    let t = &REGISTRY.transfers[usize::from(!ucx)];
+    t[0].fetch_add(1, Ordering::Relaxed);
+    t[1].fetch_add(bytes, Ordering::Relaxed);
+    t[2].fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+}
+
+/// Records a prefill retried on another worker.
+pub fn prefill_retry() {
+    REGISTRY.prefill_retries.fetch_add(1, Ordering::Relaxed);
 }
 
 static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Registry {
@@ -180,6 +212,8 @@ static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Registry {
     generated: AtomicU64::new(0),
     prompt: AtomicU64::new(0),
     running: AtomicI64::new(0),
+    transfers: Default::default(),
+    prefill_retries: AtomicU64::new(0),
 });
 
 fn index(endpoint: Endpoint) -> usize {
@@ -254,6 +288,47 @@ pub fn render() -> String {
         out,
         "{RUNNING_REQUESTS} {}",
         r.running.load(Ordering::Relaxed).max(0)
+    );
+    for (k, (name, help, kind)) in [
+        (
+            TRANSFERS_TOTAL,
+            "Prompt states moved to decode workers.",
+            "counter",
+        ),
+        (
+            TRANSFER_BYTES_TOTAL,
+            "Bytes of prompt state moved.",
+            "counter",
+        ),
+        (
+            TRANSFER_SECONDS_TOTAL,
+            "Seconds prefill workers spent writing prompt state.",
+            "counter",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let _ = writeln!(out, "# HELP {name} {help} By transport.");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (t, label) in TRANSPORT_LABELS.iter().enumerate() {
+            let v = r.transfers[t][k].load(Ordering::Relaxed);
+            if k == 2 {
+                let _ = writeln!(out, "{name}{{transport=\"{label}\"}} {}", v as f64 / 1e9);
+            } else {
+                let _ = writeln!(out, "{name}{{transport=\"{label}\"}} {v}");
+            }
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP {PREFILL_RETRIES_TOTAL} Prefills retried on another worker."
+    );
+    let _ = writeln!(out, "# TYPE {PREFILL_RETRIES_TOTAL} counter");
+    let _ = writeln!(
+        out,
+        "{PREFILL_RETRIES_TOTAL} {}",
+        r.prefill_retries.load(Ordering::Relaxed)
     );
     out
 }

@@ -145,6 +145,7 @@ impl PdBackend {
             Err(Failed { error, retry: true }) => {
                 match pool.pick(self.prefill_policy, Some(&prefill), None, self.slack) {
                     Ok(other) => {
+                        crate::metrics::prefill_retry();
                         tracing::warn!(%error, worker = %prefill.address, "prefill failed; retrying once on another worker");
                         let result = self
                             .attempt(&request, &id, 2, &other)
@@ -226,6 +227,7 @@ impl PdBackend {
         let reserved = result
             .map_err(|s| fail(status_error("decode worker", &s)))?
             .into_inner();
+        let transport = reserved.destination.as_ref().map_or(0, |d| d.transport);
         let destination = reserved.destination.ok_or_else(|| {
             fail(BackendError::Unavailable(
                 "the decode worker returned no destination".to_owned(),
@@ -296,6 +298,13 @@ impl PdBackend {
         let cached = prefilled
             .usage
             .map_or(0, |u| u.cached_prompt_tokens as usize);
+        crate::metrics::transfer(
+            transport == TransportKind::Ucx as i32,
+            prefilled.transferred_bytes,
+            prefilled
+                .timings
+                .map_or(0.0, |t| t.transfer_ns as f64 / 1e9),
+        );
         let (tx, rx) = mpsc::unbounded_channel();
         let alive = decode.alive.subscribe();
         let forward = tokio::spawn(async move {
