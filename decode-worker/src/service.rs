@@ -575,7 +575,7 @@ async fn feed(
                 finish_reason: FinishReason::Cancelled.into(),
                 ..batch(std::mem::take(&mut pending))
             },
-            Some(Event::Prefilled { .. }) | None => TokenBatch {
+            Some(Event::Prefilled { .. } | Event::StatePart { .. }) | None => TokenBatch {
                 finish_reason: FinishReason::Error.into(),
                 error: Some(ErrorInfo {
                     kind: ErrorKind::Internal.into(),

@@ -32,7 +32,7 @@ impl Subscribers {
     /// Delivers one event; a terminal event ends the subscription.
     pub fn deliver(&mut self, event: Event) {
         let id = event_id(&event);
-        let terminal = !matches!(event, Event::Token { .. });
+        let terminal = !matches!(event, Event::Token { .. } | Event::StatePart { .. });
         if let Some(tx) = self.routes.get(&id) {
             let _ = tx.send(event);
         }
@@ -49,7 +49,8 @@ pub fn event_id(event: &Event) -> u64 {
         | Event::Finished { id, .. }
         | Event::Cancelled { id }
         | Event::Failed { id, .. }
-        | Event::Prefilled { id, .. } => *id,
+        | Event::Prefilled { id, .. }
+        | Event::StatePart { id, .. } => *id,
     }
 }
 
@@ -182,8 +183,9 @@ fn run(mut engine: Engine, jobs: &std_mpsc::Receiver<Job>) {
         if engine.is_idle() {
             continue;
         }
-        let events = engine.step();
-        if events.is_empty() && engine.load().0 == 0 {
+        // State parts reach their subscribers during the step, the rest after it.
+        let emitted = engine.step_with(&mut |event| subs.deliver(event));
+        if emitted == 0 && engine.load().0 == 0 {
             // Requests are waiting for pages that reservations hold: nothing can run until a
             // job (a commit, a release) changes that, so wait for one instead of spinning.
             match jobs.recv_timeout(std::time::Duration::from_millis(5)) {
@@ -191,9 +193,6 @@ fn run(mut engine: Engine, jobs: &std_mpsc::Receiver<Job>) {
                 Err(std_mpsc::RecvTimeoutError::Timeout) => {}
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
             }
-        }
-        for event in events {
-            subs.deliver(event);
         }
     }
 }

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 mod handoff;
 
-pub use handoff::{HandoffError, PromptState, Reservation};
+pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
 use crate::{
     model::{ForwardError, Logits, Model, Step},
@@ -86,6 +86,14 @@ pub enum Event {
     Failed {
         id: u64,
         error: String,
+    },
+    /// Part of a prefill-only request's state that is final: sent while the prompt is still
+    /// being computed (every layer's rows of a chunk right after that layer's attention, and
+    /// prefix-cached pages before the first chunk). A write may be repeated by a later part
+    /// with more rows filled in (a chunk that ends inside a page): apply parts in order.
+    StatePart {
+        id: u64,
+        writes: Vec<StateWrite>,
     },
     /// A prefill-only request ([`Engine::add_prefill`]) computed its prompt and sampled its
     /// first token (reported just before as `Token` index 0): its state, exported in this
@@ -292,6 +300,15 @@ impl Engine {
 
     /// Runs one forward step and returns what it produced.
     pub fn step(&mut self) -> Vec<Event> {
+        let mut events = Vec::new();
+        self.step_with(&mut |e| events.push(e));
+        events
+    }
+
+    /// Runs one forward step, passing what it produced to `emit`: state parts of prefill-only
+    /// requests as soon as they are final (during the forward pass), the rest at the end.
+    /// Returns the number of events emitted.
+    pub fn step_with(&mut self, emit: &mut dyn FnMut(Event)) -> usize {
         self.admit();
         let ps = self.config.page_size;
         let mut budget = self.config.max_batch_tokens.max(1);
@@ -316,8 +333,9 @@ impl Engine {
             }
         }
         if plan.is_empty() {
-            return Vec::new();
+            return 0;
         }
+        let mut emitted = 0;
         let mut events = Vec::new();
         let mut states = Vec::with_capacity(plan.len());
         for &(i, _, _) in &plan {
@@ -338,6 +356,23 @@ impl Engine {
                 Err(e) => failed.push((*i, e.to_string())),
             }
         }
+        // Prefill-only requests stream their state: (batch index, running index, range).
+        let streamed: Vec<(usize, usize, std::ops::Range<usize>)> = ok_states
+            .iter()
+            .enumerate()
+            .filter(|(_, (i, ..))| self.running[*i].handoff)
+            .map(|(b, (i, range, ..))| (b, *i, range.clone()))
+            .collect();
+        for (_, i, range) in &streamed {
+            match handoff::cached_part(&self.store, &self.running[*i], range.start) {
+                Ok(Some(part)) => {
+                    emitted += 1;
+                    emit(part);
+                }
+                Ok(None) => {}
+                Err(e) => failed.push((*i, e.to_string())),
+            }
+        }
         let result = {
             let mut batch: Vec<Step<'_>> = ok_states
                 .iter_mut()
@@ -347,11 +382,28 @@ impl Engine {
                     logits: if *logits { Logits::Last } else { Logits::None },
                 })
                 .collect();
-            self.model.forward_batch(&mut batch)
+            let (store, running) = (&mut self.store, &self.running);
+            let mut after_layer = |l: usize, steps: &[Step<'_>]| {
+                for (b, i, range) in &streamed {
+                    match handoff::layer_part(store, &running[*i], steps[*b].state, l, range) {
+                        Ok(Some(part)) => {
+                            emitted += 1;
+                            emit(part);
+                        }
+                        Ok(None) => {}
+                        Err(e) => failed.push((*i, e.to_string())),
+                    }
+                }
+            };
+            self.model
+                .forward_batch_observed(&mut batch, &mut after_layer)
         };
         match result {
             Ok(outputs) => {
                 for ((i, _, _, state), mut logits) in ok_states.into_iter().zip(outputs) {
+                    if failed.iter().any(|(f, _)| *f == i) {
+                        continue;
+                    }
                     if let Err(e) = self.advance(i, &state, logits.pop(), &mut events) {
                         failed.push((i, e));
                     }
@@ -362,8 +414,14 @@ impl Engine {
                 failed.extend(ok_states.iter().map(|(i, ..)| (*i, e.to_string())));
             }
         }
+        failed.sort_by_key(|(i, _)| *i);
+        failed.dedup_by_key(|(i, _)| *i);
         self.retire(&mut events, failed);
-        events
+        emitted += events.len();
+        for event in events {
+            emit(event);
+        }
+        emitted
     }
 
     /// Stores a request's new state, samples when it produced logits, and marks it done.

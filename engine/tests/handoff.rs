@@ -11,7 +11,9 @@ use engine::{
     model::Model,
     paged::layout::KvStorage,
     sampling::{FinishReason, Sampled, SamplingParams, StopConditions},
-    scheduler::{Engine, EngineConfig, EngineError, Event, GenerationRequest, HandoffError},
+    scheduler::{
+        Engine, EngineConfig, EngineError, Event, GenerationRequest, HandoffError, StateWrite,
+    },
     synth::{GenerateOptions, Preset, Rng, generate},
 };
 
@@ -81,7 +83,7 @@ fn handoff(p: &mut Engine, d: &mut Engine, req: &GenerationRequest) -> Vec<Sampl
     let events = p.run_to_completion();
     let first = sampled_of(&events, req.id);
     assert_eq!(first.len(), 1, "a prefill-only request samples one token");
-    let (state, seed, finish) = events
+    let (state, seed, finish, cached) = events
         .iter()
         .find_map(|e| match e {
             Event::Prefilled {
@@ -89,11 +91,17 @@ fn handoff(p: &mut Engine, d: &mut Engine, req: &GenerationRequest) -> Vec<Sampl
                 state,
                 seed,
                 finish,
-                ..
-            } if *id == req.id => Some((state.clone(), *seed, *finish)),
+                cached_tokens,
+            } if *id == req.id => Some((state.clone(), *seed, *finish, *cached_tokens)),
             _ => None,
         })
         .expect("Prefilled event");
+    if req.prompt.len() == 307 {
+        assert!(
+            cached >= 256,
+            "the extended prompt reuses cached pages ({cached})"
+        );
+    }
     assert_eq!(state.prompt_len, req.prompt.len());
     assert!(
         finish.is_none(),
@@ -107,7 +115,40 @@ fn handoff(p: &mut Engine, d: &mut Engine, req: &GenerationRequest) -> Vec<Sampl
         reservation.pages.len(),
         (req.prompt.len() + req.stop.max_tokens as usize).div_ceil(d.store().layout.page_size)
     );
-    d.import(req.id, &state).unwrap();
+    // The decode side gets the state the way a transport delivers it: the parts streamed
+    // during the forward pass, in order, then the slot. Assembled on zeroed pages, the parts
+    // are the exported pages byte for byte.
+    let parts: Vec<&StateWrite> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::StatePart { id, writes } if *id == req.id => Some(writes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let prefilled_at = events
+        .iter()
+        .position(|e| matches!(e, Event::Prefilled { .. }))
+        .unwrap();
+    assert!(
+        events[prefilled_at..]
+            .iter()
+            .all(|e| !matches!(e, Event::StatePart { .. })),
+        "every part precedes the end of the prefill"
+    );
+    let page_bytes = p.store().layout.page_bytes;
+    let mut assembled = vec![vec![0u8; page_bytes]; state.pages.len()];
+    for w in &parts {
+        assembled[w.page][w.offset..w.offset + w.bytes.len()].copy_from_slice(&w.bytes);
+        d.write_state(req.id, Some(w.page), w.offset, &w.bytes)
+            .unwrap();
+    }
+    assert!(
+        assembled == state.pages,
+        "streamed parts differ from the exported pages (prompt {})",
+        req.prompt.len()
+    );
+    d.write_state(req.id, None, 0, &state.slot).unwrap();
     assert_eq!(d.commit(req.clone(), first[0].token, seed).unwrap(), None);
     let rest = d.run_to_completion();
     assert!(rest.iter().any(
@@ -127,13 +168,23 @@ fn handoff_continues_bit_exactly() {
         let mut prefill = engine(kv, page_size);
         let mut decode = engine(kv, page_size);
         let mut rng = Rng::for_tensor(page_size as u64, "handoff");
-        for (i, len) in [1usize, 3, 5, 17, 63, 130, 131, 262, 301]
+        let mut previous: Vec<u32> = Vec::new();
+        for (i, len) in [1usize, 3, 5, 17, 63, 130, 131, 262, 301, 307]
             .into_iter()
             .enumerate()
         {
-            let prompt: Vec<u32> = (0..len)
-                .map(|_| (rng.next_u64() % 129_280) as u32)
-                .collect();
+            // The last prompt extends the one before: its leading pages come from the prefix
+            // cache and are streamed before its first chunk.
+            let prompt: Vec<u32> = if len == 307 {
+                let mut p = previous.clone();
+                p.extend((0..6).map(|_| (rng.next_u64() % 129_280) as u32));
+                p
+            } else {
+                (0..len)
+                    .map(|_| (rng.next_u64() % 129_280) as u32)
+                    .collect()
+            };
+            previous.clone_from(&prompt);
             let temperature = if i % 2 == 0 { 0.0 } else { 0.8 };
             let req = request(i as u64 + 1, prompt, 9, temperature);
             solo.add(req.clone()).unwrap();

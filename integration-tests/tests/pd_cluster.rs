@@ -115,10 +115,17 @@ fn cluster_equals_single_process_engine_for_many_prompt_lengths_over_ucx() {
     equals_single_process_engine("ucx");
 }
 
-/// Workers offering only `transport`: if it failed, no request could be served.
+/// Workers offering only `transport`: if it failed, no request could be served. Steps of 37
+/// tokens split long prompts into chunks that end inside pages, so a page's rows arrive in two
+/// parts, streamed while later chunks are computed.
 fn equals_single_process_engine(transport: &str) {
     let local = start_router(&["--model-dir", &model_arg()], true);
-    let cluster = cluster_full(1, 1, &[], &["--transport", transport]);
+    let cluster = cluster_full(
+        1,
+        1,
+        &[],
+        &["--transport", transport, "--max-batch-tokens", "37"],
+    );
     let (a, b) = (local.addr("http"), cluster.router.addr("http"));
     let mut lengths = Vec::new();
     for (i, words) in [0usize, 1, 3, 9, 30, 61, 62, 130, 250, 400]

@@ -8,12 +8,15 @@
 //!
 //! - [`ucx`]: one-sided puts into the decode worker's registered page pool, flushed before the
 //!   commit.
+//! - [`stream`]: one request's state moved piece by piece, in order, while its prompt is
+//!   still being computed (over UCX or TCP).
 //!
 //! NCCL is a further implementation of the same flow; the descriptor carries its rendezvous
 //! data.
 
 pub mod checksum;
 pub mod handshake;
+pub mod stream;
 pub mod tcp;
 pub mod ucx;
 

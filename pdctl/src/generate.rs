@@ -95,7 +95,9 @@ pub fn run(args: &GenerateArgs) -> Result<(), PdctlError> {
             Event::Finished { reason, usage, .. } => finish = Some((reason, usage)),
             Event::Failed { error, .. } => return Err(err(&error)),
             Event::Cancelled { .. } => {}
-            Event::Prefilled { .. } => return Err(err(&"unexpected prefill handoff")),
+            Event::Prefilled { .. } | Event::StatePart { .. } => {
+                return Err(err(&"unexpected prefill handoff"));
+            }
         }
     }
     let text = match &tokenizer {

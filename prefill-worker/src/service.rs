@@ -19,12 +19,12 @@ use engine::{
 };
 use kv_transfer::{
     TransferError, handshake,
-    ucx::{Put, Putter},
+    stream::{Piece, StateStream},
+    ucx::Putter,
 };
 use proto::v1::{
     Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, PrefillRequest, PrefillResponse,
-    RequestId, Timings, TransferDescriptor, TransportKind, Usage, decode_client::DecodeClient,
-    prefill_server::Prefill, transfer_descriptor::Target,
+    RequestId, Timings, TransportKind, Usage, decode_client::DecodeClient, prefill_server::Prefill,
 };
 use tonic::{Request, Response, Status};
 
@@ -109,58 +109,6 @@ impl PrefillWorker {
         &self.transports
     }
 
-    /// Writes the prompt state into the destination with its negotiated transport.
-    async fn write_state(
-        &self,
-        destination: &TransferDescriptor,
-        request_id: &RequestId,
-        state: &PromptState,
-    ) -> Result<u64, TransferError> {
-        match (
-            TransportKind::try_from(destination.transport),
-            &destination.target,
-        ) {
-            (Ok(TransportKind::Tcp), _) if self.transports.contains(&TransportKind::Tcp) => {
-                kv_transfer::tcp::send_state(destination, request_id, &state.pages, &state.slot)
-                    .await
-            }
-            (Ok(TransportKind::Ucx), Some(Target::Ucx(target))) => {
-                let putter = self.ucx.as_ref().ok_or_else(|| {
-                    TransferError::Descriptor("this worker does not offer UCX".to_owned())
-                })?;
-                let slot = destination
-                    .slot
-                    .ok_or_else(|| TransferError::Descriptor("no state slot".to_owned()))?;
-                if state.pages.len() > destination.pages.len() {
-                    return Err(TransferError::Descriptor(format!(
-                        "{} pages of state but {} reserved",
-                        state.pages.len(),
-                        destination.pages.len()
-                    )));
-                }
-                let mut puts: Vec<Put> = state
-                    .pages
-                    .iter()
-                    .zip(&destination.pages)
-                    .map(|(bytes, page)| Put {
-                        region: page.region as usize,
-                        offset: page.offset_bytes,
-                        data: bytes.clone(),
-                    })
-                    .collect();
-                puts.push(Put {
-                    region: slot.region as usize,
-                    offset: slot.offset_bytes,
-                    data: state.slot.clone(),
-                });
-                putter.put(target.clone(), puts).await
-            }
-            (kind, _) => Err(TransferError::Descriptor(format!(
-                "transport {kind:?} is not offered by this worker or lacks its target"
-            ))),
-        }
-    }
-
     fn err(&self, kind: ErrorKind, message: impl Into<String>) -> Status {
         proto::error::to_status(&ErrorInfo {
             kind: kind.into(),
@@ -175,8 +123,13 @@ impl PrefillWorker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs the prompt and waits for its first token and exported state.
-    async fn compute(&self, request: GenerationRequest) -> Result<Prefilled, Status> {
+    /// Runs the prompt, streaming its state into `stream` as it becomes final, and waits for
+    /// its first token and exported state.
+    async fn compute(
+        &self,
+        request: GenerationRequest,
+        stream: &StateStream,
+    ) -> Result<Prefilled, Status> {
         let id = request.id;
         let mut events = self
             .engine
@@ -192,6 +145,20 @@ impl PrefillWorker {
         loop {
             match events.recv().await {
                 Some(Event::Token { sampled, .. }) => first = Some(sampled),
+                Some(Event::StatePart { writes, .. }) => {
+                    let pieces = writes
+                        .into_iter()
+                        .map(|w| Piece {
+                            page: Some(w.page),
+                            offset: w.offset as u64,
+                            data: w.bytes,
+                        })
+                        .collect();
+                    if stream.send(pieces).is_err() {
+                        // The transfer failed; finishing it reports why.
+                        return Err(self.err(ErrorKind::TransferFailed, "state transfer stopped"));
+                    }
+                }
                 Some(Event::Prefilled {
                     state,
                     seed,
@@ -272,13 +239,35 @@ impl Prefill for PrefillService {
             ),
         };
         let work = async {
-            let prefilled = w.compute(generation).await?;
-            let forward_ns = started.elapsed().as_nanos();
-            let transferred = w
-                .write_state(&destination, &request_id, &prefilled.state)
+            let transfer_error = |e: TransferError| proto::error::to_status(&e.info(&w.worker_id));
+            let stream =
+                StateStream::open(&destination, &request_id, &w.transports, w.ucx.as_ref())
+                    .map_err(transfer_error)?;
+            let computed = w.compute(generation, &stream).await;
+            let forward_end = Instant::now();
+            let prefilled = match computed {
+                Ok(p) => p,
+                Err(status) => {
+                    let stopped = proto::error::from_status(&status).kind
+                        == i32::from(ErrorKind::TransferFailed);
+                    if stopped && let Err(e) = stream.finish(Vec::new()).await {
+                        // The transfer's own error says what went wrong.
+                        return Err(transfer_error(e));
+                    }
+                    return Err(status);
+                }
+            };
+            let forward_ns = (forward_end - started).as_nanos();
+            let report = stream
+                .finish(prefilled.state.slot.clone())
                 .await
-                .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
-            let transfer_ns = started.elapsed().as_nanos() - forward_ns;
+                .map_err(transfer_error)?;
+            let transferred = report.bytes;
+            let transfer_ns = report.busy.as_nanos();
+            let exposed_ns = report
+                .done
+                .saturating_duration_since(forward_end)
+                .as_nanos();
             let first_token = wire::token_to_proto(&prefilled.first);
             let mut decode = DecodeClient::connect(format!("http://{}", req.decode_address))
                 .await
@@ -321,6 +310,7 @@ impl Prefill for PrefillService {
                 timings: Some(Timings {
                     forward_ns: u64::try_from(forward_ns).unwrap_or(u64::MAX),
                     transfer_ns: u64::try_from(transfer_ns).unwrap_or(u64::MAX),
+                    exposed_transfer_ns: u64::try_from(exposed_ns).unwrap_or(u64::MAX),
                     total_ns: u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
                     ..Timings::default()
                 }),

@@ -268,7 +268,7 @@ fn engine_loop(mut engine: Engine, commands: &std_mpsc::Receiver<Command>) {
                     streams.remove(&id);
                 }
                 // This backend never queues prefill-only requests.
-                Event::Prefilled { id, .. } => ends.push((
+                Event::Prefilled { id, .. } | Event::StatePart { id, .. } => ends.push((
                     id,
                     BackendEvent::Failed("unexpected prefill handoff".to_owned()),
                 )),

@@ -127,6 +127,17 @@ impl Model {
         &self,
         batch: &mut [Step<'_>],
     ) -> Result<Vec<Vec<Vec<f32>>>, ForwardError> {
+        self.forward_batch_observed(batch, &mut |_, _| {})
+    }
+
+    /// [`Self::forward_batch`], calling `after_layer(l, batch)` as soon as layer `l`'s attention
+    /// has updated every sequence's state (the sequences' `len` still counts only the positions
+    /// before this step), so a layer's new state can leave while later layers run.
+    pub fn forward_batch_observed(
+        &self,
+        batch: &mut [Step<'_>],
+        after_layer: &mut dyn FnMut(usize, &[Step<'_>]),
+    ) -> Result<Vec<Vec<Vec<f32>>>, ForwardError> {
         let c = &self.config;
         let w = &self.weights;
         for step in batch.iter() {
@@ -181,6 +192,8 @@ impl Model {
                     )
                 })
                 .collect();
+            // The layer's state is final once its attention ran; its MoE does not touch it.
+            after_layer(i, batch);
             let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
             streams
                 .par_iter_mut()

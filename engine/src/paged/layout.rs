@@ -232,6 +232,23 @@ impl StateLayout {
             .find(|r| r.layer == layer && r.kind == kind)
     }
 
+    /// The bytes of every page that hold `layer`'s rows (its paged regions are adjacent:
+    /// regions are sorted by layer), or `None` for a layer without paged state.
+    pub fn layer_page_bytes(&self, layer: usize) -> Option<std::ops::Range<usize>> {
+        let mut paged = self
+            .regions
+            .iter()
+            .filter(|r| r.layer == layer && r.placement == Placement::Paged);
+        let first = paged.next()?;
+        let start = first.offset;
+        let end = std::iter::once(first)
+            .chain(paged)
+            .map(|r| r.offset + r.rows * r.row_stride)
+            .max()
+            .unwrap_or(start);
+        Some(start..end)
+    }
+
     /// Bytes of state per token for each paged region kind (summed over layers), and the slot.
     pub fn bytes_per_token(&self) -> Vec<(RegionKind, f64)> {
         let mut out: Vec<(RegionKind, f64)> = Vec::new();

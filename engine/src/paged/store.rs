@@ -368,24 +368,42 @@ impl PagedStore {
     /// Stores what a forward step added to `state` (positions `seq.len..state.len`). The pages
     /// must have been reserved.
     pub fn scatter(&mut self, seq: &mut PagedSeq, state: &SequenceState) -> Result<(), PoolError> {
-        let c = self.config.clone();
+        let (from, to) = (seq.len, state.len);
+        for l in 0..self.config.layers.len() {
+            self.scatter_layer(seq, state, l, (from, to))?;
+        }
+        seq.len = to;
+        Ok(())
+    }
+
+    /// Stores layer `l`'s part of a step that computed positions `from..to` (the sequence's
+    /// length is not changed: [`Self::scatter`] does that once every layer is stored). Lets a
+    /// layer's rows be read out of the pages while later layers are still being computed.
+    pub fn scatter_layer(
+        &mut self,
+        seq: &PagedSeq,
+        state: &SequenceState,
+        l: usize,
+        (from, to): (usize, usize),
+    ) -> Result<(), PoolError> {
         let ps = self.layout.page_size;
-        if self.pages_for(state.len) > seq.pages.len() {
+        if self.pages_for(to) > seq.pages.len() {
             return Err(PoolError::OutOfPages {
-                requested: self.pages_for(state.len) - seq.pages.len(),
+                requested: self.pages_for(to) - seq.pages.len(),
                 free: 0,
                 total: self.pages.total(),
             });
         }
-        let (from, to) = (seq.len, state.len);
-        for (l, spec) in c.layers.iter().enumerate() {
+        let (head_dim, index_head_dim) = (self.config.head_dim, self.config.index_head_dim);
+        let spec = self.config.layers[l];
+        {
             let layer = &state.layers[l];
             if let Some(region) = self.region(l, RegionKind::WindowKv).cloned() {
                 // The state's window ends at position `to - 1`.
-                let rows = layer.window.len() / c.head_dim;
+                let rows = layer.window.len() / head_dim;
                 for pos in from.max(to.saturating_sub(rows))..to {
                     let i = rows - (to - pos);
-                    let row = &layer.window[i * c.head_dim..(i + 1) * c.head_dim];
+                    let row = &layer.window[i * head_dim..(i + 1) * head_dim];
                     self.write_row(seq, &region, pos / ps, pos % ps, row)?;
                 }
             }
@@ -407,7 +425,7 @@ impl PagedStore {
                         &slot,
                         (from, to),
                         ratio,
-                        c.head_dim,
+                        head_dim,
                         csa,
                     )?;
                 }
@@ -423,13 +441,12 @@ impl PagedStore {
                         &slot,
                         (from, to),
                         ratio,
-                        c.index_head_dim,
+                        index_head_dim,
                         true,
                     )?;
                 }
             }
         }
-        seq.len = to;
         Ok(())
     }
 

@@ -6,7 +6,10 @@
 //! left off: same state bytes, same random stream, so the tokens equal a one-engine run.
 
 use super::{Engine, EngineError, Event, GenerationRequest, Running, Usage};
+use std::ops::Range;
+
 use crate::{
+    model::SequenceState,
     paged::store::{PagedSeq, PagedStore},
     pool::{PageId, PoolError},
     sampling::Sampler,
@@ -26,6 +29,70 @@ impl PromptState {
     pub fn bytes(&self) -> usize {
         self.pages.iter().map(Vec::len).sum::<usize>() + self.slot.len()
     }
+}
+
+/// Bytes for one of a request's pages: `page` is the index in the request's page sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateWrite {
+    pub page: usize,
+    pub offset: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// Before a prefill-only request's first chunk (`start` == its cached tokens): the pages the
+/// prefix cache supplied, which are final.
+pub(super) fn cached_part(
+    store: &PagedStore,
+    r: &Running,
+    start: usize,
+) -> Result<Option<Event>, PoolError> {
+    let pages = start / store.layout.page_size;
+    if start != r.cached || r.seq.len != r.cached || pages == 0 {
+        return Ok(None);
+    }
+    let writes = r.seq.pages[..pages]
+        .iter()
+        .enumerate()
+        .map(|(page, &p)| {
+            Ok(StateWrite {
+                page,
+                offset: 0,
+                bytes: store.pages().page(p)?.to_vec(),
+            })
+        })
+        .collect::<Result<Vec<_>, PoolError>>()?;
+    Ok(Some(Event::StatePart { id: r.id, writes }))
+}
+
+/// After layer `l` computed positions `range` of a prefill-only request: stores the layer's
+/// rows in the request's pages and returns them (the layer's bytes of every page the range
+/// touches). The slot is not included: it is final only after the last chunk.
+pub(super) fn layer_part(
+    store: &mut PagedStore,
+    r: &Running,
+    state: &SequenceState,
+    l: usize,
+    range: &Range<usize>,
+) -> Result<Option<Event>, PoolError> {
+    if range.is_empty() {
+        return Ok(None);
+    }
+    store.scatter_layer(&r.seq, state, l, (range.start, range.end))?;
+    let Some(bytes) = store.layout.layer_page_bytes(l) else {
+        return Ok(None);
+    };
+    let ps = store.layout.page_size;
+    let writes = (range.start / ps..=(range.end - 1) / ps)
+        .map(|page| {
+            let data = store.pages().page(r.seq.pages[page])?;
+            Ok(StateWrite {
+                page,
+                offset: bytes.start,
+                bytes: data[bytes.clone()].to_vec(),
+            })
+        })
+        .collect::<Result<Vec<_>, PoolError>>()?;
+    Ok(Some(Event::StatePart { id: r.id, writes }))
 }
 
 /// Pages reserved for a request whose prompt state another worker writes.
