@@ -138,17 +138,23 @@ fn handoff(p: &mut Engine, d: &mut Engine, req: &GenerationRequest) -> Vec<Sampl
     );
     let page_bytes = p.store().layout.page_bytes;
     let mut assembled = vec![vec![0u8; page_bytes]; state.pages.len()];
+    let mut slot = Vec::new();
     for w in &parts {
-        assembled[w.page][w.offset..w.offset + w.bytes.len()].copy_from_slice(&w.bytes);
-        d.write_state(req.id, Some(w.page), w.offset, &w.bytes)
-            .unwrap();
+        let target = if let Some(i) = w.page {
+            &mut assembled[i]
+        } else {
+            slot.resize(w.bytes.len(), 0);
+            &mut slot
+        };
+        target[w.offset..w.offset + w.bytes.len()].copy_from_slice(&w.bytes);
+        d.write_state(req.id, w.page, w.offset, &w.bytes).unwrap();
     }
     assert!(
         assembled == state.pages,
         "streamed parts differ from the exported pages (prompt {})",
         req.prompt.len()
     );
-    d.write_state(req.id, None, 0, &state.slot).unwrap();
+    assert!(slot == state.slot, "the streamed slot differs");
     assert_eq!(d.commit(req.clone(), first[0].token, seed).unwrap(), None);
     let rest = d.run_to_completion();
     assert!(rest.iter().any(

@@ -7,7 +7,7 @@
 //! - UCX: the pieces queued while the previous puts were in flight go out together and are
 //!   flushed before the next group, so a group never overtakes the one before it.
 //! - TCP: one `StateTransfer` client stream for the request; the decode side applies frames
-//!   in the order they were sent.
+//!   in the order they were sent. The slot is the last piece: the stream ends with it.
 
 use std::time::{Duration, Instant};
 
@@ -102,14 +102,12 @@ impl StateStream {
         })
     }
 
-    /// Queues the slot (the last piece) and waits until everything is in place.
-    pub async fn finish(self, slot: Vec<u8>) -> Result<StreamReport, TransferError> {
-        // A send error means the task already ended; its result says why.
-        let _ = self.pieces.send(vec![Piece {
-            page: None,
-            offset: 0,
-            data: slot,
-        }]);
+    /// Queues the last pieces (if any) and waits until everything is in place.
+    pub async fn finish(self, rest: Vec<Piece>) -> Result<StreamReport, TransferError> {
+        if !rest.is_empty() {
+            // A send error means the task already ended; its result says why.
+            let _ = self.pieces.send(rest);
+        }
         drop(self.pieces);
         self.task.await.map_err(|e| TransferError::Failed {
             peer: "decode".to_owned(),
@@ -221,8 +219,15 @@ async fn run_tcp(
             .await
     });
     let (mut sent_bytes, mut sent_frames, mut busy) = (0u64, 0u64, Duration::ZERO);
+    let mut slot_sent = false;
     'pieces: while let Some(group) = rx.recv().await {
         for piece in group {
+            if slot_sent {
+                return Err(TransferError::Descriptor(
+                    "state queued after the slot (the slot comes last)".to_owned(),
+                ));
+            }
+            slot_sent = piece.page.is_none();
             let at = pages.get(piece.page)?;
             for (i, chunk) in piece.data.chunks(FRAME_BYTES).enumerate() {
                 let started = Instant::now();
@@ -244,6 +249,11 @@ async fn run_tcp(
                 sent_frames += 1;
             }
         }
+        if slot_sent {
+            // The slot is the last piece: end the stream now for the confirmation, without
+            // waiting for the caller to finish.
+            break;
+        }
     }
     drop(frames);
     let started = Instant::now();
@@ -254,6 +264,11 @@ async fn run_tcp(
         .into_inner();
     let done = Instant::now();
     busy += done - started;
+    if rx.recv().await.is_some() {
+        return Err(TransferError::Descriptor(
+            "state queued after the slot (the slot comes last)".to_owned(),
+        ));
+    }
     if summary.bytes != sent_bytes || summary.frames != sent_frames {
         return Err(failed(format!(
             "the decode side applied {} bytes in {} frames; {sent_bytes} bytes in \

@@ -40,9 +40,25 @@ pub struct BenchTransferArgs {
     /// Timed iterations (the best and the mean are reported).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub iterations: u32,
-    /// `ucx_perftest` to compare against (default: the one on PATH, if any).
+    /// `ucx_perftest` to compare against (default: one next to this binary, as
+    /// `scripts/build-ucx-perftest` puts it, else the one on PATH).
     #[arg(long, value_name = "PATH")]
     pub perftest: Option<std::path::PathBuf>,
+    /// Checkpoint for the hidden-share measurement (default: the embedded tiny model).
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<std::path::PathBuf>,
+    /// Prompt lengths for the hidden-share measurement, tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [512u32, 2048])]
+    pub prompt_tokens: Vec<u32>,
+    /// Prefill requests per transport and prompt length.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub requests: u32,
+    /// The prefill worker's tokens per forward step (default: its own default).
+    #[arg(long)]
+    pub max_batch_tokens: Option<u32>,
+    /// Skip the hidden-share measurement (which starts a prefill and a decode worker).
+    #[arg(long)]
+    pub no_prefill: bool,
     /// Internal: run as the receiving side.
     #[arg(long, hide = true)]
     pub serve_target: bool,
@@ -209,16 +225,23 @@ pub async fn run(args: &BenchTransferArgs) -> Result<(), PdctlError> {
     );
 
     let putter = Putter::start().map_err(|e| err(e.to_string()))?;
+    // The puts of every round are built before timing (copying 64 MiB is not the transport's
+    // time); a put owns its bytes.
+    let mut rounds: Vec<Vec<Put>> = (0..=args.iterations)
+        .map(|_| {
+            payload
+                .iter()
+                .enumerate()
+                .map(|(i, data)| Put {
+                    region: 0,
+                    offset: (i * message) as u64,
+                    data: data.clone(),
+                })
+                .collect()
+        })
+        .collect();
     let (best, mean) = rate(args.iterations, bytes, || {
-        let puts = payload
-            .iter()
-            .enumerate()
-            .map(|(i, data)| Put {
-                region: 0,
-                offset: (i * message) as u64,
-                data: data.clone(),
-            })
-            .collect();
+        let puts = rounds.pop().unwrap_or_default();
         let (putter, target) = (putter.clone(), target.clone());
         async move { putter.put(target, puts).await }
     })
@@ -227,6 +250,7 @@ pub async fn run(args: &BenchTransferArgs) -> Result<(), PdctlError> {
         "{:<34} {best:>10.2} {mean:>10.2}",
         "pdserve UCX put + flush"
     );
+    let best_ucx = best;
 
     let descriptor = TransferDescriptor {
         transport: TransportKind::Tcp.into(),
@@ -260,21 +284,38 @@ pub async fn run(args: &BenchTransferArgs) -> Result<(), PdctlError> {
     })
     .await;
 
-    perftest(args, message);
-    println!(
-        "\nhidden behind prefill compute: 0% (the state is written after the prompt's forward \
-         pass; per-layer streaming during prefill is not implemented yet)"
-    );
-    Ok(())
+    perftest(args, message, best_ucx);
+    if args.no_prefill {
+        return Ok(());
+    }
+    println!("\nshare of the state transfer hidden behind prefill compute:");
+    crate::bench_hidden::run(&crate::bench_hidden::HiddenPlan {
+        model: args.model.clone(),
+        prompt_tokens: args.prompt_tokens.clone(),
+        requests: args.requests,
+        max_batch_tokens: args.max_batch_tokens,
+    })
+    .await
 }
 
-/// `ucx_perftest` put bandwidth on the same message size, when installed.
+/// The `ucx_perftest` to run: the one given, else one next to this binary, else PATH's.
+fn perftest_exe(args: &BenchTransferArgs) -> std::path::PathBuf {
+    if let Some(path) = &args.perftest {
+        return path.clone();
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("ucx_perftest")))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| std::path::PathBuf::from("ucx_perftest"))
+}
+
+/// `ucx_perftest` put bandwidth on the same message size and with the same endpoint error
+/// handling as pdserve's (peer failure detection, `-e`: without it UCX may pick transports
+/// that cannot report a dead peer), next to pdserve's best.
 #[expect(clippy::print_stdout, reason = "CLI output")]
-fn perftest(args: &BenchTransferArgs, message: usize) {
-    let exe = args
-        .perftest
-        .clone()
-        .unwrap_or_else(|| std::path::PathBuf::from("ucx_perftest"));
+fn perftest(args: &BenchTransferArgs, message: usize, ours: f64) {
+    let exe = perftest_exe(args);
     let port = "13377";
     let count = ((args.size_mib as usize * (1 << 20)) / message * args.iterations as usize).max(1);
     let common = [
@@ -286,6 +327,7 @@ fn perftest(args: &BenchTransferArgs, message: usize) {
         count.to_string(),
         "-p".to_owned(),
         port.to_owned(),
+        "-e".to_owned(),
     ];
     let Ok(mut server) = Command::new(&exe)
         .args(&common)
@@ -295,7 +337,7 @@ fn perftest(args: &BenchTransferArgs, message: usize) {
     else {
         println!(
             "{:<34} {:>10}",
-            "ucx_perftest ucp_put_bw", "not installed (Debian: ucx-utils)"
+            "ucx_perftest ucp_put_bw", "not found (scripts/build-ucx-perftest builds it)"
         );
         return;
     };
@@ -303,7 +345,8 @@ fn perftest(args: &BenchTransferArgs, message: usize) {
     let client = Command::new(&exe).arg("127.0.0.1").args(&common).output();
     let _ = server.kill();
     let _ = server.wait();
-    // The final summary line's bandwidth column (MB/s average) is the 6th number.
+    // The final summary line's bandwidth column (MB/s average, MB = 2^20 bytes) is the 6th
+    // number.
     let best = client.ok().and_then(|out| {
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         text.lines()
@@ -312,12 +355,14 @@ fn perftest(args: &BenchTransferArgs, message: usize) {
             .and_then(|l| l.split_whitespace().nth(6).map(str::to_owned))
     });
     match best.and_then(|v| v.parse::<f64>().ok()) {
-        Some(mbps) => println!(
-            "{:<34} {:>10.2} {:>10}",
-            "ucx_perftest ucp_put_bw (average)",
-            mbps * 1.048_576 / 1000.0,
-            "-"
-        ),
+        Some(mibps) => {
+            let gbps = mibps * 1.048_576 / 1000.0;
+            println!(
+                "{:<34} {gbps:>10.2} {:>10}",
+                "ucx_perftest ucp_put_bw -e", "-"
+            );
+            println!("pdserve UCX / ucx_perftest: {:.0}%", 100.0 * ours / gbps);
+        }
         None => println!("{:<34} {:>10}", "ucx_perftest ucp_put_bw", "failed"),
     }
 }

@@ -19,18 +19,18 @@ use crate::{PdctlError, UpArgs, health};
 
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
-const EPHEMERAL: &str = "127.0.0.1:0";
+pub(crate) const EPHEMERAL: &str = "127.0.0.1:0";
 
 /// A started child process and the addresses it announced.
 #[derive(Debug)]
-struct Proc {
-    name: String,
+pub(crate) struct Proc {
+    pub(crate) name: String,
     child: Child,
     ready: HashMap<String, String>,
 }
 
 impl Proc {
-    fn addr(&self, key: &str) -> Result<std::net::SocketAddr, PdctlError> {
+    pub(crate) fn addr(&self, key: &str) -> Result<std::net::SocketAddr, PdctlError> {
         self.ready
             .get(key)
             .and_then(|a| a.parse().ok())
@@ -43,7 +43,7 @@ impl Proc {
 
 /// The embedded default model: `tiny` preset, MXFP4 experts, seed 0, with the real tokenizer,
 /// generated into the cache folder on first use (deterministic, so every machine gets the same).
-fn default_model() -> Result<PathBuf, PdctlError> {
+pub(crate) fn default_model() -> Result<PathBuf, PdctlError> {
     let cache = common::assets::cache_dir().map_err(|e| PdctlError::Model(e.to_string()))?;
     let dir = cache.join("models/tiny-mxfp4-seed0");
     if dir.join("model.safetensors.index.json").is_file() {
@@ -110,14 +110,14 @@ async fn ask(http: std::net::SocketAddr) -> Result<String, PdctlError> {
     Ok(serde_json::to_string(&doc["choices"][0]["message"]).unwrap_or(text))
 }
 
-fn default_bin_dir() -> Result<PathBuf, PdctlError> {
+pub(crate) fn default_bin_dir() -> Result<PathBuf, PdctlError> {
     let exe = std::env::current_exe()?;
     Ok(exe
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf))
 }
 
-async fn spawn(bin: &Path, name: String, args: &[&str]) -> Result<Proc, PdctlError> {
+pub(crate) async fn spawn(bin: &Path, name: String, args: &[&str]) -> Result<Proc, PdctlError> {
     let mut cmd = Command::new(bin);
     cmd.args(args)
         .stdin(Stdio::null())
@@ -172,7 +172,7 @@ async fn spawn(bin: &Path, name: String, args: &[&str]) -> Result<Proc, PdctlErr
     })
 }
 
-async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
+pub(crate) async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
     let failed = |reason: String| PdctlError::Stop {
         what: proc.name.clone(),
         reason,

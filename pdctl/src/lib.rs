@@ -3,6 +3,7 @@
 //! CPU reference model's logits. Verify, bench and status commands arrive with their issues.
 
 pub mod bench_engine;
+pub mod bench_hidden;
 pub mod bench_transfer;
 pub mod cluster;
 pub mod generate;

@@ -36,6 +36,10 @@ pub struct PrefillConfig {
     /// registered memory), `tcp` (page frames over gRPC). A pair uses the first transport of the
     /// prefill worker's list that the decode worker also offers.
     pub transports: Vec<String>,
+    /// Send each layer's state while the prompt is still being computed (true), or all of it
+    /// after the forward passes (false: the baseline `pdctl bench-transfer` compares against;
+    /// the transfer then adds its whole time to the first token).
+    pub stream_state: bool,
 }
 
 impl Default for PrefillConfig {
@@ -51,6 +55,7 @@ impl Default for PrefillConfig {
             max_batch_tokens: 512,
             router: None,
             transports: vec!["ucx".to_owned(), "tcp".to_owned()],
+            stream_state: true,
         }
     }
 }
@@ -137,6 +142,10 @@ pub struct Cli {
     #[arg(long = "transport", value_name = "NAME")]
     #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
     pub transports: Vec<String>,
+    /// Stream the prompt state during the forward passes (true) or send it afterwards.
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream_state: Option<bool>,
 }
 
 #[cfg(test)]

@@ -59,7 +59,12 @@ pub async fn run(
         .map_err(ServeError::Startup)?;
     let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
     let runner = loaded.runner.clone();
-    let worker = Arc::new(PrefillWorker::new(loaded, info.worker_id, transports));
+    let worker = Arc::new(PrefillWorker::new(
+        loaded,
+        info.worker_id,
+        transports,
+        config.stream_state,
+    ));
     server
         .handle()
         .set_model(fingerprint, layout, worker.transports())

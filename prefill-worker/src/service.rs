@@ -39,6 +39,8 @@ pub struct PrefillWorker {
     transports: Vec<TransportKind>,
     /// The UCX initiator, when UCX is offered.
     ucx: Option<Putter>,
+    /// Send state parts as the engine produces them (else all after the forward passes).
+    stream_state: bool,
 }
 
 impl std::fmt::Debug for PrefillWorker {
@@ -74,6 +76,8 @@ struct Prefilled {
     state: PromptState,
     seed: u64,
     cached_tokens: usize,
+    /// The slot already went with the state parts.
+    slot_sent: bool,
 }
 
 impl PrefillWorker {
@@ -83,6 +87,7 @@ impl PrefillWorker {
         engine: LoadedEngine,
         worker_id: String,
         mut transports: Vec<TransportKind>,
+        stream_state: bool,
     ) -> Self {
         let mut ucx = None;
         if transports.contains(&TransportKind::Ucx) {
@@ -101,6 +106,7 @@ impl PrefillWorker {
             running: Mutex::new(HashMap::new()),
             transports,
             ucx,
+            stream_state,
         }
     }
 
@@ -142,6 +148,9 @@ impl PrefillWorker {
             .map_err(|_| self.err(ErrorKind::Internal, "the engine thread stopped"))?
             .map_err(|e| self.err(ErrorKind::InvalidArgument, e.to_string()))?;
         let mut first = None;
+        // Parts held back until the forward passes end, when not streaming.
+        let mut held: Vec<Piece> = Vec::new();
+        let mut slot_sent = false;
         loop {
             match events.recv().await {
                 Some(Event::Token { sampled, .. }) => first = Some(sampled),
@@ -149,12 +158,15 @@ impl PrefillWorker {
                     let pieces = writes
                         .into_iter()
                         .map(|w| Piece {
-                            page: Some(w.page),
+                            page: w.page,
                             offset: w.offset as u64,
                             data: w.bytes,
                         })
-                        .collect();
-                    if stream.send(pieces).is_err() {
+                        .collect::<Vec<_>>();
+                    slot_sent |= pieces.iter().any(|p| p.page.is_none());
+                    if !self.stream_state {
+                        held.extend(pieces);
+                    } else if stream.send(pieces).is_err() {
                         // The transfer failed; finishing it reports why.
                         return Err(self.err(ErrorKind::TransferFailed, "state transfer stopped"));
                     }
@@ -168,11 +180,15 @@ impl PrefillWorker {
                     let first = first.ok_or_else(|| {
                         self.err(ErrorKind::Internal, "prefill ended without a first token")
                     })?;
+                    if !held.is_empty() && stream.send(held).is_err() {
+                        return Err(self.err(ErrorKind::TransferFailed, "state transfer stopped"));
+                    }
                     return Ok(Prefilled {
                         first,
                         state,
                         seed,
                         cached_tokens,
+                        slot_sent,
                     });
                 }
                 Some(Event::Failed { error, .. }) => {
@@ -259,7 +275,15 @@ impl Prefill for PrefillService {
             };
             let forward_ns = (forward_end - started).as_nanos();
             let report = stream
-                .finish(prefilled.state.slot.clone())
+                .finish(if prefilled.slot_sent {
+                    Vec::new()
+                } else {
+                    vec![Piece {
+                        page: None,
+                        offset: 0,
+                        data: prefilled.state.slot.clone(),
+                    }]
+                })
                 .await
                 .map_err(transfer_error)?;
             let transferred = report.bytes;

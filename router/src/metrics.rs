@@ -36,11 +36,14 @@ pub const TRANSFERS_TOTAL: &str = "pdserve_transfers_total";
 pub const TRANSFER_BYTES_TOTAL: &str = "pdserve_transfer_bytes_total";
 /// Seconds prefill workers spent writing prompt state, by transport (counter).
 pub const TRANSFER_SECONDS_TOTAL: &str = "pdserve_transfer_seconds_total";
+/// Of those seconds, the part after the prefill's forward passes ended (not hidden behind
+/// compute: it delays the first token), by transport (counter).
+pub const TRANSFER_EXPOSED_SECONDS_TOTAL: &str = "pdserve_transfer_exposed_seconds_total";
 /// Prefills retried on another worker after a failure (counter).
 pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
 
 /// Every metric name, for documentation and tests.
-pub const ALL: [&str; 10] = [
+pub const ALL: [&str; 11] = [
     REQUESTS_TOTAL,
     REQUEST_DURATION_SECONDS,
     TIME_TO_FIRST_TOKEN_SECONDS,
@@ -50,6 +53,7 @@ pub const ALL: [&str; 10] = [
     TRANSFERS_TOTAL,
     TRANSFER_BYTES_TOTAL,
     TRANSFER_SECONDS_TOTAL,
+    TRANSFER_EXPOSED_SECONDS_TOTAL,
     PREFILL_RETRIES_TOTAL,
 ];
 
@@ -184,8 +188,8 @@ struct Registry {
     generated: AtomicU64,
     prompt: AtomicU64,
     running: AtomicI64,
-    /// Per transport (UCX, TCP): transfers, bytes, nanoseconds.
-    transfers: [[AtomicU64; 3]; 2],
+    /// Per transport (UCX, TCP): transfers, bytes, busy and exposed nanoseconds.
+    transfers: [[AtomicU64; 4]; 2],
     prefill_retries: AtomicU64,
 }
 
@@ -193,11 +197,12 @@ struct Registry {
 const TRANSPORT_LABELS: [&str; 2] = ["ucx", "tcp"];
 
 /// Records one prompt-state transfer (`ucx` is false for TCP).
-pub fn transfer(ucx: bool, bytes: u64, seconds: f64) {
+pub fn transfer(ucx: bool, bytes: u64, busy_ns: u64, exposed_ns: u64) {
     let t = &REGISTRY.transfers[usize::from(!ucx)];
     t[0].fetch_add(1, Ordering::Relaxed);
     t[1].fetch_add(bytes, Ordering::Relaxed);
-    t[2].fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+    t[2].fetch_add(busy_ns, Ordering::Relaxed);
+    t[3].fetch_add(exposed_ns, Ordering::Relaxed);
 }
 
 /// Records a prefill retried on another worker.
@@ -305,6 +310,11 @@ pub fn render() -> String {
             "Seconds prefill workers spent writing prompt state.",
             "counter",
         ),
+        (
+            TRANSFER_EXPOSED_SECONDS_TOTAL,
+            "Seconds of prompt-state writing after the prefill compute ended.",
+            "counter",
+        ),
     ]
     .into_iter()
     .enumerate()
@@ -313,7 +323,7 @@ pub fn render() -> String {
         let _ = writeln!(out, "# TYPE {name} {kind}");
         for (t, label) in TRANSPORT_LABELS.iter().enumerate() {
             let v = r.transfers[t][k].load(Ordering::Relaxed);
-            if k == 2 {
+            if k >= 2 {
                 let _ = writeln!(out, "{name}{{transport=\"{label}\"}} {}", v as f64 / 1e9);
             } else {
                 let _ = writeln!(out, "{name}{{transport=\"{label}\"}} {v}");

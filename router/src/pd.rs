@@ -298,12 +298,12 @@ impl PdBackend {
         let cached = prefilled
             .usage
             .map_or(0, |u| u.cached_prompt_tokens as usize);
+        let timings = prefilled.timings.unwrap_or_default();
         crate::metrics::transfer(
             transport == TransportKind::Ucx as i32,
             prefilled.transferred_bytes,
-            prefilled
-                .timings
-                .map_or(0.0, |t| t.transfer_ns as f64 / 1e9),
+            timings.transfer_ns,
+            timings.exposed_transfer_ns,
         );
         let (tx, rx) = mpsc::unbounded_channel();
         let alive = decode.alive.subscribe();

@@ -31,10 +31,11 @@ impl PromptState {
     }
 }
 
-/// Bytes for one of a request's pages: `page` is the index in the request's page sequence.
+/// Bytes for one of a request's pages (`page`: its index in the request's page sequence) or,
+/// with `page` `None`, for its state slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateWrite {
-    pub page: usize,
+    pub page: Option<usize>,
     pub offset: usize,
     pub bytes: Vec<u8>,
 }
@@ -55,7 +56,7 @@ pub(super) fn cached_part(
         .enumerate()
         .map(|(page, &p)| {
             Ok(StateWrite {
-                page,
+                page: Some(page),
                 offset: 0,
                 bytes: store.pages().page(p)?.to_vec(),
             })
@@ -66,7 +67,8 @@ pub(super) fn cached_part(
 
 /// After layer `l` computed positions `range` of a prefill-only request: stores the layer's
 /// rows in the request's pages and returns them (the layer's bytes of every page the range
-/// touches). The slot is not included: it is final only after the last chunk.
+/// touches). After the last layer of the prompt's last chunk the slot is final too (every
+/// layer has stored its part of it) and goes with them.
 pub(super) fn layer_part(
     store: &mut PagedStore,
     r: &Running,
@@ -78,21 +80,26 @@ pub(super) fn layer_part(
         return Ok(None);
     }
     store.scatter_layer(&r.seq, state, l, (range.start, range.end))?;
-    let Some(bytes) = store.layout.layer_page_bytes(l) else {
-        return Ok(None);
-    };
     let ps = store.layout.page_size;
-    let writes = (range.start / ps..=(range.end - 1) / ps)
-        .map(|page| {
+    let mut writes = Vec::new();
+    if let Some(bytes) = store.layout.layer_page_bytes(l) {
+        for page in range.start / ps..=(range.end - 1) / ps {
             let data = store.pages().page(r.seq.pages[page])?;
-            Ok(StateWrite {
-                page,
+            writes.push(StateWrite {
+                page: Some(page),
                 offset: bytes.start,
                 bytes: data[bytes.clone()].to_vec(),
-            })
-        })
-        .collect::<Result<Vec<_>, PoolError>>()?;
-    Ok(Some(Event::StatePart { id: r.id, writes }))
+            });
+        }
+    }
+    if range.end == r.prompt_len && l + 1 == state.layers.len() {
+        writes.push(StateWrite {
+            page: None,
+            offset: 0,
+            bytes: store.slots().page(r.seq.slot)?.to_vec(),
+        });
+    }
+    Ok((!writes.is_empty()).then_some(Event::StatePart { id: r.id, writes }))
 }
 
 /// Pages reserved for a request whose prompt state another worker writes.

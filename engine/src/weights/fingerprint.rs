@@ -32,7 +32,9 @@ pub fn fingerprint(dir: &Path) -> Result<String, LoadError> {
     let checkpoint = Checkpoint::open(dir)?;
     let mut h = Sha256::new();
     h.update(b"pdserve-model-fingerprint-v1\0");
-    h.update(config.to_string().as_bytes());
+    let mut canonical = String::new();
+    canonical_json(&config, &mut canonical);
+    h.update(canonical.as_bytes());
     for name in checkpoint.index.keys() {
         let view = checkpoint.view(name)?;
         h.update(b"\0");
@@ -57,4 +59,58 @@ pub fn fingerprint(dir: &Path) -> Result<String, LoadError> {
             let _ = write!(hex, "{b:02x}");
             hex
         }))
+}
+
+/// Compact JSON with every object's keys sorted. `Value::to_string` keeps the file's key order
+/// when some crate in the build enables serde_json's `preserve_order` (feature unification
+/// differs between builds of different binaries), so it cannot be hashed as is.
+fn canonical_json(value: &serde_json::Value, out: &mut String) {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, key) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(key.clone()).to_string());
+                out.push(':');
+                canonical_json(&map[key], out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical_json(item, out);
+            }
+            out.push(']');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_json_ignores_key_order_and_spacing() {
+        let a: serde_json::Value =
+            serde_json::from_str(r#"{"b": [1, {"z": 2.5, "a": "x\"y"}], "a": null, "c": true}"#)
+                .unwrap_or_default();
+        let b: serde_json::Value =
+            serde_json::from_str(r#"{"c":true,"a":null,"b":[1,{"a":"x\"y","z":2.5}]}"#)
+                .unwrap_or_default();
+        let (mut x, mut y) = (String::new(), String::new());
+        canonical_json(&a, &mut x);
+        canonical_json(&b, &mut y);
+        assert_eq!(x, r#"{"a":null,"b":[1,{"a":"x\"y","z":2.5}],"c":true}"#);
+        assert_eq!(x, y);
+    }
 }
