@@ -31,6 +31,9 @@ pub const REQUIRE_CUDA_KERNELS: &str = "PDSERVE_REQUIRE_CUDA_KERNELS";
 /// API key `pdctl` sends to a router (`pdctl workers --api-key`).
 pub const API_KEY: &str = "PDSERVE_API_KEY";
 
+/// Names a fault a worker injects on purpose (see `common::fault`); tests only.
+pub const INJECT_FAULT: &str = "PDSERVE_INJECT_FAULT";
+
 /// Variables that any pdserve process may see without them being a setting of that process.
 pub const GLOBAL: &[&str] = &[
     CONFIG,
@@ -40,6 +43,7 @@ pub const GLOBAL: &[&str] = &[
     CUDA_HOME,
     REQUIRE_CUDA_KERNELS,
     API_KEY,
+    INJECT_FAULT,
 ];
 
 /// The environment variable that sets the configuration key `path` (e.g. `["tls", "cert_file"]`).

@@ -7,6 +7,7 @@ pub mod assets;
 pub mod cli;
 pub mod config;
 pub mod env;
+pub mod fault;
 pub mod grpc;
 pub mod http_client;
 pub mod listen;

@@ -60,8 +60,12 @@ pub async fn run(
         .map_err(ServeError::Startup)?;
     let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
     let runner = loaded.runner.clone();
-    let worker =
-        Arc::new(DecodeWorker::new(loaded, info.worker_id, info.address, transports).await);
+    let fault = common::fault::Fault::for_worker("decode").map_err(ServeError::Startup)?;
+    let worker = Arc::new(
+        DecodeWorker::new(loaded, info.worker_id, info.address, transports)
+            .await
+            .with_fault(fault),
+    );
     server
         .handle()
         .set_model(fingerprint, layout, worker.transports())

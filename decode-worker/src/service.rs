@@ -13,6 +13,7 @@ use std::{
     time::Duration,
 };
 
+use common::fault::Fault;
 use engine::{
     runner::{LoadedEngine, Runner},
     scheduler::{EngineError, Event, GenerationRequest, HandoffError},
@@ -74,6 +75,10 @@ pub struct DecodeWorker {
     transports: Vec<TransportKind>,
     /// The registered pool memory, when UCX is offered.
     ucx: Option<Exporter>,
+    /// A deliberate corruption (tests of `pdctl verify` only).
+    fault: Option<Fault>,
+    /// For [`Fault::ReorderBatch`]: the last token streamed, and to which engine request.
+    last_token: Mutex<Option<(u64, GeneratedToken)>>,
 }
 
 impl std::fmt::Debug for DecodeWorker {
@@ -118,7 +123,34 @@ impl DecodeWorker {
             reservations: Mutex::new(HashMap::new()),
             transports,
             ucx,
+            fault: None,
+            last_token: Mutex::new(None),
         }
+    }
+
+    /// Makes this worker corrupt what it streams, on purpose (see `common::fault`).
+    #[must_use]
+    pub fn with_fault(mut self, fault: Option<Fault>) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    /// The token to stream for engine request `id`: under [`Fault::ReorderBatch`], the one
+    /// streamed just before for a different request, if there was one.
+    fn mix_up(&self, id: u64, token: GeneratedToken) -> GeneratedToken {
+        if self.fault != Some(Fault::ReorderBatch) {
+            return token;
+        }
+        let mut last = self
+            .last_token
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let out = match last.take() {
+            Some((other, theirs)) if other != id => theirs,
+            _ => token.clone(),
+        };
+        *last = Some((id, token));
+        out
     }
 
     /// The transports this worker offers (after start-up checks).
@@ -232,6 +264,15 @@ impl DecodeWorker {
     /// Drops the bookkeeping of a request whose stream ended.
     fn forget(&self, engine_id: u64) {
         self.lock().retain(|_, r| r.engine_id != engine_id);
+        // A finished request's token is not handed to later ones: the fault mixes up only
+        // requests that run at the same time.
+        let mut last = self
+            .last_token
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.as_ref().is_some_and(|(id, _)| *id == engine_id) {
+            *last = None;
+        }
     }
 
     /// Expires `reservation_id` after `lease` unless it has started by then.
@@ -544,7 +585,7 @@ async fn feed(
         };
         let last = match event {
             Some(Event::Token { sampled, .. }) => {
-                pending.push(wire::token_to_proto(&sampled));
+                pending.push(w.mix_up(engine_id, wire::token_to_proto(&sampled)));
                 // Send what has accumulated whenever the engine is ahead of nobody.
                 if events.is_empty()
                     && tx

@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod generate;
 pub mod health;
 pub mod model_cmds;
+pub mod verify;
 pub mod workers;
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
@@ -39,6 +40,9 @@ pub enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// List a router's prefill and decode workers with their liveness and load.
     Workers(workers::WorkersArgs),
+    /// Check a live cluster before it takes traffic: repeatability, streaming, concurrency,
+    /// long prompts, the single-process reference (--model), checksums, tools, bad input.
+    Verify(verify::VerifyArgs),
     /// Measure page-transfer throughput over UCX and TCP between two processes.
     BenchTransfer(bench_transfer::BenchTransferArgs),
 }
@@ -125,6 +129,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::BenchEngine(args) => bench_engine::run(&args),
             Command::Generate(args) => generate::run(&args),
             Command::Workers(args) => workers::run(&args).await,
+            Command::Verify(args) => verify::run(&args).await,
             Command::BenchTransfer(args) => bench_transfer::run(&args).await,
         }
     });

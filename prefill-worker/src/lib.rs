@@ -59,12 +59,11 @@ pub async fn run(
         .map_err(ServeError::Startup)?;
     let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
     let runner = loaded.runner.clone();
-    let worker = Arc::new(PrefillWorker::new(
-        loaded,
-        info.worker_id,
-        transports,
-        config.stream_state,
-    ));
+    let fault = common::fault::Fault::for_worker("prefill").map_err(ServeError::Startup)?;
+    let worker = Arc::new(
+        PrefillWorker::new(loaded, info.worker_id, transports, config.stream_state)
+            .with_fault(fault),
+    );
     server
         .handle()
         .set_model(fingerprint, layout, worker.transports())

@@ -12,6 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use common::fault::Fault;
 use engine::{
     runner::{LoadedEngine, Runner},
     scheduler::{Event, GenerationRequest, PromptState},
@@ -41,6 +42,8 @@ pub struct PrefillWorker {
     ucx: Option<Putter>,
     /// Send state parts as the engine produces them (else all after the forward passes).
     stream_state: bool,
+    /// A deliberate corruption (tests of `pdctl verify` only).
+    fault: Option<Fault>,
 }
 
 impl std::fmt::Debug for PrefillWorker {
@@ -107,6 +110,43 @@ impl PrefillWorker {
             transports,
             ucx,
             stream_state,
+            fault: None,
+        }
+    }
+
+    /// Makes this worker corrupt what it sends, on purpose (see `common::fault`).
+    #[must_use]
+    pub fn with_fault(mut self, fault: Option<Fault>) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    /// Applies the injected fault, if any, to pieces about to be sent for a prompt of
+    /// `prompt_len` tokens.
+    fn corrupt(&self, pieces: &mut Vec<Piece>, prompt_len: usize) {
+        match self.fault {
+            Some(Fault::FlipPageByte) => {
+                let page_size = (self.engine.layout.page_size_tokens as usize).max(1);
+                let last = (prompt_len.max(1) - 1) / page_size;
+                for p in pieces.iter_mut().filter(|p| p.page == Some(last)) {
+                    // The high byte of an f32 in the middle of the piece: a large change.
+                    let at = (p.data.len() / 8) * 4 + 3;
+                    if let Some(b) = p.data.get_mut(at) {
+                        *b ^= 0x40;
+                    }
+                }
+            }
+            Some(Fault::DropSlot) => pieces.retain(|p| p.page.is_some()),
+            Some(Fault::SwapPages) => {
+                for p in pieces.iter_mut() {
+                    p.page = match p.page {
+                        Some(0) => Some(1),
+                        Some(1) => Some(0),
+                        other => other,
+                    };
+                }
+            }
+            Some(Fault::ReorderBatch) | None => {}
         }
     }
 
@@ -136,7 +176,7 @@ impl PrefillWorker {
         request: GenerationRequest,
         stream: &StateStream,
     ) -> Result<Prefilled, Status> {
-        let id = request.id;
+        let (id, prompt_len) = (request.id, request.prompt.len());
         let mut events = self
             .engine
             .runner
@@ -164,6 +204,8 @@ impl PrefillWorker {
                         })
                         .collect::<Vec<_>>();
                     slot_sent |= pieces.iter().any(|p| p.page.is_none());
+                    let mut pieces = pieces;
+                    self.corrupt(&mut pieces, prompt_len);
                     if !self.stream_state {
                         held.extend(pieces);
                     } else if stream.send(pieces).is_err() {
@@ -275,7 +317,7 @@ impl Prefill for PrefillService {
             };
             let forward_ns = (forward_end - started).as_nanos();
             let report = stream
-                .finish(if prefilled.slot_sent {
+                .finish(if prefilled.slot_sent || w.fault == Some(Fault::DropSlot) {
                     Vec::new()
                 } else {
                     vec![Piece {

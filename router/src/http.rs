@@ -46,6 +46,8 @@ pub struct AppState {
     pub max_body_bytes: u64,
     /// Prefill and decode workers (static and registered).
     pub workers: Arc<crate::workers::Workers>,
+    /// Whether decode workers verify transferred state against the prefill's checksums.
+    pub transfer_checksums: bool,
 }
 
 impl AppState {
@@ -57,6 +59,7 @@ impl AppState {
             api_keys: config.api_keys.clone(),
             effort_map: config.effort_map().unwrap_or_default(),
             max_body_bytes: config.max_body_bytes,
+            transfer_checksums: config.transfer_checksums,
         }
     }
 
@@ -139,7 +142,11 @@ async fn auth(State(state): Shared, request: Request, next: Next) -> Response {
 
 /// `GET /workers`: every prefill and decode worker with its liveness and load.
 async fn workers(State(state): Shared) -> Response {
-    Json(json!({ "workers": state.workers.listing() })).into_response()
+    Json(json!({
+        "workers": state.workers.listing(),
+        "transfer_checksums": state.transfer_checksums,
+    }))
+    .into_response()
 }
 
 async fn ready(State(state): Shared) -> Response {

@@ -1,0 +1,81 @@
+//! Deliberate faults, for proving that `pdctl verify` and the tests catch a cluster that
+//! produces wrong answers. Set `PDSERVE_INJECT_FAULT` to one of the names below before a worker
+//! starts; the worker logs a warning at start and then misbehaves in exactly that way. Never
+//! set in production: a faulty worker returns plausible-looking garbage on purpose.
+
+use crate::env;
+
+/// One kind of deliberate corruption.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Prefill: flips a byte of the first state page it sends for each request.
+    FlipPageByte,
+    /// Prefill: never sends the state slot (the compressors' unfinished windows).
+    DropSlot,
+    /// Prefill: writes the first two pages of each request's state into each other's place.
+    SwapPages,
+    /// Decode: hands a generated token to a different concurrent request (batch mix-up).
+    ReorderBatch,
+}
+
+impl Fault {
+    /// Every fault with its name.
+    pub const ALL: [(&'static str, Fault); 4] = [
+        ("flip-page-byte", Fault::FlipPageByte),
+        ("drop-slot", Fault::DropSlot),
+        ("swap-pages", Fault::SwapPages),
+        ("reorder-batch", Fault::ReorderBatch),
+    ];
+
+    /// The fault named by `PDSERVE_INJECT_FAULT`, if any; an unknown name is an error.
+    pub fn from_env() -> Result<Option<Fault>, String> {
+        match std::env::var(env::INJECT_FAULT) {
+            Err(_) => Ok(None),
+            Ok(name) if name.is_empty() => Ok(None),
+            Ok(name) => Self::parse(&name).map(Some),
+        }
+    }
+
+    /// The fault called `name`.
+    pub fn parse(name: &str) -> Result<Fault, String> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
+                format!(
+                    "{}: unknown fault {name:?} (known: {})",
+                    env::INJECT_FAULT,
+                    names.join(", ")
+                )
+            })
+    }
+
+    /// [`Self::from_env`] for a worker starting up: logs the fault loudly.
+    pub fn for_worker(role: &str) -> Result<Option<Fault>, String> {
+        let fault = Self::from_env()?;
+        if let Some(f) = fault {
+            tracing::warn!(
+                role,
+                fault = ?f,
+                "FAULT INJECTION ENABLED: this worker corrupts answers on purpose"
+            );
+        }
+        Ok(fault)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_unknown_names_are_refused() {
+        for (name, fault) in Fault::ALL {
+            assert_eq!(Fault::parse(name), Ok(fault));
+        }
+        let e = Fault::parse("flip").unwrap_err();
+        assert!(e.contains("drop-slot"), "{e}");
+    }
+}

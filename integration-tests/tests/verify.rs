@@ -1,0 +1,158 @@
+//! `pdctl verify` against real clusters: a healthy one passes every check, and clusters broken
+//! on purpose (`PDSERVE_INJECT_FAULT`: a flipped byte in a transferred page, the compressor
+//! state dropped, two pages swapped, tokens mixed up between concurrent requests) fail it, each
+//! on the check that must catch it.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
+
+use std::time::Duration;
+
+use integration_tests::{Service, command, run_to_exit, start_router, tiny_model_dir};
+use serde_json::Value;
+
+fn model_arg() -> String {
+    tiny_model_dir().display().to_string()
+}
+
+/// One decode and one prefill worker (both with `fault`, each applies the faults of its role)
+/// behind a router with `transfer_checksums` on or off.
+fn cluster(fault: Option<&str>, checksums: bool) -> (Service, Vec<Service>) {
+    let mut workers = Vec::new();
+    let mut args = vec![
+        "--model-dir".to_owned(),
+        model_arg(),
+        "--transfer-checksums".to_owned(),
+        checksums.to_string(),
+    ];
+    for (binary, flag) in [
+        ("pdserve-decode", "--decode-worker"),
+        ("pdserve-prefill", "--prefill-worker"),
+    ] {
+        let mut cmd = command(binary);
+        cmd.args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--model-dir",
+            &model_arg(),
+            "--page-size",
+            "16",
+        ]);
+        if let Some(f) = fault {
+            cmd.env("PDSERVE_INJECT_FAULT", f);
+        }
+        let w = Service::start(cmd);
+        args.push(flag.to_owned());
+        args.push(w.addr("grpc").to_string());
+        workers.push(w);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    (start_router(&args, true), workers)
+}
+
+/// Runs `pdctl verify --json --model` against `router`; returns whether it succeeded and each
+/// check's result by name.
+fn verify(router: &Service) -> (bool, Vec<(String, String, String)>) {
+    let mut cmd = command("pdctl");
+    cmd.args([
+        "verify",
+        "--url",
+        &router.addr("http").to_string(),
+        "--model",
+        &model_arg(),
+        "--json",
+    ]);
+    let (status, stdout, stderr) = run_to_exit(cmd, Duration::from_secs(300));
+    let report: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("verify printed no JSON ({e}): {stdout} {stderr}"));
+    assert_eq!(
+        report["ok"].as_bool(),
+        Some(status.success()),
+        "the exit status follows the report: {stdout} {stderr}"
+    );
+    let checks = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_owned(),
+                c["result"].as_str().unwrap().to_owned(),
+                c["detail"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    (status.success(), checks)
+}
+
+fn result_of<'a>(checks: &'a [(String, String, String)], name: &str) -> &'a str {
+    checks.iter().find(|(n, ..)| n == name).map_or_else(
+        || panic!("no check {name:?} in {checks:?}"),
+        |(_, r, _)| r.as_str(),
+    )
+}
+
+const REFERENCE: &str = "cluster == single-process engine";
+
+#[test]
+fn a_healthy_cluster_passes_every_check() {
+    let (router, _workers) = cluster(None, true);
+    let (ok, checks) = verify(&router);
+    assert!(ok, "{checks:#?}");
+    assert_eq!(checks.len(), 8);
+    for (name, result, detail) in &checks {
+        assert_eq!(result, "pass", "{name}: {detail}");
+    }
+}
+
+/// Faults in the transferred state, with checksums off: the answers look plausible, are
+/// repeatable and stream consistently, and only the comparison with the single-process
+/// engine can tell. Verify must fail on it.
+#[test]
+fn corrupted_state_fails_the_reference_check() {
+    for fault in ["flip-page-byte", "drop-slot", "swap-pages"] {
+        let (router, _workers) = cluster(Some(fault), false);
+        let (ok, checks) = verify(&router);
+        assert!(!ok, "{fault}: verify passed: {checks:#?}");
+        assert_eq!(
+            result_of(&checks, REFERENCE),
+            "fail",
+            "{fault}: {checks:#?}"
+        );
+        assert_eq!(
+            result_of(&checks, "transfer checksums"),
+            "fail",
+            "checksums are off"
+        );
+        assert_eq!(
+            result_of(&checks, "greedy determinism"),
+            "pass",
+            "{fault}: the fault is deterministic, so only the reference catches it"
+        );
+    }
+}
+
+/// With checksums on, the decode worker refuses the corrupted state: requests fail with an
+/// error instead of answering, and verify fails.
+#[test]
+fn checksums_turn_corrupted_state_into_errors() {
+    let (router, _workers) = cluster(Some("flip-page-byte"), true);
+    let (ok, checks) = verify(&router);
+    assert!(!ok);
+    let (_, result, detail) = checks.iter().find(|(n, ..)| n == REFERENCE).unwrap();
+    assert_eq!(result, "fail");
+    assert!(detail.contains("checksum mismatch"), "{detail}");
+}
+
+/// Tokens handed to the wrong one of several concurrent requests: every request alone is
+/// right, so only the concurrency check catches it.
+#[test]
+fn mixed_up_batches_fail_the_concurrency_check() {
+    let (router, _workers) = cluster(Some("reorder-batch"), true);
+    let (ok, checks) = verify(&router);
+    assert!(!ok);
+    assert_eq!(
+        result_of(&checks, "concurrency isolation"),
+        "fail",
+        "{checks:#?}"
+    );
+    assert_eq!(result_of(&checks, REFERENCE), "pass", "{checks:#?}");
+}
