@@ -208,8 +208,23 @@ fn check_effort(
 
 /// Validates and extracts the sampling parameters (ranges as the engine accepts them).
 pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
-    if obj.get("max_tokens").is_none_or(Value::is_null)
-        && let Some(v) = obj.remove("max_completion_tokens")
+    // `max_completion_tokens` is OpenAI's newer name for `max_tokens`: checked like it, and
+    // the two may not disagree.
+    integer(obj, "max_completion_tokens", 1, i64::from(u32::MAX))?;
+    match (
+        obj.get("max_tokens").filter(|v| !v.is_null()),
+        obj.get("max_completion_tokens").filter(|v| !v.is_null()),
+    ) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::param(
+                "max_completion_tokens",
+                "`max_tokens` and `max_completion_tokens` differ; give one of them",
+            ));
+        }
+        _ => {}
+    }
+    if let Some(v) = obj.remove("max_completion_tokens")
+        && obj.get("max_tokens").is_none_or(Value::is_null)
     {
         obj.insert("max_tokens".to_owned(), v);
     }
@@ -233,6 +248,44 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
         presence_penalty: presence.unwrap_or(0.0) as f32,
         frequency_penalty: frequency.unwrap_or(0.0) as f32,
     })
+}
+
+/// Chat Completions' `tool_choice`: a function it names must be one of `tools`.
+pub fn check_tool_choice(obj: &Map<String, Value>) -> Result<(), ApiError> {
+    let Some(Value::Object(choice)) = obj.get("tool_choice") else {
+        return Ok(());
+    };
+    let Some(name) = choice
+        .get("function")
+        .and_then(|f| f.get("name"))
+        .and_then(Value::as_str)
+    else {
+        return Err(ApiError::param(
+            "tool_choice",
+            "`tool_choice` must name a function: {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        ));
+    };
+    let declared = obj
+        .get("tools")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.get("function")?.get("name")?.as_str());
+    if declared.clone().any(|n| n == name) {
+        return Ok(());
+    }
+    let names: Vec<&str> = declared.collect();
+    Err(ApiError::param(
+        "tool_choice",
+        format!(
+            "`tool_choice` names function {name:?}, which is not in `tools` ({})",
+            if names.is_empty() {
+                "none declared".to_owned()
+            } else {
+                names.join(", ")
+            }
+        ),
+    ))
 }
 
 /// `logit_bias`: an object of token id (a decimal string, as OpenAI's API sends it) to a bias

@@ -71,6 +71,7 @@ impl Protocol for ChatCompletionRequest {
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         require_non_empty_array(obj, Self::INPUT)?;
         chat::normalize_tool_arguments(obj, Self::INPUT, chat::chat_tool_calls);
+        chat::check_tool_choice(obj)?;
         check_sampling(obj)
     }
 
