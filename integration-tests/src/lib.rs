@@ -6,6 +6,8 @@
     reason = "test harness: a failed step is a failed test"
 )]
 
+pub mod pd;
+
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
@@ -308,10 +310,21 @@ pub fn http(
     let _ = stream.write_all(body);
     let mut raw = Vec::new();
     let _ = stream.read_to_end(&mut raw);
+    HttpResponse::parse(&raw)
+}
+
+impl HttpResponse {
+    /// Parses a whole HTTP/1.1 response (chunked bodies are reassembled).
+    pub fn parse(raw: &[u8]) -> Self {
+        parse_response(raw)
+    }
+}
+
+fn parse_response(raw: &[u8]) -> HttpResponse {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no HTTP head in {:?}", String::from_utf8_lossy(&raw)));
+        .unwrap_or_else(|| panic!("no HTTP head in {:?}", String::from_utf8_lossy(raw)));
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let mut rest = raw[split + 4..].to_vec();
     let mut lines = head.lines();

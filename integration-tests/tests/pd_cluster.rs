@@ -5,105 +5,17 @@
 //! sliding window, long enough for the indexer's top-k) and under concurrency.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
-use std::{net::SocketAddr, time::Duration};
+use std::time::Duration;
 
-use integration_tests::{HttpResponse, Service, command, http, start_router, tiny_model_dir};
+use integration_tests::{
+    command, http,
+    pd::{
+        T, busy, chat, cluster, cluster_full, cluster_with, essence, listed, load, long_request,
+        model_arg, open_stream, post, wait_idle, wait_load, wait_ready, worker,
+    },
+    start_router,
+};
 use serde_json::{Value, json};
-
-const T: Duration = Duration::from_secs(120);
-
-fn post(addr: SocketAddr, path: &str, body: &Value) -> HttpResponse {
-    http(addr, "POST", path, &[], body.to_string().as_bytes(), T)
-}
-
-fn model_arg() -> String {
-    tiny_model_dir().display().to_string()
-}
-
-fn worker(binary: &str, extra: &[&str]) -> Service {
-    let mut cmd = command(binary);
-    cmd.args(["--grpc-listen", "127.0.0.1:0", "--model-dir", &model_arg()])
-        .args(extra);
-    Service::start(cmd)
-}
-
-/// Prefill and decode workers and a router in front of them.
-struct Cluster {
-    router: Service,
-    /// Decode workers first, then prefill workers, in start order.
-    workers: Vec<Service>,
-}
-
-fn cluster(prefill: usize, decode: usize) -> Cluster {
-    cluster_with(prefill, decode, &[])
-}
-
-fn cluster_with(prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
-    cluster_full(prefill, decode, router_args, &[])
-}
-
-fn cluster_full(
-    prefill: usize,
-    decode: usize,
-    router_args: &[&str],
-    worker_args: &[&str],
-) -> Cluster {
-    let mut workers = Vec::new();
-    let mut args = vec!["--model-dir".to_owned(), model_arg()];
-    args.extend(router_args.iter().map(|a| (*a).to_owned()));
-    for _ in 0..decode {
-        let w = worker(
-            "pdserve-decode",
-            &[&["--page-size", "16"], worker_args].concat(),
-        );
-        args.push("--decode-worker".to_owned());
-        args.push(w.addr("grpc").to_string());
-        workers.push(w);
-    }
-    for _ in 0..prefill {
-        let w = worker(
-            "pdserve-prefill",
-            &[&["--page-size", "16"], worker_args].concat(),
-        );
-        args.push("--prefill-worker".to_owned());
-        args.push(w.addr("grpc").to_string());
-        workers.push(w);
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Cluster {
-        router: start_router(&args, true),
-        workers,
-    }
-}
-
-/// A chat request whose rendered prompt grows with `words`.
-fn chat(words: usize, seed: u64, temperature: f64, max_tokens: u32) -> Value {
-    let text: Vec<String> = (0..words)
-        .map(|i| format!("w{}", (i * 7919) % 1009))
-        .collect();
-    json!({
-        "model": "deepseek-v4-flash",
-        "messages": [{"role": "user", "content": text.join(" ")}],
-        "chat_template_kwargs": {"thinking": false},
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "logprobs": true,
-        "top_logprobs": 3,
-    })
-}
-
-/// The parts of a chat answer that must match exactly.
-fn essence(r: &HttpResponse) -> Value {
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v = r.json();
-    json!({
-        "message": v["choices"][0]["message"],
-        "logprobs": v["choices"][0]["logprobs"],
-        "finish": v["choices"][0]["finish_reason"],
-        "usage": v["usage"],
-    })
-}
 
 #[test]
 fn cluster_equals_single_process_engine_for_many_prompt_lengths_over_tcp() {
@@ -230,95 +142,6 @@ fn mismatched_layouts_refuse_to_pair_with_a_clear_error() {
     assert_eq!(r.status, 503, "{}", r.body);
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("page_size_tokens"), "{message}");
-}
-
-/// A worker's reported load (`Info`).
-fn load(addr: SocketAddr) -> proto::v1::Load {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut client = proto::v1::worker_client::WorkerClient::connect(format!("http://{addr}"))
-            .await
-            .unwrap();
-        client.info(proto::v1::InfoRequest {}).await.unwrap()
-    })
-    .into_inner()
-    .load
-    .unwrap_or_default()
-}
-
-/// Pages a worker holds for requests (its prefix cache aside), requests and reservations.
-fn busy(addr: SocketAddr) -> (u64, u32, u32) {
-    let l = load(addr);
-    (
-        l.pages_used - l.pages_cached,
-        l.running_requests + l.queued_requests,
-        l.reservations,
-    )
-}
-
-/// Waits (bounded) until `addr`'s (pages, requests, reservations) satisfy `ok`.
-fn wait_load(addr: SocketAddr, what: &str, ok: impl Fn((u64, u32, u32)) -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = busy(addr);
-        if ok(now) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: (pages, requests, reservations) = {now:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Waits (bounded) until `addr` holds nothing for requests.
-fn wait_idle(addr: SocketAddr, what: &str) {
-    wait_load(addr, what, |now| now == (0, 0, 0));
-}
-
-/// Opens a streaming chat request and returns the connection once the first event arrived.
-fn open_stream(addr: SocketAddr, body: &Value) -> (std::net::TcpStream, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let body = body.to_string();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"content\"") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(
-            n > 0,
-            "connection closed: {}",
-            String::from_utf8_lossy(&seen)
-        );
-        seen.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&seen);
-        assert!(
-            !text.contains("\r\n") || text.starts_with("HTTP/1.1 200"),
-            "{text}"
-        );
-    }
-    (s, String::from_utf8_lossy(&seen).into_owned())
-}
-
-fn long_request() -> Value {
-    // Fits the decode pool (1024 pages of 16 tokens) and runs far longer than the test.
-    let mut body = chat(20, 3, 0.8, 10_000);
-    body["stream"] = json!(true);
-    body["logprobs"] = json!(false);
-    body.as_object_mut().unwrap().remove("top_logprobs");
-    body
 }
 
 #[test]
@@ -461,29 +284,6 @@ fn prefix_affinity_sends_a_repeated_prompt_to_the_worker_that_cached_it() {
             "{policy}: cached pages per prefill worker {cached:?}"
         );
     }
-}
-
-fn wait_ready(addr: SocketAddr, want: u16) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let r = http(addr, "GET", "/health/ready", &[], b"", T);
-        if r.status == want {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "ready: {} {}",
-            r.status,
-            r.body
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn listed(addr: SocketAddr) -> Vec<Value> {
-    let r = http(addr, "GET", "/workers", &[], b"", T);
-    assert_eq!(r.status, 200, "{}", r.body);
-    r.json()["workers"].as_array().unwrap().clone()
 }
 
 #[test]

@@ -167,6 +167,71 @@ fn router_api_keys() {
     assert_eq!(http(addr, "GET", "/health/ready", &[], b"", T).status, 200);
 }
 
+/// `max_concurrent_per_key`: a key at its limit gets 429 (an OpenAI error object) while its
+/// stream runs, other keys are served, and the slot comes back when the stream's client goes.
+#[test]
+fn router_limits_requests_in_flight_per_key() {
+    use std::io::{Read, Write};
+    let model = tiny_model_dir().display().to_string();
+    let router = start_router(
+        &[
+            "--model-dir",
+            &model,
+            "--api-key",
+            "k1",
+            "--api-key",
+            "k2",
+            "--max-concurrent-per-key",
+            "1",
+        ],
+        true,
+    );
+    let addr = router.addr("http");
+    let path = "/v1/chat/completions";
+    // A stream far larger than the socket buffers, not read: it stays in flight.
+    let long = chat(&json!({"stream": true, "max_tokens": 3000, "reasoning_effort": "none"}));
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        conn,
+        "POST {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k1\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        long.len()
+    )
+    .unwrap();
+    conn.write_all(&long).unwrap();
+    let mut first = [0u8; 64];
+    conn.set_read_timeout(Some(T)).unwrap();
+    let n = conn.read(&mut first).unwrap();
+    assert!(
+        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    let body = chat(&json!({}));
+    let k1 = [("Authorization", "Bearer k1")];
+    let k2 = [("Authorization", "Bearer k2")];
+    let r = http(addr, "POST", path, &k1, &body, T);
+    let m = expect_error(&r, 429, None);
+    assert!(m.contains("in flight"), "{m}");
+    assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+    assert_eq!(http(addr, "POST", path, &k2, &body, T).status, 200);
+    // The client goes away: its slot is freed (bounded wait).
+    drop(conn);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = http(addr, "POST", path, &k1, &body, T);
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot was not freed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn router_not_ready_without_model() {
     let router = start_router(&[], false);

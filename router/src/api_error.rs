@@ -48,6 +48,9 @@ pub enum ApiError {
     /// Missing or wrong API key.
     #[error("missing or invalid API key: send `Authorization: Bearer <key>`")]
     Unauthorized,
+    /// The API key already has its maximum of requests in flight.
+    #[error("this API key already has {0} requests in flight (the limit); retry when one ends")]
+    TooManyRequests(u32),
     /// No route.
     #[error("no route for {0}")]
     NotFound(String),
@@ -90,6 +93,12 @@ impl ApiError {
                 "authentication_error",
                 None,
                 Some("invalid_api_key"),
+            ),
+            Self::TooManyRequests(_) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                None,
+                Some("rate_limit_exceeded"),
             ),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found_error", None, None),
             Self::Unavailable(_) => (

@@ -37,6 +37,9 @@ pub struct RouterConfig {
     pub reasoning_effort_map: Vec<String>,
     /// Bearer keys accepted on the API; empty: no authentication.
     pub api_keys: Vec<String>,
+    /// Requests one API key may have in flight (streams count until they end); beyond it the
+    /// router answers 429. 0: no limit.
+    pub max_concurrent_per_key: u32,
     /// Context length in tokens (prompt plus completion). Unset: the smaller of the model's
     /// `max_position_embeddings` and the engine's page pool.
     pub max_model_len: Option<u32>,
@@ -102,6 +105,7 @@ impl Default for RouterConfig {
             thinking_default: true,
             reasoning_effort_map: Vec::new(),
             api_keys: Vec::new(),
+            max_concurrent_per_key: 0,
             max_model_len: None,
             engine_num_pages: 1024,
             default_max_tokens: 4096,
@@ -175,6 +179,12 @@ impl ServiceConfig for RouterConfig {
         if self.api_keys.iter().any(String::is_empty) {
             return Err(Invalid::new("api_keys", "keys must not be empty"));
         }
+        check_range(
+            "max_concurrent_per_key",
+            u64::from(self.max_concurrent_per_key),
+            0,
+            1 << 20,
+        )?;
         if let Some(len) = self.max_model_len {
             check_range("max_model_len", u64::from(len), 16, 1 << 24)?;
         }
@@ -257,6 +267,10 @@ pub struct Cli {
     #[arg(long = "api-key", value_name = "KEY")]
     #[serde(rename = "api_keys", skip_serializing_if = "Vec::is_empty")]
     pub api_keys: Vec<String>,
+    /// Requests one API key may have in flight (0: no limit).
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_per_key: Option<u32>,
     /// Context length in tokens (prompt plus completion).
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]

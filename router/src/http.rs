@@ -48,6 +48,8 @@ pub struct AppState {
     pub workers: Arc<crate::workers::Workers>,
     /// Whether decode workers verify transferred state against the prefill's checksums.
     pub transfer_checksums: bool,
+    /// Requests in flight per API key, when bounded.
+    pub key_limits: Option<Arc<crate::key_limit::KeyLimits>>,
 }
 
 impl AppState {
@@ -60,6 +62,8 @@ impl AppState {
             effort_map: config.effort_map().unwrap_or_default(),
             max_body_bytes: config.max_body_bytes,
             transfer_checksums: config.transfer_checksums,
+            key_limits: (config.max_concurrent_per_key > 0)
+                .then(|| crate::key_limit::KeyLimits::new(config.max_concurrent_per_key)),
         }
     }
 
@@ -127,17 +131,26 @@ async fn auth(State(state): Shared, request: Request, next: Next) -> Response {
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
         .map(str::trim);
-    let accepted =
-        |key: Option<&str>| key.is_some_and(|key| state.api_keys.iter().any(|k| k == key));
-    if accepted(bearer) || accepted(x_api_key) {
-        return next.run(request).await;
-    }
     let style = if request.uri().path().starts_with("/v1/messages") {
         ErrorStyle::Anthropic
     } else {
         ErrorStyle::OpenAi
     };
-    ApiError::Unauthorized.into_styled_response(style)
+    let accepted = |key: Option<&str>| {
+        key.filter(|key| state.api_keys.iter().any(|k| k == key))
+            .map(str::to_owned)
+    };
+    let Some(key) = accepted(bearer).or_else(|| accepted(x_api_key)) else {
+        return ApiError::Unauthorized.into_styled_response(style);
+    };
+    let Some(limits) = &state.key_limits else {
+        return next.run(request).await;
+    };
+    let Some(slot) = limits.acquire(&key) else {
+        return ApiError::TooManyRequests(limits.limit()).into_styled_response(style);
+    };
+    let (parts, body) = next.run(request).await.into_parts();
+    Response::from_parts(parts, crate::key_limit::hold(body, slot))
 }
 
 /// `GET /workers`: every prefill and decode worker with its liveness and load.

@@ -11,6 +11,7 @@ pub mod completions;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod key_limit;
 pub mod metrics;
 pub mod pd;
 pub mod protocol;
