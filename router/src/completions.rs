@@ -696,6 +696,41 @@ mod tests {
         assert_eq!(pieces.concat(), "x 你");
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config { cases: 96, ..Default::default() })]
+
+        /// Any text, cut into any chunks, with any stop strings: the released pieces are the
+        /// text up to the earliest stop match (all of it without one), never half a character.
+        #[test]
+        fn released_text_equals_one_shot_decoding(
+            text in "[a-zé你🦀 ]{0,40}",
+            cuts in proptest::collection::vec(1usize..6, 0..40),
+            stop in proptest::collection::vec("[a-zé你 ]{1,3}", 0..3),
+        ) {
+            let tokenizer = byte_tokenizer();
+            let all = ids(&tokenizer, &text);
+            let mut detok = Detokenizer::new(Arc::clone(&tokenizer), stop.clone());
+            let (mut out, mut stopped, mut at) = (String::new(), false, 0);
+            let mut cuts = cuts.into_iter().cycle().chain(std::iter::repeat(1));
+            while at < all.len() && !stopped {
+                let end = (at + cuts.next().unwrap_or(1)).min(all.len());
+                let r = detok.push(&all[at..end], end == all.len()).unwrap();
+                proptest::prop_assert!(!r.text.contains('\u{FFFD}'), "{:?}", r.text);
+                out.push_str(&r.text);
+                stopped = r.stopped;
+                at = end;
+            }
+            let first_stop = stop.iter().filter_map(|s| text.find(s.as_str())).min();
+            if let Some(i) = first_stop {
+                proptest::prop_assert!(stopped);
+                proptest::prop_assert_eq!(out, &text[..i]);
+            } else {
+                proptest::prop_assert!(!stopped);
+                proptest::prop_assert_eq!(out, text);
+            }
+        }
+    }
+
     #[test]
     fn last_push_releases_a_dangling_partial_character() {
         let tokenizer = byte_tokenizer();
