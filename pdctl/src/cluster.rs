@@ -30,6 +30,10 @@ pub(crate) struct Proc {
 }
 
 impl Proc {
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     pub(crate) fn addr(&self, key: &str) -> Result<std::net::SocketAddr, PdctlError> {
         self.ready
             .get(key)
@@ -60,7 +64,7 @@ pub(crate) fn default_model() -> Result<PathBuf, PdctlError> {
 }
 
 /// Waits (bounded) for `/health/ready`: the router loads the model after it starts listening.
-async fn wait_ready(http: std::net::SocketAddr) -> Result<(), PdctlError> {
+pub(crate) async fn wait_ready(http: std::net::SocketAddr) -> Result<(), PdctlError> {
     let deadline = tokio::time::Instant::now() + START_TIMEOUT;
     loop {
         let ready = common::http_client::get(http, "/health/ready", Duration::from_secs(5)).await;
@@ -194,6 +198,73 @@ pub(crate) async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
     }
 }
 
+/// Starts `decode` decode workers, `prefill` prefill workers and a router in front of them
+/// (HTTP on `http_listen`) from the binaries in `dir`, serving `model`; each started process
+/// is pushed onto `procs` (so the caller stops them even when a later one fails).
+pub(crate) async fn start(
+    dir: &Path,
+    model: &Path,
+    (prefill, decode): (u16, u16),
+    http_listen: std::net::SocketAddr,
+    procs: &mut Vec<Proc>,
+) -> Result<(), PdctlError> {
+    let model_arg = model.display().to_string();
+    let worker_args = [
+        "--grpc-listen",
+        EPHEMERAL,
+        "--model-dir",
+        model_arg.as_str(),
+    ];
+    for i in 0..decode {
+        procs.push(
+            spawn(
+                &dir.join("pdserve-decode"),
+                format!("decode-{i}"),
+                &worker_args,
+            )
+            .await?,
+        );
+    }
+    for i in 0..prefill {
+        procs.push(
+            spawn(
+                &dir.join("pdserve-prefill"),
+                format!("prefill-{i}"),
+                &worker_args,
+            )
+            .await?,
+        );
+    }
+    let mut router_args = vec![
+        "--http-listen".to_owned(),
+        http_listen.to_string(),
+        "--grpc-listen".to_owned(),
+        EPHEMERAL.to_owned(),
+        "--model-dir".to_owned(),
+        model_arg.clone(),
+    ];
+    for proc in procs.iter() {
+        let flag = if proc.name.starts_with("prefill") {
+            "--prefill-worker"
+        } else {
+            "--decode-worker"
+        };
+        router_args.push(flag.to_owned());
+        router_args.push(proc.addr("grpc")?.to_string());
+    }
+    let router_args: Vec<&str> = router_args.iter().map(String::as_str).collect();
+    procs.push(spawn(&dir.join("pdserve-router"), "router".into(), &router_args).await?);
+    let http = procs
+        .last()
+        .map(|p| p.addr("http"))
+        .transpose()?
+        .ok_or_else(|| PdctlError::NotReady {
+            what: "router".into(),
+            reason: "not started".into(),
+        })?;
+    wait_ready(http).await
+}
+
 /// Runs `pdctl up`.
 #[expect(clippy::print_stdout, reason = "CLI output")]
 pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
@@ -207,53 +278,14 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
             Some(dir) => dir.clone(),
             None => default_model()?,
         };
-        let model_arg = model.display().to_string();
-        let worker_args = [
-            "--grpc-listen",
-            EPHEMERAL,
-            "--model-dir",
-            model_arg.as_str(),
-        ];
-        for i in 0..args.decode {
-            procs.push(
-                spawn(
-                    &dir.join("pdserve-decode"),
-                    format!("decode-{i}"),
-                    &worker_args,
-                )
-                .await?,
-            );
-        }
-        for i in 0..args.prefill {
-            procs.push(
-                spawn(
-                    &dir.join("pdserve-prefill"),
-                    format!("prefill-{i}"),
-                    &worker_args,
-                )
-                .await?,
-            );
-        }
-        let mut router_args = vec![
-            "--http-listen".to_owned(),
-            args.http_listen.to_string(),
-            "--grpc-listen".to_owned(),
-            EPHEMERAL.to_owned(),
-            "--model-dir".to_owned(),
-            model.display().to_string(),
-        ];
-        for proc in &procs {
-            let flag = if proc.name.starts_with("prefill") {
-                "--prefill-worker"
-            } else {
-                "--decode-worker"
-            };
-            router_args.push(flag.to_owned());
-            router_args.push(proc.addr("grpc")?.to_string());
-        }
-        let router_args: Vec<&str> = router_args.iter().map(String::as_str).collect();
-        procs.push(spawn(&dir.join("pdserve-router"), "router".into(), &router_args).await?);
-
+        start(
+            &dir,
+            &model,
+            (args.prefill, args.decode),
+            args.http_listen,
+            &mut procs,
+        )
+        .await?;
         println!("{:<12} {:>7}  {:<28} health", "process", "pid", "address");
         for proc in &procs {
             let grpc = proc.addr("grpc")?;

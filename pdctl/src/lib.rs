@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod generate;
 pub mod health;
 pub mod model_cmds;
+pub mod soak;
 pub mod verify;
 pub mod workers;
 
@@ -43,6 +44,9 @@ pub enum Command {
     /// Check a live cluster before it takes traffic: repeatability, streaming, concurrency,
     /// long prompts, the single-process reference (--model), checksums, tools, bad input.
     Verify(verify::VerifyArgs),
+    /// Run a local CPU cluster under constant streaming load and report errors, memory and
+    /// pages (a benchmark: minutes).
+    Soak(soak::SoakArgs),
     /// Measure page-transfer throughput over UCX and TCP between two processes.
     BenchTransfer(bench_transfer::BenchTransferArgs),
 }
@@ -130,6 +134,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::Generate(args) => generate::run(&args),
             Command::Workers(args) => workers::run(&args).await,
             Command::Verify(args) => verify::run(&args).await,
+            Command::Soak(args) => soak::run(&args).await,
             Command::BenchTransfer(args) => bench_transfer::run(&args).await,
         }
     });
