@@ -75,6 +75,9 @@ pub struct DecodeWorker {
     transports: Vec<TransportKind>,
     /// The registered pool memory, when UCX is offered.
     ucx: Option<Exporter>,
+    /// The NCCL receiver, when NCCL is offered.
+    #[cfg(feature = "nccl")]
+    nccl: Option<kv_transfer::nccl::NcclReceiver>,
     /// A deliberate corruption (tests of `pdctl verify` only).
     fault: Option<Fault>,
     /// For [`Fault::ReorderBatch`]: the last token streamed, and to which engine request.
@@ -115,6 +118,23 @@ impl DecodeWorker {
                 transports.retain(|t| *t != TransportKind::Ucx);
             }
         }
+        #[cfg(feature = "nccl")]
+        let nccl = if transports.contains(&TransportKind::Nccl) {
+            // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
+            kv_transfer::nccl::NcclReceiver::start(worker_id.clone(), 0)
+                .inspect_err(|e| {
+                    tracing::warn!(error = %e, "NCCL unavailable; not offering it");
+                    transports.retain(|t| *t != TransportKind::Nccl);
+                })
+                .ok()
+        } else {
+            None
+        };
+        #[cfg(not(feature = "nccl"))]
+        if transports.contains(&TransportKind::Nccl) {
+            tracing::warn!("this worker was built without NCCL; not offering it");
+            transports.retain(|t| *t != TransportKind::Nccl);
+        }
         Self {
             engine,
             worker_id,
@@ -123,6 +143,8 @@ impl DecodeWorker {
             reservations: Mutex::new(HashMap::new()),
             transports,
             ucx,
+            #[cfg(feature = "nccl")]
+            nccl,
             fault: None,
             last_token: Mutex::new(None),
         }
@@ -342,13 +364,16 @@ impl Decode for DecodeService {
         let theirs = req.prefill_layout.clone().unwrap_or_default();
         handshake::check_layouts(w.layout(), &theirs)
             .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
-        let transport =
-            handshake::negotiate(&req.transports, handshake::SUPPORTED).ok_or_else(|| {
-                w.err(
-                    ErrorKind::InvalidArgument,
-                    "no transport in common (this worker supports TCP)",
-                )
-            })?;
+        // Only a transport this worker offers (NCCL may be compiled in but not started).
+        let transport = handshake::negotiate(&req.transports, w.transports()).ok_or_else(|| {
+            w.err(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "no transport in common (this worker offers {:?})",
+                    w.transports()
+                ),
+            )
+        })?;
         let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
         let (prompt, max_new) = (req.prompt_tokens as usize, req.max_new_tokens as usize);
         let reservation = w
@@ -381,6 +406,10 @@ impl Decode for DecodeService {
             }),
             target: Some(match (transport, &w.ucx) {
                 (TransportKind::Ucx, Some(ucx)) => Target::Ucx(ucx.target().clone()),
+                #[cfg(feature = "nccl")]
+                (TransportKind::Nccl, _) if w.nccl.is_some() => {
+                    Target::Nccl(kv_transfer::nccl::target(&w.address))
+                }
                 _ => Target::Tcp(TcpTarget {
                     address: w.address.clone(),
                 }),
@@ -692,5 +721,10 @@ impl StateSink for DecodeWorker {
                 .map_err(|e| self.err(ErrorKind::TransferFailed, e.to_string()))?;
             Ok(bytes)
         })
+    }
+
+    #[cfg(feature = "nccl")]
+    fn nccl(&self) -> Option<&kv_transfer::nccl::NcclReceiver> {
+        self.nccl.as_ref()
     }
 }

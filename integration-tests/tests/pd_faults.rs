@@ -204,3 +204,40 @@ fn workers_register_again_with_a_restarted_router() {
         r.body
     );
 }
+
+/// More requests at once than the decode worker has request slots: the extra ones wait for
+/// room (the router's queue timeout) instead of failing, and each gets its solo answer. With
+/// no queueing allowed, the extra ones fail with 503 at once.
+#[test]
+fn requests_beyond_decode_capacity_wait_for_room() {
+    let cluster = cluster_full(1, 1, &[], &["--max-running", "2"]);
+    let router = cluster.router.addr("http");
+    let bodies: Vec<_> = (0..6).map(|i| chat(10 + i, i as u64, 0.0, 8)).collect();
+    let solo: Vec<_> = bodies
+        .iter()
+        .map(|b| essence(&post(router, CHAT, b)))
+        .collect();
+    let together: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || essence(&post(router, CHAT, b))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, solo);
+    drop(cluster);
+
+    let cluster = cluster_full(1, 1, &["--queue-timeout-ms", "0"], &["--max-running", "1"]);
+    let router = cluster.router.addr("http");
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..6)
+            .map(|i| s.spawn(move || post(router, CHAT, &chat(10 + i, 1, 0.0, 64)).status))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(
+        statuses.contains(&503),
+        "without a queue some fail: {statuses:?}"
+    );
+}

@@ -5,17 +5,39 @@ use proto::v1::{StateLayout, TransportKind};
 use crate::TransferError;
 
 /// Transports this build implements, in order of preference.
+#[cfg(not(feature = "nccl"))]
 pub const SUPPORTED: &[TransportKind] = &[TransportKind::Ucx, TransportKind::Tcp];
+/// Transports this build implements, in order of preference.
+#[cfg(feature = "nccl")]
+pub const SUPPORTED: &[TransportKind] =
+    &[TransportKind::Ucx, TransportKind::Nccl, TransportKind::Tcp];
 
-/// Transport names from a configuration (`ucx`, `tcp`), in order; an unknown, repeated or
-/// missing name is an error.
+/// Transport names from a configuration (`ucx`, `tcp`, and `nccl` in builds with the `nccl`
+/// feature), in order; an unknown, repeated or missing name is an error.
 pub fn parse_transports(names: &[String]) -> Result<Vec<TransportKind>, String> {
+    let accepted = if cfg!(feature = "nccl") {
+        "ucx, nccl, tcp"
+    } else {
+        "ucx, tcp"
+    };
     let mut out = Vec::new();
     for name in names {
         let kind = match name.as_str() {
             "ucx" => TransportKind::Ucx,
             "tcp" => TransportKind::Tcp,
-            other => return Err(format!("unknown transport {other:?} (accepted: ucx, tcp)")),
+            "nccl" if cfg!(feature = "nccl") => TransportKind::Nccl,
+            "nccl" => {
+                return Err(
+                    "transport \"nccl\": this binary was built without NCCL (cargo feature \
+                     `nccl`)"
+                        .to_owned(),
+                );
+            }
+            other => {
+                return Err(format!(
+                    "unknown transport {other:?} (accepted: {accepted})"
+                ));
+            }
         };
         if out.contains(&kind) {
             return Err(format!("transport {name:?} is listed twice"));
@@ -68,6 +90,14 @@ mod tests {
             Ok(vec![TransportKind::Tcp, TransportKind::Ucx])
         );
         assert!(parse_transports(&names(&["rdma"])).is_err());
+        let nccl = parse_transports(&names(&["nccl", "tcp"]));
+        if cfg!(feature = "nccl") {
+            assert_eq!(nccl, Ok(vec![TransportKind::Nccl, TransportKind::Tcp]));
+            assert_eq!(SUPPORTED.len(), 3);
+        } else {
+            assert!(nccl.is_err_and(|e| e.contains("built without NCCL")));
+            assert!(!SUPPORTED.contains(&TransportKind::Nccl));
+        }
         assert!(parse_transports(&names(&["tcp", "tcp"])).is_err());
         assert!(parse_transports(&[]).is_err());
     }

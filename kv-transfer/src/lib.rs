@@ -8,14 +8,16 @@
 //!
 //! - [`ucx`]: one-sided puts into the decode worker's registered page pool, flushed before the
 //!   commit.
+//! - `nccl` (cargo feature `nccl`): `ncclSend`/`ncclRecv` between the workers' GPUs through
+//!   device staging buffers, one communicator per worker pair; the decode side applies the
+//!   bytes through its [`tcp::StateSink`] before it confirms a transfer.
 //! - [`stream`]: one request's state moved piece by piece, in order, while its prompt is
-//!   still being computed (over UCX or TCP).
-//!
-//! NCCL is a further implementation of the same flow; the descriptor carries its rendezvous
-//! data.
+//!   still being computed (over UCX, NCCL or TCP).
 
 pub mod checksum;
 pub mod handshake;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod stream;
 pub mod tcp;
 pub mod ucx;

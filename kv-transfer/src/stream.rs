@@ -8,6 +8,8 @@
 //!   flushed before the next group, so a group never overtakes the one before it.
 //! - TCP: one `StateTransfer` client stream for the request; the decode side applies frames
 //!   in the order they were sent. The slot is the last piece: the stream ends with it.
+//! - NCCL (builds with the `nccl` feature): the pieces queued while the previous transfer was
+//!   in flight go out as the next transfer(s), each confirmed in place before the next.
 
 use std::time::{Duration, Instant};
 
@@ -17,6 +19,8 @@ use proto::v1::{
 };
 use tokio::{sync::mpsc, task::JoinHandle};
 
+#[cfg(feature = "nccl")]
+use crate::nccl::{MAX_TRANSFER_BYTES, NcclSender, Segment, batches};
 use crate::{
     TransferError,
     tcp::FRAME_BYTES,
@@ -37,7 +41,8 @@ pub struct StreamReport {
     /// Bytes the decode side confirmed.
     pub bytes: u64,
     /// Time the transport was busy with this request's pieces (UCX: puts until flushed; TCP:
-    /// handing frames to the stream under its flow control, and the final confirmation).
+    /// handing frames to the stream under its flow control, and the final confirmation; NCCL:
+    /// transfers until confirmed).
     pub busy: Duration,
     /// When the last piece was confirmed in place.
     pub done: Instant,
@@ -51,6 +56,13 @@ pub struct StateStream {
     task: JoinHandle<Result<StreamReport, TransferError>>,
 }
 
+/// This side's initiators of the transports that need one.
+struct Initiators<'a> {
+    ucx: Option<&'a Putter>,
+    #[cfg(feature = "nccl")]
+    nccl: Option<&'a NcclSender>,
+}
+
 impl StateStream {
     /// Starts moving pieces into `destination` with its transport, if `offered` includes it
     /// (UCX also needs this side's initiator).
@@ -59,6 +71,36 @@ impl StateStream {
         request_id: &RequestId,
         offered: &[TransportKind],
         ucx: Option<&Putter>,
+    ) -> Result<Self, TransferError> {
+        Self::start(
+            destination,
+            request_id,
+            offered,
+            &Initiators {
+                ucx,
+                #[cfg(feature = "nccl")]
+                nccl: None,
+            },
+        )
+    }
+
+    /// [`Self::open`], with this side's NCCL sender for descriptors that name NCCL.
+    #[cfg(feature = "nccl")]
+    pub fn open_with_nccl(
+        destination: &TransferDescriptor,
+        request_id: &RequestId,
+        offered: &[TransportKind],
+        ucx: Option<&Putter>,
+        nccl: Option<&NcclSender>,
+    ) -> Result<Self, TransferError> {
+        Self::start(destination, request_id, offered, &Initiators { ucx, nccl })
+    }
+
+    fn start(
+        destination: &TransferDescriptor,
+        request_id: &RequestId,
+        offered: &[TransportKind],
+        initiators: &Initiators<'_>,
     ) -> Result<Self, TransferError> {
         let slot = destination
             .slot
@@ -71,10 +113,24 @@ impl StateStream {
         let (tx, rx) = mpsc::unbounded_channel();
         let task = match (kind, &destination.target) {
             (Some(k @ TransportKind::Ucx), Some(Target::Ucx(target))) if offered.contains(&k) => {
-                let putter = ucx.cloned().ok_or_else(|| {
+                let putter = initiators.ucx.cloned().ok_or_else(|| {
                     TransferError::Descriptor("this worker does not offer UCX".to_owned())
                 })?;
                 tokio::spawn(run_ucx(putter, target.clone(), pages, rx))
+            }
+            #[cfg(feature = "nccl")]
+            (Some(k @ TransportKind::Nccl), Some(Target::Nccl(target))) if offered.contains(&k) => {
+                let sender = initiators.nccl.cloned().ok_or_else(|| {
+                    TransferError::Descriptor("this worker does not offer NCCL".to_owned())
+                })?;
+                tokio::spawn(run_nccl(
+                    sender,
+                    target.address.clone(),
+                    destination.reservation_id.clone(),
+                    request_id.clone(),
+                    pages,
+                    rx,
+                ))
             }
             (Some(k @ TransportKind::Tcp), Some(Target::Tcp(target))) if offered.contains(&k) => {
                 let frame = PageWrite {
@@ -189,6 +245,45 @@ async fn run_ucx(
                 .collect::<Result<Vec<_>, TransferError>>()?;
             let started = Instant::now();
             bytes += putter.put(target.clone(), puts).await?;
+            done = Instant::now();
+            busy += done - started;
+        }
+    }
+    Ok(StreamReport { bytes, busy, done })
+}
+
+#[cfg(feature = "nccl")]
+async fn run_nccl(
+    sender: NcclSender,
+    address: String,
+    reservation_id: String,
+    request_id: RequestId,
+    pages: Pages,
+    mut rx: mpsc::UnboundedReceiver<Vec<Piece>>,
+) -> Result<StreamReport, TransferError> {
+    let (mut bytes, mut busy, mut done) = (0u64, Duration::ZERO, Instant::now());
+    while let Some(mut group) = rx.recv().await {
+        while let Ok(more) = rx.try_recv() {
+            group.extend(more);
+        }
+        // The decode side applies a transfer's pieces one after another, in order, so pieces
+        // for the same place may share a transfer.
+        let segments = group
+            .into_iter()
+            .map(|piece| {
+                Ok(Segment {
+                    page: pages.get(piece.page)?,
+                    slot: piece.page.is_none(),
+                    offset: piece.offset,
+                    data: piece.data,
+                })
+            })
+            .collect::<Result<Vec<_>, TransferError>>()?;
+        for batch in batches(segments, MAX_TRANSFER_BYTES) {
+            let started = Instant::now();
+            bytes += sender
+                .send(&address, &reservation_id, &request_id, batch)
+                .await?;
             done = Instant::now();
             busy += done - started;
         }

@@ -40,6 +40,9 @@ pub struct PrefillWorker {
     transports: Vec<TransportKind>,
     /// The UCX initiator, when UCX is offered.
     ucx: Option<Putter>,
+    /// The NCCL sender, when NCCL is offered.
+    #[cfg(feature = "nccl")]
+    nccl: Option<kv_transfer::nccl::NcclSender>,
     /// Send state parts as the engine produces them (else all after the forward passes).
     stream_state: bool,
     /// A deliberate corruption (tests of `pdctl verify` only).
@@ -102,6 +105,23 @@ impl PrefillWorker {
                 }
             }
         }
+        #[cfg(feature = "nccl")]
+        let nccl = if transports.contains(&TransportKind::Nccl) {
+            // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
+            kv_transfer::nccl::NcclSender::start(worker_id.clone(), 0)
+                .inspect_err(|e| {
+                    tracing::warn!(error = %e, "NCCL unavailable; not offering it");
+                    transports.retain(|t| *t != TransportKind::Nccl);
+                })
+                .ok()
+        } else {
+            None
+        };
+        #[cfg(not(feature = "nccl"))]
+        if transports.contains(&TransportKind::Nccl) {
+            tracing::warn!("this worker was built without NCCL; not offering it");
+            transports.retain(|t| *t != TransportKind::Nccl);
+        }
         Self {
             engine,
             worker_id,
@@ -109,6 +129,8 @@ impl PrefillWorker {
             running: Mutex::new(HashMap::new()),
             transports,
             ucx,
+            #[cfg(feature = "nccl")]
+            nccl,
             stream_state,
             fault: None,
         }
@@ -298,9 +320,18 @@ impl Prefill for PrefillService {
         };
         let work = async {
             let transfer_error = |e: TransferError| proto::error::to_status(&e.info(&w.worker_id));
-            let stream =
-                StateStream::open(&destination, &request_id, &w.transports, w.ucx.as_ref())
-                    .map_err(transfer_error)?;
+            #[cfg(not(feature = "nccl"))]
+            let opened =
+                StateStream::open(&destination, &request_id, &w.transports, w.ucx.as_ref());
+            #[cfg(feature = "nccl")]
+            let opened = StateStream::open_with_nccl(
+                &destination,
+                &request_id,
+                &w.transports,
+                w.ucx.as_ref(),
+                w.nccl.as_ref(),
+            );
+            let stream = opened.map_err(transfer_error)?;
             let computed = w.compute(generation, &stream).await;
             let forward_end = Instant::now();
             let prefilled = match computed {

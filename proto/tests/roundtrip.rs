@@ -168,6 +168,10 @@ all_messages!(
     PageWriteSummary,
     TransferHello,
     TransferHelloReply,
+    NcclConnectRequest,
+    NcclPiece,
+    NcclExpectRequest,
+    NcclExpectReply,
     // prefill.proto
     PrefillRequest,
     PrefillResponse,

@@ -59,6 +59,10 @@ pub struct RouterConfig {
     pub decode_policy: Policy,
     /// Requests a prefix-affinity choice may exceed the least-loaded worker by.
     pub affinity_slack: u32,
+    /// Milliseconds a request may wait for room on a decode worker (every one full: no free
+    /// request slot or pages) before it fails with 503; it retries as requests finish. 0: fail
+    /// at once.
+    pub queue_timeout_ms: u32,
     /// Where requests are generated: `pd` (prefill and decode workers, static and
     /// registered), `local` (an engine inside the router, for development), or `auto`: `pd`
     /// when workers are configured, else `local`.
@@ -112,6 +116,7 @@ impl Default for RouterConfig {
             prefill_policy: Policy::PrefixAffinity,
             decode_policy: Policy::LeastLoaded,
             affinity_slack: 4,
+            queue_timeout_ms: 30_000,
             backend: BackendKind::Auto,
             transfer_checksums: true,
         }
@@ -201,6 +206,12 @@ impl ServiceConfig for RouterConfig {
             ));
         }
         check_range("affinity_slack", u64::from(self.affinity_slack), 0, 1 << 20)?;
+        check_range(
+            "queue_timeout_ms",
+            u64::from(self.queue_timeout_ms),
+            0,
+            600_000,
+        )?;
         check_range(
             "default_max_tokens",
             u64::from(self.default_max_tokens),
@@ -295,6 +306,10 @@ pub struct Cli {
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_slack: Option<u32>,
+    /// Milliseconds a request may wait for room on a decode worker (0: fail at once).
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_timeout_ms: Option<u32>,
     /// Where requests are generated: auto, pd or local.
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -188,17 +188,22 @@ struct Registry {
     generated: AtomicU64,
     prompt: AtomicU64,
     running: AtomicI64,
-    /// Per transport (UCX, TCP): transfers, bytes, busy and exposed nanoseconds.
-    transfers: [[AtomicU64; 4]; 2],
+    /// Per transport (UCX, TCP, NCCL): transfers, bytes, busy and exposed nanoseconds.
+    transfers: [[AtomicU64; 4]; 3],
     prefill_retries: AtomicU64,
 }
 
 /// The transports transfers are counted by (the `transport` label).
-const TRANSPORT_LABELS: [&str; 2] = ["ucx", "tcp"];
+const TRANSPORT_LABELS: [&str; 3] = ["ucx", "tcp", "nccl"];
 
-/// Records one prompt-state transfer (`ucx` is false for TCP).
-pub fn transfer(ucx: bool, bytes: u64, busy_ns: u64, exposed_ns: u64) {
-    let t = &REGISTRY.transfers[usize::from(!ucx)];
+/// Records one prompt-state transfer over `transport`.
+pub fn transfer(transport: proto::v1::TransportKind, bytes: u64, busy_ns: u64, exposed_ns: u64) {
+    let index = match transport {
+        proto::v1::TransportKind::Ucx => 0,
+        proto::v1::TransportKind::Nccl => 2,
+        _ => 1,
+    };
+    let t = &REGISTRY.transfers[index];
     t[0].fetch_add(1, Ordering::Relaxed);
     t[1].fetch_add(bytes, Ordering::Relaxed);
     t[2].fetch_add(busy_ns, Ordering::Relaxed);

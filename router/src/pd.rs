@@ -7,6 +7,7 @@
 use std::{
     collections::{HashMap, VecDeque},
     sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use engine::{
@@ -72,6 +73,8 @@ pub struct PdBackend {
     slack: usize,
     affinity: Mutex<Affinity>,
     checksums: bool,
+    /// How long a request waits for room on a decode worker.
+    queue_timeout: Duration,
 }
 
 fn status_error(what: &str, status: &tonic::Status) -> BackendError {
@@ -99,6 +102,7 @@ impl PdBackend {
             slack: config.affinity_slack as usize,
             affinity: Mutex::new(Affinity::default()),
             checksums: config.transfer_checksums,
+            queue_timeout: Duration::from_millis(u64::from(config.queue_timeout_ms)),
         }
     }
 
@@ -201,28 +205,46 @@ impl PdBackend {
                 }
             },
         };
-        // A decode worker that is full or unreachable: try one other before giving up.
-        let mut decode = self
-            .workers
-            .decode
-            .pick(self.decode_policy, None, None, 0)
-            .map_err(fail)?;
-        let mut decode_client = DecodeClient::new(decode.channel.clone());
-        let mut result = decode_client.reserve(reserve.clone()).await;
-        if let Err(status) = &result {
-            let kind = ErrorKind::try_from(proto::error::from_status(status).kind)
-                .unwrap_or(ErrorKind::Internal);
-            if matches!(kind, ErrorKind::Overloaded | ErrorKind::Unavailable)
-                && let Ok(other) =
-                    self.workers
-                        .decode
-                        .pick(self.decode_policy, Some(&decode), None, 0)
+        // A decode worker that is full or unreachable: try one other; when every one is full,
+        // wait for room (requests finish all the time) up to the queue timeout.
+        let queued_until = Instant::now() + self.queue_timeout;
+        let mut backoff = Duration::from_millis(5);
+        let (decode, result) = loop {
+            let mut decode = self
+                .workers
+                .decode
+                .pick(self.decode_policy, None, None, 0)
+                .map_err(fail)?;
+            let mut result = DecodeClient::new(decode.channel.clone())
+                .reserve(reserve.clone())
+                .await;
+            let kind_of = |r: &Result<_, tonic::Status>| {
+                r.as_ref().err().map(|status| {
+                    ErrorKind::try_from(proto::error::from_status(status).kind)
+                        .unwrap_or(ErrorKind::Internal)
+                })
+            };
+            if matches!(
+                kind_of(&result),
+                Some(ErrorKind::Overloaded | ErrorKind::Unavailable)
+            ) && let Ok(other) =
+                self.workers
+                    .decode
+                    .pick(self.decode_policy, Some(&decode), None, 0)
             {
                 decode = other;
-                decode_client = DecodeClient::new(decode.channel.clone());
-                result = decode_client.reserve(reserve).await;
+                result = DecodeClient::new(decode.channel.clone())
+                    .reserve(reserve.clone())
+                    .await;
             }
-        }
+            let full = kind_of(&result) == Some(ErrorKind::Overloaded);
+            if !full || Instant::now() + backoff > queued_until {
+                break (decode, result);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(100));
+        };
+        let mut decode_client = DecodeClient::new(decode.channel.clone());
         let decode_guard = InFlight::new(&decode);
         let reserved = result
             .map_err(|s| fail(status_error("decode worker", &s)))?
@@ -300,7 +322,7 @@ impl PdBackend {
             .map_or(0, |u| u.cached_prompt_tokens as usize);
         let timings = prefilled.timings.unwrap_or_default();
         crate::metrics::transfer(
-            transport == TransportKind::Ucx as i32,
+            TransportKind::try_from(transport).unwrap_or(TransportKind::Tcp),
             prefilled.transferred_bytes,
             timings.transfer_ns,
             timings.exposed_transfer_ns,
