@@ -33,7 +33,8 @@ pub struct DecodeConfig {
     /// worker is listed statically in the router's configuration.
     pub router: Option<String>,
     /// State transports this worker offers, in order of preference: `ucx` (one-sided puts into
-    /// registered memory), `tcp` (page frames over gRPC). A pair uses the first transport of the
+    /// registered memory), `tcp` (page frames over gRPC), `nccl` (GPU to GPU; builds with the
+    /// `nccl` feature). A pair uses the first transport of the
     /// prefill worker's list that the decode worker also offers.
     pub transports: Vec<String>,
 }
