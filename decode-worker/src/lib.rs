@@ -2,6 +2,7 @@
 //! incoming prompt state, admits committed requests into its running batch and streams tokens.
 //! Without a configured model it serves identity (`Worker`) and gRPC health only.
 
+pub mod admission;
 pub mod config;
 pub mod service;
 

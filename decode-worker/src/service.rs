@@ -10,7 +10,7 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use common::fault::Fault;
@@ -78,6 +78,8 @@ pub struct DecodeWorker {
     /// The NCCL receiver, when NCCL is offered.
     #[cfg(feature = "nccl")]
     nccl: Option<kv_transfer::nccl::NcclReceiver>,
+    /// Reservations waiting for room, first come first served.
+    admission: crate::admission::Admission,
     /// A deliberate corruption (tests of `pdctl verify` only).
     fault: Option<Fault>,
     /// For [`Fault::ReorderBatch`]: the last token streamed, and to which engine request.
@@ -145,6 +147,7 @@ impl DecodeWorker {
             ucx,
             #[cfg(feature = "nccl")]
             nccl,
+            admission: crate::admission::Admission::default(),
             fault: None,
             last_token: Mutex::new(None),
         }
@@ -286,6 +289,7 @@ impl DecodeWorker {
     /// Drops the bookkeeping of a request whose stream ended.
     fn forget(&self, engine_id: u64) {
         self.lock().retain(|_, r| r.engine_id != engine_id);
+        self.admission.freed();
         // A finished request's token is not handed to later ones: the fault mixes up only
         // requests that run at the same time.
         let mut last = self
@@ -316,6 +320,7 @@ impl DecodeWorker {
                     .runner()
                     .call(move |engine, _| engine.release_reservation(id))
                     .await;
+                this.admission.freed();
                 if let Some((_, reply)) = r.generate {
                     let _ = reply.send(Err(this.err(
                         ErrorKind::DeadlineExceeded,
@@ -376,12 +381,33 @@ impl Decode for DecodeService {
         })?;
         let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
         let (prompt, max_new) = (req.prompt_tokens as usize, req.max_new_tokens as usize);
-        let reservation = w
-            .runner()
-            .call(move |engine, _| engine.reserve(engine_id, prompt, max_new))
-            .await
-            .map_err(|_| w.stopped())?
-            .map_err(|e| w.engine_error(&e))?;
+        // A full worker: wait in line (first come, first served) as long as the caller allows.
+        let until = Instant::now() + Duration::from_millis(u64::from(req.queue_timeout_ms));
+        let mut ticket = w.admission.ticket();
+        let reservation = loop {
+            if ticket.may_try() {
+                let tried = w
+                    .runner()
+                    .call(move |engine, _| engine.reserve(engine_id, prompt, max_new))
+                    .await
+                    .map_err(|_| w.stopped())?;
+                match tried {
+                    Ok(reservation) => break reservation,
+                    Err(EngineError::Pool(_)) if Instant::now() < until => {}
+                    Err(e) => return Err(w.engine_error(&e)),
+                }
+            }
+            if !ticket.wait(until).await {
+                return Err(w.err(
+                    ErrorKind::Overloaded,
+                    format!(
+                        "no room for the request within {} ms (request slots and pages in use)",
+                        req.queue_timeout_ms
+                    ),
+                ));
+            }
+        };
+        drop(ticket);
         let reservation_id = format!("{}-{engine_id}", w.worker_id);
         let lease_ms = req.lease_ms.clamp(LEASE_MS.0, LEASE_MS.1);
         let destination = TransferDescriptor {
@@ -540,11 +566,15 @@ impl Decode for DecodeService {
             // Releases the reservation, or stops the running request (its stream then ends
             // with FINISH_REASON_CANCELLED).
             let id = r.engine_id;
-            let _ = w.runner().post(move |engine, subs| {
-                if let Some(event) = engine.cancel(id) {
-                    subs.deliver(event);
-                }
-            });
+            let _ = w
+                .runner()
+                .call(move |engine, subs| {
+                    if let Some(event) = engine.cancel(id) {
+                        subs.deliver(event);
+                    }
+                })
+                .await;
+            w.admission.freed();
         }
         Ok(Response::new(Ack {}))
     }

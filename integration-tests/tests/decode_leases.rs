@@ -54,6 +54,7 @@ fn leases_checksums_and_bounds() {
             prompt_tokens: 20,
             max_new_tokens: 10,
             lease_ms,
+            queue_timeout_ms: 0,
             prefill_layout: Some(layout.clone()),
             transports: vec![TransportKind::Tcp.into()],
         };

@@ -215,6 +215,7 @@ async fn measure(
                         prompt_tokens: len,
                         max_new_tokens: 1,
                         lease_ms: 120_000,
+                        queue_timeout_ms: 60_000,
                         prefill_layout: info.layout.clone(),
                         transports: vec![kind.into()],
                     })

@@ -78,7 +78,10 @@ async fn client(http: SocketAddr, i: u32, args: SoakArgs, until: Instant, c: Arc
             "messages": [{"role": "user", "content": prompt_text(u64::from(i) << 32 | n, words)}],
             "max_tokens": args.max_tokens,
             "stream": true,
-            "seed": n,
+            // Greedy: the CPU engine's temperature sampling sorts the whole vocabulary per
+            // token, which would make the load about sampling speed instead of serving.
+            "temperature": 0,
+            "reasoning_effort": "none",
         });
         let response = common::http_client::request(
             http,

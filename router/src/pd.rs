@@ -194,6 +194,7 @@ impl PdBackend {
             prompt_tokens: u32::try_from(request.prompt.len()).unwrap_or(u32::MAX),
             max_new_tokens: request.stop.max_tokens,
             lease_ms: LEASE_MS,
+            queue_timeout_ms: u32::try_from(self.queue_timeout.as_millis()).unwrap_or(u32::MAX),
             prefill_layout: Some(layout),
             // The prefill worker's preference; TCP until its first `Info` says more.
             transports: {
