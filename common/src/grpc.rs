@@ -3,10 +3,13 @@
 
 use std::{future::Future, time::Duration};
 
+use proto::auth::ClusterSecret;
 use tokio::{net::TcpListener, sync::oneshot};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
 use tonic_health::{ServingStatus, server::HealthReporter};
+
+use crate::cluster_auth::RequireSecretLayer;
 
 /// The standard `grpc.health.v1.Health` service and its reporter.
 pub fn health() -> (
@@ -41,15 +44,18 @@ pub async fn set_not_serving(reporter: &HealthReporter, services: &[&str]) {
 }
 
 /// Serves `routes` on `listener` until `shutdown` resolves, then lets in-flight calls finish
-/// for at most `grace` before returning anyway.
+/// for at most `grace` before returning anyway. With a `secret`, every call but health must
+/// carry it.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
+    secret: Option<ClusterSecret>,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let (stopping_tx, stopping_rx) = oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
+        .layer(RequireSecretLayer::new(secret))
         .add_routes(routes)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.await;

@@ -5,6 +5,7 @@
 
 pub mod assets;
 pub mod cli;
+pub mod cluster_auth;
 pub mod config;
 pub mod env;
 pub mod fault;

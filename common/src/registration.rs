@@ -4,11 +4,14 @@
 
 use std::time::Duration;
 
-use proto::v1::{
-    DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerState,
-    registry_client::RegistryClient,
+use proto::{
+    auth::{AuthChannel, Credentials},
+    v1::{
+        DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerState,
+        registry_client::RegistryClient,
+    },
 };
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::worker_info::WorkerHandle;
 
@@ -17,7 +20,7 @@ const RETRY: Duration = Duration::from_millis(500);
 
 /// Keeps the worker registered with the router at `router` (its gRPC host:port) until the
 /// worker starts draining; then deregisters. Runs forever otherwise (spawn it).
-pub async fn keep_registered(handle: WorkerHandle, router: String) {
+pub async fn keep_registered(handle: WorkerHandle, router: String, credentials: Credentials) {
     let channel = match Endpoint::from_shared(format!("http://{router}")) {
         Ok(e) => e.connect_timeout(Duration::from_secs(2)).connect_lazy(),
         Err(e) => {
@@ -25,7 +28,7 @@ pub async fn keep_registered(handle: WorkerHandle, router: String) {
             return;
         }
     };
-    let mut client = RegistryClient::new(channel);
+    let mut client = RegistryClient::new(credentials.channel(channel));
     loop {
         let interval = register(&mut client, &handle, &router).await;
         // Heartbeat until the router forgets us or we drain.
@@ -63,7 +66,7 @@ pub async fn keep_registered(handle: WorkerHandle, router: String) {
 
 /// Registers (retrying until it succeeds); returns the heartbeat interval.
 async fn register(
-    client: &mut RegistryClient<Channel>,
+    client: &mut RegistryClient<AuthChannel>,
     handle: &WorkerHandle,
     router: &str,
 ) -> Duration {

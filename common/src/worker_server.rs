@@ -3,7 +3,10 @@
 
 use std::{future::Future, net::SocketAddr, time::Duration};
 
-use proto::v1::{Role, WorkerInfo, WorkerState, worker_server::WorkerServer as WorkerGrpc};
+use proto::{
+    auth::{ClusterSecret, Credentials},
+    v1::{Role, WorkerInfo, WorkerState, worker_server::WorkerServer as WorkerGrpc},
+};
 use tokio::net::TcpListener;
 use tonic::service::Routes;
 
@@ -47,6 +50,8 @@ pub struct ListenOptions {
     pub advertise: Option<String>,
     /// How long in-flight calls may run after shutdown begins.
     pub grace: Duration,
+    /// The cluster secret every call but health must carry; `None`: calls are not checked.
+    pub secret: Option<ClusterSecret>,
 }
 
 /// A worker whose listener is bound (its address is known) but not yet serving.
@@ -55,6 +60,7 @@ pub struct WorkerServer {
     listener: TcpListener,
     local_addr: SocketAddr,
     grace: Duration,
+    secret: Option<ClusterSecret>,
     handle: WorkerHandle,
 }
 
@@ -63,6 +69,7 @@ impl WorkerServer {
     pub async fn bind(role: Role, options: ListenOptions) -> Result<Self, ServeError> {
         let listener = crate::listen::bind(options.key, options.listen).await?;
         let local_addr = listener.local_addr()?;
+        crate::cluster_auth::warn_if_open(options.secret.as_ref(), local_addr);
         let handle = WorkerHandle::new(WorkerInfo {
             worker_id: new_worker_id(role),
             role: role.into(),
@@ -75,6 +82,7 @@ impl WorkerServer {
             listener,
             local_addr,
             grace: options.grace,
+            secret: options.secret,
             handle,
         })
     }
@@ -85,6 +93,11 @@ impl WorkerServer {
 
     pub fn handle(&self) -> &WorkerHandle {
         &self.handle
+    }
+
+    /// What this worker's own calls to other processes carry.
+    pub fn credentials(&self) -> Credentials {
+        Credentials::new(self.secret.as_ref())
     }
 
     /// Serves the identity and health services plus `role_routes` (whose names are listed in
@@ -114,7 +127,7 @@ impl WorkerServer {
             grpc::set_not_serving(&reporter, &services).await;
             tracing::info!("worker stopping");
         };
-        grpc::serve(self.listener, routes, stop, self.grace).await?;
+        grpc::serve(self.listener, routes, self.secret, stop, self.grace).await?;
         Ok(())
     }
 

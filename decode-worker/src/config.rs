@@ -37,6 +37,10 @@ pub struct DecodeConfig {
     /// `nccl` feature). A pair uses the first transport of the
     /// prefill worker's list that the decode worker also offers.
     pub transports: Vec<String>,
+    /// File holding the cluster's shared secret (one line, 32+ visible characters, not
+    /// readable by other users). Every internal gRPC call carries it and calls without it are
+    /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
+    pub cluster_secret_file: Option<PathBuf>,
 }
 
 impl Default for DecodeConfig {
@@ -52,6 +56,7 @@ impl Default for DecodeConfig {
             max_batch_tokens: 512,
             router: None,
             transports: vec!["ucx".to_owned(), "tcp".to_owned()],
+            cluster_secret_file: None,
         }
     }
 }
@@ -83,6 +88,7 @@ impl ServiceConfig for DecodeConfig {
         )?;
         kv_transfer::handshake::parse_transports(&self.transports)
             .map_err(|e| Invalid::new("transports", e))?;
+        common::cluster_auth::load(self.cluster_secret_file.as_deref())?;
         if let Some(router) = &self.router {
             common::config::check_host_port("router", router)?;
         }
@@ -138,6 +144,10 @@ pub struct Cli {
     #[arg(long = "transport", value_name = "NAME")]
     #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
     pub transports: Vec<String>,
+    /// File holding the cluster's shared secret (all roles must use the same).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_secret_file: Option<PathBuf>,
 }
 
 #[cfg(test)]

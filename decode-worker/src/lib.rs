@@ -27,6 +27,8 @@ pub async fn bind(config: &DecodeConfig) -> Result<WorkerServer, ServeError> {
             listen: config.grpc_listen,
             advertise: config.advertise_address.clone(),
             grace: Duration::from_millis(config.shutdown_grace_ms),
+            secret: common::cluster_auth::load(config.cluster_secret_file.as_deref())
+                .map_err(|e| ServeError::Startup(format!("{}: {}", e.key, e.reason)))?,
         },
     )
     .await
@@ -80,6 +82,7 @@ pub async fn run(
         tokio::spawn(common::registration::keep_registered(
             server.handle().clone(),
             router,
+            server.credentials(),
         ));
     }
     let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));

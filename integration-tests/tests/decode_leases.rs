@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use integration_tests::{Service, command, tiny_model_dir};
+use proto::auth::Credentials;
 use proto::v1::{
     CommitRequest, ErrorKind, GeneratedToken, InfoRequest, RequestId, ReserveRequest,
     TransportKind, decode_client::DecodeClient, worker_client::WorkerClient,
@@ -117,7 +118,7 @@ fn leases_checksums_and_bounds() {
         };
         let pages = vec![vec![7u8; page_bytes]; 2];
         let slot = vec![5u8; slot_bytes];
-        let sent = kv_transfer::tcp::send_state(&dest, &id, &pages, &slot)
+        let sent = kv_transfer::tcp::send_state(&dest, &id, &pages, &slot, &Credentials::none())
             .await
             .unwrap();
         assert_eq!(sent as usize, 2 * page_bytes + slot_bytes);
@@ -171,11 +172,11 @@ fn leases_checksums_and_bounds() {
             attempt: 1,
         };
         assert!(
-            kv_transfer::tcp::send_state(&dest, &stranger, &pages, &slot)
+            kv_transfer::tcp::send_state(&dest, &stranger, &pages, &slot, &Credentials::none())
                 .await
                 .is_err()
         );
-        kv_transfer::tcp::send_state(&dest, &id, &pages, &slot)
+        kv_transfer::tcp::send_state(&dest, &id, &pages, &slot, &Credentials::none())
             .await
             .unwrap();
         decode

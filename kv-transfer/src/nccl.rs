@@ -43,6 +43,7 @@ use cudarc::{
     driver::{CudaContext, CudaSlice, CudaStream},
     nccl::{Comm, Id},
 };
+use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
     NcclConnectRequest, NcclExpectReply, NcclExpectRequest, NcclPiece, NcclTarget, PageRef,
     PageWrite, RequestId, state_transfer_client::StateTransferClient,
@@ -350,7 +351,7 @@ struct Queue {
 /// An open communicator to one decode worker.
 struct SendPeer {
     connection: u64,
-    client: StateTransferClient<Channel>,
+    client: StateTransferClient<AuthChannel>,
     queue: Mutex<Queue>,
     /// Set when the communicator is out of step or failed: its thread stops, and the next
     /// transfer opens a new pair.
@@ -373,6 +374,8 @@ type PeerSlot = Arc<tokio::sync::Mutex<Option<Arc<SendPeer>>>>;
 struct SenderInner {
     worker_id: String,
     device: usize,
+    /// What its calls to decode workers carry.
+    credentials: Credentials,
     peers: Mutex<HashMap<String, PeerSlot>>,
     /// Connection numbers, seeded from the clock so a restarted worker does not reuse one.
     connections: AtomicU64,
@@ -395,8 +398,13 @@ impl std::fmt::Debug for NcclSender {
 
 impl NcclSender {
     /// The sender of prefill worker `worker_id`, on CUDA device `device`. Fails (without
-    /// touching the GPU) when CUDA, NCCL or the device is missing here.
-    pub fn start(worker_id: String, device: usize) -> Result<Self, TransferError> {
+    /// touching the GPU) when CUDA, NCCL or the device is missing here. Its calls to decode
+    /// workers carry `credentials`.
+    pub fn start(
+        worker_id: String,
+        device: usize,
+        credentials: Credentials,
+    ) -> Result<Self, TransferError> {
         let version = check_available(device)?;
         tracing::info!(version, device, "NCCL transport ready (prefill side)");
         let seed = SystemTime::now()
@@ -406,6 +414,7 @@ impl NcclSender {
             inner: Arc::new(SenderInner {
                 worker_id,
                 device,
+                credentials,
                 peers: Mutex::new(HashMap::new()),
                 connections: AtomicU64::new(seed),
             }),
@@ -558,7 +567,7 @@ impl NcclSender {
             .connect()
             .await
             .map_err(|e| failed(e.to_string()))?;
-        let mut client = StateTransferClient::new(channel);
+        let mut client = StateTransferClient::new(self.inner.credentials.channel(channel));
         // ncclGetUniqueId sets up NCCL's bootstrap (network interfaces, a listening socket).
         let id = tokio::task::spawn_blocking(Id::new)
             .await
@@ -937,7 +946,7 @@ mod tests {
     #[test]
     fn starting_without_cuda_or_nccl_is_an_error_not_a_panic() {
         // On a GPU host with NCCL both start; elsewhere both explain what is missing.
-        match NcclSender::start("p".into(), 0) {
+        match NcclSender::start("p".into(), 0, Credentials::none()) {
             Ok(sender) => assert!(format!("{sender:?}").contains("NcclSender")),
             Err(e) => assert!(matches!(e, TransferError::Failed { .. }), "{e}"),
         }

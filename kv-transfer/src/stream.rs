@@ -13,9 +13,12 @@
 
 use std::time::{Duration, Instant};
 
-use proto::v1::{
-    PageRef, PageWrite, PageWriteSummary, RequestId, TransferDescriptor, TransportKind, UcxTarget,
-    state_transfer_client::StateTransferClient, transfer_descriptor::Target,
+use proto::{
+    auth::Credentials,
+    v1::{
+        PageRef, PageWrite, PageWriteSummary, RequestId, TransferDescriptor, TransportKind,
+        UcxTarget, transfer_descriptor::Target,
+    },
 };
 use tokio::{sync::mpsc, task::JoinHandle};
 
@@ -58,6 +61,7 @@ pub struct StateStream {
 
 /// This side's initiators of the transports that need one.
 struct Initiators<'a> {
+    credentials: &'a Credentials,
     ucx: Option<&'a Putter>,
     #[cfg(feature = "nccl")]
     nccl: Option<&'a NcclSender>,
@@ -65,11 +69,13 @@ struct Initiators<'a> {
 
 impl StateStream {
     /// Starts moving pieces into `destination` with its transport, if `offered` includes it
-    /// (UCX also needs this side's initiator).
+    /// (UCX also needs this side's initiator). gRPC calls to the decode side carry
+    /// `credentials`.
     pub fn open(
         destination: &TransferDescriptor,
         request_id: &RequestId,
         offered: &[TransportKind],
+        credentials: &Credentials,
         ucx: Option<&Putter>,
     ) -> Result<Self, TransferError> {
         Self::start(
@@ -77,6 +83,7 @@ impl StateStream {
             request_id,
             offered,
             &Initiators {
+                credentials,
                 ucx,
                 #[cfg(feature = "nccl")]
                 nccl: None,
@@ -90,10 +97,20 @@ impl StateStream {
         destination: &TransferDescriptor,
         request_id: &RequestId,
         offered: &[TransportKind],
+        credentials: &Credentials,
         ucx: Option<&Putter>,
         nccl: Option<&NcclSender>,
     ) -> Result<Self, TransferError> {
-        Self::start(destination, request_id, offered, &Initiators { ucx, nccl })
+        Self::start(
+            destination,
+            request_id,
+            offered,
+            &Initiators {
+                credentials,
+                ucx,
+                nccl,
+            },
+        )
     }
 
     fn start(
@@ -138,7 +155,13 @@ impl StateStream {
                     request_id: Some(request_id.clone()),
                     ..PageWrite::default()
                 };
-                tokio::spawn(run_tcp(target.address.clone(), frame, pages, rx))
+                tokio::spawn(run_tcp(
+                    target.address.clone(),
+                    initiators.credentials.clone(),
+                    frame,
+                    pages,
+                    rx,
+                ))
             }
             (kind, _) => {
                 return Err(TransferError::Descriptor(format!(
@@ -293,6 +316,7 @@ async fn run_nccl(
 
 async fn run_tcp(
     peer: String,
+    credentials: Credentials,
     frame: PageWrite,
     pages: Pages,
     mut rx: mpsc::UnboundedReceiver<Vec<Piece>>,
@@ -301,7 +325,7 @@ async fn run_tcp(
         peer: peer.clone(),
         message,
     };
-    let mut client = StateTransferClient::connect(format!("http://{peer}"))
+    let mut client = crate::tcp::connect(&peer, &credentials)
         .await
         .map_err(|e| failed(e.to_string()))?
         .max_decoding_message_size(FRAME_BYTES * 2)

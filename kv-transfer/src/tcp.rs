@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
+use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
     Ack, NcclConnectRequest, NcclExpectReply, NcclExpectRequest, PageRef, PageWrite,
     PageWriteSummary, RequestId, TransferDescriptor, TransferHello, TransferHelloReply,
@@ -147,6 +148,18 @@ pub fn frames(
     Ok(out)
 }
 
+/// A `StateTransfer` client for the decode worker at `peer` (host:port) whose calls carry
+/// `credentials`.
+pub async fn connect(
+    peer: &str,
+    credentials: &Credentials,
+) -> Result<StateTransferClient<AuthChannel>, tonic::transport::Error> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{peer}"))?
+        .connect()
+        .await?;
+    Ok(StateTransferClient::new(credentials.channel(channel)))
+}
+
 /// Writes a prompt's state into the reservation `descriptor` names; returns the bytes the
 /// decode side confirmed. A short count is an error.
 pub async fn send_state(
@@ -154,6 +167,7 @@ pub async fn send_state(
     request_id: &RequestId,
     pages: &[Vec<u8>],
     slot: &[u8],
+    credentials: &Credentials,
 ) -> Result<u64, TransferError> {
     let Some(Target::Tcp(target)) = &descriptor.target else {
         return Err(TransferError::Descriptor(
@@ -168,7 +182,7 @@ pub async fn send_state(
     let frames = frames(descriptor, request_id, pages, slot)?;
     let expected: u64 = frames.iter().map(|f| f.data.len() as u64).sum();
     let expected_frames = frames.len() as u64;
-    let mut client = StateTransferClient::connect(format!("http://{peer}"))
+    let mut client = connect(&peer, credentials)
         .await
         .map_err(|e| failed(e.to_string()))?
         .max_decoding_message_size(FRAME_BYTES * 2)

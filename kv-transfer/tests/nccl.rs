@@ -12,6 +12,7 @@ use kv_transfer::{
     stream::{Piece, StateStream},
     tcp::{StateSink, StateTransferService},
 };
+use proto::auth::Credentials;
 use proto::v1::{
     PageRef, PageWrite, RequestId, TransferDescriptor, TransferHello, TransferHelloReply,
     TransportKind, state_transfer_server::StateTransferServer, transfer_descriptor::Target,
@@ -116,7 +117,7 @@ async fn pages_cross_between_two_gpus() {
             )))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    let sender = NcclSender::start("prefill".into(), 0).unwrap();
+    let sender = NcclSender::start("prefill".into(), 0, Credentials::none()).unwrap();
 
     // Through a state stream, as the prefill worker sends: pieces in several groups, a page
     // sent again complete after a partial first version, the slot last.
@@ -144,6 +145,7 @@ async fn pages_cross_between_two_gpus() {
         &descriptor,
         &request,
         &[TransportKind::Nccl],
+        &Credentials::none(),
         None,
         Some(&sender),
     )

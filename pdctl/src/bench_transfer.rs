@@ -19,6 +19,7 @@ use kv_transfer::{
     ucx::{Exporter, Put, Putter, Region},
 };
 use prost::Message;
+use proto::auth::Credentials;
 use proto::v1::{
     PageRef, PageWrite, RequestId, TcpTarget, TransferDescriptor, TransferHello,
     TransferHelloReply, TransportKind, UcxTarget, state_transfer_server::StateTransferServer,
@@ -271,7 +272,9 @@ pub async fn run(args: &BenchTransferArgs) -> Result<(), PdctlError> {
     let id = RequestId::default();
     let (best, mean) = rate(args.iterations, bytes, || {
         let (descriptor, id, payload) = (&descriptor, &id, &payload);
-        async move { kv_transfer::tcp::send_state(descriptor, id, payload, &[]).await }
+        async move {
+            kv_transfer::tcp::send_state(descriptor, id, payload, &[], &Credentials::none()).await
+        }
     })
     .await?;
     println!(

@@ -4,12 +4,15 @@
 
 use std::{
     collections::HashMap,
+    fmt::Write as _,
+    io::{Read, Write},
     path::{Path, PathBuf},
     process::Stdio,
     time::Duration,
 };
 
 use nix::{sys::signal, unistd::Pid};
+use proto::auth::{ClusterSecret, Credentials};
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
@@ -20,6 +23,44 @@ use crate::{PdctlError, UpArgs, health};
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
 pub(crate) const EPHEMERAL: &str = "127.0.0.1:0";
+
+/// The shared secret of a local cluster: random, in a private temporary file (mode 0600)
+/// that is removed when this is dropped. Every process of the cluster reads it, so the
+/// local cluster runs with authentication between roles like a deployment.
+#[derive(Debug)]
+pub(crate) struct LocalSecret {
+    file: tempfile::NamedTempFile,
+    secret: ClusterSecret,
+}
+
+impl LocalSecret {
+    /// 32 bytes from the OS's random source, in hex.
+    pub(crate) fn generate() -> Result<Self, PdctlError> {
+        let mut bytes = [0u8; 32];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+        let hex = bytes.iter().fold(String::new(), |mut hex, b| {
+            let _ = write!(hex, "{b:02x}");
+            hex
+        });
+        let secret = ClusterSecret::new(&hex).map_err(PdctlError::Model)?;
+        let mut file = tempfile::Builder::new()
+            .prefix("pdserve-cluster-")
+            .suffix(".secret")
+            .tempfile()?;
+        writeln!(file, "{hex}")?;
+        file.flush()?;
+        Ok(Self { file, secret })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    /// What this process's own calls to the cluster's workers carry.
+    pub(crate) fn credentials(&self) -> Credentials {
+        Credentials::new(Some(&self.secret))
+    }
+}
 
 /// A started child process and the addresses it announced.
 #[derive(Debug)]
@@ -200,20 +241,25 @@ pub(crate) async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
 
 /// Starts `decode` decode workers, `prefill` prefill workers and a router in front of them
 /// (HTTP on `http_listen`) from the binaries in `dir`, serving `model`; each started process
-/// is pushed onto `procs` (so the caller stops them even when a later one fails).
+/// is pushed onto `procs` (so the caller stops them even when a later one fails). All of them
+/// share `secret`.
 pub(crate) async fn start(
     dir: &Path,
     model: &Path,
     (prefill, decode): (u16, u16),
     http_listen: std::net::SocketAddr,
+    secret: &LocalSecret,
     procs: &mut Vec<Proc>,
 ) -> Result<(), PdctlError> {
     let model_arg = model.display().to_string();
+    let secret_arg = secret.path().display().to_string();
     let worker_args = [
         "--grpc-listen",
         EPHEMERAL,
         "--model-dir",
         model_arg.as_str(),
+        "--cluster-secret-file",
+        secret_arg.as_str(),
     ];
     for i in 0..decode {
         procs.push(
@@ -242,6 +288,8 @@ pub(crate) async fn start(
         EPHEMERAL.to_owned(),
         "--model-dir".to_owned(),
         model_arg.clone(),
+        "--cluster-secret-file".to_owned(),
+        secret_arg.clone(),
     ];
     for proc in procs.iter() {
         let flag = if proc.name.starts_with("prefill") {
@@ -273,6 +321,7 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
         None => default_bin_dir()?,
     };
     let mut procs = Vec::new();
+    let secret = LocalSecret::generate()?;
     let result = async {
         let model = match &args.model {
             Some(dir) => dir.clone(),
@@ -283,6 +332,7 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
             &model,
             (args.prefill, args.decode),
             args.http_listen,
+            &secret,
             &mut procs,
         )
         .await?;

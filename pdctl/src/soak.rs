@@ -13,7 +13,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proto::v1::{InfoRequest, worker_client::WorkerClient};
+use proto::{
+    auth::Credentials,
+    v1::{InfoRequest, worker_client::WorkerClient},
+};
 use serde_json::json;
 
 use crate::{
@@ -119,13 +122,16 @@ async fn client(http: SocketAddr, i: u32, args: SoakArgs, until: Instant, c: Arc
 }
 
 /// (pages held for requests, requests, reservations) of a worker.
-async fn busy(addr: SocketAddr) -> Result<(u64, u32, u32), PdctlError> {
-    let mut client = WorkerClient::connect(format!("http://{addr}"))
+async fn busy(addr: SocketAddr, credentials: &Credentials) -> Result<(u64, u32, u32), PdctlError> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| PdctlError::Model(e.to_string()))?
+        .connect()
         .await
         .map_err(|e| PdctlError::Unhealthy {
             what: addr.to_string(),
             reason: e.to_string(),
         })?;
+    let mut client = WorkerClient::new(credentials.channel(channel));
     let load = client
         .info(InfoRequest {})
         .await
@@ -152,12 +158,14 @@ pub async fn run(args: &SoakArgs) -> Result<(), PdctlError> {
         None => cluster::default_model()?,
     };
     let mut procs: Vec<Proc> = Vec::new();
+    let secret = cluster::LocalSecret::generate()?;
     let result = async {
         cluster::start(
             &dir,
             &model,
             (args.prefill, args.decode),
             SocketAddr::from(([127, 0, 0, 1], 0)),
+            &secret,
             &mut procs,
         )
         .await?;
@@ -167,7 +175,7 @@ pub async fn run(args: &SoakArgs) -> Result<(), PdctlError> {
             .map(|p| p.addr("http"))
             .transpose()?
             .ok_or_else(|| PdctlError::Model("no router".into()))?;
-        soak(args, http, &procs).await
+        soak(args, http, &procs, &secret.credentials()).await
     }
     .await;
     while let Some(proc) = procs.pop() {
@@ -190,6 +198,7 @@ async fn soak(
     args: &SoakArgs,
     http: SocketAddr,
     procs: &[Proc],
+    credentials: &Credentials,
 ) -> Result<(u64, Vec<String>), PdctlError> {
     let started = Instant::now();
     let until = started + Duration::from_secs(args.duration_s);
@@ -242,7 +251,7 @@ async fn soak(
     for p in procs.iter().filter(|p| p.name != "router") {
         let addr = p.addr("grpc")?;
         loop {
-            let now = busy(addr).await?;
+            let now = busy(addr, credentials).await?;
             if now == (0, 0, 0) {
                 break;
             }

@@ -41,6 +41,10 @@ pub struct PrefillConfig {
     /// after the forward passes (false: the baseline `pdctl bench-transfer` compares against;
     /// the transfer then adds its whole time to the first token).
     pub stream_state: bool,
+    /// File holding the cluster's shared secret (one line, 32+ visible characters, not
+    /// readable by other users). Every internal gRPC call carries it and calls without it are
+    /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
+    pub cluster_secret_file: Option<PathBuf>,
 }
 
 impl Default for PrefillConfig {
@@ -57,6 +61,7 @@ impl Default for PrefillConfig {
             router: None,
             transports: vec!["ucx".to_owned(), "tcp".to_owned()],
             stream_state: true,
+            cluster_secret_file: None,
         }
     }
 }
@@ -88,6 +93,7 @@ impl ServiceConfig for PrefillConfig {
         )?;
         kv_transfer::handshake::parse_transports(&self.transports)
             .map_err(|e| Invalid::new("transports", e))?;
+        common::cluster_auth::load(self.cluster_secret_file.as_deref())?;
         if let Some(router) = &self.router {
             common::config::check_host_port("router", router)?;
         }
@@ -147,6 +153,10 @@ pub struct Cli {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_state: Option<bool>,
+    /// File holding the cluster's shared secret (all roles must use the same).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_secret_file: Option<PathBuf>,
 }
 
 #[cfg(test)]

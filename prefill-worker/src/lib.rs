@@ -25,6 +25,8 @@ pub async fn bind(config: &PrefillConfig) -> Result<WorkerServer, ServeError> {
             listen: config.grpc_listen,
             advertise: config.advertise_address.clone(),
             grace: Duration::from_millis(config.shutdown_grace_ms),
+            secret: common::cluster_auth::load(config.cluster_secret_file.as_deref())
+                .map_err(|e| ServeError::Startup(format!("{}: {}", e.key, e.reason)))?,
         },
     )
     .await
@@ -61,8 +63,14 @@ pub async fn run(
     let runner = loaded.runner.clone();
     let fault = common::fault::Fault::for_worker("prefill").map_err(ServeError::Startup)?;
     let worker = Arc::new(
-        PrefillWorker::new(loaded, info.worker_id, transports, config.stream_state)
-            .with_fault(fault),
+        PrefillWorker::new(
+            loaded,
+            info.worker_id,
+            transports,
+            config.stream_state,
+            server.credentials(),
+        )
+        .with_fault(fault),
     );
     server
         .handle()
@@ -77,6 +85,7 @@ pub async fn run(
         tokio::spawn(common::registration::keep_registered(
             server.handle().clone(),
             router,
+            server.credentials(),
         ));
     }
     let prefill = PrefillServer::new(PrefillService(worker));

@@ -23,6 +23,7 @@ use kv_transfer::{
     stream::{Piece, StateStream},
     ucx::Putter,
 };
+use proto::auth::Credentials;
 use proto::v1::{
     Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, PrefillRequest, PrefillResponse,
     RequestId, Timings, TransportKind, Usage, decode_client::DecodeClient, prefill_server::Prefill,
@@ -45,6 +46,8 @@ pub struct PrefillWorker {
     nccl: Option<kv_transfer::nccl::NcclSender>,
     /// Send state parts as the engine produces them (else all after the forward passes).
     stream_state: bool,
+    /// What calls to decode workers carry.
+    credentials: Credentials,
     /// A deliberate corruption (tests of `pdctl verify` only).
     fault: Option<Fault>,
 }
@@ -94,6 +97,7 @@ impl PrefillWorker {
         worker_id: String,
         mut transports: Vec<TransportKind>,
         stream_state: bool,
+        credentials: Credentials,
     ) -> Self {
         let mut ucx = None;
         if transports.contains(&TransportKind::Ucx) {
@@ -108,7 +112,7 @@ impl PrefillWorker {
         #[cfg(feature = "nccl")]
         let nccl = if transports.contains(&TransportKind::Nccl) {
             // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
-            kv_transfer::nccl::NcclSender::start(worker_id.clone(), 0)
+            kv_transfer::nccl::NcclSender::start(worker_id.clone(), 0, credentials.clone())
                 .inspect_err(|e| {
                     tracing::warn!(error = %e, "NCCL unavailable; not offering it");
                     transports.retain(|t| *t != TransportKind::Nccl);
@@ -132,6 +136,7 @@ impl PrefillWorker {
             #[cfg(feature = "nccl")]
             nccl,
             stream_state,
+            credentials,
             fault: None,
         }
     }
@@ -321,13 +326,19 @@ impl Prefill for PrefillService {
         let work = async {
             let transfer_error = |e: TransferError| proto::error::to_status(&e.info(&w.worker_id));
             #[cfg(not(feature = "nccl"))]
-            let opened =
-                StateStream::open(&destination, &request_id, &w.transports, w.ucx.as_ref());
+            let opened = StateStream::open(
+                &destination,
+                &request_id,
+                &w.transports,
+                &w.credentials,
+                w.ucx.as_ref(),
+            );
             #[cfg(feature = "nccl")]
             let opened = StateStream::open_with_nccl(
                 &destination,
                 &request_id,
                 &w.transports,
+                &w.credentials,
                 w.ucx.as_ref(),
                 w.nccl.as_ref(),
             );
@@ -366,14 +377,18 @@ impl Prefill for PrefillService {
                 .saturating_duration_since(forward_end)
                 .as_nanos();
             let first_token = wire::token_to_proto(&prefilled.first);
-            let mut decode = DecodeClient::connect(format!("http://{}", req.decode_address))
-                .await
-                .map_err(|e| {
-                    w.err(
-                        ErrorKind::Unavailable,
-                        format!("decode worker {}: {e}", req.decode_address),
-                    )
-                })?;
+            let channel =
+                tonic::transport::Endpoint::from_shared(format!("http://{}", req.decode_address))
+                    .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?
+                    .connect()
+                    .await
+                    .map_err(|e| {
+                        w.err(
+                            ErrorKind::Unavailable,
+                            format!("decode worker {}: {e}", req.decode_address),
+                        )
+                    })?;
+            let mut decode = DecodeClient::new(w.credentials.channel(channel));
             decode
                 .commit(CommitRequest {
                     reservation_id: destination.reservation_id.clone(),

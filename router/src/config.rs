@@ -37,6 +37,10 @@ pub struct RouterConfig {
     pub reasoning_effort_map: Vec<String>,
     /// Bearer keys accepted on the API; empty: no authentication.
     pub api_keys: Vec<String>,
+    /// File holding the cluster's shared secret (one line, 32+ visible characters, not
+    /// readable by other users). Every internal gRPC call carries it and calls without it are
+    /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
+    pub cluster_secret_file: Option<PathBuf>,
     /// Requests one API key may have in flight (streams count until they end); beyond it the
     /// router answers 429. 0: no limit.
     pub max_concurrent_per_key: u32,
@@ -109,6 +113,7 @@ impl Default for RouterConfig {
             thinking_default: true,
             reasoning_effort_map: Vec::new(),
             api_keys: Vec::new(),
+            cluster_secret_file: None,
             max_concurrent_per_key: 0,
             max_model_len: None,
             engine_num_pages: 1024,
@@ -184,6 +189,7 @@ impl ServiceConfig for RouterConfig {
         if self.api_keys.iter().any(String::is_empty) {
             return Err(Invalid::new("api_keys", "keys must not be empty"));
         }
+        common::cluster_auth::load(self.cluster_secret_file.as_deref())?;
         check_range(
             "max_concurrent_per_key",
             u64::from(self.max_concurrent_per_key),
@@ -278,6 +284,10 @@ pub struct Cli {
     #[arg(long = "api-key", value_name = "KEY")]
     #[serde(rename = "api_keys", skip_serializing_if = "Vec::is_empty")]
     pub api_keys: Vec<String>,
+    /// File holding the cluster's shared secret (all roles must use the same).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_secret_file: Option<PathBuf>,
     /// Requests one API key may have in flight (0: no limit).
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
     Ack, DeregisterRequest, HeartbeatRequest, HeartbeatResponse, InfoRequest, Load,
     RegisterRequest, RegisterResponse, Role, StateLayout, registry_server::Registry,
@@ -17,10 +18,7 @@ use proto::v1::{
 };
 use serde::Serialize;
 use tokio::sync::watch;
-use tonic::{
-    Request, Response, Status,
-    transport::{Channel, Endpoint},
-};
+use tonic::{Request, Response, Status, transport::Endpoint};
 
 use crate::{backend::BackendError, config::Policy};
 
@@ -43,7 +41,8 @@ pub struct Worker {
     /// Its id (`WorkerInfo.worker_id`; for static workers, the address until a poll says).
     pub id: Mutex<String>,
     pub address: String,
-    pub channel: Channel,
+    /// Calls on it carry the cluster's credentials.
+    pub channel: AuthChannel,
     /// Whether its last `Info` poll succeeded; in-flight streams watch it.
     pub alive: watch::Sender<bool>,
     /// Its last reported load.
@@ -60,9 +59,14 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(address: &str, id: String, dynamic: bool) -> Result<Arc<Self>, String> {
+    fn new(
+        address: &str,
+        id: String,
+        dynamic: bool,
+        credentials: &Credentials,
+    ) -> Result<Arc<Self>, String> {
         let channel = Endpoint::from_shared(format!("http://{address}"))
-            .map(|e| e.connect_timeout(POLL_TIMEOUT).connect_lazy())
+            .map(|e| credentials.channel(e.connect_timeout(POLL_TIMEOUT).connect_lazy()))
             .map_err(|e| format!("worker address {address}: {e}"))?;
         Ok(Arc::new(Self {
             id: Mutex::new(id),
@@ -152,14 +156,19 @@ pub struct Pool {
     role: &'static str,
     workers: RwLock<Vec<Arc<Worker>>>,
     next: AtomicUsize,
+    credentials: Credentials,
 }
 
 impl Pool {
     /// A pool of the static `addresses`; starts polling them (call within a Tokio runtime).
-    pub fn new(role: &'static str, addresses: &[String]) -> Result<Self, String> {
+    pub fn new(
+        role: &'static str,
+        addresses: &[String],
+        credentials: &Credentials,
+    ) -> Result<Self, String> {
         let workers = addresses
             .iter()
-            .map(|a| Worker::new(a, a.clone(), false))
+            .map(|a| Worker::new(a, a.clone(), false, credentials))
             .collect::<Result<Vec<_>, String>>()?;
         for w in &workers {
             w.monitor();
@@ -168,6 +177,7 @@ impl Pool {
             role,
             workers: RwLock::new(workers),
             next: AtomicUsize::new(0),
+            credentials: credentials.clone(),
         })
     }
 
@@ -192,7 +202,7 @@ impl Pool {
             return Ok(());
         }
         workers.retain(|w| !(w.dynamic && *lock(&w.id) == id) && w.address != address);
-        let worker = Worker::new(address, id.to_owned(), true)?;
+        let worker = Worker::new(address, id.to_owned(), true, &self.credentials)?;
         worker.monitor();
         workers.push(worker);
         tracing::info!(role = self.role, worker = id, address, "worker registered");
@@ -306,11 +316,16 @@ pub struct Workers {
 }
 
 impl Workers {
-    /// The configured static workers; starts the heartbeat expiry task.
-    pub fn new(prefill: &[String], decode: &[String]) -> Result<Arc<Self>, String> {
+    /// The configured static workers; starts the heartbeat expiry task. Calls to every worker
+    /// carry `credentials`.
+    pub fn new(
+        prefill: &[String],
+        decode: &[String],
+        credentials: &Credentials,
+    ) -> Result<Arc<Self>, String> {
         let workers = Arc::new(Self {
-            prefill: Pool::new("prefill", prefill)?,
-            decode: Pool::new("decode", decode)?,
+            prefill: Pool::new("prefill", prefill, credentials)?,
+            decode: Pool::new("decode", decode, credentials)?,
         });
         let weak = Arc::downgrade(&workers);
         tokio::spawn(async move {

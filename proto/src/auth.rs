@@ -1,0 +1,174 @@
+//! Authentication between pdserve processes. Every internal gRPC call (router → workers,
+//! workers → router registry, prefill → decode state transfer) carries the cluster's shared
+//! secret as `authorization: Bearer <secret>`. A server configured with a secret refuses any
+//! other call with `UNAUTHENTICATED`, except the standard health service, which load balancers
+//! and probes call without credentials and which reveals nothing but serving status.
+
+use std::{fmt, sync::Arc};
+
+use tonic::{
+    Request, Status,
+    metadata::{AsciiMetadataValue, MetadataValue},
+    service::{Interceptor, interceptor::InterceptedService},
+    transport::Channel,
+};
+
+/// Metadata (HTTP/2 header) that carries the secret.
+pub const HEADER: &str = "authorization";
+
+/// Path prefix of the standard health service, which stays open.
+pub const HEALTH_PATH_PREFIX: &str = "/grpc.health.v1.Health/";
+
+/// Shortest secret accepted: 32 characters (e.g. 16 random bytes in hex).
+pub const MIN_SECRET_CHARS: usize = 32;
+
+/// Longest secret accepted (it travels as a header on every call).
+pub const MAX_SECRET_CHARS: usize = 1024;
+
+/// The cluster's shared secret. Its `Debug` form never shows the value.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClusterSecret(Arc<str>);
+
+impl ClusterSecret {
+    /// Checks the secret's shape: `MIN_SECRET_CHARS..=MAX_SECRET_CHARS` visible ASCII
+    /// characters (no spaces), so it fits a header unchanged.
+    pub fn new(secret: &str) -> Result<Self, String> {
+        let chars = secret.len();
+        if !(MIN_SECRET_CHARS..=MAX_SECRET_CHARS).contains(&chars) {
+            return Err(format!(
+                "the secret has {chars} characters; it must have {MIN_SECRET_CHARS} to \
+                 {MAX_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
+            ));
+        }
+        if let Some(bad) = secret.bytes().position(|b| !b.is_ascii_graphic()) {
+            return Err(format!(
+                "the secret must be visible ASCII characters without spaces; character {} is not",
+                bad + 1
+            ));
+        }
+        Ok(Self(Arc::from(secret)))
+    }
+
+    /// Whether an `authorization` header value presents this secret. The comparison takes
+    /// the same time wherever the first difference is (it reveals only the length).
+    pub fn accepts(&self, header: Option<&[u8]>) -> bool {
+        let Some(presented) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else {
+            return false;
+        };
+        let expected = self.0.as_bytes();
+        presented.len() == expected.len()
+            && presented
+                .iter()
+                .zip(expected)
+                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+                == 0
+    }
+
+    fn bearer(&self) -> AsciiMetadataValue {
+        // The constructor allows only visible ASCII, which is always a valid header value.
+        MetadataValue::try_from(format!("Bearer {}", self.0))
+            .unwrap_or_else(|_| MetadataValue::from_static(""))
+    }
+}
+
+impl fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ClusterSecret(<redacted>)")
+    }
+}
+
+/// What a client attaches to each call: the cluster secret, or nothing when the cluster runs
+/// without one (local development).
+#[derive(Clone, Default)]
+pub struct Credentials(Option<AsciiMetadataValue>);
+
+impl Credentials {
+    /// Credentials presenting `secret` (none when `None`).
+    pub fn new(secret: Option<&ClusterSecret>) -> Self {
+        Self(secret.map(ClusterSecret::bearer))
+    }
+
+    /// Calls carry no credentials.
+    pub fn none() -> Self {
+        Self(None)
+    }
+
+    /// Wraps a channel so every call on it carries these credentials.
+    pub fn channel(&self, channel: Channel) -> AuthChannel {
+        InterceptedService::new(channel, self.clone())
+    }
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shown = if self.0.is_some() { "secret" } else { "none" };
+        write!(f, "Credentials({shown})")
+    }
+}
+
+impl Interceptor for Credentials {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert(HEADER, value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A channel whose calls carry the cluster's credentials.
+pub type AuthChannel = InterceptedService<Channel, Credentials>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn secret_shape_is_checked() {
+        assert!(ClusterSecret::new(SECRET).is_ok());
+        assert!(
+            ClusterSecret::new(&SECRET[1..])
+                .unwrap_err()
+                .contains("31 characters")
+        );
+        assert!(ClusterSecret::new(&"x".repeat(MAX_SECRET_CHARS + 1)).is_err());
+        let spaced = format!("{} {}", &SECRET[..16], &SECRET[16..]);
+        assert!(
+            ClusterSecret::new(&spaced)
+                .unwrap_err()
+                .contains("character 17")
+        );
+        assert!(ClusterSecret::new(&format!("{SECRET}é")).is_err());
+    }
+
+    #[test]
+    fn only_the_exact_bearer_value_is_accepted() {
+        let secret = ClusterSecret::new(SECRET).unwrap();
+        assert!(secret.accepts(Some(format!("Bearer {SECRET}").as_bytes())));
+        for wrong in [
+            String::new(),
+            SECRET.to_owned(),
+            format!("bearer {SECRET}"),
+            format!("Bearer {SECRET}0"),
+            format!("Bearer {}", &SECRET[1..]),
+            format!("Bearer {}e", &SECRET[..SECRET.len() - 1]),
+        ] {
+            assert!(!secret.accepts(Some(wrong.as_bytes())), "{wrong:?}");
+        }
+        assert!(!secret.accepts(None));
+    }
+
+    #[test]
+    fn credentials_attach_the_header_and_never_print_it() {
+        let secret = ClusterSecret::new(SECRET).unwrap();
+        let mut credentials = Credentials::new(Some(&secret));
+        let request = credentials.call(Request::new(())).unwrap();
+        let header = request.metadata().get(HEADER).unwrap().as_bytes();
+        assert!(secret.accepts(Some(header)));
+        assert!(!format!("{credentials:?} {secret:?}").contains(SECRET));
+
+        let request = Credentials::none().call(Request::new(())).unwrap();
+        assert!(request.metadata().get(HEADER).is_none());
+    }
+}
