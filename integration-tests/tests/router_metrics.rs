@@ -8,14 +8,41 @@ use serde_json::json;
 
 const T: Duration = Duration::from_secs(120);
 
-/// The documented metric names (router/src/metrics.rs) and their types.
-const DOCUMENTED: [(&str, &str); 6] = [
+/// The documented metric names (router/src/metrics.rs, deploy/OPERATIONS.md) and their types.
+const DOCUMENTED: [(&str, &str); 23] = [
     ("pdserve_requests_total", "counter"),
     ("pdserve_request_duration_seconds", "histogram"),
     ("pdserve_time_to_first_token_seconds", "histogram"),
+    ("pdserve_inter_token_latency_seconds", "histogram"),
     ("pdserve_generated_tokens_total", "counter"),
     ("pdserve_prompt_tokens_total", "counter"),
     ("pdserve_running_requests", "gauge"),
+    ("pdserve_queued_requests", "gauge"),
+    ("pdserve_errors_total", "counter"),
+    ("pdserve_transfers_total", "counter"),
+    ("pdserve_transfer_bytes_total", "counter"),
+    ("pdserve_transfer_seconds_total", "counter"),
+    ("pdserve_transfer_exposed_seconds_total", "counter"),
+    ("pdserve_prefill_retries_total", "counter"),
+    ("pdserve_workers", "gauge"),
+    ("pdserve_worker_running_requests", "gauge"),
+    ("pdserve_worker_queued_requests", "gauge"),
+    ("pdserve_worker_pages_total", "gauge"),
+    ("pdserve_worker_pages_used", "gauge"),
+    ("pdserve_worker_pages_cached", "gauge"),
+    ("pdserve_worker_reservations", "gauge"),
+    ("pdserve_build_info", "gauge"),
+    ("pdserve_model_info", "gauge"),
+];
+
+/// Names that have samples only when a disaggregated cluster is attached.
+const PER_WORKER: [&str; 6] = [
+    "pdserve_worker_running_requests",
+    "pdserve_worker_queued_requests",
+    "pdserve_worker_pages_total",
+    "pdserve_worker_pages_used",
+    "pdserve_worker_pages_cached",
+    "pdserve_worker_reservations",
 ];
 
 /// One sample: metric name, labels, value.
@@ -135,10 +162,39 @@ fn router_metrics_after_chat_and_completion() {
     for (name, kind) in DOCUMENTED {
         assert_eq!(types.get(name).map(String::as_str), Some(kind), "{name}");
         assert!(
-            samples.iter().any(|(n, ..)| n.starts_with(name)),
+            PER_WORKER.contains(&name) || samples.iter().any(|(n, ..)| n.starts_with(name)),
             "no sample of {name}"
         );
     }
+    // Every sample belongs to a documented name.
+    for (n, ..) in &samples {
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .fold(n.as_str(), |n, suffix| n.strip_suffix(suffix).unwrap_or(n));
+        assert!(
+            DOCUMENTED.iter().any(|(d, _)| *d == base || *d == n),
+            "undocumented metric {n}"
+        );
+    }
+    let errors = |kind| value(&samples, "pdserve_errors_total", &[("kind", kind)]);
+    assert!((errors("unknown_model") - 1.0).abs() < f64::EPSILON);
+    assert!(errors("internal").abs() < f64::EPSILON);
+    assert!(
+        (value(
+            &samples,
+            "pdserve_model_info",
+            &[("model", "deepseek-v4-flash")]
+        ) - 1.0)
+            .abs()
+            < f64::EPSILON
+    );
+    // The stream of 6 tokens has 5 gaps (the engine may batch several tokens per event).
+    let gaps = value(
+        &samples,
+        "pdserve_inter_token_latency_seconds_count",
+        &[("endpoint", "completions")],
+    );
+    assert!((1.0..=5.0).contains(&gaps), "{gaps}");
     let requests = "pdserve_requests_total";
     let success = |endpoint| {
         value(
@@ -217,4 +273,53 @@ fn router_metrics_after_chat_and_completion() {
         &[("endpoint", "completions")],
     );
     assert!(ttft <= duration, "{ttft} > {duration}");
+}
+
+#[test]
+fn cluster_metrics_report_every_worker() {
+    let cluster = integration_tests::pd::cluster(1, 1);
+    let addr = cluster.router.addr("http");
+    let r = integration_tests::pd::post(
+        addr,
+        "/v1/chat/completions",
+        &integration_tests::pd::chat(30, 1, 0.0, 5),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let listed = integration_tests::pd::listed(addr);
+    let metrics = http(addr, "GET", "/metrics", &[], b"", T);
+    let (_, samples) = parse(&metrics.body);
+    for role in ["prefill", "decode"] {
+        let ready = value(
+            &samples,
+            "pdserve_workers",
+            &[("role", role), ("state", "ready")],
+        );
+        assert!((ready - 1.0).abs() < f64::EPSILON, "{role}: {ready}");
+        for state in ["starting", "draining", "unreachable"] {
+            let n = value(
+                &samples,
+                "pdserve_workers",
+                &[("role", role), ("state", state)],
+            );
+            assert!(n.abs() < f64::EPSILON, "{role} {state}: {n}");
+        }
+    }
+    for w in &listed {
+        let labels = [
+            ("role", w["role"].as_str().unwrap()),
+            ("worker", w["address"].as_str().unwrap()),
+        ];
+        for name in PER_WORKER {
+            value(&samples, name, &labels);
+        }
+        let total = value(&samples, "pdserve_worker_pages_total", &labels);
+        assert!(total > 0.0, "{labels:?}");
+        assert!(
+            (total - w["pages_total"].as_f64().unwrap()).abs() < f64::EPSILON,
+            "{labels:?}: {total} vs {w}"
+        );
+        let used = value(&samples, "pdserve_worker_pages_used", &labels);
+        assert!(used <= total, "{labels:?}: {used} > {total}");
+    }
+    assert!(value(&samples, "pdserve_queued_requests", &[]).abs() < f64::EPSILON);
 }

@@ -116,6 +116,24 @@ impl ApiError {
         }
     }
 
+    /// The `kind` label of this error in `pdserve_errors_total` (one of
+    /// [`crate::metrics::ERROR_KINDS`]).
+    pub fn metric_kind(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_) => "invalid_json",
+            Self::InvalidParam { .. } => "invalid_param",
+            Self::InvalidRequest(_) => "invalid_request",
+            Self::UnknownModel { .. } => "unknown_model",
+            Self::ContextLength { .. } => "context_length",
+            Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::Unauthorized => "unauthorized",
+            Self::TooManyRequests(_) => "too_many_requests",
+            Self::NotFound(_) => "not_found",
+            Self::Unavailable(_) => "unavailable",
+            Self::Internal(_) => "internal",
+        }
+    }
+
     /// The OpenAI error body.
     pub fn body(&self) -> ErrorBody {
         let (_, kind, param, code) = self.parts();
@@ -165,6 +183,7 @@ impl ApiError {
     /// The HTTP response in `style`.
     pub fn into_styled_response(self, style: ErrorStyle) -> Response {
         let (status, ..) = self.parts();
+        crate::metrics::error(self.metric_kind());
         if status.is_server_error() {
             tracing::warn!(error = %self, "request failed");
         }
@@ -181,6 +200,34 @@ impl IntoResponse for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_error_has_a_metric_kind() {
+        let all = [
+            ApiError::InvalidJson(String::new()),
+            ApiError::param("p", "m"),
+            ApiError::InvalidRequest(String::new()),
+            ApiError::UnknownModel {
+                model: String::new(),
+                served: String::new(),
+            },
+            ApiError::ContextLength {
+                param: String::new(),
+                message: String::new(),
+            },
+            ApiError::PayloadTooLarge(1),
+            ApiError::Unauthorized,
+            ApiError::TooManyRequests(1),
+            ApiError::NotFound(String::new()),
+            ApiError::Unavailable(String::new()),
+            ApiError::Internal(String::new()),
+        ];
+        let kinds: std::collections::BTreeSet<_> = all.iter().map(ApiError::metric_kind).collect();
+        assert_eq!(kinds.len(), all.len(), "kinds must be distinct");
+        for kind in kinds {
+            assert!(crate::metrics::ERROR_KINDS.contains(&kind), "{kind}");
+        }
+    }
 
     #[test]
     fn statuses() {

@@ -170,13 +170,14 @@ async fn ready(State(state): Shared) -> Response {
     }
 }
 
-async fn prometheus() -> Response {
+async fn prometheus(State(state): Shared) -> Response {
+    let model = state.served.get().map(|served| served.name.clone());
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        metrics::render(),
+        metrics::render(&state.workers, model.as_deref()),
     )
         .into_response()
 }

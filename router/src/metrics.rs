@@ -15,7 +15,12 @@ use std::{
 
 use futures::Stream;
 
-use crate::{api_error::ApiError, backend::BackendEvent};
+mod cluster;
+mod histogram;
+
+use histogram::Histogram;
+
+use crate::{api_error::ApiError, backend::BackendEvent, workers::Workers};
 
 /// Requests by endpoint and outcome (counter).
 pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
@@ -41,20 +46,72 @@ pub const TRANSFER_SECONDS_TOTAL: &str = "pdserve_transfer_seconds_total";
 pub const TRANSFER_EXPOSED_SECONDS_TOTAL: &str = "pdserve_transfer_exposed_seconds_total";
 /// Prefills retried on another worker after a failure (counter).
 pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
+/// Time between consecutive generated tokens of a request (histogram, seconds; a batch of n
+/// tokens that arrives after t counts as n gaps of t/n).
+pub const INTER_TOKEN_LATENCY_SECONDS: &str = "pdserve_inter_token_latency_seconds";
+/// Requests waiting for a decode worker's reservation (room in its slots and pages) (gauge).
+pub const QUEUED_REQUESTS: &str = "pdserve_queued_requests";
+/// Error answers and backend failures, by kind (counter; see [`ERROR_KINDS`]).
+pub const ERRORS_TOTAL: &str = "pdserve_errors_total";
+/// Workers known to this router, by role and state (ready, draining, unreachable) (gauge).
+pub const WORKERS: &str = "pdserve_workers";
+/// Per worker (`role`, `worker` = its gRPC address), from its last report (gauges).
+pub const WORKER_RUNNING_REQUESTS: &str = "pdserve_worker_running_requests";
+pub const WORKER_QUEUED_REQUESTS: &str = "pdserve_worker_queued_requests";
+pub const WORKER_PAGES_TOTAL: &str = "pdserve_worker_pages_total";
+pub const WORKER_PAGES_USED: &str = "pdserve_worker_pages_used";
+pub const WORKER_PAGES_CACHED: &str = "pdserve_worker_pages_cached";
+pub const WORKER_RESERVATIONS: &str = "pdserve_worker_reservations";
+/// Always 1, with the router's version as a label (gauge).
+pub const BUILD_INFO: &str = "pdserve_build_info";
+/// 1 while a model is served, with its name as a label (gauge).
+pub const MODEL_INFO: &str = "pdserve_model_info";
 
 /// Every metric name, for documentation and tests.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 23] = [
     REQUESTS_TOTAL,
     REQUEST_DURATION_SECONDS,
     TIME_TO_FIRST_TOKEN_SECONDS,
+    INTER_TOKEN_LATENCY_SECONDS,
     GENERATED_TOKENS_TOTAL,
     PROMPT_TOKENS_TOTAL,
     RUNNING_REQUESTS,
+    QUEUED_REQUESTS,
+    ERRORS_TOTAL,
     TRANSFERS_TOTAL,
     TRANSFER_BYTES_TOTAL,
     TRANSFER_SECONDS_TOTAL,
     TRANSFER_EXPOSED_SECONDS_TOTAL,
     PREFILL_RETRIES_TOTAL,
+    WORKERS,
+    WORKER_RUNNING_REQUESTS,
+    WORKER_QUEUED_REQUESTS,
+    WORKER_PAGES_TOTAL,
+    WORKER_PAGES_USED,
+    WORKER_PAGES_CACHED,
+    WORKER_RESERVATIONS,
+    BUILD_INFO,
+    MODEL_INFO,
+];
+
+/// Values of the `kind` label of [`ERRORS_TOTAL`]: one per kind of error answer
+/// ([`ApiError::metric_kind`]), and `backend_failed` for a request the backend failed after
+/// admitting it (worker lost, transfer failed, ...). The kinds are not exclusive: a
+/// non-streaming request that fails in the backend is also answered with an error of its own
+/// kind, while a stream that already began ends with an error event.
+pub const ERROR_KINDS: [&str; 12] = [
+    "invalid_json",
+    "invalid_param",
+    "invalid_request",
+    "unknown_model",
+    "context_length",
+    "payload_too_large",
+    "unauthorized",
+    "too_many_requests",
+    "not_found",
+    "unavailable",
+    "internal",
+    "backend_failed",
 ];
 
 /// The endpoints recorded (the `endpoint` label).
@@ -132,62 +189,21 @@ const DURATION_BUCKETS: [f64; 14] = [
 const TTFT_BUCKETS: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
-
-#[derive(Debug)]
-struct Histogram {
-    bounds: &'static [f64],
-    /// Per-bucket (non-cumulative) counts; the last is +Inf.
-    counts: Vec<u64>,
-    sum: f64,
-}
-
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: vec![0; bounds.len() + 1],
-            sum: 0.0,
-        }
-    }
-
-    fn observe(&mut self, x: f64) {
-        let i = self
-            .bounds
-            .iter()
-            .position(|&b| x <= b)
-            .unwrap_or(self.bounds.len());
-        self.counts[i] += 1;
-        self.sum += x;
-    }
-
-    fn render(&self, out: &mut String, name: &str, label: &str) {
-        let mut cumulative = 0;
-        for (i, count) in self.counts.iter().enumerate() {
-            cumulative += count;
-            let le = self
-                .bounds
-                .get(i)
-                .map_or_else(|| "+Inf".to_owned(), ToString::to_string);
-            let _ = writeln!(out, "{name}_bucket{{{label}le=\"{le}\"}} {cumulative}");
-        }
-        let braces = if label.is_empty() {
-            String::new()
-        } else {
-            format!("{{{}}}", label.trim_end_matches(','))
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{braces} {cumulative}");
-    }
-}
+const ITL_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5,
+];
 
 #[derive(Debug)]
 struct Registry {
     requests: [[AtomicU64; 4]; ENDPOINTS],
     duration: Mutex<[Histogram; ENDPOINTS]>,
     ttft: Mutex<[Histogram; ENDPOINTS]>,
+    itl: Mutex<[Histogram; ENDPOINTS]>,
     generated: AtomicU64,
     prompt: AtomicU64,
     running: AtomicI64,
+    queued: AtomicI64,
+    errors: [AtomicU64; ERROR_KINDS.len()],
     /// Per transport (UCX, TCP, NCCL): transfers, bytes, busy and exposed nanoseconds.
     transfers: [[AtomicU64; 4]; 3],
     prefill_retries: AtomicU64,
@@ -215,13 +231,42 @@ pub fn prefill_retry() {
     REGISTRY.prefill_retries.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Records an error of `kind` (one of [`ERROR_KINDS`]; others count as `internal`).
+pub fn error(kind: &str) {
+    let i = ERROR_KINDS
+        .iter()
+        .position(|k| *k == kind)
+        .unwrap_or(ERROR_KINDS.len() - 2);
+    REGISTRY.errors[i].fetch_add(1, Ordering::Relaxed);
+}
+
+/// A request waiting for a decode reservation; counted in [`QUEUED_REQUESTS`] until dropped.
+#[derive(Debug)]
+pub struct Queued(());
+
+impl Queued {
+    pub fn enter() -> Self {
+        REGISTRY.queued.fetch_add(1, Ordering::Relaxed);
+        Self(())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        REGISTRY.queued.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Registry {
     requests: Default::default(),
     duration: Mutex::new(std::array::from_fn(|_| Histogram::new(&DURATION_BUCKETS))),
     ttft: Mutex::new(std::array::from_fn(|_| Histogram::new(&TTFT_BUCKETS))),
+    itl: Mutex::new(std::array::from_fn(|_| Histogram::new(&ITL_BUCKETS))),
     generated: AtomicU64::new(0),
     prompt: AtomicU64::new(0),
     running: AtomicI64::new(0),
+    queued: AtomicI64::new(0),
+    errors: Default::default(),
     transfers: Default::default(),
     prefill_retries: AtomicU64::new(0),
 });
@@ -235,8 +280,9 @@ fn index(endpoint: Endpoint) -> usize {
     }
 }
 
-/// The metrics in the Prometheus text format (version 0.0.4).
-pub fn render() -> String {
+/// The metrics in the Prometheus text format (version 0.0.4), with the state of `workers`
+/// and the name of the served model, if one is loaded.
+pub fn render(workers: &Workers, model: Option<&str>) -> String {
     let r = &*REGISTRY;
     let mut out = String::new();
     let _ = writeln!(
@@ -266,6 +312,11 @@ pub fn render() -> String {
             "Seconds from a request's arrival to its first generated token.",
             &r.ttft,
         ),
+        (
+            INTER_TOKEN_LATENCY_SECONDS,
+            "Seconds between consecutive generated tokens of a request.",
+            &r.itl,
+        ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
@@ -292,13 +343,30 @@ pub fn render() -> String {
         let _ = writeln!(out, "# TYPE {name} counter");
         let _ = writeln!(out, "{name} {value}");
     }
-    let _ = writeln!(out, "# HELP {RUNNING_REQUESTS} Requests in flight.");
-    let _ = writeln!(out, "# TYPE {RUNNING_REQUESTS} gauge");
+    for (name, help, value) in [
+        (RUNNING_REQUESTS, "Requests in flight.", &r.running),
+        (
+            QUEUED_REQUESTS,
+            "Requests waiting for a decode worker's reservation.",
+            &r.queued,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let _ = writeln!(out, "{name} {}", value.load(Ordering::Relaxed).max(0));
+    }
     let _ = writeln!(
         out,
-        "{RUNNING_REQUESTS} {}",
-        r.running.load(Ordering::Relaxed).max(0)
+        "# HELP {ERRORS_TOTAL} Error answers and backend failures by kind."
     );
+    let _ = writeln!(out, "# TYPE {ERRORS_TOTAL} counter");
+    for (kind, n) in ERROR_KINDS.iter().zip(&r.errors) {
+        let _ = writeln!(
+            out,
+            "{ERRORS_TOTAL}{{kind=\"{kind}\"}} {}",
+            n.load(Ordering::Relaxed)
+        );
+    }
     for (k, (name, help, kind)) in [
         (
             TRANSFERS_TOTAL,
@@ -345,6 +413,7 @@ pub fn render() -> String {
         "{PREFILL_RETRIES_TOTAL} {}",
         r.prefill_retries.load(Ordering::Relaxed)
     );
+    cluster::render(&mut out, workers, model);
     out
 }
 
@@ -355,7 +424,8 @@ pub struct Tracker {
     endpoint: Endpoint,
     start: Instant,
     outcome: Option<Outcome>,
-    first_token: bool,
+    /// When the latest tokens arrived.
+    last_tokens: Option<Instant>,
 }
 
 impl Tracker {
@@ -365,7 +435,7 @@ impl Tracker {
             endpoint,
             start: Instant::now(),
             outcome: None,
-            first_token: false,
+            last_tokens: None,
         }
     }
 
@@ -374,15 +444,24 @@ impl Tracker {
         REGISTRY.prompt.fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
-    /// Tokens generated (the first call records the time to first token).
+    /// Tokens generated (the first call records the time to first token, later ones the
+    /// gaps between tokens).
     pub fn generated(&mut self, tokens: usize) {
         if tokens == 0 {
             return;
         }
-        if !self.first_token {
-            self.first_token = true;
-            if let Ok(mut h) = REGISTRY.ttft.lock() {
-                h[index(self.endpoint)].observe(self.start.elapsed().as_secs_f64());
+        let now = Instant::now();
+        match self.last_tokens.replace(now) {
+            None => {
+                if let Ok(mut h) = REGISTRY.ttft.lock() {
+                    h[index(self.endpoint)].observe((now - self.start).as_secs_f64());
+                }
+            }
+            Some(last) => {
+                let gap = (now - last).as_secs_f64() / tokens as f64;
+                if let Ok(mut h) = REGISTRY.itl.lock() {
+                    h[index(self.endpoint)].observe_n(gap, tokens as u64);
+                }
             }
         }
         REGISTRY
@@ -442,7 +521,10 @@ impl<S: Stream<Item = BackendEvent> + Unpin> Stream for Tracked<S> {
                 match event {
                     Some(BackendEvent::Tokens(batch)) => tracker.generated(batch.len()),
                     Some(BackendEvent::Finished { .. }) => tracker.succeeded(),
-                    Some(BackendEvent::Failed(_)) | None => tracker.server_error(),
+                    Some(BackendEvent::Failed(_)) | None => {
+                        error("backend_failed");
+                        tracker.server_error();
+                    }
                 }
             }
             if ends {
@@ -465,7 +547,12 @@ mod tests {
             t.generated(2);
             t.succeeded();
         }
-        let text = render();
+        let workers = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async { Workers::new(&[], &[], &proto::auth::Credentials::none()).unwrap() });
+        let text = render(&workers, Some("m"));
         for name in ALL {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name}");
         }

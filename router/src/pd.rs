@@ -208,6 +208,7 @@ impl PdBackend {
         };
         // A decode worker that is full or unreachable: try one other; when every one is full,
         // wait for room (requests finish all the time) up to the queue timeout.
+        let queued = crate::metrics::Queued::enter();
         let queued_until = Instant::now() + self.queue_timeout;
         let mut backoff = Duration::from_millis(5);
         let (decode, result) = loop {
@@ -245,6 +246,7 @@ impl PdBackend {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(100));
         };
+        drop(queued);
         let mut decode_client = DecodeClient::new(decode.channel.clone());
         let decode_guard = InFlight::new(&decode);
         let reserved = result

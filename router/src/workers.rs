@@ -13,7 +13,7 @@ use std::{
 use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
     Ack, DeregisterRequest, HeartbeatRequest, HeartbeatResponse, InfoRequest, Load,
-    RegisterRequest, RegisterResponse, Role, StateLayout, registry_server::Registry,
+    RegisterRequest, RegisterResponse, Role, StateLayout, WorkerState, registry_server::Registry,
     worker_client::WorkerClient,
 };
 use serde::Serialize;
@@ -45,6 +45,8 @@ pub struct Worker {
     pub channel: AuthChannel,
     /// Whether its last `Info` poll succeeded; in-flight streams watch it.
     pub alive: watch::Sender<bool>,
+    /// Its lifecycle state as it last reported it (a draining worker gets no new requests).
+    pub state: Mutex<WorkerState>,
     /// Its last reported load.
     pub load: Mutex<Load>,
     /// Requests this router has in flight on it (exact, unlike the polled load).
@@ -75,6 +77,7 @@ impl Worker {
             // Assumed alive until a poll says otherwise, so the first request after start does
             // not wait for a poll.
             alive: watch::Sender::new(true),
+            state: Mutex::new(WorkerState::Ready),
             load: Mutex::new(Load::default()),
             in_flight: Arc::new(AtomicUsize::new(0)),
             layout: Mutex::new(None),
@@ -86,6 +89,23 @@ impl Worker {
 
     pub fn is_alive(&self) -> bool {
         *self.alive.borrow()
+    }
+
+    /// Alive and not draining: it may take new requests.
+    pub fn takes_requests(&self) -> bool {
+        self.is_alive() && *lock(&self.state) != WorkerState::Draining
+    }
+
+    /// `ready`, `draining`, `starting` or `unreachable`, for listings and metrics.
+    pub fn state_label(&self) -> &'static str {
+        if !self.is_alive() {
+            return "unreachable";
+        }
+        match *lock(&self.state) {
+            WorkerState::Draining => "draining",
+            WorkerState::Starting => "starting",
+            _ => "ready",
+        }
     }
 
     /// Load order: requests this router has in flight there, then pages it holds.
@@ -109,6 +129,9 @@ impl Worker {
                     Ok(Ok(info)) => {
                         let info = info.into_inner();
                         *lock(&w.load) = info.load.unwrap_or_default();
+                        if let Ok(state) = WorkerState::try_from(info.state) {
+                            *lock(&w.state) = state;
+                        }
                         if info.layout.is_some() {
                             *lock(&w.layout) = info.layout;
                         }
@@ -210,12 +233,15 @@ impl Pool {
     }
 
     /// Records a heartbeat; false if the worker is unknown (it must register again).
-    fn heartbeat(&self, id: &str, load: Option<Load>) -> bool {
+    fn heartbeat(&self, id: &str, state: Option<WorkerState>, load: Option<Load>) -> bool {
         self.snapshot()
             .iter()
             .find(|w| w.dynamic && *lock(&w.id) == id)
             .is_some_and(|w| {
                 *lock(&w.last_heartbeat) = Instant::now();
+                if let Some(state) = state {
+                    *lock(&w.state) = state;
+                }
                 if let Some(load) = load {
                     *lock(&w.load) = load;
                 }
@@ -270,7 +296,7 @@ impl Pool {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let candidates: Vec<&Arc<Worker>> = (0..n)
             .map(|k| &all[(start + k) % n.max(1)])
-            .filter(|w| w.is_alive() && exclude.is_none_or(|x| !Arc::ptr_eq(x, w)))
+            .filter(|w| w.takes_requests() && exclude.is_none_or(|x| !Arc::ptr_eq(x, w)))
             .collect();
         let least = candidates.iter().copied().min_by_key(|w| w.score());
         let chosen = match policy {
@@ -360,6 +386,7 @@ impl Workers {
                         role,
                         address: w.address.clone(),
                         alive: w.is_alive(),
+                        state: w.state_label(),
                         registered: w.dynamic,
                         in_flight: w.in_flight.load(Ordering::Relaxed),
                         running_requests: load.running_requests,
@@ -382,6 +409,8 @@ pub struct WorkerListing {
     pub role: &'static str,
     pub address: String,
     pub alive: bool,
+    /// `ready`, `draining`, `starting` or `unreachable`.
+    pub state: &'static str,
     pub registered: bool,
     pub in_flight: usize,
     pub running_requests: u32,
@@ -429,8 +458,9 @@ impl Registry for RegistryService {
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let req = request.into_inner();
-        let known = self.0.prefill.heartbeat(&req.worker_id, req.load)
-            || self.0.decode.heartbeat(&req.worker_id, req.load);
+        let state = WorkerState::try_from(req.state).ok();
+        let known = self.0.prefill.heartbeat(&req.worker_id, state, req.load)
+            || self.0.decode.heartbeat(&req.worker_id, state, req.load);
         Ok(Response::new(HeartbeatResponse { known }))
     }
 
