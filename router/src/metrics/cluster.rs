@@ -10,6 +10,9 @@ use super::{
 };
 use crate::workers::{WorkerListing, Workers};
 
+/// A per-worker gauge: name, help, and its value in a listing row.
+type PerWorker = (&'static str, &'static str, fn(&WorkerListing) -> u64);
+
 const ROLES: [&str; 2] = ["prefill", "decode"];
 const STATES: [&str; 4] = ["ready", "starting", "draining", "unreachable"];
 
@@ -29,7 +32,7 @@ pub(super) fn render(out: &mut String, workers: &Workers, model: Option<&str>) {
             let _ = writeln!(out, "{WORKERS}{{role=\"{role}\",state=\"{state}\"}} {n}");
         }
     }
-    let per_worker: [(&str, &str, fn(&WorkerListing) -> u64); 6] = [
+    let per_worker: [PerWorker; 6] = [
         (
             WORKER_RUNNING_REQUESTS,
             "Requests being prefilled or decoded on the worker.",
