@@ -113,7 +113,10 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         if let Some(secret) = &self.layer.secret {
             let path = request.uri().path();
-            let presented = request.headers().get(HEADER).map(http::HeaderValue::as_bytes);
+            let presented = request
+                .headers()
+                .get(HEADER)
+                .map(http::HeaderValue::as_bytes);
             if !path.starts_with(HEALTH_PATH_PREFIX) && !secret.accepts(presented) {
                 self.warn_refused(path, presented.is_some());
                 let refused = tonic::Status::unauthenticated(

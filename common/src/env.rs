@@ -34,6 +34,15 @@ pub const API_KEY: &str = "PDSERVE_API_KEY";
 /// Names a fault a worker injects on purpose (see `common::fault`); tests only.
 pub const INJECT_FAULT: &str = "PDSERVE_INJECT_FAULT";
 
+/// systemd's notification socket (`Type=notify` units): a path or `@abstract-name`.
+pub const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
+
+/// systemd's watchdog timeout in microseconds (`WatchdogSec`).
+pub const WATCHDOG_USEC: &str = "WATCHDOG_USEC";
+
+/// The process `WATCHDOG_USEC` is meant for.
+pub const WATCHDOG_PID: &str = "WATCHDOG_PID";
+
 /// Variables that any pdserve process may see without them being a setting of that process.
 pub const GLOBAL: &[&str] = &[
     CONFIG,

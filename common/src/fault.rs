@@ -16,15 +16,19 @@ pub enum Fault {
     SwapPages,
     /// Decode: hands a generated token to a different concurrent request (batch mix-up).
     ReorderBatch,
+    /// Decode: the engine thread stops answering one second after start, as if wedged (the
+    /// watchdog must notice).
+    StallEngine,
 }
 
 impl Fault {
     /// Every fault with its name.
-    pub const ALL: [(&'static str, Fault); 4] = [
+    pub const ALL: [(&'static str, Fault); 5] = [
         ("flip-page-byte", Fault::FlipPageByte),
         ("drop-slot", Fault::DropSlot),
         ("swap-pages", Fault::SwapPages),
         ("reorder-batch", Fault::ReorderBatch),
+        ("stall-engine", Fault::StallEngine),
     ];
 
     /// The fault named by `PDSERVE_INJECT_FAULT`, if any; an unknown name is an error.

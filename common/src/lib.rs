@@ -15,6 +15,7 @@ pub mod listen;
 pub mod logging;
 pub mod registration;
 pub mod shutdown;
+pub mod systemd;
 pub mod worker_info;
 pub mod worker_server;
 

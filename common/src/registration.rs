@@ -1,15 +1,13 @@
-//! A worker's membership in a router: register (with retries), heartbeat with the current load
-//! at the interval the router asks for, register again when the router no longer knows it
-//! (it restarted, or dropped the worker after missed heartbeats), deregister on shutdown.
+//! A worker's membership in a router: register (with retries), heartbeat with the current state
+//! and load at the interval the router asks for, register again when the router no longer
+//! knows it (it restarted, or dropped the worker after missed heartbeats), deregister at the
+//! end of a drain.
 
 use std::time::Duration;
 
 use proto::{
     auth::{AuthChannel, Credentials},
-    v1::{
-        DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerState,
-        registry_client::RegistryClient,
-    },
+    v1::{DeregisterRequest, HeartbeatRequest, RegisterRequest, registry_client::RegistryClient},
 };
 use tonic::transport::Endpoint;
 
@@ -18,31 +16,29 @@ use crate::worker_info::WorkerHandle;
 /// Pause between failed registration attempts.
 const RETRY: Duration = Duration::from_millis(500);
 
-/// Keeps the worker registered with the router at `router` (its gRPC host:port) until the
-/// worker starts draining; then deregisters. Runs forever otherwise (spawn it).
-pub async fn keep_registered(handle: WorkerHandle, router: String, credentials: Credentials) {
-    let channel = match Endpoint::from_shared(format!("http://{router}")) {
-        Ok(e) => e.connect_timeout(Duration::from_secs(2)).connect_lazy(),
-        Err(e) => {
-            tracing::error!(%router, error = %e, "bad router address; not registering");
-            return;
-        }
+/// Keeps the worker registered with the router at `router` (its gRPC host:port): registers,
+/// heartbeats its state and load (a draining worker keeps heartbeating as draining, so the
+/// router sends it nothing new but still lists it), registers again when the router forgot
+/// it. Sends on `registered` after the first successful registration. Runs until aborted;
+/// [`deregister`] ends the membership.
+pub async fn keep_registered(
+    handle: WorkerHandle,
+    router: String,
+    credentials: Credentials,
+    registered: tokio::sync::oneshot::Sender<()>,
+) {
+    let Some(mut client) = client(&router, &credentials) else {
+        return;
     };
-    let mut client = RegistryClient::new(credentials.channel(channel));
+    let mut registered = Some(registered);
     loop {
         let interval = register(&mut client, &handle, &router).await;
-        // Heartbeat until the router forgets us or we drain.
+        if let Some(tx) = registered.take() {
+            let _ = tx.send(());
+        }
         loop {
             tokio::time::sleep(interval).await;
             let info = handle.snapshot().await;
-            if info.state == i32::from(WorkerState::Draining) {
-                let _ = client
-                    .deregister(DeregisterRequest {
-                        worker_id: info.worker_id,
-                    })
-                    .await;
-                return;
-            }
             let beat = client
                 .heartbeat(HeartbeatRequest {
                     worker_id: info.worker_id,
@@ -60,6 +56,34 @@ pub async fn keep_registered(handle: WorkerHandle, router: String, credentials: 
                     tracing::warn!(%router, error = %status.message(), "heartbeat failed");
                 }
             }
+        }
+    }
+}
+
+/// Tells the router at `router` that worker `worker_id` is leaving (bounded: a router that
+/// does not answer within 2 s drops the worker anyway once its heartbeats stop).
+pub async fn deregister(router: &str, credentials: &Credentials, worker_id: String) {
+    let Some(mut client) = client(router, credentials) else {
+        return;
+    };
+    let call = client.deregister(DeregisterRequest { worker_id });
+    match tokio::time::timeout(Duration::from_secs(2), call).await {
+        Ok(Ok(_)) => tracing::info!(%router, "deregistered from the router"),
+        Ok(Err(status)) => {
+            tracing::warn!(%router, error = %status.message(), "deregistration failed");
+        }
+        Err(_) => tracing::warn!(%router, "deregistration timed out"),
+    }
+}
+
+fn client(router: &str, credentials: &Credentials) -> Option<RegistryClient<AuthChannel>> {
+    match Endpoint::from_shared(format!("http://{router}")) {
+        Ok(e) => Some(RegistryClient::new(
+            credentials.channel(e.connect_timeout(Duration::from_secs(2)).connect_lazy()),
+        )),
+        Err(e) => {
+            tracing::error!(%router, error = %e, "bad router address; not registering");
+            None
         }
     }
 }

@@ -1,6 +1,12 @@
 //! The `Worker` gRPC service (Info, Drain) shared by prefill and decode workers.
 
-use std::sync::Arc;
+use std::{
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use proto::v1::{
     Ack, DrainRequest, InfoRequest, Load, Role, WorkerInfo, WorkerState, worker_server::Worker,
@@ -23,6 +29,31 @@ pub fn new_worker_id(role: Role) -> String {
 pub struct WorkerHandle {
     info: Arc<RwLock<WorkerInfo>>,
     drain: Arc<Notify>,
+    /// Deadline asked for by the latest `Drain` call, in milliseconds (0: the configured one).
+    drain_deadline_ms: Arc<Mutex<u64>>,
+    draining: DrainingFlag,
+    /// When the engine last reported its load (it answers between steps, so a stale report
+    /// means a wedged engine).
+    last_load: Arc<Mutex<Option<Instant>>>,
+}
+
+/// Whether the worker is draining: set once, read by the services on every new request.
+#[derive(Debug, Clone, Default)]
+pub struct DrainingFlag(Arc<AtomicBool>);
+
+impl DrainingFlag {
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// The error a draining worker answers new requests with (the router tries another).
+    pub fn refusal(&self) -> Status {
+        proto::error::to_status(&proto::v1::ErrorInfo {
+            kind: proto::v1::ErrorKind::Unavailable.into(),
+            message: "the worker is draining; it takes no new requests".to_owned(),
+            ..Default::default()
+        })
+    }
 }
 
 impl WorkerHandle {
@@ -30,7 +61,15 @@ impl WorkerHandle {
         Self {
             info: Arc::new(RwLock::new(info)),
             drain: Arc::new(Notify::new()),
+            drain_deadline_ms: Arc::default(),
+            draining: DrainingFlag::default(),
+            last_load: Arc::default(),
         }
+    }
+
+    /// The flag services check before taking new work.
+    pub fn draining(&self) -> DrainingFlag {
+        self.draining.clone()
     }
 
     pub async fn snapshot(&self) -> WorkerInfo {
@@ -38,6 +77,9 @@ impl WorkerHandle {
     }
 
     pub async fn set_state(&self, state: WorkerState) {
+        if state == WorkerState::Draining {
+            self.draining.0.store(true, Ordering::Relaxed);
+        }
         self.info.write().await.state = state.into();
     }
 
@@ -56,12 +98,37 @@ impl WorkerHandle {
     }
 
     pub async fn set_load(&self, load: Load) {
+        *self
+            .last_load
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
         self.info.write().await.load = Some(load);
     }
 
-    /// Resolves when a drain was requested over gRPC.
-    pub async fn drain_requested(&self) {
+    /// False when an engine reported its load before but not within `max_age`.
+    pub fn engine_responsive(&self, max_age: Duration) -> bool {
+        self.last_load
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none_or(|at| at.elapsed() <= max_age)
+    }
+
+    /// Requests still on this worker: running, queued, and reserved but not yet committed.
+    pub async fn work_left(&self) -> u64 {
+        let load = self.info.read().await.load.unwrap_or_default();
+        u64::from(load.running_requests)
+            + u64::from(load.queued_requests)
+            + u64::from(load.reservations)
+    }
+
+    /// Resolves when a drain was requested over gRPC, with the deadline it asked for.
+    pub async fn drain_requested(&self) -> Option<Duration> {
         self.drain.notified().await;
+        let ms = *self
+            .drain_deadline_ms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        (ms > 0).then(|| Duration::from_millis(ms))
     }
 }
 
@@ -83,7 +150,12 @@ impl Worker for WorkerService {
         Ok(Response::new(self.handle.snapshot().await))
     }
 
-    async fn drain(&self, _request: Request<DrainRequest>) -> Result<Response<Ack>, Status> {
+    async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<Ack>, Status> {
+        *self
+            .handle
+            .drain_deadline_ms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = u64::from(request.get_ref().deadline_ms);
         self.handle.set_state(WorkerState::Draining).await;
         // notify_one stores a permit, so a drain requested before anyone waits is not lost.
         self.handle.drain.notify_one();

@@ -14,6 +14,7 @@ use crate::{
     ConfigError,
     cli::{EXIT_RUNTIME, ExitStatus},
     grpc,
+    systemd::Notifier,
     worker_info::{WorkerHandle, WorkerService, new_worker_id},
 };
 
@@ -62,7 +63,13 @@ pub struct WorkerServer {
     grace: Duration,
     secret: Option<ClusterSecret>,
     handle: WorkerHandle,
+    /// The router this worker registers with, if any.
+    router: Option<String>,
+    notifier: Notifier,
 }
+
+/// How long calls still running when the drain ends (idle or deadline) may take to finish.
+const AFTER_DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 impl WorkerServer {
     /// Binds the listener; "address in use" is a configuration error naming the key.
@@ -84,7 +91,23 @@ impl WorkerServer {
             grace: options.grace,
             secret: options.secret,
             handle,
+            router: None,
+            notifier: Notifier::from_env(),
         })
+    }
+
+    /// Registers with the router at `router` (gRPC host:port) once serving, heartbeats, and
+    /// deregisters at the end of a drain.
+    #[must_use]
+    pub fn register_with(mut self, router: Option<String>) -> Self {
+        self.router = router;
+        self
+    }
+
+    /// systemd notifications (`READY=1` once serving and registered, `STOPPING=1`,
+    /// `WATCHDOG=1`).
+    pub fn notifier(&self) -> &Notifier {
+        &self.notifier
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -101,7 +124,10 @@ impl WorkerServer {
     }
 
     /// Serves the identity and health services plus `role_routes` (whose names are listed in
-    /// `role_services` for health) until `shutdown` resolves or a drain is requested.
+    /// `role_services` for health) until `shutdown` resolves or a drain is requested; then
+    /// drains: new role requests are refused (the router also stops sending them), requests
+    /// in flight finish within the grace period (or the `Drain` call's deadline), the worker
+    /// deregisters and the server stops.
     pub async fn serve(
         self,
         role_routes: impl FnOnce(Routes) -> Routes,
@@ -117,17 +143,61 @@ impl WorkerServer {
         services.extend_from_slice(role_services);
         grpc::set_serving(&reporter, &services).await;
         self.handle.set_state(WorkerState::Ready).await;
-        let handle = self.handle.clone();
-        let stop = async move {
-            tokio::select! {
-                () = shutdown => {}
-                () = handle.drain_requested() => {}
+        let credentials = self.credentials();
+        let (registered_tx, registered) = tokio::sync::oneshot::channel();
+        let registration = self.router.clone().map(|router| {
+            tokio::spawn(crate::registration::keep_registered(
+                self.handle.clone(),
+                router,
+                credentials.clone(),
+                registered_tx,
+            ))
+        });
+        let notifier = self.notifier.clone();
+        let address = self.local_addr;
+        let registers = registration.is_some();
+        let announce = tokio::spawn(async move {
+            if registers {
+                let _ = registered.await;
             }
+            notifier.ready(&format!("serving on {address}"));
+        });
+        let engine_handle = self.handle.clone();
+        let max_age = self
+            .notifier
+            .watchdog_timeout()
+            .map_or(Duration::MAX, |t| t / 2);
+        let watchdog = tokio::spawn(
+            self.notifier
+                .clone()
+                .keep_watchdog(move || engine_handle.engine_responsive(max_age)),
+        );
+        let handle = self.handle.clone();
+        let notifier = self.notifier.clone();
+        let (grace, router) = (self.grace, self.router.clone());
+        let stop = async move {
+            let asked = tokio::select! {
+                () = shutdown => None,
+                deadline = handle.drain_requested() => deadline,
+            };
+            announce.abort();
             handle.set_state(WorkerState::Draining).await;
             grpc::set_not_serving(&reporter, &services).await;
+            notifier.stopping("draining");
+            let deadline = asked.map_or(grace, |d| d.min(grace));
+            tracing::info!(deadline_ms = deadline.as_millis(), "worker draining");
+            drain(&handle, &notifier, deadline).await;
+            if let Some(task) = registration {
+                task.abort();
+                if let Some(router) = router {
+                    let id = handle.snapshot().await.worker_id;
+                    crate::registration::deregister(&router, &credentials, id).await;
+                }
+            }
+            watchdog.abort();
             tracing::info!("worker stopping");
         };
-        grpc::serve(self.listener, routes, self.secret, stop, self.grace).await?;
+        grpc::serve(self.listener, routes, self.secret, stop, AFTER_DRAIN_GRACE).await?;
         Ok(())
     }
 
@@ -141,10 +211,34 @@ impl WorkerServer {
     ) -> Result<(), ServeError> {
         tracing::info!(addr = %self.local_addr, role = role_name, "worker listening");
         crate::cli::announce_ready(role_name, &[("grpc", self.local_addr)]);
-        self.serve(role_routes, role_services, async move {
+        // Boxed: the serving future is large, and callers keep it across their own awaits.
+        Box::pin(self.serve(role_routes, role_services, async move {
             let name = signal.recv().await;
             tracing::info!(signal = name, "shutdown requested");
-        })
+        }))
         .await
+    }
+}
+
+/// Waits until no request is left on the worker (running, queued or reserved) or `deadline`
+/// passes, reporting progress in the unit's status.
+async fn drain(handle: &WorkerHandle, notifier: &Notifier, deadline: Duration) {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut reported = None;
+    loop {
+        let left = handle.work_left().await;
+        if left == 0 {
+            tracing::info!("drained: no requests left");
+            return;
+        }
+        if tokio::time::Instant::now() >= until {
+            tracing::warn!(left, "drain deadline passed with requests still running");
+            return;
+        }
+        if reported != Some(left) {
+            notifier.status(&format!("draining: {left} requests left"));
+            reported = Some(left);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -58,16 +58,30 @@ pub async fn run(
     };
     let loaded = engine::runner::start_from_dir(dir, engine_config(&config), "pdserve-decode")
         .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
+    // Only a worker with a model joins a router: it is the only kind that serves requests.
+    let server = server.register_with(config.router.clone());
     let info = server.handle().snapshot().await;
     let transports = kv_transfer::handshake::parse_transports(&config.transports)
         .map_err(ServeError::Startup)?;
     let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
     let runner = loaded.runner.clone();
     let fault = common::fault::Fault::for_worker("decode").map_err(ServeError::Startup)?;
+    if fault == Some(common::fault::Fault::StallEngine) {
+        let stalled = runner.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = stalled.post(|_, _| {
+                loop {
+                    std::thread::park();
+                }
+            });
+        });
+    }
     let worker = Arc::new(
         DecodeWorker::new(loaded, info.worker_id, info.address, transports)
             .await
-            .with_fault(fault),
+            .with_fault(fault)
+            .with_draining(server.handle().draining()),
     );
     server
         .handle()
@@ -78,13 +92,6 @@ pub async fn run(
         let handle = handle.clone();
         async move { handle.set_load(load).await }
     }));
-    if let Some(router) = config.router.clone() {
-        tokio::spawn(common::registration::keep_registered(
-            server.handle().clone(),
-            router,
-            server.credentials(),
-        ));
-    }
     let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));
     let transfer = StateTransferServer::new(StateTransferService::new(worker))
         .max_decoding_message_size(kv_transfer::tcp::FRAME_BYTES * 2);

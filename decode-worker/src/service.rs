@@ -82,6 +82,8 @@ pub struct DecodeWorker {
     admission: crate::admission::Admission,
     /// A deliberate corruption (tests of `pdctl verify` only).
     fault: Option<Fault>,
+    /// Set when the worker drains: new requests are refused.
+    draining: common::worker_info::DrainingFlag,
     /// For [`Fault::ReorderBatch`]: the last token streamed, and to which engine request.
     last_token: Mutex<Option<(u64, GeneratedToken)>>,
 }
@@ -149,6 +151,7 @@ impl DecodeWorker {
             nccl,
             admission: crate::admission::Admission::default(),
             fault: None,
+            draining: common::worker_info::DrainingFlag::default(),
             last_token: Mutex::new(None),
         }
     }
@@ -157,6 +160,13 @@ impl DecodeWorker {
     #[must_use]
     pub fn with_fault(mut self, fault: Option<Fault>) -> Self {
         self.fault = fault;
+        self
+    }
+
+    /// Refuses new requests once `draining` is set.
+    #[must_use]
+    pub fn with_draining(mut self, draining: common::worker_info::DrainingFlag) -> Self {
+        self.draining = draining;
         self
     }
 
@@ -361,6 +371,9 @@ impl Decode for DecodeService {
         request: Request<ReserveRequest>,
     ) -> Result<Response<ReserveResponse>, Status> {
         let w = &self.0;
+        if w.draining.is_set() {
+            return Err(w.draining.refusal());
+        }
         let req = request.into_inner();
         let request_id = req
             .request_id

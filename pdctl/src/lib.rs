@@ -1,6 +1,7 @@
 //! pdctl: operator commands. `up` runs a local cluster from the workspace's binaries; `health`
 //! probes a running service; `gen-model` writes synthetic checkpoints and `logits` prints the
-//! CPU reference model's logits. Verify, bench and status commands arrive with their issues.
+//! CPU reference model's logits; `verify`, `soak` and the benches check and measure a
+//! cluster; `workers`, `status` and `drain` operate a running one.
 
 pub mod bench_engine;
 pub mod bench_hidden;
@@ -39,8 +40,14 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode tokens/s of the engine's CPU model.
     BenchEngine(bench_engine::BenchEngineArgs),
-    /// List a router's prefill and decode workers with their liveness and load.
+    /// List a router's prefill and decode workers with their state and load.
     Workers(workers::WorkersArgs),
+    /// A cluster at a glance: router readiness, model, traffic, errors and every worker's
+    /// state, load and pages; exits non-zero when the cluster cannot serve.
+    Status(workers::WorkersArgs),
+    /// Drain a worker gracefully: it takes no new requests, finishes those in flight,
+    /// deregisters and exits.
+    Drain(workers::DrainArgs),
     /// Check a live cluster before it takes traffic: repeatability, streaming, concurrency,
     /// long prompts, the single-process reference (--model), checksums, tools, bad input.
     Verify(verify::VerifyArgs),
@@ -133,6 +140,8 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::BenchEngine(args) => bench_engine::run(&args),
             Command::Generate(args) => generate::run(&args),
             Command::Workers(args) => workers::run(&args).await,
+            Command::Status(args) => workers::status(&args).await,
+            Command::Drain(args) => workers::drain(&args).await,
             Command::Verify(args) => verify::run(&args).await,
             Command::Soak(args) => soak::run(&args).await,
             Command::BenchTransfer(args) => bench_transfer::run(&args).await,

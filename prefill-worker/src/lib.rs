@@ -56,6 +56,8 @@ pub async fn run(
     };
     let loaded = engine::runner::start_from_dir(dir, engine_config(&config), "pdserve-prefill")
         .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
+    // Only a worker with a model joins a router: it is the only kind that serves requests.
+    let server = server.register_with(config.router.clone());
     let info = server.handle().snapshot().await;
     let transports = kv_transfer::handshake::parse_transports(&config.transports)
         .map_err(ServeError::Startup)?;
@@ -70,7 +72,8 @@ pub async fn run(
             config.stream_state,
             server.credentials(),
         )
-        .with_fault(fault),
+        .with_fault(fault)
+        .with_draining(server.handle().draining()),
     );
     server
         .handle()
@@ -81,13 +84,6 @@ pub async fn run(
         let handle = handle.clone();
         async move { handle.set_load(load).await }
     }));
-    if let Some(router) = config.router.clone() {
-        tokio::spawn(common::registration::keep_registered(
-            server.handle().clone(),
-            router,
-            server.credentials(),
-        ));
-    }
     let prefill = PrefillServer::new(PrefillService(worker));
     server
         .run_until_signal(

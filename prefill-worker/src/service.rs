@@ -50,6 +50,8 @@ pub struct PrefillWorker {
     credentials: Credentials,
     /// A deliberate corruption (tests of `pdctl verify` only).
     fault: Option<Fault>,
+    /// Set when the worker drains: new requests are refused.
+    draining: common::worker_info::DrainingFlag,
 }
 
 impl std::fmt::Debug for PrefillWorker {
@@ -138,6 +140,7 @@ impl PrefillWorker {
             stream_state,
             credentials,
             fault: None,
+            draining: common::worker_info::DrainingFlag::default(),
         }
     }
 
@@ -145,6 +148,13 @@ impl PrefillWorker {
     #[must_use]
     pub fn with_fault(mut self, fault: Option<Fault>) -> Self {
         self.fault = fault;
+        self
+    }
+
+    /// Refuses new requests once `draining` is set.
+    #[must_use]
+    pub fn with_draining(mut self, draining: common::worker_info::DrainingFlag) -> Self {
+        self.draining = draining;
         self
     }
 
@@ -173,7 +183,7 @@ impl PrefillWorker {
                     };
                 }
             }
-            Some(Fault::ReorderBatch) | None => {}
+            Some(Fault::ReorderBatch | Fault::StallEngine) | None => {}
         }
     }
 
@@ -288,6 +298,9 @@ impl Prefill for PrefillService {
         request: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
         let w = &self.0;
+        if w.draining.is_set() {
+            return Err(w.draining.refusal());
+        }
         let started = Instant::now();
         let req = request.into_inner();
         let request_id = req

@@ -104,6 +104,14 @@ impl BoundRouter {
                 }
             });
         }
+        let notifier = common::systemd::Notifier::from_env();
+        let announce = tokio::spawn(announce_ready(
+            notifier.clone(),
+            Arc::clone(&state),
+            self.config.model_dir.is_some(),
+            self.http_addr,
+        ));
+        let watchdog = tokio::spawn(notifier.clone().keep_watchdog(|| true));
         let app = http::routes(state);
         let mut http_stop = stop_rx.clone();
         let http_server = axum::serve(self.http, app).with_graceful_shutdown(async move {
@@ -123,6 +131,9 @@ impl BoundRouter {
         let trigger = async move {
             shutdown.await;
             tracing::info!("router stopping");
+            announce.abort();
+            watchdog.abort();
+            notifier.stopping("finishing requests in flight");
             let _ = stop_tx.send(true);
         };
         let http_bounded = async move {
@@ -142,6 +153,31 @@ impl BoundRouter {
         grpc_result?;
         Ok(())
     }
+}
+
+/// Tells systemd the router is ready once its model is loaded (at once without a model); a
+/// model that fails to load leaves the unit starting, with the reason as its status.
+async fn announce_ready(
+    notifier: common::systemd::Notifier,
+    state: Arc<http::AppState>,
+    has_model: bool,
+    http: SocketAddr,
+) {
+    if has_model {
+        notifier.status("loading the model");
+        loop {
+            if let Some(served) = state.served.get() {
+                notifier.ready(&format!("serving {} on {http}", served.name));
+                return;
+            }
+            if let Some(error) = state.load_error.get() {
+                notifier.status(&format!("the model failed to load: {error}"));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    notifier.ready(&format!("serving on {http} (no model)"));
 }
 
 /// Runs the router as a process until SIGTERM/SIGINT.
