@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# Runs on a lent GPU machine: the kernel test binaries built here (carried in target/), no
-# cargo needed there. Prints each kernel's comparison against its CPU reference.
+# Runs on a lent GPU machine with the binaries built here (carried in target/; no cargo
+# there): every kernel test against its CPU reference, then the benchmark table (decode
+# attention and FP4 GEMV GB/s next to the measured copy bandwidth, NVFP4 GEMM TFLOP/s).
 #   build here:  cargo test -p kernels --features cuda --release --no-run
-#   run there:   kernels/gpu-check.sh [target/release/deps]
+#                cargo build -p kernels --features cuda --release --bins
+#   run there:   kernels/gpu-check.sh [target/release]
+# Exits non-zero when any test fails. Takes a few minutes (the bench about one).
 set -uo pipefail
-DIR="${1:-target/release/deps}"
+DIR="${1:-target/release}"
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
 status=0
-for bin in "$DIR"/nvfp4_quant-* "$DIR"/nvfp4_gemv-* "$DIR"/attn_decode-* "$DIR"/indexer-*; do
-  [ -x "$bin" ] && [ -f "$bin" ] || continue
-  echo "== $(basename "$bin")"
-  "$bin" --nocapture --test-threads 1 || status=1
+for name in nvfp4_quant fp4_gemv nvfp4_gemm attn_decode indexer; do
+  found=0
+  for bin in "$DIR"/deps/"$name"-*; do
+    [ -x "$bin" ] && [ -f "$bin" ] || continue
+    found=1
+    echo "== $name"
+    timeout 300 "$bin" --nocapture --test-threads 1 || status=1
+  done
+  [ "$found" = 1 ] || { echo "== $name: test binary missing in $DIR/deps"; status=1; }
 done
+echo "== bench"
+timeout 240 "$DIR"/kernel-bench || status=1
 exit $status

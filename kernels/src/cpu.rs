@@ -35,7 +35,24 @@ pub fn nvfp4_gemv(
     cols: usize,
 ) -> Result<Vec<f32>, QuantError> {
     let w = quant::dequant_nvfp4(packed, scales, scale_2, rows, cols)?;
-    Ok((0..rows)
+    Ok(matvec_f64(&w, x, rows, cols))
+}
+
+/// `y = W · x` for an MXFP4 weight `[rows, cols]` (packed codes, ue8m0 scales per 32), in f64
+/// from the exactly dequantized weights (reference of `mxfp4_gemv`).
+pub fn mxfp4_gemv(
+    packed: &[u8],
+    scales: &[u8],
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let w = quant::dequant_mxfp4(packed, scales, rows, cols)?;
+    Ok(matvec_f64(&w, x, rows, cols))
+}
+
+fn matvec_f64(w: &[f32], x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..rows)
         .map(|r| {
             w[r * cols..(r + 1) * cols]
                 .iter()
@@ -43,7 +60,95 @@ pub fn nvfp4_gemv(
                 .map(|(a, b)| f64::from(*a) * f64::from(*b))
                 .sum::<f64>() as f32
         })
-        .collect())
+        .collect()
+}
+
+/// The routed experts' weights, stacked `[experts, rows, cols]` in one FP4 format.
+#[derive(Debug, Clone, Copy)]
+pub enum Experts<'a> {
+    /// NVFP4: codes, e4m3 scales per 16, one global scale per expert.
+    Nvfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+        scale_2: &'a [f32],
+    },
+    /// MXFP4: codes, ue8m0 scales per 32.
+    Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
+}
+
+impl Experts<'_> {
+    /// Bytes of codes and of scales per expert.
+    pub fn bytes_per_expert(&self, rows: usize, cols: usize) -> (usize, usize) {
+        match self {
+            Experts::Nvfp4 { .. } => (rows * cols / 2, rows * cols / 16),
+            Experts::Mxfp4 { .. } => (rows * cols / 2, rows * cols / 32),
+        }
+    }
+}
+
+/// The routed-expert GEMVs of a decode step (reference of `*_grouped_gemv`): pair `p` applies
+/// expert `pair_expert[p]` to token `pair_token[p]` of `x` (`[tokens, cols]`); returns
+/// `[pairs, rows]`.
+pub fn grouped_gemv(
+    experts: Experts<'_>,
+    x: &[f32],
+    pair_token: &[usize],
+    pair_expert: &[usize],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let (code_bytes, scale_bytes) = experts.bytes_per_expert(rows, cols);
+    let mut out = Vec::with_capacity(pair_token.len() * rows);
+    for (&t, &e) in pair_token.iter().zip(pair_expert) {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let y = match experts {
+            Experts::Nvfp4 {
+                packed,
+                scales,
+                scale_2,
+            } => nvfp4_gemv(
+                &packed[e * code_bytes..(e + 1) * code_bytes],
+                &scales[e * scale_bytes..(e + 1) * scale_bytes],
+                scale_2[e],
+                xt,
+                rows,
+                cols,
+            )?,
+            Experts::Mxfp4 { packed, scales } => mxfp4_gemv(
+                &packed[e * code_bytes..(e + 1) * code_bytes],
+                &scales[e * scale_bytes..(e + 1) * scale_bytes],
+                xt,
+                rows,
+                cols,
+            )?,
+        };
+        out.extend(y);
+    }
+    Ok(out)
+}
+
+/// `C = bf16(A) · Wᵀ` for f32 activations `A` (`[m, k]`) and an NVFP4 weight `W` (`[n, k]`),
+/// in f64 over activations rounded to bf16 (round-to-nearest-even) and exactly dequantized
+/// weights: the reference of `nvfp4_gemm_bf16`. Returns `[m, n]`.
+pub fn nvfp4_gemm(
+    a: &[f32],
+    packed: &[u8],
+    scales: &[u8],
+    scale_2: f32,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let w = quant::dequant_nvfp4(packed, scales, scale_2, n, k)?;
+    let a: Vec<f32> = a
+        .iter()
+        .map(|&v| engine::formats::bf16_to_f32(engine::formats::f32_to_bf16(v)))
+        .collect();
+    let mut c = Vec::with_capacity(m * n);
+    for i in 0..m {
+        c.extend(matvec_f64(&w, &a[i * k..(i + 1) * k], n, k));
+    }
+    Ok(c)
 }
 
 /// Decode attention with sinks over gathered rows (f64 reference of `attn_decode.cu`):
@@ -115,4 +220,51 @@ pub fn indexer_topk(
     let mut chosen = engine::tensor::top_k(&scores, k.min(visible));
     chosen.sort_unstable();
     chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// e2m1 code 2 (= 1.0) in both nibbles.
+    const ONES: u8 = 0x22;
+
+    #[test]
+    fn mxfp4_gemv_applies_power_of_two_scales() {
+        // One row of 32 ones with scale 2^(128-127) = 2, and a second row scaled by 2^-1.
+        let packed = vec![ONES; 32];
+        let scales = [128u8, 126];
+        let x: Vec<f32> = (1..=32).map(|v| v as f32).collect();
+        let y = mxfp4_gemv(&packed, &scales, &x, 2, 32).unwrap();
+        assert_eq!(y, vec![2.0 * 528.0, 0.5 * 528.0]);
+    }
+
+    #[test]
+    fn nvfp4_gemm_rounds_activations_to_bf16() {
+        // 1 + 2^-10 is not a bf16 and rounds to 1: the sum over 16 ones is exactly 16.
+        let a = vec![1.0 + 2f32.powi(-10); 16];
+        let packed = vec![ONES; 8];
+        let scales = [0x38u8]; // e4m3 1.0
+        let c = nvfp4_gemm(&a, &packed, &scales, 0.5, 1, 1, 16).unwrap();
+        assert_eq!(c, vec![8.0]);
+        let y = nvfp4_gemv(&packed, &scales, 0.5, &a, 1, 16).unwrap();
+        assert!(y[0] > 8.0, "the GEMV keeps f32 activations: {}", y[0]);
+    }
+
+    #[test]
+    fn grouped_gemv_is_the_chosen_experts_gemvs() {
+        let (rows, cols) = (3usize, 32usize);
+        let w: Vec<f32> = (0..2 * rows * cols).map(|i| (i % 7) as f32 - 3.0).collect();
+        let (p0, s0) = quant::quant_mxfp4(&w[..rows * cols], rows, cols).unwrap();
+        let (p1, s1) = quant::quant_mxfp4(&w[rows * cols..], rows, cols).unwrap();
+        let x: Vec<f32> = (0..2 * cols).map(|i| (i as f32).sin()).collect();
+        let experts = Experts::Mxfp4 {
+            packed: &[p0.clone(), p1.clone()].concat(),
+            scales: &[s0.clone(), s1.clone()].concat(),
+        };
+        let y = grouped_gemv(experts, &x, &[1, 0], &[0, 1], rows, cols).unwrap();
+        let first = mxfp4_gemv(&p0, &s0, &x[cols..], rows, cols).unwrap();
+        let second = mxfp4_gemv(&p1, &s1, &x[..cols], rows, cols).unwrap();
+        assert_eq!(y, [first, second].concat());
+    }
 }

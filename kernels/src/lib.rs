@@ -8,7 +8,14 @@
 //! Kernels and their references:
 //! - `nvfp4_quant.cu` `nvfp4_quantize_rows` — [`cpu::nvfp4_quantize_rows`]
 //!   (`engine::quant::quant_nvfp4_activation` row by row).
-//! - `nvfp4_gemv.cu` `nvfp4_gemv` — [`cpu::nvfp4_gemv`] (dequantize path, every architecture).
+//! - `fp4_gemv.cu` `nvfp4_gemv`, `mxfp4_gemv` — [`cpu::nvfp4_gemv`], [`cpu::mxfp4_gemv`]
+//!   (dequantize path, every architecture); `nvfp4_grouped_gemv`, `mxfp4_grouped_gemv` — the
+//!   routed experts of a decode step in one launch, [`cpu::grouped_gemv`].
+//! - `nvfp4_gemm.cu` `nvfp4_gemm_bf16` — [`cpu::nvfp4_gemm`] (tensor cores through WMMA on
+//!   bf16 activations and exactly dequantized weights; sm_90 and later).
+//!
+//! Not yet here: the FP4 tensor-core GEMMs (sm_120a block-scaled `mma.sync`, sm_100a
+//! `tcgen05`) and the engine's CUDA backend.
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
@@ -40,7 +47,8 @@ mod tests {
         assert!(super::compiled());
         for fatbin in [
             super::fatbins::NVFP4_QUANT,
-            super::fatbins::NVFP4_GEMV,
+            super::fatbins::FP4_GEMV,
+            super::fatbins::NVFP4_GEMM,
             super::fatbins::ATTN_DECODE,
             super::fatbins::INDEXER,
         ] {

@@ -1,0 +1,131 @@
+// NVFP4 weight GEMM on tensor cores, the dequantize-to-bf16 path (sm_90 has no FP4 tensor
+// cores; it also runs on sm_100 and sm_120):
+//
+//   C[i][j] = scale_2 * sum_k bf16(A[i][k]) * e2m1(W[j][k]) * e4m3(S[j][k/16])
+//
+// A is f32 [m, k] row-major (prefill activations), W the NVFP4 weight [n, k] (ModelOpt layout,
+// as `nvfp4_gemv` reads it), C f32 [m, n]. A is rounded to bf16 (round-to-nearest-even) on its
+// way into shared memory; each weight is dequantized exactly (an e2m1 value times an e4m3 scale
+// has at most 6 significant bits, so it is a bf16 without rounding); products are exact and
+// the tensor cores accumulate in f32; scale_2 multiplies the f32 sums. The CPU reference is
+// `kernels::cpu::nvfp4_gemm` (f64 over the same bf16 activations).
+//
+// Tiling: a 128-thread block computes a 64 x 64 tile of C; each of its 4 warps a 32 x 32
+// quarter with 2 x 2 WMMA 16x16x16 bf16 fragments. The K loop stages a 64 x 32 slice of A and
+// of the dequantized W in shared memory. Any m and n work (edges are zero-padded in shared
+// memory and masked on store); k must be a multiple of 16 (one NVFP4 block).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include "fp4.cuh"
+
+using namespace nvcuda;
+
+namespace {
+constexpr int BM = 64;
+constexpr int BN = 64;
+constexpr int BK = 32;
+constexpr int LDS = BK + 8;  // padded row (bf16 elements): a multiple of 8, as WMMA requires
+constexpr int THREADS = 128;
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_gemm_bf16(const float* __restrict__ a, const uint8_t* __restrict__ packed,
+                    const uint8_t* __restrict__ scales, float scale_2, long long m, long long n,
+                    long long k, float* __restrict__ c) {
+    __shared__ __align__(32) __nv_bfloat16 tile_a[BM][LDS];
+    __shared__ __align__(32) __nv_bfloat16 tile_w[BN][LDS];
+    __shared__ __align__(32) float stage[THREADS / 32][32][32];
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int warp_m = warp / 2;
+    const int warp_n = warp % 2;
+    const long long row0 = static_cast<long long>(blockIdx.y) * BM;
+    const long long col0 = static_cast<long long>(blockIdx.x) * BN;
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            wmma::fill_fragment(acc[i][j], 0.0f);
+        }
+    }
+
+    for (long long k0 = 0; k0 < k; k0 += BK) {
+        // A slice: 64 x 32 values, 16 per thread, coalesced along k.
+        for (int e = tid; e < BM * BK; e += THREADS) {
+            const int r = e / BK;
+            const int kk = e % BK;
+            const long long gr = row0 + r;
+            const long long gk = k0 + kk;
+            const float v = (gr < m && gk < k) ? a[gr * k + gk] : 0.0f;
+            tile_a[r][kk] = __float2bfloat16_rn(v);
+        }
+        // W slice: 64 rows x 2 NVFP4 blocks; one block (8 bytes, 16 values) per thread.
+        {
+            const int r = tid / 2;
+            const int blk = tid % 2;
+            const long long gn = col0 + r;
+            const long long gk = k0 + blk * 16;
+            __nv_bfloat16* dst = &tile_w[r][blk * 16];
+            if (gn < n && gk < k) {
+                const float s = fp4::e4m3_value(scales[gn * (k / 16) + gk / 16]);
+                const uint8_t* codes = packed + gn * (k / 2) + gk / 2;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const uint32_t byte = codes[i];
+                    dst[2 * i] = __float2bfloat16_rn(fp4::e2m1_value(byte & 0xFu) * s);
+                    dst[2 * i + 1] = __float2bfloat16_rn(fp4::e2m1_value(byte >> 4) * s);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    dst[i] = __float2bfloat16_rn(0.0f);
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+            // W is [n, k] row-major, i.e. the k x n operand B in column-major order.
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                wmma::load_matrix_sync(fa[i], &tile_a[warp_m * 32 + i * 16][kk], LDS);
+                wmma::load_matrix_sync(fb[i], &tile_w[warp_n * 32 + i * 16][kk], LDS);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Through shared memory, so edge tiles store only their valid part.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            wmma::store_matrix_sync(&stage[warp][i * 16][j * 16], acc[i][j], 32,
+                                    wmma::mem_row_major);
+        }
+    }
+    __syncwarp();
+    for (int e = lane; e < 32 * 32; e += 32) {
+        const int r = e / 32;
+        const int col = e % 32;
+        const long long gr = row0 + warp_m * 32 + r;
+        const long long gc = col0 + warp_n * 32 + col;
+        if (gr < m && gc < n) {
+            c[gr * n + gc] = stage[warp][r][col] * scale_2;
+        }
+    }
+}

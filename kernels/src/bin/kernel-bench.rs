@@ -1,0 +1,207 @@
+//! `kernel-bench`: throughput of the kernels on the first GPU, next to the device's measured
+//! copy bandwidth. Prints one table; exits 0 without running anything when no GPU is present.
+//! Built here (`cargo build -p kernels --features cuda --release --bins`), run by
+//! `kernels/gpu-check.sh` on a lent GPU machine.
+//!
+//! Bytes counted per call are the bytes a kernel must read or write at least once (weights,
+//! rows, inputs, outputs); rates are best-of-three means over enough calls to run ~0.3 s.
+#![allow(clippy::print_stdout, reason = "benchmark output")]
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaSlice;
+use engine::{quant, synth::Rng};
+use kernels::cuda::{AttnShape, DeviceExperts, GemvFormat, Gpu, KernelError};
+
+/// Mean seconds per call of `run`, best of three timed batches.
+fn time(gpu: &Gpu, mut run: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
+    run()?;
+    gpu.stream.synchronize()?;
+    let probe = Instant::now();
+    run()?;
+    gpu.stream.synchronize()?;
+    let once = probe.elapsed().max(Duration::from_micros(1));
+    let calls = (0.1 / once.as_secs_f64()).clamp(3.0, 2000.0) as u32;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        for _ in 0..calls {
+            run()?;
+        }
+        gpu.stream.synchronize()?;
+        best = best.min(start.elapsed().as_secs_f64() / f64::from(calls));
+    }
+    Ok(best)
+}
+
+fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal()).collect()
+}
+
+struct Row {
+    what: String,
+    seconds: f64,
+    rate: f64,
+    unit: &'static str,
+}
+
+fn main() -> Result<(), KernelError> {
+    let Some(gpu) = Gpu::open()? else {
+        println!("kernel-bench: no CUDA driver or device; nothing measured");
+        return Ok(());
+    };
+    let mut rng = Rng::for_tensor(9, "bench");
+    let mut rows: Vec<Row> = Vec::new();
+
+    // Device copy: read + write of 1 GiB.
+    let bytes = 1usize << 30;
+    let src: CudaSlice<u8> = gpu.stream.alloc_zeros(bytes)?;
+    let mut dst: CudaSlice<u8> = gpu.stream.alloc_zeros(bytes)?;
+    let t = time(&gpu, || Ok(gpu.stream.memcpy_dtod(&src, &mut dst)?))?;
+    let copy = 2.0 * bytes as f64 / t / 1e9;
+    rows.push(Row {
+        what: "device copy (1 GiB, read + write)".into(),
+        seconds: t,
+        rate: copy,
+        unit: "GB/s",
+    });
+    drop((src, dst));
+
+    // NVFP4 GEMV: one 16384 x 7168 weight (a large projection at batch 1).
+    let (r, c) = (16_384usize, 7168usize);
+    let w = random(&mut rng, r * c);
+    let (packed, scales, scale_2) = quant::quant_nvfp4(&w, r, c).map_err(shape)?;
+    drop(w);
+    let d_packed = gpu.stream.clone_htod(&packed)?;
+    let d_scales = gpu.stream.clone_htod(&scales)?;
+    let d_x = gpu.stream.clone_htod(&random(&mut rng, c))?;
+    let mut d_y: CudaSlice<f32> = gpu.stream.alloc_zeros(r)?;
+    let format = GemvFormat::Nvfp4 { scale_2 };
+    let t = time(&gpu, || {
+        gpu.launch_gemv(format, &d_packed, &d_scales, &d_x, r, c, &mut d_y)
+    })?;
+    let moved = (packed.len() + scales.len() + 4 * (c + r)) as f64;
+    rows.push(Row {
+        what: format!("NVFP4 GEMV {r}x{c}"),
+        seconds: t,
+        rate: moved / t / 1e9,
+        unit: "GB/s",
+    });
+
+    // NVFP4 GEMM on tensor cores (dequantize path): prefill-sized.
+    let (m, n, k) = (4096usize, 4096usize, 4096usize);
+    let w = random(&mut rng, n * k);
+    let (gp, gs, g2) = quant::quant_nvfp4(&w, n, k).map_err(shape)?;
+    let d_a = gpu.stream.clone_htod(&random(&mut rng, m * k))?;
+    let d_gp = gpu.stream.clone_htod(&gp)?;
+    let d_gs = gpu.stream.clone_htod(&gs)?;
+    let mut d_c: CudaSlice<f32> = gpu.stream.alloc_zeros(m * n)?;
+    let t = time(&gpu, || {
+        gpu.launch_nvfp4_gemm(&d_a, &d_gp, &d_gs, g2, (m, n, k), &mut d_c)
+    })?;
+    rows.push(Row {
+        what: format!("NVFP4 GEMM {m}x{n}x{k} (bf16 tensor cores)"),
+        seconds: t,
+        rate: 2.0 * (m * n * k) as f64 / t / 1e12,
+        unit: "TFLOP/s",
+    });
+    drop((d_a, d_gp, d_gs, d_c));
+
+    // Grouped MXFP4 GEMV: one token routed to 8 of 64 experts of 2048 x 7168.
+    let (experts, er, ec, pairs) = (64usize, 2048usize, 7168usize, 8usize);
+    let one = random(&mut rng, er * ec);
+    let (ep, es) = quant::quant_mxfp4(&one, er, ec).map_err(shape)?;
+    let d_ep = gpu.stream.clone_htod(&ep.repeat(experts))?;
+    let d_es = gpu.stream.clone_htod(&es.repeat(experts))?;
+    let d_ex = gpu.stream.clone_htod(&random(&mut rng, ec))?;
+    let chosen: Vec<i32> = (0..pairs as i32).map(|i| i * 7 % experts as i32).collect();
+    let d_token = gpu.stream.clone_htod(&vec![0i32; pairs])?;
+    let d_expert = gpu.stream.clone_htod(&chosen)?;
+    let mut d_ey: CudaSlice<f32> = gpu.stream.alloc_zeros(pairs * er)?;
+    let stack = DeviceExperts {
+        packed: &d_ep,
+        scales: &d_es,
+        scale_2: None,
+        experts,
+        rows: er,
+        cols: ec,
+    };
+    let t = time(&gpu, || {
+        gpu.launch_grouped_gemv(&stack, &d_ex, &d_token, &d_expert, pairs, &mut d_ey)
+    })?;
+    let moved = (pairs * (ep.len() + es.len()) + 4 * (ec + pairs * er)) as f64;
+    rows.push(Row {
+        what: format!("MXFP4 grouped GEMV {pairs} of {experts} experts {er}x{ec}"),
+        seconds: t,
+        rate: moved / t / 1e9,
+        unit: "GB/s",
+    });
+    drop((d_ep, d_es));
+
+    // Decode attention: 16 requests x 64 heads, 4096 rows of 512 f32 each.
+    let (batch, heads, dim, per) = (16usize, 64usize, 512usize, 4096usize);
+    let pool_rows = batch * per;
+    let pool: CudaSlice<u8> = gpu.stream.alloc_zeros(pool_rows * dim * 4)?;
+    // Rows in a shuffled page order, as a real page table scatters them.
+    let offsets: Vec<i64> = (0..pool_rows)
+        .map(|i| ((i * 7919) % pool_rows * dim * 4) as i64)
+        .collect();
+    let starts: Vec<i64> = (0..=batch).map(|b| (b * per) as i64).collect();
+    let shape = AttnShape {
+        heads,
+        dim,
+        splits: 32,
+        scale: 1.0 / (dim as f32).sqrt(),
+    };
+    let q = gpu
+        .stream
+        .clone_htod(&random(&mut rng, batch * heads * dim))?;
+    let d_offsets = gpu.stream.clone_htod(&offsets)?;
+    let d_starts = gpu.stream.clone_htod(&starts)?;
+    let d_sinks = gpu.stream.clone_htod(&random(&mut rng, heads))?;
+    let mut scratch = gpu.attn_scratch(batch, shape)?;
+    let t = time(&gpu, || {
+        gpu.launch_attn_decode(
+            &q,
+            &pool,
+            &d_offsets,
+            &d_starts,
+            &d_sinks,
+            shape,
+            &mut scratch,
+        )
+    })?;
+    let moved = (pool_rows * dim * 4 + offsets.len() * 8) as f64;
+    rows.push(Row {
+        what: format!("decode attention {batch}x{heads} heads, {per} rows of {dim}"),
+        seconds: t,
+        rate: moved / t / 1e9,
+        unit: "GB/s",
+    });
+
+    println!(
+        "{:<56} {:>10} {:>12} {:>10}",
+        "kernel", "us/call", "rate", "% copy"
+    );
+    for row in &rows {
+        let share = if row.unit == "GB/s" {
+            format!("{:.0}%", 100.0 * row.rate / copy)
+        } else {
+            "-".to_owned()
+        };
+        println!(
+            "{:<56} {:>10.1} {:>7.1} {:<7} {:>7}",
+            row.what,
+            row.seconds * 1e6,
+            row.rate,
+            row.unit,
+            share
+        );
+    }
+    Ok(())
+}
+
+#[expect(clippy::needless_pass_by_value, reason = "used as map_err(shape)")]
+fn shape(e: quant::QuantError) -> KernelError {
+    KernelError::Shape(e.to_string())
+}

@@ -1,0 +1,284 @@
+//! Launch wrappers of the attention kernels: split-KV decode attention and the lightning
+//! indexer.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{Gpu, KernelError, non_empty};
+
+/// One batch of indexer queries: request `b` has `visible[b]` keys starting at
+/// `key_starts[b]` rows into `keys` (`dim` values each).
+#[derive(Debug, Clone, Copy)]
+pub struct IndexerBatch<'a> {
+    /// `[batch, heads, dim]` queries.
+    pub q: &'a [f32],
+    /// `[batch, heads]` head weights (already scaled by `heads^-0.5`).
+    pub w: &'a [f32],
+    pub keys: &'a [f32],
+    pub key_starts: &'a [i64],
+    pub visible: &'a [i32],
+    pub heads: usize,
+    pub dim: usize,
+    pub scale: f32,
+    pub top_k: usize,
+}
+
+/// Split partials and output of decode attention for a fixed batch (see
+/// [`Gpu::attn_scratch`]).
+#[derive(Debug)]
+pub struct AttnScratch {
+    batch: usize,
+    m: CudaSlice<f32>,
+    l: CudaSlice<f32>,
+    acc: CudaSlice<f32>,
+    /// `[batch, heads, dim]` after a launch.
+    pub out: CudaSlice<f32>,
+}
+
+/// Shapes of one decode-attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub heads: usize,
+    /// Row width (`head_dim`), at most 512.
+    pub dim: usize,
+    /// KV splits per (request, head); more splits than rows leaves some empty.
+    pub splits: usize,
+    pub scale: f32,
+}
+
+impl AttnShape {
+    /// Checks the shape against a batch, a number of sinks and the query length.
+    fn check(&self, batch: usize, sinks: usize, q_len: usize) -> Result<(), KernelError> {
+        if self.dim == 0
+            || self.dim > 512
+            || self.splits == 0
+            || self.splits > 65_535
+            || sinks != self.heads
+            || q_len != batch * self.heads * self.dim
+        {
+            return Err(KernelError::Shape(format!(
+                "attn_decode batch {batch} heads {} dim {} splits {}",
+                self.heads, self.dim, self.splits
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Gpu {
+    /// Decode attention with sinks over rows at byte offsets of `pool` (see
+    /// `cpu::attn_decode`). `q` is `[batch, heads, dim]`, `starts` has `batch + 1` entries into
+    /// `row_offsets`. Output and partials poisoned with NaN before the launch.
+    pub fn attn_decode(
+        &self,
+        q: &[f32],
+        pool: &[u8],
+        row_offsets: &[i64],
+        starts: &[i64],
+        sinks: &[f32],
+        shape: AttnShape,
+    ) -> Result<Vec<f32>, KernelError> {
+        let batch = starts.len().saturating_sub(1);
+        shape.check(batch, sinks.len(), q.len())?;
+        let d_q = self.stream.clone_htod(&non_empty(q))?;
+        let d_pool = self.stream.clone_htod(&non_empty(pool))?;
+        let d_offsets = self.stream.clone_htod(&non_empty(row_offsets))?;
+        let d_starts = self.stream.clone_htod(&non_empty(starts))?;
+        let d_sinks = self.stream.clone_htod(&non_empty(sinks))?;
+        let mut scratch = self.attn_scratch(batch, shape)?;
+        self.launch_attn_decode(
+            &d_q,
+            &d_pool,
+            &d_offsets,
+            &d_starts,
+            &d_sinks,
+            shape,
+            &mut scratch,
+        )?;
+        let mut out = self.stream.clone_dtoh(&scratch.out)?;
+        out.truncate(batch * shape.heads * shape.dim);
+        Ok(out)
+    }
+
+    /// Split partials and output for `batch` requests of `shape`, poisoned with NaN.
+    pub fn attn_scratch(&self, batch: usize, shape: AttnShape) -> Result<AttnScratch, KernelError> {
+        let parts = batch * shape.heads * shape.splits;
+        let nan = |n: usize| self.stream.clone_htod(&vec![f32::NAN; n.max(1)]);
+        Ok(AttnScratch {
+            batch,
+            m: nan(parts)?,
+            l: nan(parts)?,
+            acc: nan(parts * shape.dim)?,
+            out: nan(batch * shape.heads * shape.dim)?,
+        })
+    }
+
+    /// Launches decode attention on device buffers; the result is in `scratch.out`
+    /// (`[batch, heads, dim]`). Every offset must point at a whole row inside `pool`.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one argument per kernel parameter"
+    )]
+    pub fn launch_attn_decode(
+        &self,
+        q: &CudaSlice<f32>,
+        pool: &CudaSlice<u8>,
+        row_offsets: &CudaSlice<i64>,
+        starts: &CudaSlice<i64>,
+        sinks: &CudaSlice<f32>,
+        shape: AttnShape,
+        scratch: &mut AttnScratch,
+    ) -> Result<(), KernelError> {
+        let AttnShape {
+            heads,
+            dim,
+            splits,
+            scale,
+        } = shape;
+        let batch = scratch.batch;
+        shape.check(batch, heads, batch * heads * dim)?;
+        if starts.len() < batch + 1
+            || sinks.len() < heads
+            || q.len() < batch * heads * dim
+            || scratch.acc.len() < batch * heads * splits * dim
+        {
+            return Err(KernelError::Shape("attn_decode buffers".into()));
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let grid_x = super::grid_dim(batch * heads, "attention heads")?;
+        let (heads_i, dim_i, splits_i) = (heads as i32, dim as i32, splits as i32);
+        let partial = self.attn.load_function("attn_decode_partial")?;
+        let mut launch = self.stream.launch_builder(&partial);
+        launch
+            .arg(q)
+            .arg(pool)
+            .arg(row_offsets)
+            .arg(starts)
+            .arg(&heads_i)
+            .arg(&dim_i)
+            .arg(&splits_i)
+            .arg(&scale)
+            .arg(&mut scratch.m)
+            .arg(&mut scratch.l)
+            .arg(&mut scratch.acc);
+        // SAFETY: argument types and order match `attn_decode_partial`; every offset points
+        // at a whole row inside `pool` (the caller's contract, checked by the tests).
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_x, splits as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        let merge = self.attn.load_function("attn_decode_merge")?;
+        let mut launch = self.stream.launch_builder(&merge);
+        launch
+            .arg(&scratch.m)
+            .arg(&scratch.l)
+            .arg(&scratch.acc)
+            .arg(sinks)
+            .arg(&heads_i)
+            .arg(&dim_i)
+            .arg(&splits_i)
+            .arg(&mut scratch.out);
+        // SAFETY: argument types and order match `attn_decode_merge`.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_x, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Lightning-indexer scores and top-k per request (see `cpu::indexer_topk`): returns, per
+    /// request, the chosen key indices in ascending order.
+    pub fn indexer_topk(&self, batch: &IndexerBatch<'_>) -> Result<Vec<Vec<usize>>, KernelError> {
+        let n = batch.visible.len();
+        let max_keys = batch.visible.iter().copied().max().unwrap_or(0).max(1) as usize;
+        if batch.q.len() != n * batch.heads * batch.dim
+            || batch.w.len() != n * batch.heads
+            || batch.key_starts.len() != n
+            || batch.top_k == 0
+        {
+            return Err(KernelError::Shape("indexer_topk".into()));
+        }
+        let d_q = self.stream.clone_htod(batch.q)?;
+        let d_w = self.stream.clone_htod(batch.w)?;
+        let d_keys = self.stream.clone_htod(&if batch.keys.is_empty() {
+            vec![0.0]
+        } else {
+            batch.keys.to_vec()
+        })?;
+        let d_starts = self.stream.clone_htod(batch.key_starts)?;
+        let d_visible = self.stream.clone_htod(batch.visible)?;
+        let mut d_scores = self.stream.clone_htod(&vec![f32::NAN; n * max_keys])?;
+        let mut d_out = self.stream.clone_htod(&vec![i32::MIN; n * batch.top_k])?;
+        if n > 0 {
+            let (n_i, heads_i, dim_i, k_i) = (
+                n as i32,
+                batch.heads as i32,
+                batch.dim as i32,
+                batch.top_k as i32,
+            );
+            let max_keys_i = max_keys as i64;
+            let scores = self.indexer.load_function("indexer_scores")?;
+            let mut launch = self.stream.launch_builder(&scores);
+            launch
+                .arg(&d_q)
+                .arg(&d_w)
+                .arg(&d_keys)
+                .arg(&d_starts)
+                .arg(&d_visible)
+                .arg(&n_i)
+                .arg(&heads_i)
+                .arg(&dim_i)
+                .arg(&batch.scale)
+                .arg(&max_keys_i)
+                .arg(&mut d_scores);
+            let warps = n * max_keys;
+            let grid = u32::try_from((warps * 32).div_ceil(256))
+                .map_err(|_| KernelError::Shape("grid".into()))?;
+            // SAFETY: argument types and order match `indexer_scores`; buffers sized above.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+            let topk = self.indexer.load_function("indexer_topk")?;
+            let mut launch = self.stream.launch_builder(&topk);
+            launch
+                .arg(&mut d_scores)
+                .arg(&d_visible)
+                .arg(&max_keys_i)
+                .arg(&k_i)
+                .arg(&mut d_out);
+            // SAFETY: argument types and order match `indexer_topk`.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let out = self.stream.clone_dtoh(&d_out)?;
+        Ok(out
+            .chunks(batch.top_k)
+            .take(n)
+            .map(|row| {
+                let mut chosen: Vec<usize> = row
+                    .iter()
+                    .filter(|&&i| i >= 0)
+                    .map(|&i| i as usize)
+                    .collect();
+                chosen.sort_unstable();
+                chosen
+            })
+            .collect())
+    }
+}
