@@ -222,6 +222,25 @@ pub fn indexer_topk(
     chosen
 }
 
+/// `C = A · Wᵀ` with both operands NVFP4 (`A` `[m, k]` with global scale `a_scale_2`, `W`
+/// `[n, k]` with `w_scale_2`), in f64 over the exactly dequantized operands: the reference of
+/// `nvfp4_gemm_w4a4_sm120` (whose products are exact and whose sums are f32).
+pub fn nvfp4_gemm_w4a4(
+    a: (&[u8], &[u8], f32),
+    w: (&[u8], &[u8], f32),
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let a = quant::dequant_nvfp4(a.0, a.1, a.2, m, k)?;
+    let w = quant::dequant_nvfp4(w.0, w.1, w.2, n, k)?;
+    let mut c = Vec::with_capacity(m * n);
+    for i in 0..m {
+        c.extend(matvec_f64(&w, &a[i * k..(i + 1) * k], n, k));
+    }
+    Ok(c)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

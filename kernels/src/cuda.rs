@@ -24,6 +24,9 @@ pub enum KernelError {
     NotCompiled,
     #[error("bad shape: {0}")]
     Shape(String),
+    /// The kernel does not run on this device's architecture.
+    #[error("unsupported here: {0}")]
+    Unsupported(String),
 }
 
 /// One device with the kernels loaded.
@@ -34,6 +37,7 @@ pub struct Gpu {
     nvfp4: Arc<CudaModule>,
     gemv: Arc<CudaModule>,
     gemm: Arc<CudaModule>,
+    gemm_sm120: Arc<CudaModule>,
     attn: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
 }
@@ -57,6 +61,7 @@ impl Gpu {
         let nvfp4 = load(fatbins::NVFP4_QUANT)?;
         let gemv = load(fatbins::FP4_GEMV)?;
         let gemm = load(fatbins::NVFP4_GEMM)?;
+        let gemm_sm120 = load(fatbins::NVFP4_GEMM_SM120)?;
         let attn = load(fatbins::ATTN_DECODE)?;
         let indexer = load(fatbins::INDEXER)?;
         Ok(Some(Self {
@@ -65,6 +70,7 @@ impl Gpu {
             nvfp4,
             gemv,
             gemm,
+            gemm_sm120,
             attn,
             indexer,
         }))

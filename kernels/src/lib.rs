@@ -13,9 +13,11 @@
 //!   routed experts of a decode step in one launch, [`cpu::grouped_gemv`].
 //! - `nvfp4_gemm.cu` `nvfp4_gemm_bf16` — [`cpu::nvfp4_gemm`] (tensor cores through WMMA on
 //!   bf16 activations and exactly dequantized weights; sm_90 and later).
+//! - `nvfp4_gemm_sm120.cu` `nvfp4_gemm_w4a4_sm120` — [`cpu::nvfp4_gemm_w4a4`] (NVFP4
+//!   activations and weights on sm_120 FP4 tensor cores, block-scaled `mma.sync`; a trapping
+//!   stub elsewhere, and the wrapper refuses other architectures).
 //!
-//! Not yet here: the FP4 tensor-core GEMMs (sm_120a block-scaled `mma.sync`, sm_100a
-//! `tcgen05`) and the engine's CUDA backend.
+//! Not yet here: the sm_100a `tcgen05` GEMM and the engine's CUDA backend.
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
@@ -49,6 +51,7 @@ mod tests {
             super::fatbins::NVFP4_QUANT,
             super::fatbins::FP4_GEMV,
             super::fatbins::NVFP4_GEMM,
+            super::fatbins::NVFP4_GEMM_SM120,
             super::fatbins::ATTN_DECODE,
             super::fatbins::INDEXER,
         ] {

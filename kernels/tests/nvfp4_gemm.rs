@@ -56,3 +56,67 @@ fn gpu_gemm_matches_reference() {
         }
     }
 }
+
+/// W4A4 on sm_120 FP4 tensor cores: activations quantized by the GPU quantizer (the serving
+/// path), weights by the ModelOpt recipe; compared with the f64 product of the dequantized
+/// operands. Products are exact, so the bound is the f32 accumulation: 1e-4 · Σ|a·w|. Runs only
+/// on sm_120 devices; elsewhere the wrapper must refuse (checked).
+#[test]
+fn gpu_w4a4_gemm_matches_reference_on_sm120() {
+    let Some(gpu) = Gpu::open().unwrap() else {
+        eprintln!("skipping gpu_w4a4_gemm_matches_reference_on_sm120: no CUDA driver or device");
+        return;
+    };
+    let (major, minor) = gpu.ctx.compute_capability().unwrap();
+    let mut rng = Rng::for_tensor(6, "w4a4");
+    if major != 12 {
+        let refused = gpu.nvfp4_gemm_w4a4(
+            (&[0; 32], &[0; 4], 1.0),
+            (&[0; 32], &[0; 4], 1.0),
+            (1, 1, 64),
+        );
+        assert!(
+            matches!(refused, Err(kernels::cuda::KernelError::Unsupported(_))),
+            "sm_{major}{minor} must refuse the sm_120 kernel"
+        );
+        eprintln!("skipping the W4A4 comparison: sm_{major}{minor} is not sm_120");
+        return;
+    }
+    for (m, n, k) in [
+        (1usize, 1usize, 64usize),
+        (16, 8, 64),
+        (17, 9, 128),
+        (64, 64, 256),
+        (100, 130, 1024),
+        (3, 257, 7168),
+        (0, 8, 64),
+    ] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.normal() * 2.0).collect();
+        let a_scale_2 = x.iter().fold(0.0f32, |acc, v| acc.max(v.abs())) / (6.0 * 448.0);
+        let a_scale_2 = if a_scale_2 > 0.0 { a_scale_2 } else { 1.0 };
+        let (a_codes, a_scales) = gpu.nvfp4_quantize_rows(&x, m, k, a_scale_2, 0xAB).unwrap();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+        let (w_codes, w_scales, w_scale_2) = quant::quant_nvfp4(&w, n, k).unwrap();
+        let a = (&a_codes[..], &a_scales[..], a_scale_2);
+        let wq = (&w_codes[..], &w_scales[..], w_scale_2);
+        let want = cpu::nvfp4_gemm_w4a4(a, wq, m, n, k).unwrap();
+        let got = gpu.nvfp4_gemm_w4a4(a, wq, (m, n, k)).unwrap();
+        assert_eq!(got.len(), m * n);
+        let da = quant::dequant_nvfp4(&a_codes, &a_scales, a_scale_2, m, k).unwrap();
+        let dw = quant::dequant_nvfp4(&w_codes, &w_scales, w_scale_2, n, k).unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let mag: f32 = da[i * k..(i + 1) * k]
+                    .iter()
+                    .zip(&dw[j * k..(j + 1) * k])
+                    .map(|(x, y)| (x * y).abs())
+                    .sum();
+                let (g, r) = (got[i * n + j], want[i * n + j]);
+                assert!(
+                    (g - r).abs() <= 1e-4 * mag + 1e-30,
+                    "{m}x{n}x{k} at ({i}, {j}): gpu {g} ref {r}"
+                );
+            }
+        }
+    }
+}

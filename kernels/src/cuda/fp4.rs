@@ -24,9 +24,9 @@ impl Gpu {
             )));
         }
         let blocks = rows * cols / 16;
-        let d_x = self.stream.clone_htod(x)?;
-        let mut d_packed = self.stream.clone_htod(&vec![poison; blocks * 8])?;
-        let mut d_scales = self.stream.clone_htod(&vec![poison; blocks])?;
+        let d_x = self.stream.clone_htod(&non_empty(x))?;
+        let mut d_packed = self.stream.clone_htod(&vec![poison; (blocks * 8).max(1)])?;
+        let mut d_scales = self.stream.clone_htod(&vec![poison; blocks.max(1)])?;
         if blocks > 0 {
             let f = self.nvfp4.load_function("nvfp4_quantize_rows")?;
             let (rows_arg, cols_arg) = (rows as i64, cols as i64);
@@ -51,10 +51,11 @@ impl Gpu {
                 })?;
             }
         }
-        Ok((
-            self.stream.clone_dtoh(&d_packed)?,
-            self.stream.clone_dtoh(&d_scales)?,
-        ))
+        let mut packed = self.stream.clone_dtoh(&d_packed)?;
+        let mut scales = self.stream.clone_dtoh(&d_scales)?;
+        packed.truncate(blocks * 8);
+        scales.truncate(blocks);
+        Ok((packed, scales))
     }
 
     /// `y = W · x` with an NVFP4 weight (dequantize path; see `cpu::nvfp4_gemv`). `y` is
@@ -372,6 +373,68 @@ impl Gpu {
             })?;
         }
         Ok(())
+    }
+
+    /// `C = A · Wᵀ` with NVFP4 activations and weights on sm_120 FP4 tensor cores (see
+    /// `cpu::nvfp4_gemm_w4a4`); `k` must be a multiple of 64. Returns [`KernelError::Unsupported`]
+    /// on other architectures. Output poisoned with NaN before the launch.
+    pub fn nvfp4_gemm_w4a4(
+        &self,
+        a: (&[u8], &[u8], f32),
+        w: (&[u8], &[u8], f32),
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<Vec<f32>, KernelError> {
+        let (major, minor) = self.ctx.compute_capability()?;
+        if major != 12 {
+            return Err(KernelError::Unsupported(format!(
+                "the block-scaled FP4 MMA needs sm_120 (this device is sm_{major}{minor})"
+            )));
+        }
+        if !k.is_multiple_of(64)
+            || a.0.len() != m * k / 2
+            || a.1.len() != m * k / 16
+            || w.0.len() != n * k / 2
+            || w.1.len() != n * k / 16
+        {
+            return Err(KernelError::Shape(format!("w4a4 gemm {m}x{n}x{k}")));
+        }
+        let d_a = self.stream.clone_htod(&non_empty(a.0))?;
+        let d_sa = self.stream.clone_htod(&non_empty(a.1))?;
+        let d_w = self.stream.clone_htod(&non_empty(w.0))?;
+        let d_sw = self.stream.clone_htod(&non_empty(w.1))?;
+        let mut d_c = self.stream.clone_htod(&vec![f32::NAN; (m * n).max(1)])?;
+        if m > 0 && n > 0 {
+            let f = self.gemm_sm120.load_function("nvfp4_gemm_w4a4_sm120")?;
+            let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&d_a)
+                .arg(&d_sa)
+                .arg(&a.2)
+                .arg(&d_w)
+                .arg(&d_sw)
+                .arg(&w.2)
+                .arg(&m_arg)
+                .arg(&n_arg)
+                .arg(&k_arg)
+                .arg(&mut d_c);
+            let grid = (
+                super::grid_dim(n.div_ceil(GEMM_TILE), "gemm columns")?,
+                super::grid_dim(m.div_ceil(GEMM_TILE), "gemm rows")?,
+            );
+            // SAFETY: argument types and order match `nvfp4_gemm_w4a4_sm120`; sizes checked
+            // above; the device is sm_120, where the kernel has its real body.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid.0, grid.1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let mut c = self.stream.clone_dtoh(&d_c)?;
+        c.truncate(m * n);
+        Ok(c)
     }
 }
 
