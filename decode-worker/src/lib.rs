@@ -93,9 +93,9 @@ pub async fn run(
         async move { handle.set_load(load).await }
     }));
     let decode = DecodeServer::new(DecodeService(Arc::clone(&worker)));
-    let transfer = StateTransferServer::new(StateTransferService::new(worker))
+    let transfer = StateTransferServer::new(StateTransferService::new(Arc::clone(&worker)))
         .max_decoding_message_size(kv_transfer::tcp::FRAME_BYTES * 2);
-    server
+    let served = server
         .run_until_signal(
             "decode",
             |routes| routes.add_service(decode).add_service(transfer),
@@ -105,5 +105,7 @@ pub async fn run(
             ],
             signal,
         )
-        .await
+        .await;
+    worker.stop_transports();
+    served
 }

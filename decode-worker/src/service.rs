@@ -170,6 +170,14 @@ impl DecodeWorker {
         self
     }
 
+    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
+    /// thread still running then races UCX's global teardown).
+    pub fn stop_transports(&self) {
+        if let Some(ucx) = &self.ucx {
+            ucx.stop();
+        }
+    }
+
     /// The token to stream for engine request `id`: under [`Fault::ReorderBatch`], the one
     /// streamed just before for a different request, if there was one.
     fn mix_up(&self, id: u64, token: GeneratedToken) -> GeneratedToken {

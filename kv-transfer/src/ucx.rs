@@ -143,42 +143,83 @@ pub struct Region {
 }
 
 /// The decode side: registered regions, their packed keys, and a progress thread (transports
-/// that emulate RMA need the target to progress).
+/// that emulate RMA need the target to progress). Dropping it (or [`Exporter::stop`]) ends the
+/// thread and waits for it, so UCX is torn down before the process exits or the memory goes.
 #[derive(Debug)]
 pub struct Exporter {
     target: UcxTarget,
+    thread: UcxThread,
+}
+
+/// A UCX thread that is stopped and joined, once, on [`UcxThread::stop`] or drop: a UCX thread
+/// still running while the process exits races UCX's own global teardown (a crash at exit).
+#[derive(Debug)]
+struct UcxThread {
     stop: Arc<AtomicBool>,
+    handle: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl UcxThread {
+    fn spawn(
+        name: &str,
+        body: impl FnOnce(Arc<AtomicBool>) + Send + 'static,
+    ) -> Result<Self, TransferError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = Arc::clone(&stop);
+        let handle = std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || body(thread_stop))
+            .map_err(|e| TransferError::Failed {
+                peer: "ucx".to_owned(),
+                message: e.to_string(),
+            })?;
+        Ok(Self {
+            stop,
+            handle: std::sync::Mutex::new(Some(handle)),
+        })
+    }
+
+    fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let handle = self
+            .handle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for UcxThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 impl Exporter {
     /// Registers `regions` (region `i` is `PageRef.region == i`) and starts progressing.
     pub fn start(regions: Vec<Region>) -> Result<Self, TransferError> {
         let (tx, rx) = mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
-        std::thread::Builder::new()
-            .name("pdserve-ucx-export".to_owned())
-            .spawn(move || export_thread(&regions, &tx, &thread_stop))
-            .map_err(|e| TransferError::Failed {
-                peer: "ucx".to_owned(),
-                message: e.to_string(),
-            })?;
+        let thread = UcxThread::spawn("pdserve-ucx-export", move |stop| {
+            export_thread(&regions, &tx, &stop);
+        })?;
         let target = rx.recv().map_err(|_| TransferError::Failed {
             peer: "ucx".to_owned(),
             message: "the UCX thread stopped".to_owned(),
         })??;
-        Ok(Self { target, stop })
+        Ok(Self { target, thread })
+    }
+
+    /// Unregisters the memory and ends the UCX thread (waits for it); later transfers fail.
+    pub fn stop(&self) {
+        self.thread.stop();
     }
 
     /// What a descriptor carries for this worker.
     pub fn target(&self) -> &UcxTarget {
         &self.target
-    }
-}
-
-impl Drop for Exporter {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -264,10 +305,12 @@ struct Job {
     reply: tokio::sync::oneshot::Sender<Result<u64, TransferError>>,
 }
 
-/// The prefill side: a UCX worker on its own thread that performs puts and flushes.
+/// The prefill side: a UCX worker on its own thread that performs puts and flushes. The thread
+/// ends (and is waited for) when the last clone is dropped or on [`Putter::stop`].
 #[derive(Debug, Clone)]
 pub struct Putter {
     jobs: mpsc::Sender<Job>,
+    thread: Arc<UcxThread>,
 }
 
 impl Putter {
@@ -275,18 +318,22 @@ impl Putter {
     pub fn start() -> Result<Self, TransferError> {
         let (jobs, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("pdserve-ucx-put".to_owned())
-            .spawn(move || put_thread(&rx, &ready_tx))
-            .map_err(|e| TransferError::Failed {
-                peer: "ucx".to_owned(),
-                message: e.to_string(),
-            })?;
+        let thread = UcxThread::spawn("pdserve-ucx-put", move |stop| {
+            put_thread(&rx, &ready_tx, &stop);
+        })?;
         ready_rx.recv().map_err(|_| TransferError::Failed {
             peer: "ucx".to_owned(),
             message: "the UCX thread stopped".to_owned(),
         })??;
-        Ok(Self { jobs })
+        Ok(Self {
+            jobs,
+            thread: Arc::new(thread),
+        })
+    }
+
+    /// Closes the endpoints and ends the UCX thread (waits for it); later puts fail.
+    pub fn stop(&self) {
+        self.thread.stop();
     }
 
     /// Writes every put into the target and flushes; returns the bytes written.
@@ -313,7 +360,11 @@ struct Peer {
     keys: Vec<(Vec<u8>, sys::ucp_rkey_h)>,
 }
 
-fn put_thread(jobs: &mpsc::Receiver<Job>, ready: &mpsc::Sender<Result<(), TransferError>>) {
+fn put_thread(
+    jobs: &mpsc::Receiver<Job>,
+    ready: &mpsc::Sender<Result<(), TransferError>>,
+    stop: &AtomicBool,
+) {
     let worker = match Endpoint0::new() {
         Ok(w) => {
             let _ = ready.send(Ok(()));
@@ -325,7 +376,12 @@ fn put_thread(jobs: &mpsc::Receiver<Job>, ready: &mpsc::Sender<Result<(), Transf
         }
     };
     let mut peers: HashMap<Vec<u8>, Peer> = HashMap::new();
-    while let Ok(job) = jobs.recv() {
+    while !stop.load(Ordering::Relaxed) {
+        let job = match jobs.recv_timeout(Duration::from_millis(50)) {
+            Ok(job) => job,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let address = job.target.worker_address.clone();
         let result = put_job(&worker, &mut peers, &job.target, &job.puts);
         if result.is_err() {

@@ -84,13 +84,15 @@ pub async fn run(
         let handle = handle.clone();
         async move { handle.set_load(load).await }
     }));
-    let prefill = PrefillServer::new(PrefillService(worker));
-    server
+    let prefill = PrefillServer::new(PrefillService(Arc::clone(&worker)));
+    let served = server
         .run_until_signal(
             "prefill",
             |routes| routes.add_service(prefill),
             &[proto::service_names::PREFILL],
             signal,
         )
-        .await
+        .await;
+    worker.stop_transports();
+    served
 }

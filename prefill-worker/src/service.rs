@@ -158,6 +158,14 @@ impl PrefillWorker {
         self
     }
 
+    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
+    /// thread still running then races UCX's global teardown).
+    pub fn stop_transports(&self) {
+        if let Some(ucx) = &self.ucx {
+            ucx.stop();
+        }
+    }
+
     /// Applies the injected fault, if any, to pieces about to be sent for a prompt of
     /// `prompt_len` tokens.
     fn corrupt(&self, pieces: &mut Vec<Piece>, prompt_len: usize) {
