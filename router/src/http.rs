@@ -162,12 +162,21 @@ async fn workers(State(state): Shared) -> Response {
     .into_response()
 }
 
+/// `GET /health/ready`: 200 once the model is loaded and the backend can serve, else 503 with
+/// the reason. Probes poll it during start-up, so a 503 here is an answer, not an error: it is
+/// neither logged nor counted in the error metrics.
 async fn ready(State(state): Shared) -> Response {
-    match state.served() {
-        Ok(served) if served.backend.is_ready() => "ready".into_response(),
-        Ok(_) => ApiError::Unavailable("the backend is not ready".to_owned()).into_response(),
-        Err(e) => e.into_response(),
-    }
+    let not_ready = match state.served() {
+        Ok(served) if served.backend.is_ready() => return "ready".into_response(),
+        Ok(_) => ApiError::Unavailable("the backend is not ready".to_owned()),
+        Err(e) => e,
+    };
+    let (status, ..) = not_ready.parts();
+    (
+        status,
+        axum::Json(not_ready.body_json(crate::api_error::ErrorStyle::OpenAi)),
+    )
+        .into_response()
 }
 
 async fn prometheus(State(state): Shared) -> Response {
