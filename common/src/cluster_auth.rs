@@ -13,7 +13,7 @@ use std::{
     time::{SystemTime, UNIX_EPOCH},
 };
 
-use proto::auth::{ClusterSecret, HEADER, HEALTH_PATH_PREFIX};
+use proto::auth::{ClusterSecret, Credentials, HEADER, HEALTH_PATH_PREFIX};
 use tonic::codegen::{BoxFuture, http};
 
 use crate::config::Invalid;
@@ -51,12 +51,41 @@ pub fn load(path: Option<&Path>) -> Result<Option<ClusterSecret>, Invalid> {
     path.map(read_secret).transpose()
 }
 
+/// How a process secures its internal gRPC: the shared secret and optional mutual TLS.
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    pub secret: Option<ClusterSecret>,
+    pub tls: Option<crate::internal_tls::InternalTls>,
+}
+
+impl Security {
+    /// From a role's `cluster_secret_file` and `[tls]` settings (checked as in `validate`).
+    pub fn load(
+        secret_file: Option<&Path>,
+        tls: &crate::internal_tls::TlsSettings,
+    ) -> Result<Self, Invalid> {
+        Ok(Self {
+            secret: load(secret_file)?,
+            tls: tls.load()?,
+        })
+    }
+
+    /// What this process's own calls carry and how they connect.
+    pub fn credentials(&self) -> Credentials {
+        Credentials::new(self.secret.as_ref()).with_tls(
+            self.tls
+                .as_ref()
+                .map(crate::internal_tls::InternalTls::client),
+        )
+    }
+}
+
 /// Warns once at start when a process serves unauthenticated gRPC beyond loopback.
-pub fn warn_if_open(secret: Option<&ClusterSecret>, listen: SocketAddr) {
-    if secret.is_none() && !listen.ip().is_loopback() {
+pub fn warn_if_open(security: &Security, listen: SocketAddr) {
+    if security.secret.is_none() && security.tls.is_none() && !listen.ip().is_loopback() {
         tracing::warn!(
             %listen,
-            "internal gRPC calls are not authenticated; set {KEY} on every role"
+            "internal gRPC calls are not authenticated; set {KEY} (and [tls]) on every role"
         );
     }
 }

@@ -3,13 +3,12 @@
 
 use std::{future::Future, time::Duration};
 
-use proto::auth::ClusterSecret;
 use tokio::{net::TcpListener, sync::oneshot};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
 use tonic_health::{ServingStatus, server::HealthReporter};
 
-use crate::cluster_auth::RequireSecretLayer;
+use crate::cluster_auth::{RequireSecretLayer, Security};
 
 /// The standard `grpc.health.v1.Health` service and its reporter.
 pub fn health() -> (
@@ -44,18 +43,22 @@ pub async fn set_not_serving(reporter: &HealthReporter, services: &[&str]) {
 }
 
 /// Serves `routes` on `listener` until `shutdown` resolves, then lets in-flight calls finish
-/// for at most `grace` before returning anyway. With a `secret`, every call but health must
-/// carry it.
+/// for at most `grace` before returning anyway. With a secret, every call but health must
+/// carry it; with TLS, every connection must present a certificate of the cluster CA.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
-    secret: Option<ClusterSecret>,
+    security: &Security,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let (stopping_tx, stopping_rx) = oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
-        .layer(RequireSecretLayer::new(secret))
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &security.tls {
+        builder = builder.tls_config(tls.server_config())?;
+    }
+    let server = builder
+        .layer(RequireSecretLayer::new(security.secret.clone()))
         .add_routes(routes)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             shutdown.await;

@@ -11,6 +11,7 @@ pub mod env;
 pub mod fault;
 pub mod grpc;
 pub mod http_client;
+pub mod internal_tls;
 pub mod listen;
 pub mod logging;
 pub mod registration;

@@ -9,7 +9,6 @@ use proto::{
     auth::{AuthChannel, Credentials},
     v1::{DeregisterRequest, HeartbeatRequest, RegisterRequest, registry_client::RegistryClient},
 };
-use tonic::transport::Endpoint;
 
 use crate::worker_info::WorkerHandle;
 
@@ -77,7 +76,7 @@ pub async fn deregister(router: &str, credentials: &Credentials, worker_id: Stri
 }
 
 fn client(router: &str, credentials: &Credentials) -> Option<RegistryClient<AuthChannel>> {
-    match Endpoint::from_shared(format!("http://{router}")) {
+    match credentials.endpoint(router) {
         Ok(e) => Some(RegistryClient::new(
             credentials.channel(e.connect_timeout(Duration::from_secs(2)).connect_lazy()),
         )),

@@ -4,7 +4,7 @@
 use std::{future::Future, net::SocketAddr, time::Duration};
 
 use proto::{
-    auth::{ClusterSecret, Credentials},
+    auth::Credentials,
     v1::{Role, WorkerInfo, WorkerState, worker_server::WorkerServer as WorkerGrpc},
 };
 use tokio::net::TcpListener;
@@ -13,6 +13,7 @@ use tonic::service::Routes;
 use crate::{
     ConfigError,
     cli::{EXIT_RUNTIME, ExitStatus},
+    cluster_auth::Security,
     grpc,
     systemd::Notifier,
     worker_info::{WorkerHandle, WorkerService, new_worker_id},
@@ -51,8 +52,8 @@ pub struct ListenOptions {
     pub advertise: Option<String>,
     /// How long in-flight calls may run after shutdown begins.
     pub grace: Duration,
-    /// The cluster secret every call but health must carry; `None`: calls are not checked.
-    pub secret: Option<ClusterSecret>,
+    /// The cluster secret and TLS of internal calls.
+    pub security: Security,
 }
 
 /// A worker whose listener is bound (its address is known) but not yet serving.
@@ -61,7 +62,7 @@ pub struct WorkerServer {
     listener: TcpListener,
     local_addr: SocketAddr,
     grace: Duration,
-    secret: Option<ClusterSecret>,
+    security: Security,
     handle: WorkerHandle,
     /// The router this worker registers with, if any.
     router: Option<String>,
@@ -76,7 +77,7 @@ impl WorkerServer {
     pub async fn bind(role: Role, options: ListenOptions) -> Result<Self, ServeError> {
         let listener = crate::listen::bind(options.key, options.listen).await?;
         let local_addr = listener.local_addr()?;
-        crate::cluster_auth::warn_if_open(options.secret.as_ref(), local_addr);
+        crate::cluster_auth::warn_if_open(&options.security, local_addr);
         let handle = WorkerHandle::new(WorkerInfo {
             worker_id: new_worker_id(role),
             role: role.into(),
@@ -89,7 +90,7 @@ impl WorkerServer {
             listener,
             local_addr,
             grace: options.grace,
-            secret: options.secret,
+            security: options.security,
             handle,
             router: None,
             notifier: Notifier::from_env(),
@@ -120,7 +121,7 @@ impl WorkerServer {
 
     /// What this worker's own calls to other processes carry.
     pub fn credentials(&self) -> Credentials {
-        Credentials::new(self.secret.as_ref())
+        self.security.credentials()
     }
 
     /// Serves the identity and health services plus `role_routes` (whose names are listed in
@@ -197,7 +198,14 @@ impl WorkerServer {
             watchdog.abort();
             tracing::info!("worker stopping");
         };
-        grpc::serve(self.listener, routes, self.secret, stop, AFTER_DRAIN_GRACE).await?;
+        grpc::serve(
+            self.listener,
+            routes,
+            &self.security,
+            stop,
+            AFTER_DRAIN_GRACE,
+        )
+        .await?;
         Ok(())
     }
 

@@ -41,6 +41,9 @@ pub struct DecodeConfig {
     /// readable by other users). Every internal gRPC call carries it and calls without it are
     /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
     pub cluster_secret_file: Option<PathBuf>,
+    /// Mutual TLS between the cluster's processes (`[tls]`: `cert_file`, `key_file`,
+    /// `ca_file`, optional `server_name`); unset: plain connections.
+    pub tls: common::internal_tls::TlsSettings,
 }
 
 impl Default for DecodeConfig {
@@ -57,6 +60,7 @@ impl Default for DecodeConfig {
             router: None,
             transports: vec!["ucx".to_owned(), "tcp".to_owned()],
             cluster_secret_file: None,
+            tls: common::internal_tls::TlsSettings::default(),
         }
     }
 }
@@ -88,7 +92,7 @@ impl ServiceConfig for DecodeConfig {
         )?;
         kv_transfer::handshake::parse_transports(&self.transports)
             .map_err(|e| Invalid::new("transports", e))?;
-        common::cluster_auth::load(self.cluster_secret_file.as_deref())?;
+        common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
         if let Some(router) = &self.router {
             common::config::check_host_port("router", router)?;
         }
@@ -148,6 +152,9 @@ pub struct Cli {
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    #[serde(skip_serializing_if = "common::internal_tls::TlsFlags::is_empty")]
+    pub tls: common::internal_tls::TlsFlags,
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ use proto::v1::{
     PageWrite, RequestId, state_transfer_client::StateTransferClient,
 };
 use tokio::sync::oneshot;
-use tonic::{Status, transport::Channel};
+use tonic::Status;
 
 use crate::{TransferError, tcp::StateSink};
 
@@ -560,7 +560,10 @@ impl NcclSender {
             peer: address.to_owned(),
             message,
         };
-        let endpoint = Channel::from_shared(format!("http://{address}"))
+        let endpoint = self
+            .inner
+            .credentials
+            .endpoint(address)
             .map_err(|e| TransferError::Descriptor(format!("NCCL target {address:?}: {e}")))?
             .connect_timeout(TIMEOUT);
         let channel = endpoint

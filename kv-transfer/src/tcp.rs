@@ -154,9 +154,7 @@ pub async fn connect(
     peer: &str,
     credentials: &Credentials,
 ) -> Result<StateTransferClient<AuthChannel>, tonic::transport::Error> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{peer}"))?
-        .connect()
-        .await?;
+    let channel = credentials.endpoint(peer)?.connect().await?;
     Ok(StateTransferClient::new(credentials.channel(channel)))
 }
 

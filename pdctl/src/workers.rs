@@ -4,10 +4,7 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
 
-use proto::{
-    auth::Credentials,
-    v1::{DrainRequest, worker_client::WorkerClient},
-};
+use proto::v1::{DrainRequest, worker_client::WorkerClient};
 use serde_json::Value;
 
 use crate::PdctlError;
@@ -43,6 +40,9 @@ pub struct DrainArgs {
     /// The cluster's secret file (the workers' `cluster_secret_file`).
     #[arg(long, env = "PDSERVE_CLUSTER_SECRET_FILE", value_name = "FILE")]
     pub cluster_secret_file: Option<PathBuf>,
+    /// The cluster's TLS files, when its processes use mutual TLS.
+    #[command(flatten)]
+    pub tls: common::internal_tls::TlsFlags,
     /// Milliseconds the worker may take to finish its requests (0: its `shutdown_grace_ms`).
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub deadline_ms: u32,
@@ -231,15 +231,20 @@ pub async fn drain(args: &DrainArgs) -> Result<(), PdctlError> {
         what: args.worker.clone(),
         reason,
     };
-    let secret = common::cluster_auth::load(args.cluster_secret_file.as_deref())
-        .map_err(|e| worker_err(format!("{}: {}", e.key, e.reason)))?;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", args.worker))
+    let security = common::cluster_auth::Security::load(
+        args.cluster_secret_file.as_deref(),
+        &args.tls.settings(),
+    )
+    .map_err(|e| worker_err(format!("{}: {}", e.key, e.reason)))?;
+    let credentials = security.credentials();
+    let channel = credentials
+        .endpoint(&args.worker)
         .map_err(|e| worker_err(e.to_string()))?
         .connect_timeout(TIMEOUT)
         .connect()
         .await
         .map_err(|e| worker_err(e.to_string()))?;
-    WorkerClient::new(Credentials::new(secret.as_ref()).channel(channel))
+    WorkerClient::new(credentials.channel(channel))
         .drain(DrainRequest {
             deadline_ms: args.deadline_ms,
         })

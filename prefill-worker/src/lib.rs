@@ -25,8 +25,11 @@ pub async fn bind(config: &PrefillConfig) -> Result<WorkerServer, ServeError> {
             listen: config.grpc_listen,
             advertise: config.advertise_address.clone(),
             grace: Duration::from_millis(config.shutdown_grace_ms),
-            secret: common::cluster_auth::load(config.cluster_secret_file.as_deref())
-                .map_err(|e| ServeError::Startup(format!("{}: {}", e.key, e.reason)))?,
+            security: common::cluster_auth::Security::load(
+                config.cluster_secret_file.as_deref(),
+                &config.tls,
+            )
+            .map_err(|e| ServeError::Startup(format!("{}: {}", e.key, e.reason)))?,
         },
     )
     .await

@@ -398,17 +398,18 @@ impl Prefill for PrefillService {
                 .saturating_duration_since(forward_end)
                 .as_nanos();
             let first_token = wire::token_to_proto(&prefilled.first);
-            let channel =
-                tonic::transport::Endpoint::from_shared(format!("http://{}", req.decode_address))
-                    .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?
-                    .connect()
-                    .await
-                    .map_err(|e| {
-                        w.err(
-                            ErrorKind::Unavailable,
-                            format!("decode worker {}: {e}", req.decode_address),
-                        )
-                    })?;
+            let channel = w
+                .credentials
+                .endpoint(&req.decode_address)
+                .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?
+                .connect()
+                .await
+                .map_err(|e| {
+                    w.err(
+                        ErrorKind::Unavailable,
+                        format!("decode worker {}: {e}", req.decode_address),
+                    )
+                })?;
             let mut decode = DecodeClient::new(w.credentials.channel(channel));
             decode
                 .commit(CommitRequest {

@@ -3,6 +3,10 @@
 //! secret as `authorization: Bearer <secret>`. A server configured with a secret refuses any
 //! other call with `UNAUTHENTICATED`, except the standard health service, which load balancers
 //! and probes call without credentials and which reveals nothing but serving status.
+//!
+//! Optionally the calls also run over mutual TLS ([`ClientTls`]): every process presents a
+//! certificate signed by the cluster's CA and accepts only peers that do, which encrypts the
+//! gRPC legs (registration, control calls, TCP state transfer) and authenticates both ends.
 
 use std::{fmt, sync::Arc};
 
@@ -10,7 +14,7 @@ use tonic::{
     Request, Status,
     metadata::{AsciiMetadataValue, MetadataValue},
     service::{Interceptor, interceptor::InterceptedService},
-    transport::Channel,
+    transport::{Channel, ClientTlsConfig, Endpoint},
 };
 
 /// Metadata (HTTP/2 header) that carries the secret.
@@ -77,20 +81,88 @@ impl fmt::Debug for ClusterSecret {
     }
 }
 
-/// What a client attaches to each call: the cluster secret, or nothing when the cluster runs
-/// without one (local development).
+/// The client half of the cluster's mutual TLS: this process's certificate and key (PEM), the
+/// cluster CA that servers' certificates must chain to, and optionally the name servers'
+/// certificates carry (else the host part of the address dialed).
+#[derive(Clone)]
+pub struct ClientTls {
+    config: ClientTlsConfig,
+    server_name: Option<String>,
+}
+
+impl fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the key material.
+        f.debug_struct("ClientTls")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientTls {
+    pub fn new(
+        cert_pem: &[u8],
+        key_pem: &[u8],
+        ca_pem: &[u8],
+        server_name: Option<String>,
+    ) -> Self {
+        let config = ClientTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(cert_pem, key_pem))
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem));
+        Self {
+            config,
+            server_name,
+        }
+    }
+}
+
+/// What a client attaches to each call: the cluster secret (or nothing when the cluster runs
+/// without one, in local development), and how it connects (plain or mutual TLS).
 #[derive(Clone, Default)]
-pub struct Credentials(Option<AsciiMetadataValue>);
+pub struct Credentials {
+    bearer: Option<AsciiMetadataValue>,
+    tls: Option<Arc<ClientTls>>,
+}
 
 impl Credentials {
-    /// Credentials presenting `secret` (none when `None`).
+    /// Credentials presenting `secret` (none when `None`), over plain connections.
     pub fn new(secret: Option<&ClusterSecret>) -> Self {
-        Self(secret.map(ClusterSecret::bearer))
+        Self {
+            bearer: secret.map(ClusterSecret::bearer),
+            tls: None,
+        }
     }
 
     /// Calls carry no credentials.
     pub fn none() -> Self {
-        Self(None)
+        Self::default()
+    }
+
+    /// Connections use mutual TLS with `tls` (plain when `None`).
+    #[must_use]
+    pub fn with_tls(mut self, tls: Option<ClientTls>) -> Self {
+        self.tls = tls.map(Arc::new);
+        self
+    }
+
+    /// Whether connections use TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// An endpoint for `address` (host:port): `http://`, or with TLS `https://` with this
+    /// process's identity and the cluster CA.
+    pub fn endpoint(&self, address: &str) -> Result<Endpoint, tonic::transport::Error> {
+        match &self.tls {
+            None => Endpoint::from_shared(format!("http://{address}")),
+            Some(tls) => {
+                let mut config = tls.config.clone();
+                if let Some(name) = &tls.server_name {
+                    config = config.domain_name(name.clone());
+                }
+                Endpoint::from_shared(format!("https://{address}"))?.tls_config(config)
+            }
+        }
     }
 
     /// Wraps a channel so every call on it carries these credentials.
@@ -101,14 +173,16 @@ impl Credentials {
 
 impl fmt::Debug for Credentials {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let shown = if self.0.is_some() { "secret" } else { "none" };
-        write!(f, "Credentials({shown})")
+        f.debug_struct("Credentials")
+            .field("secret", &self.bearer.is_some())
+            .field("tls", &self.tls.is_some())
+            .finish()
     }
 }
 
 impl Interceptor for Credentials {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(value) = &self.0 {
+        if let Some(value) = &self.bearer {
             request.metadata_mut().insert(HEADER, value.clone());
         }
         Ok(request)

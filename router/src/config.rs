@@ -41,6 +41,9 @@ pub struct RouterConfig {
     /// readable by other users). Every internal gRPC call carries it and calls without it are
     /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
     pub cluster_secret_file: Option<PathBuf>,
+    /// Mutual TLS between the cluster's processes (`[tls]`: `cert_file`, `key_file`,
+    /// `ca_file`, optional `server_name`); unset: plain connections.
+    pub tls: common::internal_tls::TlsSettings,
     /// Requests one API key may have in flight (streams count until they end); beyond it the
     /// router answers 429. 0: no limit.
     pub max_concurrent_per_key: u32,
@@ -114,6 +117,7 @@ impl Default for RouterConfig {
             reasoning_effort_map: Vec::new(),
             api_keys: Vec::new(),
             cluster_secret_file: None,
+            tls: common::internal_tls::TlsSettings::default(),
             max_concurrent_per_key: 0,
             max_model_len: None,
             engine_num_pages: 1024,
@@ -189,7 +193,7 @@ impl ServiceConfig for RouterConfig {
         if self.api_keys.iter().any(String::is_empty) {
             return Err(Invalid::new("api_keys", "keys must not be empty"));
         }
-        common::cluster_auth::load(self.cluster_secret_file.as_deref())?;
+        common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
         check_range(
             "max_concurrent_per_key",
             u64::from(self.max_concurrent_per_key),
@@ -288,6 +292,9 @@ pub struct Cli {
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    #[serde(skip_serializing_if = "common::internal_tls::TlsFlags::is_empty")]
+    pub tls: common::internal_tls::TlsFlags,
     /// Requests one API key may have in flight (0: no limit).
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]

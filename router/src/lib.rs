@@ -72,13 +72,16 @@ impl BoundRouter {
         let (reporter, health) = grpc::health();
         grpc::set_serving(&reporter, &[]).await;
 
-        let secret = common::cluster_auth::load(self.config.cluster_secret_file.as_deref())
-            .map_err(|e| RouterError::Startup(format!("{}: {}", e.key, e.reason)))?;
-        common::cluster_auth::warn_if_open(secret.as_ref(), self.grpc_addr);
+        let security = common::cluster_auth::Security::load(
+            self.config.cluster_secret_file.as_deref(),
+            &self.config.tls,
+        )
+        .map_err(|e| RouterError::Startup(format!("{}: {}", e.key, e.reason)))?;
+        common::cluster_auth::warn_if_open(&security, self.grpc_addr);
         let workers = workers::Workers::new(
             &self.config.prefill_workers,
             &self.config.decode_workers,
-            &proto::auth::Credentials::new(secret.as_ref()),
+            &security.credentials(),
         )
         .map_err(RouterError::Startup)?;
         let state = Arc::new(http::AppState::new(&self.config, Arc::clone(&workers)));
@@ -121,7 +124,7 @@ impl BoundRouter {
         let grpc_server = grpc::serve(
             self.grpc,
             Routes::new(health).add_service(RegistryServer::new(workers::RegistryService(workers))),
-            secret,
+            &security,
             async move {
                 let _ = grpc_stop.wait_for(|stop| *stop).await;
                 grpc::set_not_serving(&reporter, &[]).await;

@@ -18,7 +18,7 @@ use proto::v1::{
 };
 use serde::Serialize;
 use tokio::sync::watch;
-use tonic::{Request, Response, Status, transport::Endpoint};
+use tonic::{Request, Response, Status};
 
 use crate::{backend::BackendError, config::Policy};
 
@@ -67,7 +67,8 @@ impl Worker {
         dynamic: bool,
         credentials: &Credentials,
     ) -> Result<Arc<Self>, String> {
-        let channel = Endpoint::from_shared(format!("http://{address}"))
+        let channel = credentials
+            .endpoint(address)
             .map(|e| credentials.channel(e.connect_timeout(POLL_TIMEOUT).connect_lazy()))
             .map_err(|e| format!("worker address {address}: {e}"))?;
         Ok(Arc::new(Self {
