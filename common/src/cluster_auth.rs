@@ -21,8 +21,10 @@ use crate::config::Invalid;
 /// Configuration key of the secret file, the same in every role.
 pub const KEY: &str = "cluster_secret_file";
 
-/// Reads and checks the secret file: one line of 32 to 1024 visible ASCII characters (a
-/// trailing newline is ignored); the file must not be readable by other users.
+/// Reads and checks the secret file: one secret per line, each 32 to 1024 visible ASCII
+/// characters; the first is presented, all are accepted (a rotation adds the new secret as a
+/// second line everywhere, then moves it first, then drops the old one). The file must not be
+/// readable by other users.
 pub fn read_secret(path: &Path) -> Result<ClusterSecret, Invalid> {
     let invalid = |reason: String| Invalid::new(KEY, format!("{}: {reason}", path.display()));
     let metadata = std::fs::metadata(path).map_err(|e| invalid(e.to_string()))?;
@@ -41,9 +43,7 @@ pub fn read_secret(path: &Path) -> Result<ClusterSecret, Invalid> {
         }
     }
     let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
-    let line = text.strip_suffix('\n').unwrap_or(&text);
-    let line = line.strip_suffix('\r').unwrap_or(line);
-    ClusterSecret::new(line).map_err(invalid)
+    ClusterSecret::from_lines(&text).map_err(invalid)
 }
 
 /// The secret a process uses, if `cluster_secret_file` is set.
@@ -208,8 +208,15 @@ mod tests {
                 .reason
                 .contains("3 characters")
         );
-        let two_lines = write(dir.path(), "two", &format!("{secret}\n{secret}\n"), 0o600);
-        assert!(read_secret(&two_lines).is_err());
+        let spaced = write(dir.path(), "spaced", &format!("{secret} {secret}\n"), 0o600);
+        assert!(read_secret(&spaced).is_err());
+        let empty = write(dir.path(), "empty", "\n", 0o600);
+        assert!(
+            read_secret(&empty)
+                .unwrap_err()
+                .reason
+                .contains("no secret")
+        );
         assert!(read_secret(&dir.path().join("missing")).is_err());
         assert!(read_secret(dir.path()).is_err());
     }

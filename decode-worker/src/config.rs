@@ -37,9 +37,10 @@ pub struct DecodeConfig {
     /// `nccl` feature). A pair uses the first transport of the
     /// prefill worker's list that the decode worker also offers.
     pub transports: Vec<String>,
-    /// File holding the cluster's shared secret (one line, 32+ visible characters, not
-    /// readable by other users). Every internal gRPC call carries it and calls without it are
-    /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
+    /// File holding the cluster's shared secret (a line of 32+ visible characters, not
+    /// readable by other users; further lines are secrets also accepted, for rotation). Every
+    /// internal gRPC call carries it and calls without it are refused; all roles of a cluster
+    /// must name the same secret. Unset: no authentication.
     pub cluster_secret_file: Option<PathBuf>,
     /// Mutual TLS between the cluster's processes (`[tls]`: `cert_file`, `key_file`,
     /// `ca_file`, optional `server_name`); unset: plain connections.

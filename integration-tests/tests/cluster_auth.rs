@@ -247,3 +247,73 @@ fn unsafe_or_malformed_secret_files_stop_every_role_at_start() {
         }
     }
 }
+
+/// Midway through a rotation the processes present different secrets but accept both (one per
+/// line, the first presented): router -> workers and prefill -> decode calls all pass.
+#[test]
+fn processes_midway_through_a_secret_rotation_still_talk() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_first = secret_file(
+        dir.path(),
+        "old-first",
+        &format!("{SECRET}\n{OTHER}"),
+        0o600,
+    );
+    let new_first = secret_file(
+        dir.path(),
+        "new-first",
+        &format!("{OTHER}\n{SECRET}"),
+        0o600,
+    );
+    let decode = pd::worker(
+        "pdserve-decode",
+        &[
+            "--page-size",
+            "16",
+            "--transport",
+            "tcp",
+            "--cluster-secret-file",
+            &old_first,
+        ],
+    );
+    let prefill = pd::worker(
+        "pdserve-prefill",
+        &[
+            "--page-size",
+            "16",
+            "--transport",
+            "tcp",
+            "--cluster-secret-file",
+            &new_first,
+        ],
+    );
+    let model = pd::model_arg();
+    let (d, p) = (
+        decode.addr("grpc").to_string(),
+        prefill.addr("grpc").to_string(),
+    );
+    let router = integration_tests::start_router(
+        &[
+            "--model-dir",
+            &model,
+            "--decode-worker",
+            &d,
+            "--prefill-worker",
+            &p,
+            "--cluster-secret-file",
+            &new_first,
+        ],
+        true,
+    );
+    let http = router.addr("http");
+    for seed in 0..2 {
+        let r = pd::post(http, "/v1/chat/completions", &pd::chat(25, seed, 0.0, 5));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // A client presenting only the old secret is still accepted by both workers.
+    let rt = runtime();
+    for addr in [decode.addr("grpc"), prefill.addr("grpc")] {
+        let codes = rt.block_on(probe(addr, &credentials(Some(SECRET)), &["Worker"]));
+        assert_eq!(codes[0].1, Code::Ok, "{addr}");
+    }
+}

@@ -41,9 +41,10 @@ pub struct PrefillConfig {
     /// after the forward passes (false: the baseline `pdctl bench-transfer` compares against;
     /// the transfer then adds its whole time to the first token).
     pub stream_state: bool,
-    /// File holding the cluster's shared secret (one line, 32+ visible characters, not
-    /// readable by other users). Every internal gRPC call carries it and calls without it are
-    /// refused; all roles of a cluster must name the same secret. Unset: no authentication.
+    /// File holding the cluster's shared secret (a line of 32+ visible characters, not
+    /// readable by other users; further lines are secrets also accepted, for rotation). Every
+    /// internal gRPC call carries it and calls without it are refused; all roles of a cluster
+    /// must name the same secret. Unset: no authentication.
     pub cluster_secret_file: Option<PathBuf>,
     /// Mutual TLS between the cluster's processes (`[tls]`: `cert_file`, `key_file`,
     /// `ca_file`, optional `server_name`); unset: plain connections.

@@ -29,50 +29,84 @@ pub const MIN_SECRET_CHARS: usize = 32;
 /// Longest secret accepted (it travels as a header on every call).
 pub const MAX_SECRET_CHARS: usize = 1024;
 
-/// The cluster's shared secret. Its `Debug` form never shows the value.
+/// The cluster's shared secret: the one this process presents, and any further ones it also
+/// accepts (during a rotation, when processes with the old and the new secret must still talk).
+/// Its `Debug` form never shows a value.
 #[derive(Clone, PartialEq, Eq)]
-pub struct ClusterSecret(Arc<str>);
+pub struct ClusterSecret {
+    presented: Arc<str>,
+    also_accepted: Arc<[Arc<str>]>,
+}
 
 impl ClusterSecret {
     /// Checks the secret's shape: `MIN_SECRET_CHARS..=MAX_SECRET_CHARS` visible ASCII
     /// characters (no spaces), so it fits a header unchanged.
     pub fn new(secret: &str) -> Result<Self, String> {
-        let chars = secret.len();
-        if !(MIN_SECRET_CHARS..=MAX_SECRET_CHARS).contains(&chars) {
-            return Err(format!(
-                "the secret has {chars} characters; it must have {MIN_SECRET_CHARS} to \
-                 {MAX_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
-            ));
-        }
-        if let Some(bad) = secret.bytes().position(|b| !b.is_ascii_graphic()) {
-            return Err(format!(
-                "the secret must be visible ASCII characters without spaces; character {} is not",
-                bad + 1
-            ));
-        }
-        Ok(Self(Arc::from(secret)))
+        Ok(Self {
+            presented: checked(secret)?,
+            also_accepted: Arc::from(Vec::new()),
+        })
     }
 
-    /// Whether an `authorization` header value presents this secret. The comparison takes
-    /// the same time wherever the first difference is (it reveals only the length).
+    /// One secret per line: the first is presented, every one is accepted. Blank lines and a
+    /// final newline are ignored.
+    pub fn from_lines(text: &str) -> Result<Self, String> {
+        let mut lines = text
+            .lines()
+            .map(|l| l.strip_suffix('\r').unwrap_or(l))
+            .enumerate()
+            .filter(|(_, l)| !l.is_empty());
+        let (_, first) = lines.next().ok_or("no secret in the file")?;
+        let presented = checked(first).map_err(|e| format!("line 1: {e}"))?;
+        let also_accepted = lines
+            .map(|(i, l)| checked(l).map_err(|e| format!("line {}: {e}", i + 1)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            presented,
+            also_accepted: Arc::from(also_accepted),
+        })
+    }
+
+    /// Whether an `authorization` header value presents one of the accepted secrets. Each
+    /// comparison takes the same time wherever the first difference is (it reveals only
+    /// lengths), and every accepted secret is compared.
     pub fn accepts(&self, header: Option<&[u8]>) -> bool {
         let Some(presented) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else {
             return false;
         };
-        let expected = self.0.as_bytes();
-        presented.len() == expected.len()
-            && presented
-                .iter()
-                .zip(expected)
-                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-                == 0
+        std::iter::once(&self.presented)
+            .chain(self.also_accepted.iter())
+            .fold(false, |found, expected| {
+                found | constant_time_eq(presented, expected.as_bytes())
+            })
     }
 
     fn bearer(&self) -> AsciiMetadataValue {
         // The constructor allows only visible ASCII, which is always a valid header value.
-        MetadataValue::try_from(format!("Bearer {}", self.0))
+        MetadataValue::try_from(format!("Bearer {}", self.presented))
             .unwrap_or_else(|_| MetadataValue::from_static(""))
     }
+}
+
+fn checked(secret: &str) -> Result<Arc<str>, String> {
+    let chars = secret.len();
+    if !(MIN_SECRET_CHARS..=MAX_SECRET_CHARS).contains(&chars) {
+        return Err(format!(
+            "the secret has {chars} characters; it must have {MIN_SECRET_CHARS} to \
+             {MAX_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
+        ));
+    }
+    if let Some(bad) = secret.bytes().position(|b| !b.is_ascii_graphic()) {
+        return Err(format!(
+            "the secret must be visible ASCII characters without spaces; character {} is not",
+            bad + 1
+        ));
+    }
+    Ok(Arc::from(secret))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
 }
 
 impl fmt::Debug for ClusterSecret {
@@ -231,6 +265,31 @@ mod tests {
             assert!(!secret.accepts(Some(wrong.as_bytes())), "{wrong:?}");
         }
         assert!(!secret.accepts(None));
+    }
+
+    #[test]
+    fn several_lines_present_the_first_and_accept_all() {
+        let other = "f".repeat(40);
+        let secret = ClusterSecret::from_lines(&format!("{SECRET}\n\n{other}\r\n")).unwrap();
+        assert!(secret.accepts(Some(format!("Bearer {SECRET}").as_bytes())));
+        assert!(secret.accepts(Some(format!("Bearer {other}").as_bytes())));
+        assert!(!secret.accepts(Some(format!("Bearer {}", "e".repeat(40)).as_bytes())));
+        let header = Credentials::new(Some(&secret))
+            .call(Request::new(()))
+            .unwrap()
+            .metadata()
+            .get(HEADER)
+            .unwrap()
+            .as_bytes()
+            .to_vec();
+        assert_eq!(header, format!("Bearer {SECRET}").into_bytes());
+        assert!(
+            ClusterSecret::from_lines("\n\n")
+                .unwrap_err()
+                .contains("no secret")
+        );
+        let bad = ClusterSecret::from_lines(&format!("{SECRET}\nshort\n")).unwrap_err();
+        assert!(bad.starts_with("line 2:"), "{bad}");
     }
 
     #[test]
