@@ -114,6 +114,17 @@ fn a_tls_cluster_serves_and_refuses_peers_without_its_certificates() {
     assert!(pd::listed(http).iter().all(|w| w["state"] == "ready"));
 
     let decode: SocketAddr = cluster.workers[0].addr("grpc");
+    // Probes: gRPC health needs the cluster's certificate, like every other call.
+    let probe = |tls: &[String]| {
+        let mut cmd = command("pdctl");
+        cmd.args(["health", "--grpc", &decode.to_string()])
+            .args(tls);
+        run_to_exit(cmd, Duration::from_secs(20))
+    };
+    let (status, stdout, stderr) = probe(&tls_args(&good));
+    assert!(status.success(), "{stdout} {stderr}");
+    let (status, ..) = probe(&[]);
+    assert!(!status.success(), "plain health probe answered");
     let secret = ClusterSecret::new(SECRET).unwrap();
     let with_secret = Credentials::new(Some(&secret));
     let client_tls = |p: &Pki| ClientTls::new(&read(&p.cert), &read(&p.key), &read(&p.ca), None);

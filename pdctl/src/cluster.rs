@@ -339,7 +339,7 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
         println!("{:<12} {:>7}  {:<28} health", "process", "pid", "address");
         for proc in &procs {
             let grpc = proc.addr("grpc")?;
-            health::grpc(grpc, "").await?;
+            health::grpc(grpc, "", &proto::auth::Credentials::none()).await?;
             let pid = proc.child.id().unwrap_or(0);
             println!(
                 "{:<12} {pid:>7}  {:<28} ok",

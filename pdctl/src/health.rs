@@ -8,15 +8,21 @@ use crate::{HealthArgs, PdctlError};
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// gRPC health of `service` at `addr`; Ok only when SERVING.
-pub async fn grpc(addr: SocketAddr, service: &str) -> Result<(), PdctlError> {
+/// gRPC health of `service` at `addr` (connecting as `credentials` say: plain or mutual TLS);
+/// Ok only when SERVING.
+pub async fn grpc(
+    addr: SocketAddr,
+    service: &str,
+    credentials: &proto::auth::Credentials,
+) -> Result<(), PdctlError> {
     let what = format!("gRPC {addr} service {service:?}");
     let unhealthy = |reason: String| PdctlError::Unhealthy {
         what: what.clone(),
         reason,
     };
     let check = async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        let channel = credentials
+            .endpoint(&addr.to_string())
             .map_err(|e| unhealthy(e.to_string()))?
             .connect()
             .await
@@ -62,7 +68,17 @@ pub async fn http(addr: SocketAddr) -> Result<(), PdctlError> {
 #[expect(clippy::print_stdout, reason = "CLI output")]
 pub async fn probe(args: &HealthArgs) -> Result<(), PdctlError> {
     if let Some(addr) = args.grpc {
-        grpc(addr, &args.service).await?;
+        let tls = args
+            .tls
+            .settings()
+            .load()
+            .map_err(|e| PdctlError::Unhealthy {
+                what: addr.to_string(),
+                reason: format!("{}: {}", e.key, e.reason),
+            })?;
+        let credentials = proto::auth::Credentials::none()
+            .with_tls(tls.as_ref().map(common::internal_tls::InternalTls::client));
+        grpc(addr, &args.service, &credentials).await?;
         println!("{addr} SERVING");
     } else if let Some(addr) = args.http {
         http(addr).await?;

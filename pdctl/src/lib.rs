@@ -99,6 +99,9 @@ pub struct HealthArgs {
     /// HTTP address (host:port) whose /health to probe.
     #[arg(long, value_name = "ADDR")]
     pub http: Option<SocketAddr>,
+    /// The cluster's TLS files, to probe gRPC health of processes that use mutual TLS.
+    #[command(flatten)]
+    pub tls: common::internal_tls::TlsFlags,
 }
 
 /// Failures of pdctl commands.
