@@ -1,6 +1,7 @@
 //! The DeepSeek-V4 engine: model config and checkpoints, the forward pass, paged request
 //! state, prefix cache, the continuous-batching scheduler with the prefill/decode handoff,
 //! sampling, and a thread runner for async services. Token ids in, token ids out.
+pub mod backend;
 pub mod config;
 pub mod formats;
 pub mod model;

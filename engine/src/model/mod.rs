@@ -13,6 +13,7 @@ use attention::AttentionState;
 use rayon::prelude::*;
 
 use crate::{
+    backend::{Attached, Backend, BackendError, BackendPlan, Op},
     config::ModelConfig,
     rope::Rope,
     tensor::rms_norm,
@@ -26,6 +27,8 @@ pub struct Model {
     pub weights: ModelWeights,
     main_rope: Rope,
     compress_rope: Rope,
+    /// The compute backend for the ops it runs; `None`: everything on the CPU reference.
+    backend: Option<Attached>,
 }
 
 /// Everything a sequence carries from one forward call to the next.
@@ -70,6 +73,9 @@ pub enum ForwardError {
         index: usize,
         vocab: usize,
     },
+    /// The compute backend failed; the step produced nothing.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
 impl Model {
@@ -87,7 +93,28 @@ impl Model {
             weights,
             main_rope,
             compress_rope,
+            backend: None,
         }
+    }
+
+    /// Hands the ops `backend` runs to it. Ops it does not run stay on the CPU reference, which
+    /// is refused unless `hybrid`; the returned plan says where each op runs (log it).
+    pub fn attach_backend(
+        &mut self,
+        backend: std::sync::Arc<dyn Backend>,
+        hybrid: bool,
+    ) -> Result<BackendPlan, BackendError> {
+        let plan = BackendPlan::decide(backend.as_ref(), hybrid)?;
+        self.backend = Some(Attached {
+            backend,
+            plan: plan.clone(),
+        });
+        Ok(plan)
+    }
+
+    /// Where each op runs; `None` when no backend is attached (all on the CPU).
+    pub fn backend_plan(&self) -> Option<&BackendPlan> {
+        self.backend.as_ref().map(|b| &b.plan)
     }
 
     /// A fresh sequence.
@@ -208,7 +235,12 @@ impl Model {
                         (mix, collapsed)
                     })
                     .unzip();
-            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c);
+            let routed = self
+                .backend
+                .as_ref()
+                .filter(|b| b.runs(Op::RoutedExperts))
+                .map(|b| (b, i));
+            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c, routed)?;
             streams
                 .par_iter_mut()
                 .zip(&ffn)

@@ -3,6 +3,7 @@
 //! expert.
 
 use crate::{
+    backend::{Attached, BackendError, ExpertBatch},
     config::ModelConfig,
     tensor::{silu, softplus, top_k},
     weights::{ExpertWeights, MoeWeights},
@@ -93,12 +94,17 @@ pub fn forward(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> Vec<f3
 /// for all the tokens routed to it (the weights of all experts do not fit in cache, so the
 /// token-major order spends its time fetching them). Every token's result is bit-identical to
 /// [`forward`]: the same `expert` call per (token, expert) and the same order of additions.
+///
+/// With a backend that runs the routed experts (`routed`: the backend and this layer's index),
+/// the (token, expert) pairs go to it in one call and only the shared expert and the weighted
+/// sum stay here.
 pub fn forward_many(
     w: &MoeWeights,
     xs: &[Vec<f32>],
     tokens: &[u32],
     c: &ModelConfig,
-) -> Vec<Vec<f32>> {
+    routed: Option<(&Attached, usize)>,
+) -> Result<Vec<Vec<f32>>, BackendError> {
     use rayon::prelude::*;
     let routes: Vec<(Vec<usize>, Vec<f32>)> = w
         .gate
@@ -107,34 +113,57 @@ pub fn forward_many(
         .zip(tokens)
         .map(|(logits, &t)| route_logits(w, logits, t, c))
         .collect();
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); w.experts.len()];
-    for (t, (chosen, _)) in routes.iter().enumerate() {
-        for (slot, &e) in chosen.iter().enumerate() {
-            by_expert[e].push((t, slot));
-        }
-    }
-    let computed: Vec<Vec<(usize, usize, Vec<f32>)>> = by_expert
-        .par_iter()
-        .enumerate()
-        .map(|(e, list)| {
-            let inputs: Vec<&[f32]> = list.iter().map(|&(t, _)| xs[t].as_slice()).collect();
-            let ys = expert_many(&w.experts[e], &inputs, c.swiglu_limit);
-            list.iter()
-                .zip(ys)
-                .map(|(&(t, slot), y)| (t, slot, y))
-                .collect()
-        })
-        .collect();
     let mut per_token: Vec<Vec<Option<Vec<f32>>>> = routes
         .iter()
         .map(|(chosen, _)| vec![None; chosen.len()])
         .collect();
-    for (t, slot, y) in computed.into_iter().flatten() {
-        per_token[t][slot] = Some(y);
+    if let Some((backend, layer)) = routed {
+        let pairs: Vec<(usize, usize)> = routes
+            .iter()
+            .enumerate()
+            .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
+            .collect();
+        let width = xs.first().map_or(0, Vec::len);
+        let ys = backend.routed_experts(
+            ExpertBatch {
+                layer,
+                xs,
+                pairs: &pairs,
+            },
+            width,
+        )?;
+        let mut ys = ys.into_iter();
+        for slots in &mut per_token {
+            for slot in slots.iter_mut() {
+                *slot = ys.next();
+            }
+        }
+    } else {
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); w.experts.len()];
+        for (t, (chosen, _)) in routes.iter().enumerate() {
+            for (slot, &e) in chosen.iter().enumerate() {
+                by_expert[e].push((t, slot));
+            }
+        }
+        let computed: Vec<Vec<(usize, usize, Vec<f32>)>> = by_expert
+            .par_iter()
+            .enumerate()
+            .map(|(e, list)| {
+                let inputs: Vec<&[f32]> = list.iter().map(|&(t, _)| xs[t].as_slice()).collect();
+                let ys = expert_many(&w.experts[e], &inputs, c.swiglu_limit);
+                list.iter()
+                    .zip(ys)
+                    .map(|(&(t, slot), y)| (t, slot, y))
+                    .collect()
+            })
+            .collect();
+        for (t, slot, y) in computed.into_iter().flatten() {
+            per_token[t][slot] = Some(y);
+        }
     }
     let all: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
     let shared = expert_many(&w.shared, &all, c.swiglu_limit);
-    per_token
+    Ok(per_token
         .into_par_iter()
         .zip(routes.par_iter())
         .zip(shared.par_iter())
@@ -152,5 +181,5 @@ pub fn forward_many(
             }
             out
         })
-        .collect()
+        .collect())
 }

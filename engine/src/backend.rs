@@ -1,0 +1,293 @@
+//! The seam between the forward pass and a compute backend. The CPU code in [`crate::model`]
+//! is the reference and computes every op; a backend (the CUDA one lives in the `kernels`
+//! crate) takes over the ops it says it runs. A backend that does not run every op is only
+//! accepted in *hybrid* mode, which the operator asks for explicitly and which the plan makes
+//! visible, so a deployment never runs half on the CPU without knowing it.
+//!
+//! A backend's results are checked where they enter the forward pass (shape, finiteness): a
+//! failing device makes the step fail, and the scheduler turns that into an error for every
+//! request of the batch, never into plausible-looking tokens.
+
+use std::{fmt, sync::Arc};
+
+/// An op of the forward pass a backend may take over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Op {
+    /// Projections, compressors, indexer and attention over the window and compressed rows.
+    Attention,
+    /// The routed experts of every MoE layer.
+    RoutedExperts,
+    /// The shared expert of every MoE layer.
+    SharedExpert,
+    /// Routing gates, hyper-connections, norms.
+    Mixing,
+    /// The output head (vocabulary projection).
+    OutputHead,
+}
+
+impl Op {
+    /// Every op, in forward order.
+    pub const ALL: [Op; 5] = [
+        Op::Attention,
+        Op::Mixing,
+        Op::RoutedExperts,
+        Op::SharedExpert,
+        Op::OutputHead,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Attention => "attention",
+            Op::RoutedExperts => "routed experts",
+            Op::SharedExpert => "shared expert",
+            Op::Mixing => "mixing (gates, hyper-connections, norms)",
+            Op::OutputHead => "output head",
+        }
+    }
+}
+
+/// A failure inside a backend, or a backend that cannot serve this model as configured.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The backend does not run these ops and hybrid mode was not asked for.
+    #[error(
+        "the {backend} backend does not run {ops} on its device; set hybrid = true to run them \
+         on the CPU (slow), or use the cpu backend"
+    )]
+    Incomplete { backend: String, ops: String },
+    /// The device failed or returned something unusable.
+    #[error("{backend} backend, {op}: {message}")]
+    Failed {
+        backend: String,
+        op: &'static str,
+        message: String,
+    },
+}
+
+/// The routed-expert work of one MoE layer for a batch: pair `p` applies expert
+/// `pairs[p].1` to token row `pairs[p].0` of `xs`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBatch<'a> {
+    pub layer: usize,
+    /// Expert inputs (`hidden_size` each; after `ffn_norm`).
+    pub xs: &'a [Vec<f32>],
+    pub pairs: &'a [(usize, usize)],
+}
+
+/// A compute backend for the ops it claims in [`Backend::runs`].
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// Short name for logs and errors ("cuda").
+    fn name(&self) -> &str;
+
+    /// Whether this backend computes `op` (on this model: e.g. FP4 experts only).
+    fn runs(&self, op: Op) -> bool;
+
+    /// One full SwiGLU expert output (`hidden_size` values) per pair, in pair order.
+    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+        let _ = batch;
+        Err("not implemented".to_owned())
+    }
+}
+
+/// Where each op runs, decided once when a backend is attached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendPlan {
+    pub backend: String,
+    pub on_device: Vec<Op>,
+    /// Ops left on the CPU reference (non-empty only in hybrid mode).
+    pub on_cpu: Vec<Op>,
+}
+
+impl BackendPlan {
+    /// Whether some ops fall back to the CPU.
+    pub fn is_hybrid(&self) -> bool {
+        !self.on_cpu.is_empty()
+    }
+
+    /// Decides the plan for `backend`: every op it runs goes to it; the rest stay on the CPU,
+    /// which is refused unless `hybrid`.
+    pub fn decide(backend: &dyn Backend, hybrid: bool) -> Result<Self, BackendError> {
+        let (on_device, on_cpu): (Vec<Op>, Vec<Op>) =
+            Op::ALL.iter().partition(|&&op| backend.runs(op));
+        if !on_cpu.is_empty() && !hybrid {
+            return Err(BackendError::Incomplete {
+                backend: backend.name().to_owned(),
+                ops: names(&on_cpu),
+            });
+        }
+        Ok(Self {
+            backend: backend.name().to_owned(),
+            on_device,
+            on_cpu,
+        })
+    }
+}
+
+impl fmt::Display for BackendPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} backend runs {}",
+            self.backend,
+            names(&self.on_device)
+        )?;
+        if self.is_hybrid() {
+            write!(f, "; hybrid mode: {} on the CPU", names(&self.on_cpu))?;
+        }
+        Ok(())
+    }
+}
+
+fn names(ops: &[Op]) -> String {
+    if ops.is_empty() {
+        return "nothing".to_owned();
+    }
+    ops.iter()
+        .map(|op| op.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A backend attached to a model with its plan.
+#[derive(Debug, Clone)]
+pub struct Attached {
+    pub backend: Arc<dyn Backend>,
+    pub plan: BackendPlan,
+}
+
+impl Attached {
+    /// Whether the backend runs `op` in this plan.
+    pub fn runs(&self, op: Op) -> bool {
+        self.plan.on_device.contains(&op)
+    }
+
+    /// [`Backend::routed_experts`], with its output checked: one row of `width` finite values
+    /// per pair.
+    pub fn routed_experts(
+        &self,
+        batch: ExpertBatch<'_>,
+        width: usize,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let failed = |message: String| BackendError::Failed {
+            backend: self.plan.backend.clone(),
+            op: Op::RoutedExperts.name(),
+            message,
+        };
+        let out = self.backend.routed_experts(batch).map_err(failed)?;
+        if out.len() != batch.pairs.len() {
+            return Err(failed(format!(
+                "{} outputs for {} pairs",
+                out.len(),
+                batch.pairs.len()
+            )));
+        }
+        for (p, row) in out.iter().enumerate() {
+            if row.len() != width {
+                return Err(failed(format!(
+                    "pair {p}: {} values, not {width}",
+                    row.len()
+                )));
+            }
+            if let Some(i) = row.iter().position(|v| !v.is_finite()) {
+                return Err(failed(format!(
+                    "layer {}, pair {p}: non-finite value at {i}",
+                    batch.layer
+                )));
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Only(Vec<Op>);
+
+    impl Backend for Only {
+        fn name(&self) -> &str {
+            "test"
+        }
+        fn runs(&self, op: Op) -> bool {
+            self.0.contains(&op)
+        }
+    }
+
+    #[test]
+    fn a_partial_backend_needs_hybrid_mode() {
+        let partial = Only(vec![Op::RoutedExperts]);
+        let err = BackendPlan::decide(&partial, false).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("attention"), "{text}");
+        assert!(text.contains("hybrid = true"), "{text}");
+        assert!(!text.contains("routed experts"), "{text}");
+        let plan = BackendPlan::decide(&partial, true).unwrap();
+        assert!(plan.is_hybrid());
+        assert_eq!(plan.on_device, vec![Op::RoutedExperts]);
+        assert_eq!(plan.on_cpu.len(), Op::ALL.len() - 1);
+        let shown = plan.to_string();
+        assert!(
+            shown.starts_with("test backend runs routed experts; hybrid mode:"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn a_complete_backend_is_not_hybrid() {
+        let all = Only(Op::ALL.to_vec());
+        let plan = BackendPlan::decide(&all, false).unwrap();
+        assert!(!plan.is_hybrid());
+        assert!(!plan.to_string().contains("hybrid"));
+    }
+
+    #[derive(Debug)]
+    struct Returns(Vec<Vec<f32>>);
+
+    impl Backend for Returns {
+        fn name(&self) -> &str {
+            "fake"
+        }
+        fn runs(&self, _: Op) -> bool {
+            true
+        }
+        fn routed_experts(&self, _: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+            Ok(self.0.clone())
+        }
+    }
+
+    fn attached(out: Vec<Vec<f32>>) -> Attached {
+        let backend: Arc<dyn Backend> = Arc::new(Returns(out));
+        let plan = BackendPlan::decide(backend.as_ref(), false).unwrap();
+        Attached { backend, plan }
+    }
+
+    #[test]
+    fn unusable_backend_output_is_an_error() {
+        let xs = vec![vec![0.0; 3]];
+        let pairs = [(0, 0), (0, 1)];
+        let batch = ExpertBatch {
+            layer: 2,
+            xs: &xs,
+            pairs: &pairs,
+        };
+        let good = attached(vec![vec![1.0; 3], vec![2.0; 3]]);
+        assert_eq!(good.routed_experts(batch, 3).unwrap().len(), 2);
+        for (bad, what) in [
+            (vec![vec![1.0; 3]], "1 outputs for 2 pairs"),
+            (vec![vec![1.0; 3], vec![1.0; 2]], "pair 1: 2 values"),
+            (
+                vec![vec![1.0; 3], vec![1.0, f32::NAN, 1.0]],
+                "non-finite value at 1",
+            ),
+            (
+                vec![vec![f32::INFINITY; 3], vec![1.0; 3]],
+                "pair 0: non-finite",
+            ),
+        ] {
+            let err = attached(bad).routed_experts(batch, 3).unwrap_err();
+            assert!(err.to_string().contains(what), "{err} lacks {what}");
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The backend seam: a backend computing the routed experts with the reference code gives
+//! bit-identical logits; a backend that fails or returns non-finite values fails the step, and
+//! the scheduler turns that into an error for the request with its pages returned; a backend
+//! that does not run every op is refused unless hybrid mode is asked for.
+#![allow(clippy::unwrap_used, reason = "test code")]
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use engine::{
+    backend::{Backend, BackendError, ExpertBatch, Op},
+    config::ExpertFormat,
+    model::{ForwardError, Logits, Model},
+    sampling::{SamplingParams, StopConditions},
+    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
+    synth::{GenerateOptions, Preset, generate},
+    weights::MoeWeights,
+};
+
+fn load() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 5,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    (dir, model)
+}
+
+/// Routed experts through the reference `moe::expert`, one pair at a time; optionally poisons
+/// one layer's output.
+#[derive(Debug)]
+struct ReferenceExperts {
+    moe: Vec<MoeWeights>,
+    limit: f32,
+    poison_layer: Option<usize>,
+    pairs_seen: AtomicUsize,
+}
+
+impl ReferenceExperts {
+    fn new(model: &Model, poison_layer: Option<usize>) -> Self {
+        Self {
+            moe: model.weights.layers.iter().map(|l| l.moe.clone()).collect(),
+            limit: model.config.swiglu_limit,
+            poison_layer,
+            pairs_seen: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Backend for ReferenceExperts {
+    fn name(&self) -> &str {
+        "reference"
+    }
+
+    fn runs(&self, op: Op) -> bool {
+        op == Op::RoutedExperts
+    }
+
+    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+        self.pairs_seen
+            .fetch_add(batch.pairs.len(), Ordering::Relaxed);
+        let experts = &self.moe[batch.layer].experts;
+        Ok(batch
+            .pairs
+            .iter()
+            .map(|&(t, e)| {
+                let mut y = engine::model::moe::expert(&experts[e], &batch.xs[t], self.limit);
+                if self.poison_layer == Some(batch.layer) {
+                    y[0] = f32::NAN;
+                }
+                y
+            })
+            .collect())
+    }
+}
+
+fn run(model: &Model, prompt: &[u32], decode: &[u32]) -> Result<Vec<Vec<f32>>, ForwardError> {
+    let mut state = model.new_state();
+    let mut out = model.forward(&mut state, prompt, Logits::All)?;
+    for &t in decode {
+        out.extend(model.forward(&mut state, &[t], Logits::Last)?);
+    }
+    Ok(out)
+}
+
+#[test]
+fn reference_experts_backend_gives_identical_logits() {
+    let (_dir, plain) = load();
+    let (_dir2, mut with_backend) = load();
+    let backend = Arc::new(ReferenceExperts::new(&with_backend, None));
+    let plan = with_backend
+        .attach_backend(Arc::clone(&backend) as Arc<dyn Backend>, true)
+        .unwrap();
+    assert!(plan.is_hybrid());
+    assert_eq!(plan.on_device, vec![Op::RoutedExperts]);
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
+    let decode = [17u32, 404, 9];
+    let want = run(&plain, &prompt, &decode).unwrap();
+    let got = run(&with_backend, &prompt, &decode).unwrap();
+    assert_eq!(got.len(), prompt.len() + decode.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert!(g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+    let layers = with_backend.config.num_layers();
+    let k = with_backend.config.experts_per_token;
+    // Every token of every layer went through the backend.
+    assert_eq!(
+        backend.pairs_seen.load(Ordering::Relaxed),
+        layers * k * (prompt.len() + decode.len())
+    );
+}
+
+#[test]
+fn a_partial_backend_is_refused_without_hybrid_mode() {
+    let (_dir, mut model) = load();
+    let backend = Arc::new(ReferenceExperts::new(&model, None));
+    let err = model.attach_backend(backend, false).unwrap_err();
+    assert!(matches!(err, BackendError::Incomplete { .. }), "{err}");
+    assert!(model.backend_plan().is_none());
+}
+
+#[test]
+fn a_failing_backend_fails_the_step_and_the_request() {
+    let (_dir, mut model) = load();
+    let backend = Arc::new(ReferenceExperts::new(&model, Some(1)));
+    model.attach_backend(backend, true).unwrap();
+    let err = run(&model, &[5, 6, 7], &[]).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, ForwardError::Backend(_)), "{text}");
+    assert!(
+        text.contains("layer 1") && text.contains("non-finite"),
+        "{text}"
+    );
+
+    let mut engine = Engine::new(model, EngineConfig::default(), "test").unwrap();
+    let free = engine.store().pages().free_count();
+    engine
+        .add(GenerationRequest {
+            id: 9,
+            prompt: vec![5, 6, 7, 8],
+            sampling: SamplingParams::default(),
+            stop: StopConditions {
+                max_tokens: 4,
+                min_tokens: 0,
+                stop_token_ids: vec![],
+                ignore_eos: true,
+                eos_token_ids: vec![1],
+            },
+        })
+        .unwrap();
+    let events = engine.run_to_completion();
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::Token { .. })),
+        "no token comes out of a failed step: {events:?}"
+    );
+    let failed = events
+        .iter()
+        .find_map(|e| match e {
+            Event::Failed { id: 9, error } => Some(error.clone()),
+            _ => None,
+        })
+        .expect("the request fails");
+    assert!(failed.contains("non-finite"), "{failed}");
+    assert_eq!(engine.store().pages().free_count(), free);
+}
