@@ -207,7 +207,7 @@ mod tests {
     struct Only(Vec<Op>);
 
     impl Backend for Only {
-        fn name(&self) -> &str {
+        fn name(&self) -> &'static str {
             "test"
         }
         fn runs(&self, op: Op) -> bool {
@@ -246,7 +246,7 @@ mod tests {
     struct Returns(Vec<Vec<f32>>);
 
     impl Backend for Returns {
-        fn name(&self) -> &str {
+        fn name(&self) -> &'static str {
             "fake"
         }
         fn runs(&self, _: Op) -> bool {

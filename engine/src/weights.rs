@@ -4,6 +4,7 @@
 //! returned from a partial load.
 
 mod fingerprint;
+pub mod fp4;
 
 pub use fingerprint::fingerprint;
 

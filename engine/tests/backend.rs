@@ -55,7 +55,7 @@ impl ReferenceExperts {
 }
 
 impl Backend for ReferenceExperts {
-    fn name(&self) -> &str {
+    fn name(&self) -> &'static str {
         "reference"
     }
 

@@ -241,6 +241,15 @@ pub fn nvfp4_gemm_w4a4(
     Ok(c)
 }
 
+/// The clamped SwiGLU of an expert (reference of `swiglu_clamp`): `silu(min(g, limit)) *
+/// clamp(u, -limit, limit)` elementwise, exactly the engine's f32 formula.
+pub fn swiglu_clamp(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
+    gate.iter()
+        .zip(up)
+        .map(|(g, u)| engine::tensor::silu(g.min(limit)) * u.clamp(-limit, limit))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,5 +294,16 @@ mod tests {
         let first = mxfp4_gemv(&p0, &s0, &x[cols..], rows, cols).unwrap();
         let second = mxfp4_gemv(&p1, &s1, &x[..cols], rows, cols).unwrap();
         assert_eq!(y, [first, second].concat());
+    }
+
+    #[test]
+    fn swiglu_clamp_clamps_both_inputs() {
+        let limit = 10.0;
+        let got = super::swiglu_clamp(&[0.0, 100.0, -3.0, 2.0], &[1.0, 100.0, -100.0, 0.5], limit);
+        let silu = engine::tensor::silu;
+        assert_eq!(
+            got,
+            vec![0.0, silu(10.0) * 10.0, silu(-3.0) * -10.0, silu(2.0) * 0.5]
+        );
     }
 }

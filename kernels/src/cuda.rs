@@ -5,6 +5,7 @@
 
 mod attention;
 mod fp4;
+mod moe;
 
 use std::sync::Arc;
 
@@ -12,6 +13,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
 pub use fp4::{DeviceExperts, GemvFormat};
+pub use moe::CudaBackend;
 
 use crate::fatbins;
 
@@ -40,6 +42,7 @@ pub struct Gpu {
     gemm_sm120: Arc<CudaModule>,
     attn: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
+    moe_act: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -64,6 +67,7 @@ impl Gpu {
         let gemm_sm120 = load(fatbins::NVFP4_GEMM_SM120)?;
         let attn = load(fatbins::ATTN_DECODE)?;
         let indexer = load(fatbins::INDEXER)?;
+        let moe_act = load(fatbins::MOE_ACT)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -73,6 +77,7 @@ impl Gpu {
             gemm_sm120,
             attn,
             indexer,
+            moe_act,
         }))
     }
 }

@@ -17,12 +17,18 @@
 //!   activations and weights on sm_120 FP4 tensor cores, block-scaled `mma.sync`; a trapping
 //!   stub elsewhere, and the wrapper refuses other architectures).
 //!
-//! Not yet here: the sm_100a `tcgen05` GEMM and the engine's CUDA backend.
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
 //!   with the causal rule; ties to the lower index).
+//! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
+//!
+//! `cuda::CudaBackend` is the engine's CUDA backend: the routed experts of every layer on the
+//! device in their stored FP4 form, run as grouped GEMVs (see `engine::backend`); the other
+//! ops of the forward pass stay on the CPU, so it runs in the engine's explicit hybrid mode.
+//! [`backend::open`] picks the backend a worker's configuration names.
 
+pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -54,6 +60,7 @@ mod tests {
             super::fatbins::NVFP4_GEMM_SM120,
             super::fatbins::ATTN_DECODE,
             super::fatbins::INDEXER,
+            super::fatbins::MOE_ACT,
         ] {
             assert!(fatbin.len() > 16);
             assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());

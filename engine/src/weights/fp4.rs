@@ -1,0 +1,190 @@
+//! The routed experts exactly as stored, for device backends that compute on the FP4 codes
+//! (the CPU reference dequantizes them to f32 at load; a device keeps the 4-bit form). Read
+//! one layer at a time so a backend can upload a layer and drop the host copy.
+
+use std::path::Path;
+
+use super::{Checkpoint, LoadError};
+use crate::{
+    config::{ExpertFormat, ModelConfig},
+    schema::{self, Storage},
+};
+
+/// One projection (`w1`, `w2` or `w3`) of every routed expert of a layer, stacked
+/// `[experts, rows, cols]` in the checkpoint's FP4 format.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp4Stack {
+    /// `ExpertFormat::Nvfp4` or `ExpertFormat::Mxfp4`.
+    pub format: ExpertFormat,
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Two e2m1 codes per byte, low nibble first, `experts * rows * cols / 2` bytes.
+    pub packed: Vec<u8>,
+    /// e4m3 per 16 (NVFP4) or ue8m0 per 32 (MXFP4) values.
+    pub scales: Vec<u8>,
+    /// NVFP4: each expert's global scale (`weight_scale_2`); empty for MXFP4.
+    pub scale_2: Vec<f32>,
+}
+
+/// The routed experts of one layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerFp4Experts {
+    pub layer: usize,
+    /// Gate `[experts, inter, hidden]`.
+    pub w1: Fp4Stack,
+    /// Down `[experts, hidden, inter]`.
+    pub w2: Fp4Stack,
+    /// Up `[experts, inter, hidden]`.
+    pub w3: Fp4Stack,
+}
+
+/// Calls `each` with every layer's routed experts in their stored FP4 form, in layer order.
+/// `Ok(false)` without calling it when the checkpoint's experts are not FP4.
+pub fn for_each_fp4_layer(
+    dir: &Path,
+    config: &ModelConfig,
+    each: &mut dyn FnMut(LayerFp4Experts) -> Result<(), String>,
+) -> Result<bool, LoadError> {
+    let format = config.expert_format;
+    if !matches!(format, ExpertFormat::Nvfp4 | ExpertFormat::Mxfp4) {
+        return Ok(false);
+    }
+    let checkpoint = Checkpoint::open(dir)?;
+    let specs: std::collections::BTreeMap<String, schema::TensorSpec> = schema::tensors(config)
+        .into_iter()
+        .map(|s| (s.name.clone(), s))
+        .collect();
+    let (d, inter, e) = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.n_routed_experts,
+    );
+    for layer in 0..config.num_layers() {
+        let stack = |w: &str, rows: usize, cols: usize| -> Result<Fp4Stack, LoadError> {
+            let mut out = Fp4Stack {
+                format,
+                experts: e,
+                rows,
+                cols,
+                packed: Vec::with_capacity(e * rows * cols / 2),
+                scales: Vec::new(),
+                scale_2: Vec::new(),
+            };
+            for x in 0..e {
+                let name = format!("{}ffn.experts.{x}.{w}", schema::layer(layer));
+                let spec = specs
+                    .get(&name)
+                    .ok_or_else(|| LoadError::Missing(name.clone()))?;
+                if spec.storage != Storage::Expert(format) || spec.shape != [rows, cols] {
+                    return Err(LoadError::Missing(format!(
+                        "{name} as {format:?} {rows}x{cols}"
+                    )));
+                }
+                let parts = schema::files_of(spec);
+                let views = parts
+                    .iter()
+                    .map(|(n, shape, dtypes)| checkpoint.checked(n, shape, dtypes))
+                    .collect::<Result<Vec<_>, _>>()?;
+                out.packed.extend_from_slice(views[0].data);
+                out.scales.extend_from_slice(views[1].data);
+                if format == ExpertFormat::Nvfp4 {
+                    let scale_2 = super::scalar_f32(&views[2])
+                        .filter(|s| s.is_finite())
+                        .ok_or_else(|| LoadError::Decode {
+                            name: parts[2].0.clone(),
+                            message: "bad weight_scale_2".into(),
+                        })?;
+                    out.scale_2.push(scale_2);
+                }
+            }
+            Ok(out)
+        };
+        let experts = LayerFp4Experts {
+            layer,
+            w1: stack("w1", inter, d)?,
+            w2: stack("w2", d, inter)?,
+            w3: stack("w3", inter, d)?,
+        };
+        each(experts).map_err(|message| LoadError::Decode {
+            name: format!("{}ffn.experts", schema::layer(layer)),
+            message,
+        })?;
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{GenerateOptions, Preset, generate};
+
+    /// The stored codes decode to exactly the f32 weights the CPU reference loaded.
+    #[test]
+    fn stored_experts_match_the_loaded_weights() {
+        for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+            let dir = tempfile::tempdir().unwrap();
+            generate(&GenerateOptions {
+                preset: Preset::Tiny,
+                seed: 3,
+                experts: format,
+                out: dir.path().to_path_buf(),
+                tokenizer_dir: None,
+            })
+            .unwrap();
+            let model = crate::model::Model::load(dir.path()).unwrap();
+            let mut layers = 0;
+            let fp4 = for_each_fp4_layer(dir.path(), &model.config, &mut |l| {
+                let experts = &model.weights.layers[l.layer].moe.experts;
+                for (stack, pick) in [(&l.w1, 0usize), (&l.w2, 1), (&l.w3, 2)] {
+                    let per = stack.rows * stack.cols;
+                    let block = if format == ExpertFormat::Nvfp4 {
+                        16
+                    } else {
+                        32
+                    };
+                    for (x, expert) in experts.iter().enumerate() {
+                        let want = [&expert.w1, &expert.w2, &expert.w3][pick];
+                        let codes = &stack.packed[x * per / 2..(x + 1) * per / 2];
+                        let scales = &stack.scales[x * per / block..(x + 1) * per / block];
+                        let got = match format {
+                            ExpertFormat::Nvfp4 => crate::quant::dequant_nvfp4(
+                                codes,
+                                scales,
+                                stack.scale_2[x],
+                                stack.rows,
+                                stack.cols,
+                            ),
+                            _ => crate::quant::dequant_mxfp4(codes, scales, stack.rows, stack.cols),
+                        }
+                        .map_err(|e| e.to_string())?;
+                        if got != want.data {
+                            return Err(format!("layer {} expert {x} differs", l.layer));
+                        }
+                    }
+                }
+                layers += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert!(fp4);
+            assert_eq!(layers, model.config.num_layers());
+        }
+    }
+
+    #[test]
+    fn non_fp4_experts_are_reported_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 3,
+            experts: ExpertFormat::Bf16,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let config = crate::config::ModelConfig::from_dir(dir.path()).unwrap();
+        let called = for_each_fp4_layer(dir.path(), &config, &mut |_| Err("called".into()));
+        assert!(!called.unwrap());
+    }
+}

@@ -1,0 +1,95 @@
+//! Choosing a worker's compute backend from its configuration (`backend = "cpu" | "cuda"`).
+//! The CPU backend is the engine's reference code; the CUDA backend exists only in builds with
+//! the `cuda` feature, and asking for it elsewhere, or on a machine without a device, is an
+//! error at start rather than a silent fall back to the CPU.
+
+use std::{path::Path, sync::Arc};
+
+use engine::{backend::Backend, config::ModelConfig};
+
+/// A compute backend a worker can be configured with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Everything on the CPU reference.
+    Cpu,
+    /// The CUDA backend (routed experts on the GPU; the rest needs hybrid mode).
+    Cuda,
+}
+
+impl BackendKind {
+    /// Parses a configuration value.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda),
+            other => Err(format!("unknown backend {other:?} (expected cpu or cuda)")),
+        }
+    }
+
+    /// Whether this build can run the backend at all.
+    pub fn built_in(self) -> bool {
+        match self {
+            Self::Cpu => true,
+            Self::Cuda => cfg!(feature = "cuda"),
+        }
+    }
+}
+
+/// Opens the backend for the checkpoint at `dir`: `Ok(None)` for the CPU (nothing to attach).
+pub fn open(
+    kind: BackendKind,
+    dir: &Path,
+    config: &ModelConfig,
+) -> Result<Option<Arc<dyn Backend>>, String> {
+    match kind {
+        BackendKind::Cpu => Ok(None),
+        BackendKind::Cuda => open_cuda(dir, config),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(dir: &Path, config: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, String> {
+    match crate::cuda::CudaBackend::load(dir, config) {
+        Ok(Some(backend)) => Ok(Some(Arc::new(backend))),
+        Ok(None) => Err("backend = cuda, but no CUDA driver or device is present".to_owned()),
+        Err(e) => Err(format!("backend = cuda: {e}")),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, String> {
+    Err(
+        "backend = cuda, but this binary was built without the CUDA backend (cargo feature \
+         `cuda`)"
+            .to_owned(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_known_backends_only() {
+        assert_eq!(BackendKind::parse("cpu"), Ok(BackendKind::Cpu));
+        assert_eq!(BackendKind::parse("cuda"), Ok(BackendKind::Cuda));
+        let err = BackendKind::parse("CUDA").unwrap_err();
+        assert!(err.contains("expected cpu or cuda"), "{err}");
+        assert!(BackendKind::Cpu.built_in());
+        assert_eq!(BackendKind::Cuda.built_in(), cfg!(feature = "cuda"));
+    }
+
+    /// Without the feature, or without a device, asking for CUDA is an error, never the CPU.
+    #[test]
+    fn cuda_without_a_device_is_an_error() {
+        let config = engine::synth::Preset::Tiny.config(engine::config::ExpertFormat::Nvfp4);
+        let dir = std::env::temp_dir();
+        #[cfg(feature = "cuda")]
+        if matches!(crate::cuda::Gpu::open(), Ok(Some(_))) {
+            return;
+        }
+        let err = open(BackendKind::Cuda, &dir, &config).unwrap_err();
+        assert!(err.starts_with("backend = cuda"), "{err}");
+        assert!(open(BackendKind::Cpu, &dir, &config).unwrap().is_none());
+    }
+}

@@ -1,0 +1,128 @@
+//! The engine's CUDA backend against the CPU reference: the clamped SwiGLU kernel element by
+//! element (bound: 4e-6 relative, expf against the host's exp), and whole-model logits with the
+//! routed experts on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints
+//! (bound: 2e-3 of the largest |logit| per position; the only difference is the order of f32
+//! additions inside the expert GEMVs). Skips without a GPU.
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
+
+use std::sync::Arc;
+
+use engine::{
+    backend::Op,
+    config::ExpertFormat,
+    model::{Logits, Model},
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+use kernels::{
+    cpu,
+    cuda::{CudaBackend, Gpu, KernelError},
+};
+
+#[test]
+fn gpu_swiglu_matches_reference() {
+    let Some(gpu) = Gpu::open().unwrap() else {
+        eprintln!("skipping gpu_swiglu_matches_reference: no CUDA driver or device");
+        return;
+    };
+    let mut rng = Rng::for_tensor(8, "swiglu");
+    // Empty, odd, and more values than one pass of the grid (grid-stride loop).
+    for n in [0usize, 1, 1001, 65_535 * 256 + 1001] {
+        let gate: Vec<f32> = (0..n).map(|_| rng.normal() * 8.0).collect();
+        let up: Vec<f32> = (0..n).map(|_| rng.normal() * 8.0).collect();
+        let limit = 7.0;
+        let want = cpu::swiglu_clamp(&gate, &up, limit);
+        let got = gpu.swiglu_clamp(&gate, &up, limit).unwrap();
+        assert_eq!(got.len(), n);
+        let mut worst = 0.0f32;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = (g - w).abs();
+            assert!(
+                err <= 4e-6 * w.abs() + 1e-30,
+                "n {n} at {i}: gpu {g} ref {w}"
+            );
+            worst = worst.max(err / w.abs().max(f32::MIN_POSITIVE));
+        }
+        eprintln!("swiglu n={n}: worst relative error {worst:.2e}");
+    }
+}
+
+fn checkpoint(format: ExpertFormat) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 21,
+        experts: format,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    dir
+}
+
+fn logits(model: &Model, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
+    let mut state = model.new_state();
+    let mut out = model.forward(&mut state, prompt, Logits::All).unwrap();
+    for &t in decode {
+        out.extend(model.forward(&mut state, &[t], Logits::Last).unwrap());
+    }
+    out
+}
+
+#[test]
+fn gpu_backend_logits_match_the_cpu_engine() {
+    if Gpu::open().unwrap().is_none() {
+        eprintln!("skipping gpu_backend_logits_match_the_cpu_engine: no CUDA driver or device");
+        return;
+    }
+    for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+        let dir = checkpoint(format);
+        let reference = Model::load(dir.path()).unwrap();
+        let mut on_gpu = Model::load(dir.path()).unwrap();
+        let backend = CudaBackend::load(dir.path(), &on_gpu.config)
+            .unwrap()
+            .unwrap();
+        eprintln!(
+            "{format:?}: {} bytes of experts on the GPU",
+            backend.device_bytes
+        );
+        assert!(on_gpu.attach_backend(Arc::new(backend), false).is_err());
+        let backend = CudaBackend::load(dir.path(), &on_gpu.config)
+            .unwrap()
+            .unwrap();
+        let plan = on_gpu.attach_backend(Arc::new(backend), true).unwrap();
+        assert_eq!(plan.on_device, vec![Op::RoutedExperts]);
+        eprintln!("{plan}");
+        let prompt: Vec<u32> = (0..45).map(|i| (i * 7919 + 11) % 1000).collect();
+        let decode = [3u32, 999, 42, 7];
+        let want = logits(&reference, &prompt, &decode);
+        let got = logits(&on_gpu, &prompt, &decode);
+        assert_eq!(got.len(), want.len());
+        let mut worst = 0.0f32;
+        for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let err = g
+                .iter()
+                .zip(w)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                err <= 2e-3 * scale,
+                "{format:?} position {p}: max |gpu - cpu| {err} with max |logit| {scale}"
+            );
+            worst = worst.max(err / scale);
+        }
+        eprintln!("{format:?}: worst logit error {worst:.2e} of the largest |logit|");
+    }
+}
+
+#[test]
+fn gpu_backend_refuses_non_fp4_experts() {
+    if Gpu::open().unwrap().is_none() {
+        eprintln!("skipping gpu_backend_refuses_non_fp4_experts: no CUDA driver or device");
+        return;
+    }
+    let dir = checkpoint(ExpertFormat::Bf16);
+    let config = engine::config::ModelConfig::from_dir(dir.path()).unwrap();
+    let err = CudaBackend::load(dir.path(), &config).unwrap_err();
+    assert!(matches!(err, KernelError::Unsupported(_)), "{err}");
+}
