@@ -37,6 +37,13 @@ pub struct DecodeConfig {
     /// `nccl` feature). A pair uses the first transport of the
     /// prefill worker's list that the decode worker also offers.
     pub transports: Vec<String>,
+    /// Compute backend: `cpu` (the reference forward pass) or `cuda` (builds with the `cuda`
+    /// feature; the routed experts on the GPU in their FP4 form). A backend that does not run
+    /// every op of the forward pass on its device refuses to start unless `hybrid` is set.
+    pub backend: String,
+    /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
+    /// partial backend is an error, so a slow half-CPU deployment is always a choice.
+    pub hybrid: bool,
     /// File holding the cluster's shared secret (a line of 32+ visible characters, not
     /// readable by other users; further lines are secrets also accepted, for rotation). Every
     /// internal gRPC call carries it and calls without it are refused; all roles of a cluster
@@ -60,6 +67,8 @@ impl Default for DecodeConfig {
             max_batch_tokens: 512,
             router: None,
             transports: vec!["ucx".to_owned(), "tcp".to_owned()],
+            backend: "cpu".to_owned(),
+            hybrid: false,
             cluster_secret_file: None,
             tls: common::internal_tls::TlsSettings::default(),
         }
@@ -93,6 +102,14 @@ impl ServiceConfig for DecodeConfig {
         )?;
         kv_transfer::handshake::parse_transports(&self.transports)
             .map_err(|e| Invalid::new("transports", e))?;
+        let backend = kernels::backend::BackendKind::parse(&self.backend)
+            .map_err(|e| Invalid::new("backend", e))?;
+        if !backend.built_in() {
+            return Err(Invalid::new(
+                "backend",
+                "this binary was built without the CUDA backend (cargo feature `cuda`)",
+            ));
+        }
         common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
         if let Some(router) = &self.router {
             common::config::check_host_port("router", router)?;
@@ -149,6 +166,14 @@ pub struct Cli {
     #[arg(long = "transport", value_name = "NAME")]
     #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
     pub transports: Vec<String>,
+    /// Compute backend: cpu or cuda.
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Let ops the backend does not run fall back to the CPU.
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<bool>,
     /// File holding the cluster's shared secret (all roles must use the same).
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -139,17 +139,46 @@ pub struct LoadedEngine {
     pub eos_token_ids: Vec<u32>,
     pub vocab_size: usize,
     pub fingerprint: String,
+    /// Where the forward pass's ops run; `None`: all on the CPU reference.
+    pub backend_plan: Option<crate::backend::BackendPlan>,
 }
 
 /// Loads the checkpoint at `dir`, computes its fingerprint, builds the engine and starts its
-/// thread.
+/// thread (all on the CPU reference).
 pub fn start_from_dir(
     dir: &std::path::Path,
     config: crate::scheduler::EngineConfig,
     thread_name: &str,
 ) -> Result<LoadedEngine, String> {
+    start_with_backend(dir, config, thread_name, &|_, _| Ok(None), false)
+}
+
+/// Opens a compute backend for a loaded model (`None`: the CPU reference only).
+pub type OpenBackend<'a> =
+    &'a dyn Fn(
+        &std::path::Path,
+        &crate::config::ModelConfig,
+    ) -> Result<Option<std::sync::Arc<dyn crate::backend::Backend>>, String>;
+
+/// [`start_from_dir`] with the backend `open` returns attached to the model; a backend that
+/// does not run every op is refused unless `hybrid` (see `engine::backend`).
+pub fn start_with_backend(
+    dir: &std::path::Path,
+    config: crate::scheduler::EngineConfig,
+    thread_name: &str,
+    open: OpenBackend<'_>,
+    hybrid: bool,
+) -> Result<LoadedEngine, String> {
     let fingerprint = crate::weights::fingerprint(dir).map_err(|e| e.to_string())?;
-    let model = crate::model::Model::load(dir).map_err(|e| e.to_string())?;
+    let mut model = crate::model::Model::load(dir).map_err(|e| e.to_string())?;
+    let backend_plan = match open(dir, &model.config)? {
+        Some(backend) => Some(
+            model
+                .attach_backend(backend, hybrid)
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
     let eos_token_ids = model.config.eos_token_ids.clone();
     let vocab_size = model.config.vocab_size;
     let engine = Engine::new(model, config, &fingerprint).map_err(|e| e.to_string())?;
@@ -161,6 +190,7 @@ pub fn start_from_dir(
         eos_token_ids,
         vocab_size,
         fingerprint,
+        backend_plan,
     })
 }
 

@@ -176,6 +176,28 @@ fn invalid_value_is_refused() {
     assert!(err.contains("`prefill_workers`"), "{err}");
 }
 
+/// The compute backend is checked at start: an unknown name, or `cuda` in a binary built
+/// without it, is refused naming the key; it never silently runs on the CPU instead.
+#[test]
+fn compute_backend_is_checked_at_start() {
+    let mut cmd = command("pdserve-decode");
+    cmd.args(["--backend", "gpu"]);
+    let err = refused(cmd);
+    assert!(
+        err.contains("`backend`") && err.contains("expected cpu or cuda"),
+        "{err}"
+    );
+    for role in ["pdserve-prefill", "pdserve-decode"] {
+        let mut cmd = command(role);
+        cmd.env("PDSERVE_BACKEND", "cuda");
+        let err = refused(cmd);
+        assert!(
+            err.contains("`backend`") && err.contains("built without the CUDA backend"),
+            "{role}: {err}"
+        );
+    }
+}
+
 #[test]
 fn port_in_use_is_refused_naming_key() {
     let taken = std::net::TcpListener::bind(EPHEMERAL).unwrap();

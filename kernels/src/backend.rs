@@ -65,6 +65,25 @@ fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, Stri
     )
 }
 
+/// Loads the checkpoint at `dir` into an engine thread with the backend `backend` names
+/// (`"cpu"` or `"cuda"`), `hybrid` letting ops the backend does not run stay on the CPU.
+pub fn start_engine(
+    dir: &Path,
+    config: engine::scheduler::EngineConfig,
+    thread_name: &str,
+    backend: &str,
+    hybrid: bool,
+) -> Result<engine::runner::LoadedEngine, String> {
+    let kind = BackendKind::parse(backend)?;
+    engine::runner::start_with_backend(
+        dir,
+        config,
+        thread_name,
+        &|dir, model| open(kind, dir, model),
+        hybrid,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

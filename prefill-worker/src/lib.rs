@@ -57,8 +57,15 @@ pub async fn run(
             .run_until_signal("prefill", |routes| routes, &[], signal)
             .await;
     };
-    let loaded = engine::runner::start_from_dir(dir, engine_config(&config), "pdserve-prefill")
-        .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
+    let loaded = kernels::backend::start_engine(
+        dir,
+        engine_config(&config),
+        "pdserve-prefill",
+        &config.backend,
+        config.hybrid,
+    )
+    .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
+    log_backend_plan(loaded.backend_plan.as_ref());
     // Only a worker with a model joins a router: it is the only kind that serves requests.
     let server = server.register_with(config.router.clone());
     let info = server.handle().snapshot().await;
@@ -98,4 +105,13 @@ pub async fn run(
         .await;
     worker.stop_transports();
     served
+}
+
+/// Says where the forward pass runs; a hybrid plan is a warning (part of it on the CPU).
+fn log_backend_plan(plan: Option<&engine::backend::BackendPlan>) {
+    match plan {
+        None => tracing::info!("compute backend: cpu (reference forward pass)"),
+        Some(plan) if plan.is_hybrid() => tracing::warn!(%plan, "compute backend in hybrid mode"),
+        Some(plan) => tracing::info!(%plan, "compute backend"),
+    }
 }
