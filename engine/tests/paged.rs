@@ -203,3 +203,68 @@ fn prefix_cache_hit_equals_miss_bit_exact() {
     assert_eq!(store.pages().free_count(), store.pages().total());
     assert_eq!(store.slots().free_count(), store.slots().total());
 }
+
+/// The pool offsets a device kernel is given point at exactly the rows the CPU path gathers:
+/// the window's last rows and every closed compressed row, for every layer; rows that are not
+/// stored yet and compressed rows of a sliding layer are refused.
+#[test]
+fn attention_row_offsets_address_the_gathered_rows() {
+    use engine::config::Attention;
+    let (_dir, model) = model(Preset::Tiny, 8);
+    let c = &model.config;
+    let layout = StateLayout::new(c, 16, KvStorage::F32, "t").unwrap();
+    let mut store = PagedStore::new(c, layout, 64, 1);
+    let mut seq = store.open().unwrap();
+    let prompt = tokens(150, 2);
+    store.reserve(&mut seq, prompt.len()).unwrap();
+    let mut state = store.gather(&seq).unwrap();
+    model.forward(&mut state, &prompt, Logits::None).unwrap();
+    store.scatter(&mut seq, &state).unwrap();
+    let gathered = store.gather(&seq).unwrap();
+    let bytes = |offset: u64| {
+        let page_bytes = store.layout.page_bytes as u64;
+        let page = store.pages().page((offset / page_bytes) as u32).unwrap();
+        let at = (offset % page_bytes) as usize;
+        engine::paged::codec::decode(
+            engine::paged::layout::RowFormat::F32,
+            &page[at..at + 4 * c.head_dim],
+            c.head_dim,
+        )
+    };
+    let mut compressed_layers = 0;
+    for (l, spec) in c.layers.iter().enumerate() {
+        let first = (seq.len + 1).saturating_sub(c.sliding_window);
+        let closed: Vec<usize> = match spec.attention {
+            Attention::Sliding => Vec::new(),
+            a => (0..seq.len / a.ratio()).collect(),
+        };
+        let offsets = store
+            .attention_row_offsets(&seq, l, first, &closed)
+            .unwrap();
+        let mut want = gathered.layers[l].window.clone();
+        if let Some(comp) = &gathered.layers[l].compressor {
+            want.extend_from_slice(&comp.rows);
+            compressed_layers += 1;
+        }
+        let got: Vec<f32> = offsets.iter().flat_map(|&o| bytes(o)).collect();
+        assert_eq!(got.len(), want.len(), "layer {l}");
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+        if let Some(&last) = closed.last() {
+            let err = store
+                .attention_row_offsets(&seq, l, first, &[last + 1])
+                .unwrap_err();
+            assert!(err.contains("not closed"), "{err}");
+        } else {
+            let err = store
+                .attention_row_offsets(&seq, l, first, &[0])
+                .unwrap_err();
+            assert!(err.contains("no compressed rows"), "{err}");
+        }
+    }
+    assert!(compressed_layers > 0);
+    store.release(seq).unwrap();
+}

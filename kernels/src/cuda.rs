@@ -6,6 +6,7 @@
 mod attention;
 mod fp4;
 mod moe;
+mod pages;
 
 use std::sync::Arc;
 
@@ -14,6 +15,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
 pub use fp4::{DeviceExperts, GemvFormat};
 pub use moe::CudaBackend;
+pub use pages::DevicePages;
 
 use crate::fatbins;
 
@@ -59,7 +61,9 @@ impl Gpu {
             return Err(KernelError::NotCompiled);
         }
         let ctx = CudaContext::new(0)?;
-        let stream = ctx.default_stream();
+        // Its own stream, not the legacy default one: work of this Gpu orders only with itself
+        // (state transfers and other libraries use their own streams).
+        let stream = ctx.new_stream()?;
         let load = |bin: &[u8]| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()));
         let nvfp4 = load(fatbins::NVFP4_QUANT)?;
         let gemv = load(fatbins::FP4_GEMV)?;

@@ -286,6 +286,66 @@ impl PagedStore {
         Ok(())
     }
 
+    /// Byte offsets in the page pool (64-bit: a pool may exceed 4 GiB) of the K=V rows decode
+    /// attention over a stored sequence reads in `layer`: its window rows for positions
+    /// `window_from..len`, then its compressed rows `compressed` (indices of compression
+    /// windows: all closed ones for HCA, the indexer's choice for CSA). This is what a device
+    /// kernel reading a mirrored pool is given; the rows must be stored as f32.
+    pub fn attention_row_offsets(
+        &self,
+        seq: &PagedSeq,
+        layer: usize,
+        window_from: usize,
+        compressed: &[usize],
+    ) -> Result<Vec<u64>, String> {
+        let spec = self
+            .config
+            .layers
+            .get(layer)
+            .ok_or_else(|| format!("no layer {layer}"))?;
+        let page_bytes = self.layout.page_bytes as u64;
+        let ps = self.layout.page_size;
+        let at = |region: &Region, page: usize, row: usize| -> Result<u64, String> {
+            if region.format != super::layout::RowFormat::F32 {
+                return Err(format!("layer {layer} {:?} rows are not f32", region.kind));
+            }
+            let id = *seq
+                .pages
+                .get(page)
+                .ok_or_else(|| format!("page {page} of the sequence is not reserved"))?;
+            Ok(u64::from(id) * page_bytes + region.row_range(row).start as u64)
+        };
+        let mut out = Vec::with_capacity(seq.len.saturating_sub(window_from) + compressed.len());
+        let window = self
+            .region(layer, RegionKind::WindowKv)
+            .ok_or_else(|| format!("layer {layer} has no window rows"))?;
+        for pos in window_from..seq.len {
+            out.push(at(window, pos / ps, pos % ps)?);
+        }
+        if !compressed.is_empty() {
+            let kind = match spec.attention {
+                Attention::Csa { .. } => RegionKind::CsaKv,
+                Attention::Hca { .. } => RegionKind::HcaKv,
+                Attention::Sliding => return Err(format!("layer {layer} has no compressed rows")),
+            };
+            let ratio = spec.attention.ratio();
+            let region = self
+                .region(layer, kind)
+                .ok_or_else(|| format!("layer {layer} has no {kind:?} region"))?;
+            for &w in compressed {
+                if (w + 1) * ratio > seq.len {
+                    return Err(format!(
+                        "compressed row {w} of layer {layer} is not closed at length {}",
+                        seq.len
+                    ));
+                }
+                let (page, row) = self.compressed_slot(ratio, w);
+                out.push(at(region, page, row)?);
+            }
+        }
+        Ok(out)
+    }
+
     /// The model state of a stored sequence.
     pub fn gather(&self, seq: &PagedSeq) -> Result<SequenceState, PoolError> {
         let c = &self.config;
