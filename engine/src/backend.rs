@@ -87,6 +87,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         let _ = batch;
         Err("not implemented".to_owned())
     }
+
+    /// The logits (`vocab_size` values) of each final hidden state (after the final norm).
+    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+        let _ = hidden;
+        Err("not implemented".to_owned())
+    }
 }
 
 /// Where each op runs, decided once when a backend is attached.
@@ -168,31 +174,48 @@ impl Attached {
         batch: ExpertBatch<'_>,
         width: usize,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.backend.routed_experts(batch);
+        let context = format!("layer {}, pair", batch.layer);
+        self.checked(Op::RoutedExperts, out, batch.pairs.len(), width, &context)
+    }
+
+    /// [`Backend::output_head`], with its output checked: `vocab` finite logits per state.
+    pub fn output_head(
+        &self,
+        hidden: &[Vec<f32>],
+        vocab: usize,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.backend.output_head(hidden);
+        self.checked(Op::OutputHead, out, hidden.len(), vocab, "position")
+    }
+
+    /// A backend result as the forward pass needs it: `count` rows of `width` finite values.
+    fn checked(
+        &self,
+        op: Op,
+        out: Result<Vec<Vec<f32>>, String>,
+        count: usize,
+        width: usize,
+        item: &str,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
         let failed = |message: String| BackendError::Failed {
             backend: self.plan.backend.clone(),
-            op: Op::RoutedExperts.name(),
+            op: op.name(),
             message,
         };
-        let out = self.backend.routed_experts(batch).map_err(failed)?;
-        if out.len() != batch.pairs.len() {
-            return Err(failed(format!(
-                "{} outputs for {} pairs",
-                out.len(),
-                batch.pairs.len()
-            )));
+        let out = out.map_err(failed)?;
+        if out.len() != count {
+            return Err(failed(format!("{} outputs for {count} inputs", out.len())));
         }
-        for (p, row) in out.iter().enumerate() {
+        for (i, row) in out.iter().enumerate() {
             if row.len() != width {
                 return Err(failed(format!(
-                    "pair {p}: {} values, not {width}",
+                    "{item} {i}: {} values, not {width}",
                     row.len()
                 )));
             }
-            if let Some(i) = row.iter().position(|v| !v.is_finite()) {
-                return Err(failed(format!(
-                    "layer {}, pair {p}: non-finite value at {i}",
-                    batch.layer
-                )));
+            if let Some(at) = row.iter().position(|v| !v.is_finite()) {
+                return Err(failed(format!("{item} {i}: non-finite value at {at}")));
             }
         }
         Ok(out)
@@ -275,15 +298,18 @@ mod tests {
         let good = attached(vec![vec![1.0; 3], vec![2.0; 3]]);
         assert_eq!(good.routed_experts(batch, 3).unwrap().len(), 2);
         for (bad, what) in [
-            (vec![vec![1.0; 3]], "1 outputs for 2 pairs"),
-            (vec![vec![1.0; 3], vec![1.0; 2]], "pair 1: 2 values"),
+            (vec![vec![1.0; 3]], "1 outputs for 2 inputs"),
+            (
+                vec![vec![1.0; 3], vec![1.0; 2]],
+                "layer 2, pair 1: 2 values",
+            ),
             (
                 vec![vec![1.0; 3], vec![1.0, f32::NAN, 1.0]],
                 "non-finite value at 1",
             ),
             (
                 vec![vec![f32::INFINITY; 3], vec![1.0; 3]],
-                "pair 0: non-finite",
+                "layer 2, pair 0: non-finite",
             ),
         ] {
             let err = attached(bad).routed_experts(batch, 3).unwrap_err();

@@ -4,7 +4,7 @@
 //! returned from a partial load.
 
 mod fingerprint;
-pub mod fp4;
+pub mod stored;
 
 pub use fingerprint::fingerprint;
 

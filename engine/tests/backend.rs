@@ -16,6 +16,7 @@ use engine::{
     sampling::{SamplingParams, StopConditions},
     scheduler::{Engine, EngineConfig, Event, GenerationRequest},
     synth::{GenerateOptions, Preset, generate},
+    tensor::Matrix,
     weights::MoeWeights,
 };
 
@@ -33,11 +34,13 @@ fn load() -> (tempfile::TempDir, Model) {
     (dir, model)
 }
 
-/// Routed experts through the reference `moe::expert`, one pair at a time; optionally poisons
-/// one layer's output.
+/// Routed experts through the reference `moe::expert`, one pair at a time, and the output head
+/// through the reference matrix; optionally poisons one layer's expert output.
 #[derive(Debug)]
 struct ReferenceExperts {
     moe: Vec<MoeWeights>,
+    head: Matrix,
+    heads_seen: AtomicUsize,
     limit: f32,
     poison_layer: Option<usize>,
     pairs_seen: AtomicUsize,
@@ -47,6 +50,8 @@ impl ReferenceExperts {
     fn new(model: &Model, poison_layer: Option<usize>) -> Self {
         Self {
             moe: model.weights.layers.iter().map(|l| l.moe.clone()).collect(),
+            head: model.weights.head.clone(),
+            heads_seen: AtomicUsize::new(0),
             limit: model.config.swiglu_limit,
             poison_layer,
             pairs_seen: AtomicUsize::new(0),
@@ -60,7 +65,12 @@ impl Backend for ReferenceExperts {
     }
 
     fn runs(&self, op: Op) -> bool {
-        op == Op::RoutedExperts
+        matches!(op, Op::RoutedExperts | Op::OutputHead)
+    }
+
+    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+        self.heads_seen.fetch_add(hidden.len(), Ordering::Relaxed);
+        Ok(self.head.apply_many(hidden))
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
@@ -99,7 +109,7 @@ fn reference_experts_backend_gives_identical_logits() {
         .attach_backend(Arc::clone(&backend) as Arc<dyn Backend>, true)
         .unwrap();
     assert!(plan.is_hybrid());
-    assert_eq!(plan.on_device, vec![Op::RoutedExperts]);
+    assert_eq!(plan.on_device, vec![Op::RoutedExperts, Op::OutputHead]);
     let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
     let decode = [17u32, 404, 9];
     let want = run(&plain, &prompt, &decode).unwrap();
@@ -114,6 +124,10 @@ fn reference_experts_backend_gives_identical_logits() {
     assert_eq!(
         backend.pairs_seen.load(Ordering::Relaxed),
         layers * k * (prompt.len() + decode.len())
+    );
+    assert_eq!(
+        backend.heads_seen.load(Ordering::Relaxed),
+        prompt.len() + decode.len()
     );
 }
 

@@ -250,6 +250,18 @@ pub fn swiglu_clamp(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
         .collect()
 }
 
+/// `y[v] = W · x[v]` for a bf16 weight `[rows, cols]` (raw bits) and `vectors` f32 inputs
+/// (`x` is `[vectors, cols]`), in f64 (reference of `bf16_gemv_many`); returns `[vectors, rows]`.
+pub fn bf16_gemv(w: &[u16], x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let w = engine::formats::bf16_slice_to_f32(w);
+    if cols == 0 {
+        return Vec::new();
+    }
+    x.chunks_exact(cols)
+        .flat_map(|xv| matvec_f64(&w, xv, rows, cols))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,5 +317,14 @@ mod tests {
             got,
             vec![0.0, silu(10.0) * 10.0, silu(-3.0) * -10.0, silu(2.0) * 0.5]
         );
+    }
+
+    #[test]
+    fn bf16_gemv_is_one_matvec_per_vector() {
+        let f = engine::formats::f32_to_bf16;
+        // W = [[1, 2], [-0.5, 4]], x0 = [1, 1], x1 = [2, -1].
+        let w = [f(1.0), f(2.0), f(-0.5), f(4.0)];
+        let y = super::bf16_gemv(&w, &[1.0, 1.0, 2.0, -1.0], 2, 2);
+        assert_eq!(y, vec![3.0, 3.5, 0.0, -5.0]);
     }
 }

@@ -4,8 +4,9 @@
 //! the `launch_*` methods work on device buffers (benchmarks, the engine).
 
 mod attention;
+mod backend;
+mod dense;
 mod fp4;
-mod moe;
 mod pages;
 
 use std::sync::Arc;
@@ -13,8 +14,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
+pub use backend::CudaBackend;
 pub use fp4::{DeviceExperts, GemvFormat};
-pub use moe::CudaBackend;
 pub use pages::DevicePages;
 
 use crate::fatbins;
@@ -45,6 +46,7 @@ pub struct Gpu {
     attn: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
     moe_act: Arc<CudaModule>,
+    dense: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -72,6 +74,7 @@ impl Gpu {
         let attn = load(fatbins::ATTN_DECODE)?;
         let indexer = load(fatbins::INDEXER)?;
         let moe_act = load(fatbins::MOE_ACT)?;
+        let dense = load(fatbins::DENSE_GEMV)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -82,6 +85,7 @@ impl Gpu {
             attn,
             indexer,
             moe_act,
+            dense,
         }))
     }
 }

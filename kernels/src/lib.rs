@@ -22,10 +22,13 @@
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
 //!   with the causal rule; ties to the lower index).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
+//! - `dense_gemv.cu` `bf16_gemv_many` — [`cpu::bf16_gemv`] (bf16 weight, several vectors: the
+//!   output head).
 //!
 //! `cuda::CudaBackend` is the engine's CUDA backend: the routed experts of every layer on the
-//! device in their stored FP4 form, run as grouped GEMVs (see `engine::backend`); the other
-//! ops of the forward pass stay on the CPU, so it runs in the engine's explicit hybrid mode.
+//! device in their stored FP4 form, run as grouped GEMVs, and the bf16 output head (see
+//! `engine::backend`); the other ops of the forward pass stay on the CPU, so it runs in the
+//! engine's explicit hybrid mode. `cuda::DevicePages` is the device page pool.
 //! [`backend::open`] picks the backend a worker's configuration names.
 
 pub mod backend;
@@ -61,6 +64,7 @@ mod tests {
             super::fatbins::ATTN_DECODE,
             super::fatbins::INDEXER,
             super::fatbins::MOE_ACT,
+            super::fatbins::DENSE_GEMV,
         ] {
             assert!(fatbin.len() > 16);
             assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());

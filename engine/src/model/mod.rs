@@ -268,7 +268,10 @@ impl Model {
                 h
             })
             .collect();
-        let logits = w.head.apply_many(&hidden);
+        let logits = match self.backend.as_ref().filter(|b| b.runs(Op::OutputHead)) {
+            Some(backend) if !hidden.is_empty() => backend.output_head(&hidden, c.vocab_size)?,
+            _ => w.head.apply_many(&hidden),
+        };
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); batch.len()];
         for ((s, _), l) in wanted.into_iter().zip(logits) {
             out[s].push(l);

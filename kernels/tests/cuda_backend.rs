@@ -1,8 +1,9 @@
 //! The engine's CUDA backend against the CPU reference: the clamped SwiGLU kernel element by
-//! element (bound: 4e-6 relative, expf against the host's exp), and whole-model logits with the
-//! routed experts on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints
-//! (bound: 2e-3 of the largest |logit| per position; the only difference is the order of f32
-//! additions inside the expert GEMVs). Skips without a GPU.
+//! element (bound: 4e-6 relative, expf against the host's exp), the bf16 GEMV of the output
+//! head (bound: 1e-5 of sum |w x| per output), and whole-model logits with the routed experts
+//! and the head on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
+//! 2e-3 of the largest |logit| per position; the only difference is the order of f32
+//! additions inside the GEMVs). Skips without a GPU.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -44,6 +45,47 @@ fn gpu_swiglu_matches_reference() {
             worst = worst.max(err / w.abs().max(f32::MIN_POSITIVE));
         }
         eprintln!("swiglu n={n}: worst relative error {worst:.2e}");
+    }
+}
+
+#[test]
+fn gpu_bf16_gemv_matches_reference() {
+    let Some(gpu) = Gpu::open().unwrap() else {
+        eprintln!("skipping gpu_bf16_gemv_matches_reference: no CUDA driver or device");
+        return;
+    };
+    let mut rng = Rng::for_tensor(10, "bf16 gemv");
+    // (rows, cols, vectors): the scalar path (cols % 8 != 0), one vector, many vectors, a
+    // vocabulary-like row count, and empty operands.
+    for (rows, cols, vectors) in [
+        (1usize, 8usize, 1usize),
+        (7, 13, 2),
+        (129, 1024, 1),
+        (1000, 4096, 3),
+        (33_001, 64, 5),
+        (0, 8, 2),
+        (5, 8, 0),
+    ] {
+        let w: Vec<u16> = (0..rows * cols)
+            .map(|_| engine::formats::f32_to_bf16(rng.normal()))
+            .collect();
+        let x: Vec<f32> = (0..vectors * cols).map(|_| rng.normal()).collect();
+        let want = cpu::bf16_gemv(&w, &x, rows, cols);
+        let got = gpu.bf16_gemv(&w, &x, rows, cols).unwrap();
+        assert_eq!(got.len(), rows * vectors);
+        let wf = engine::formats::bf16_slice_to_f32(&w);
+        for v in 0..vectors {
+            for r in 0..rows {
+                let mag: f32 = (0..cols)
+                    .map(|c| (wf[r * cols + c] * x[v * cols + c]).abs())
+                    .sum();
+                let (g, e) = (got[v * rows + r], want[v * rows + r]);
+                assert!(
+                    (g - e).abs() <= 1e-5 * mag + 1e-30,
+                    "{rows}x{cols} vector {v} row {r}: gpu {g} ref {e}"
+                );
+            }
+        }
     }
 }
 
@@ -91,7 +133,7 @@ fn gpu_backend_logits_match_the_cpu_engine() {
             .unwrap()
             .unwrap();
         let plan = on_gpu.attach_backend(Arc::new(backend), true).unwrap();
-        assert_eq!(plan.on_device, vec![Op::RoutedExperts]);
+        assert_eq!(plan.on_device, vec![Op::RoutedExperts, Op::OutputHead]);
         eprintln!("{plan}");
         let prompt: Vec<u32> = (0..45).map(|i| (i * 7919 + 11) % 1000).collect();
         let decode = [3u32, 999, 42, 7];

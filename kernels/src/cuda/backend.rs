@@ -1,82 +1,22 @@
-//! The routed experts on the GPU: the clamped SwiGLU kernel's wrappers and [`CudaBackend`],
-//! the engine backend that keeps every layer's routed experts on the device in their stored
-//! FP4 form and runs a layer's (token, expert) pairs as grouped GEMVs: gate and up, SwiGLU,
-//! down. Everything else of the forward pass stays on the CPU reference (hybrid mode), which
-//! the engine only accepts when the operator asked for it.
+//! [`CudaBackend`], the engine backend on a CUDA device. It keeps every layer's routed experts
+//! on the device in their stored FP4 form and runs a layer's (token, expert) pairs as grouped
+//! GEMVs (gate and up, SwiGLU, down), and the bf16 output head as a GEMV over the final
+//! hidden states. Everything else of the forward pass stays on the CPU reference (hybrid
+//! mode), which the engine only accepts when the operator asked for it.
 
 use std::path::Path;
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use engine::{
     backend::{Backend, ExpertBatch, Op},
     config::{ExpertFormat, ModelConfig},
-    weights::fp4::{Fp4Stack, for_each_fp4_layer},
+    weights::stored::{Fp4Stack, for_each_fp4_layer, stored_bf16},
 };
 
 use super::{DeviceExperts, Gpu, KernelError, non_empty};
 
-/// Threads per block of `swiglu_clamp`.
-const SWIGLU_THREADS: u32 = 256;
 /// Pairs per grouped launch (the kernels' grid y is at most 65535).
 const PAIRS_PER_LAUNCH: usize = 65_535;
-
-impl Gpu {
-    /// `silu(min(g, limit)) * clamp(u, -limit, limit)` on the GPU (see `cpu::swiglu_clamp`);
-    /// the output is poisoned with NaN before the launch.
-    pub fn swiglu_clamp(
-        &self,
-        gate: &[f32],
-        up: &[f32],
-        limit: f32,
-    ) -> Result<Vec<f32>, KernelError> {
-        if gate.len() != up.len() {
-            return Err(KernelError::Shape(format!(
-                "swiglu: {} gate values, {} up values",
-                gate.len(),
-                up.len()
-            )));
-        }
-        let d_gate = self.stream.clone_htod(&non_empty(gate))?;
-        let d_up = self.stream.clone_htod(&non_empty(up))?;
-        let mut d_out = self.stream.clone_htod(&vec![f32::NAN; gate.len().max(1)])?;
-        self.launch_swiglu_clamp(&d_gate, &d_up, gate.len(), limit, &mut d_out)?;
-        let mut out = self.stream.clone_dtoh(&d_out)?;
-        out.truncate(gate.len());
-        Ok(out)
-    }
-
-    /// Launches the clamped SwiGLU over the first `n` values of device buffers.
-    pub fn launch_swiglu_clamp(
-        &self,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
-        n: usize,
-        limit: f32,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
-        if gate.len() < n || up.len() < n || out.len() < n {
-            return Err(KernelError::Shape(format!("swiglu over {n} values")));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.moe_act.load_function("swiglu_clamp")?;
-        let n_arg = n as i64;
-        let mut launch = self.stream.launch_builder(&f);
-        launch.arg(gate).arg(up).arg(&n_arg).arg(&limit).arg(out);
-        // A grid-stride loop: enough blocks to fill the device, never more than 65535 x 256.
-        let blocks = super::grid_dim(n.div_ceil(SWIGLU_THREADS as usize).min(65_535), "swiglu")?;
-        // SAFETY: argument types and order match the kernel; all buffers hold `n` values.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (SWIGLU_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            })?;
-        }
-        Ok(())
-    }
-}
 
 /// One projection of every routed expert of a layer, on the device.
 #[derive(Debug)]
@@ -144,10 +84,13 @@ struct DeviceLayer {
 pub struct CudaBackend {
     gpu: Gpu,
     layers: Vec<DeviceLayer>,
+    /// `head.weight`, bf16 `[vocab, hidden]`.
+    head: CudaSlice<u16>,
+    vocab: usize,
     hidden: usize,
     inter: usize,
     limit: f32,
-    /// Bytes of expert weights on the device.
+    /// Bytes of weights on the device.
     pub device_bytes: usize,
 }
 
@@ -198,10 +141,16 @@ impl CudaBackend {
             }
             Err(e) => return Err(KernelError::Shape(e.to_string())),
         }
+        let head_bits = stored_bf16(dir, config, "head.weight")
+            .map_err(|e| KernelError::Shape(e.to_string()))?;
+        device_bytes += 2 * head_bits.len();
+        let head = gpu.stream.clone_htod(&super::non_empty(&head_bits))?;
         gpu.stream.synchronize()?;
         Ok(Some(Self {
             gpu,
             layers,
+            head,
+            vocab: config.vocab_size,
             hidden: config.hidden_size,
             inter: config.moe_intermediate_size,
             limit: config.swiglu_limit,
@@ -290,16 +239,48 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    fn logits_of(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, KernelError> {
+        if let Some(h) = hidden.iter().find(|h| h.len() != self.hidden) {
+            return Err(KernelError::Shape(format!(
+                "hidden state of {} values, not {}",
+                h.len(),
+                self.hidden
+            )));
+        }
+        if hidden.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let d_x = s.clone_htod(&hidden.concat())?;
+        let mut d_y = s.clone_htod(&vec![f32::NAN; hidden.len() * self.vocab])?;
+        self.gpu.launch_bf16_gemv(
+            &self.head,
+            &d_x,
+            self.vocab,
+            self.hidden,
+            hidden.len(),
+            &mut d_y,
+        )?;
+        let y = s.clone_dtoh(&d_y)?;
+        Ok(y.chunks_exact(self.vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
     }
 
     fn runs(&self, op: Op) -> bool {
-        op == Op::RoutedExperts
+        matches!(op, Op::RoutedExperts | Op::OutputHead)
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
         self.experts_of(batch).map_err(|e| e.to_string())
+    }
+
+    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+        self.logits_of(hidden).map_err(|e| e.to_string())
     }
 }

@@ -1,6 +1,7 @@
-//! The routed experts exactly as stored, for device backends that compute on the FP4 codes
-//! (the CPU reference dequantizes them to f32 at load; a device keeps the 4-bit form). Read
-//! one layer at a time so a backend can upload a layer and drop the host copy.
+//! Weights exactly as stored, for device backends that compute on the stored form (the CPU
+//! reference decodes everything to f32 at load; a device keeps 4-bit experts and bf16
+//! matrices). The routed experts are read one layer at a time so a backend can upload a layer
+//! and drop the host copy.
 
 use std::path::Path;
 
@@ -9,6 +10,29 @@ use crate::{
     config::{ExpertFormat, ModelConfig},
     schema::{self, Storage},
 };
+
+/// A bf16 tensor of the checkpoint (e.g. `head.weight`) as raw bits, row-major, checked
+/// against the shape and dtype the configuration expects.
+pub fn stored_bf16(dir: &Path, config: &ModelConfig, name: &str) -> Result<Vec<u16>, LoadError> {
+    let spec = schema::tensors(config)
+        .into_iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| LoadError::Missing(name.to_owned()))?;
+    if spec.storage != Storage::Bf16 {
+        return Err(LoadError::Decode {
+            name: name.to_owned(),
+            message: format!("stored as {:?}, not bf16", spec.storage),
+        });
+    }
+    let checkpoint = Checkpoint::open(dir)?;
+    let (file, shape, dtypes) = &schema::files_of(&spec)[0];
+    let view = checkpoint.checked(file, shape, dtypes)?;
+    Ok(view
+        .data
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect())
+}
 
 /// One projection (`w1`, `w2` or `w3`) of every routed expert of a layer, stacked
 /// `[experts, rows, cols]` in the checkpoint's FP4 format.
@@ -170,6 +194,27 @@ mod tests {
             assert!(fp4);
             assert_eq!(layers, model.config.num_layers());
         }
+    }
+
+    #[test]
+    fn stored_head_decodes_to_the_loaded_head() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 3,
+            experts: ExpertFormat::Mxfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let model = crate::model::Model::load(dir.path()).unwrap();
+        let bits = stored_bf16(dir.path(), &model.config, "head.weight").unwrap();
+        assert_eq!(
+            crate::formats::bf16_slice_to_f32(&bits),
+            model.weights.head.data
+        );
+        let err = stored_bf16(dir.path(), &model.config, "hc_head_fn").unwrap_err();
+        assert!(err.to_string().contains("not bf16"), "{err}");
     }
 
     #[test]

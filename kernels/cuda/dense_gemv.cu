@@ -1,0 +1,54 @@
+// BF16 weight x f32 activation GEMV for several vectors: the output head (and, later, the
+// other bf16 linears) on the device.
+//
+//   y[v][r] = sum_c bf16(W[r][c]) * x[v][c]        W [rows, cols] bf16, x [vectors, cols] f32
+//
+// One warp per (row, vector); grid x covers rows (WARPS_PER_BLOCK per block), grid y is the
+// vector (the wrapper launches at most 65535 vectors at once). When cols % 8 == 0 each lane
+// reads 8 bf16 (16 bytes) at a time, otherwise one at a time; the warp reduces with shuffles.
+// 64-bit offsets (a vocabulary-sized head is 129280 x 4096). CPU reference:
+// `kernels::cpu::bf16_gemv` (f64; results agree to f32 rounding of the sum).
+#include <stdint.h>
+
+#define WARPS_PER_BLOCK 4
+
+__device__ __forceinline__ float bf16_value(uint32_t bits) {
+    return __uint_as_float(bits << 16);
+}
+
+extern "C" __global__ void bf16_gemv_many(const uint16_t* __restrict__ w,
+                                          const float* __restrict__ x, long long rows,
+                                          long long cols, float* __restrict__ y) {
+    const long long row =
+        static_cast<long long>(blockIdx.x) * WARPS_PER_BLOCK + threadIdx.x / 32;
+    const long long vector = blockIdx.y;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) {
+        return;
+    }
+    const uint16_t* wr = w + row * cols;
+    const float* xv = x + vector * cols;
+    float acc = 0.0f;
+    if (cols % 8 == 0) {
+        for (long long c = 8LL * lane; c < cols; c += 8 * 32) {
+            const uint4 packed = *reinterpret_cast<const uint4*>(wr + c);
+            const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc += bf16_value(words[i] & 0xFFFFu) * xv[c + 2 * i];
+                acc += bf16_value(words[i] >> 16) * xv[c + 2 * i + 1];
+            }
+        }
+    } else {
+        for (long long c = lane; c < cols; c += 32) {
+            acc += bf16_value(wr[c]) * xv[c];
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        acc += __shfl_down_sync(0xFFFFFFFFu, acc, offset);
+    }
+    if (lane == 0) {
+        y[vector * rows + row] = acc;
+    }
+}
