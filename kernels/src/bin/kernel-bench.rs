@@ -138,6 +138,27 @@ fn main() -> Result<(), KernelError> {
     });
     drop((d_ep, d_es));
 
+    // The output head: bf16 129280 x 4096 (DeepSeek-V4-Flash) for one decode token.
+    let (vocab, hidden) = (129_280usize, 4096usize);
+    let head: Vec<u16> = random(&mut rng, vocab * hidden)
+        .into_iter()
+        .map(engine::formats::f32_to_bf16)
+        .collect();
+    let d_head = gpu.stream.clone_htod(&head)?;
+    let d_hx = gpu.stream.clone_htod(&random(&mut rng, hidden))?;
+    let mut d_logits: CudaSlice<f32> = gpu.stream.alloc_zeros(vocab)?;
+    let t = time(&gpu, || {
+        gpu.launch_bf16_gemv(&d_head, &d_hx, vocab, hidden, 1, &mut d_logits)
+    })?;
+    let moved = (2 * vocab * hidden + 4 * (hidden + vocab)) as f64;
+    rows.push(Row {
+        what: format!("bf16 GEMV (output head) {vocab}x{hidden}"),
+        seconds: t,
+        rate: moved / t / 1e9,
+        unit: "GB/s",
+    });
+    drop((d_head, d_logits));
+
     // Decode attention: 16 requests x 64 heads, 4096 rows of 512 f32 each.
     let (batch, heads, dim, per) = (16usize, 64usize, 512usize, 4096usize);
     let pool_rows = batch * per;
