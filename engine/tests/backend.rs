@@ -110,6 +110,11 @@ fn reference_experts_backend_gives_identical_logits() {
         .unwrap();
     assert!(plan.is_hybrid());
     assert_eq!(plan.on_device, vec![Op::RoutedExperts, Op::OutputHead]);
+    assert_eq!(
+        plan.to_string(),
+        "reference backend runs routed experts, output head; hybrid mode: attention, mixing \
+         (gates, hyper-connections, norms), shared expert on the CPU"
+    );
     let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
     let decode = [17u32, 404, 9];
     let want = run(&plain, &prompt, &decode).unwrap();
