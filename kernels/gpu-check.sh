@@ -10,7 +10,7 @@ set -uo pipefail
 DIR="${1:-target/release}"
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
 status=0
-for name in nvfp4_quant fp4_gemv nvfp4_gemm attn_decode indexer moe_backend device_pages; do
+for name in nvfp4_quant fp4_gemv nvfp4_gemm nvfp4_gemm_sm100 attn_decode indexer cuda_backend device_pages; do
   found=0
   for bin in "$DIR"/deps/"$name"-*; do
     [ -x "$bin" ] && [ -f "$bin" ] || continue

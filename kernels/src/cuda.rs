@@ -8,6 +8,7 @@ mod backend;
 mod dense;
 mod fp4;
 mod pages;
+mod sm100;
 
 use std::sync::Arc;
 
@@ -43,6 +44,7 @@ pub struct Gpu {
     gemv: Arc<CudaModule>,
     gemm: Arc<CudaModule>,
     gemm_sm120: Arc<CudaModule>,
+    gemm_sm100: Arc<CudaModule>,
     attn: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
     moe_act: Arc<CudaModule>,
@@ -71,6 +73,7 @@ impl Gpu {
         let gemv = load(fatbins::FP4_GEMV)?;
         let gemm = load(fatbins::NVFP4_GEMM)?;
         let gemm_sm120 = load(fatbins::NVFP4_GEMM_SM120)?;
+        let gemm_sm100 = load(fatbins::NVFP4_GEMM_SM100)?;
         let attn = load(fatbins::ATTN_DECODE)?;
         let indexer = load(fatbins::INDEXER)?;
         let moe_act = load(fatbins::MOE_ACT)?;
@@ -82,6 +85,7 @@ impl Gpu {
             gemv,
             gemm,
             gemm_sm120,
+            gemm_sm100,
             attn,
             indexer,
             moe_act,

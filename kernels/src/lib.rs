@@ -16,6 +16,10 @@
 //! - `nvfp4_gemm_sm120.cu` `nvfp4_gemm_w4a4_sm120` — [`cpu::nvfp4_gemm_w4a4`] (NVFP4
 //!   activations and weights on sm_120 FP4 tensor cores, block-scaled `mma.sync`; a trapping
 //!   stub elsewhere, and the wrapper refuses other architectures).
+//! - `nvfp4_gemm_sm100.cu` `nvfp4_gemm_w4a4_sm100` — [`cpu::nvfp4_gemm_w4a4`] (the same W4A4
+//!   GEMM on sm_100 5th-generation tensor cores: `tcgen05.mma` block-scaled, accumulator and
+//!   scales in Tensor Memory; compiled but not yet run on a device; a trapping stub elsewhere,
+//!   and the wrapper refuses other architectures).
 //!
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
@@ -61,6 +65,7 @@ mod tests {
             super::fatbins::FP4_GEMV,
             super::fatbins::NVFP4_GEMM,
             super::fatbins::NVFP4_GEMM_SM120,
+            super::fatbins::NVFP4_GEMM_SM100,
             super::fatbins::ATTN_DECODE,
             super::fatbins::INDEXER,
             super::fatbins::MOE_ACT,
