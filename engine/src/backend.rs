@@ -13,8 +13,10 @@ use std::{fmt, sync::Arc};
 /// An op of the forward pass a backend may take over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Op {
-    /// Projections, compressors, indexer and attention over the window and compressed rows.
-    Attention,
+    /// Attention's projections, compressors and the lightning indexer's selection.
+    AttentionProjections,
+    /// Each token's softmax with sinks over its window and compressed rows.
+    AttentionCore,
     /// The routed experts of every MoE layer.
     RoutedExperts,
     /// The shared expert of every MoE layer.
@@ -27,8 +29,9 @@ pub enum Op {
 
 impl Op {
     /// Every op, in forward order.
-    pub const ALL: [Op; 5] = [
-        Op::Attention,
+    pub const ALL: [Op; 6] = [
+        Op::AttentionProjections,
+        Op::AttentionCore,
         Op::Mixing,
         Op::RoutedExperts,
         Op::SharedExpert,
@@ -37,7 +40,8 @@ impl Op {
 
     pub fn name(self) -> &'static str {
         match self {
-            Op::Attention => "attention",
+            Op::AttentionProjections => "attention projections (with compressors and indexer)",
+            Op::AttentionCore => "attention core",
             Op::RoutedExperts => "routed experts",
             Op::SharedExpert => "shared expert",
             Op::Mixing => "mixing (gates, hyper-connections, norms)",
@@ -74,6 +78,24 @@ pub struct ExpertBatch<'a> {
     pub pairs: &'a [(usize, usize)],
 }
 
+/// The attention core of one layer for a chunk of tokens: token `t` attends with its queries
+/// (`heads * head_dim`, normed and rotated) to the rows `keys[t]` (indices into `rows`, in the
+/// order the reference sums), with `sinks[h]` in each head's denominator and logits scaled
+/// by `scale`. The output per token is `Σ softmax · row` per head, before the inverse rotation.
+#[derive(Debug, Clone, Copy)]
+pub struct AttendBatch<'a> {
+    pub layer: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// The distinct K=V rows the tokens read (`head_dim` each).
+    pub rows: &'a [&'a [f32]],
+    /// Queries of every token, `[tokens, heads * head_dim]`.
+    pub queries: &'a [Vec<f32>],
+    pub keys: &'a [Vec<usize>],
+    pub sinks: &'a [f32],
+    pub scale: f32,
+}
+
 /// A compute backend for the ops it claims in [`Backend::runs`].
 pub trait Backend: Send + Sync + fmt::Debug {
     /// Short name for logs and errors ("cuda").
@@ -91,6 +113,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The logits (`vocab_size` values) of each final hidden state (after the final norm).
     fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
         let _ = hidden;
+        Err("not implemented".to_owned())
+    }
+
+    /// The attention core: one `heads * head_dim` output per token.
+    fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+        let _ = batch;
         Err("not implemented".to_owned())
     }
 }
@@ -189,6 +217,15 @@ impl Attached {
         self.checked(Op::OutputHead, out, hidden.len(), vocab, "position")
     }
 
+    /// [`Backend::attend`], with its output checked: `heads * head_dim` finite values per
+    /// token.
+    pub fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.backend.attend(batch);
+        let context = format!("layer {}, token", batch.layer);
+        let width = batch.heads * batch.head_dim;
+        self.checked(Op::AttentionCore, out, batch.queries.len(), width, &context)
+    }
+
     /// A backend result as the forward pass needs it: `count` rows of `width` finite values.
     fn checked(
         &self,
@@ -243,7 +280,7 @@ mod tests {
         let partial = Only(vec![Op::RoutedExperts]);
         let err = BackendPlan::decide(&partial, false).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("attention"), "{text}");
+        assert!(text.contains("attention core"), "{text}");
         assert!(text.contains("hybrid = true"), "{text}");
         assert!(!text.contains("routed experts"), "{text}");
         let plan = BackendPlan::decide(&partial, true).unwrap();

@@ -10,7 +10,7 @@ use std::sync::{
 };
 
 use engine::{
-    backend::{Backend, BackendError, ExpertBatch, Op},
+    backend::{AttendBatch, Backend, BackendError, ExpertBatch, Op},
     config::ExpertFormat,
     model::{ForwardError, Logits, Model},
     sampling::{SamplingParams, StopConditions},
@@ -112,8 +112,9 @@ fn reference_experts_backend_gives_identical_logits() {
     assert_eq!(plan.on_device, vec![Op::RoutedExperts, Op::OutputHead]);
     assert_eq!(
         plan.to_string(),
-        "reference backend runs routed experts, output head; hybrid mode: attention, mixing \
-         (gates, hyper-connections, norms), shared expert on the CPU"
+        "reference backend runs routed experts, output head; hybrid mode: attention projections \
+         (with compressors and indexer), attention core, mixing (gates, hyper-connections, \
+         norms), shared expert on the CPU"
     );
     let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
     let decode = [17u32, 404, 9];
@@ -133,6 +134,90 @@ fn reference_experts_backend_gives_identical_logits() {
     assert_eq!(
         backend.heads_seen.load(Ordering::Relaxed),
         prompt.len() + decode.len()
+    );
+}
+
+/// The attention core in f64, straight from its definition (softmax with a sink per head).
+#[derive(Debug, Default)]
+struct ReferenceAttend {
+    tokens_seen: AtomicUsize,
+}
+
+impl Backend for ReferenceAttend {
+    fn name(&self) -> &'static str {
+        "reference attention"
+    }
+
+    fn runs(&self, op: Op) -> bool {
+        op == Op::AttentionCore
+    }
+
+    fn attend(&self, b: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+        self.tokens_seen
+            .fetch_add(b.queries.len(), Ordering::Relaxed);
+        let hd = b.head_dim;
+        Ok(b.queries
+            .iter()
+            .zip(b.keys)
+            .map(|(q, keys)| {
+                let mut out = vec![0.0f32; b.heads * hd];
+                for h in 0..b.heads {
+                    let qh = &q[h * hd..(h + 1) * hd];
+                    let logits: Vec<f64> = keys
+                        .iter()
+                        .map(|&k| {
+                            let dot: f64 = qh
+                                .iter()
+                                .zip(b.rows[k])
+                                .map(|(a, r)| f64::from(*a) * f64::from(*r))
+                                .sum();
+                            dot * f64::from(b.scale)
+                        })
+                        .collect();
+                    let sink = f64::from(b.sinks[h]);
+                    let max = logits.iter().copied().fold(sink, f64::max);
+                    let denom: f64 =
+                        (sink - max).exp() + logits.iter().map(|l| (l - max).exp()).sum::<f64>();
+                    for d in 0..hd {
+                        let v: f64 = logits
+                            .iter()
+                            .zip(keys)
+                            .map(|(l, &k)| (l - max).exp() / denom * f64::from(b.rows[k][d]))
+                            .sum();
+                        out[h * hd + d] = v as f32;
+                    }
+                }
+                out
+            })
+            .collect())
+    }
+}
+
+/// The attention core through a backend (here an f64 one) gives the reference's logits up to
+/// f32 rounding: the keys, their order, the sinks and the scale reach it intact.
+#[test]
+fn attention_core_backend_matches_the_reference() {
+    let (_dir, plain) = load();
+    let (_dir2, mut with_backend) = load();
+    let backend = Arc::new(ReferenceAttend::default());
+    with_backend
+        .attach_backend(Arc::clone(&backend) as Arc<dyn Backend>, true)
+        .unwrap();
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
+    let decode = [17u32, 404, 9];
+    let want = run(&plain, &prompt, &decode).unwrap();
+    let got = run(&with_backend, &prompt, &decode).unwrap();
+    for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+        let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let err = g
+            .iter()
+            .zip(w)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-4 * scale, "position {p}: {err} of {scale}");
+    }
+    assert_eq!(
+        backend.tokens_seen.load(Ordering::Relaxed),
+        with_backend.config.num_layers() * (prompt.len() + decode.len())
     );
 }
 

@@ -30,9 +30,10 @@
 //!   output head).
 //!
 //! `cuda::CudaBackend` is the engine's CUDA backend: the routed experts of every layer on the
-//! device in their stored FP4 form, run as grouped GEMVs, and the bf16 output head (see
-//! `engine::backend`); the other ops of the forward pass stay on the CPU, so it runs in the
-//! engine's explicit hybrid mode. `cuda::DevicePages` is the device page pool.
+//! device in their stored FP4 form, run as grouped GEMVs, the bf16 output head and the
+//! attention core (see `engine::backend`); the other ops of the forward pass stay on the CPU,
+//! so it runs in the engine's explicit hybrid mode. `cuda::DevicePages` is the device page
+//! pool.
 //! [`backend::open`] picks the backend a worker's configuration names.
 
 pub mod backend;

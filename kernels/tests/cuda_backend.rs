@@ -1,9 +1,9 @@
 //! The engine's CUDA backend against the CPU reference: the clamped SwiGLU kernel element by
 //! element (bound: 4e-6 relative, expf against the host's exp), the bf16 GEMV of the output
-//! head (bound: 1e-5 of sum |w x| per output), and whole-model logits with the routed experts
-//! and the head on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
-//! 2e-3 of the largest |logit| per position; the only difference is the order of f32
-//! additions inside the GEMVs). Skips without a GPU.
+//! head (bound: 1e-5 of sum |w x| per output), and whole-model logits with the attention
+//! core, the routed experts and the head on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
+//! 2e-3 of the largest |logit| per position; the differences are the order of f32 additions
+//! inside the GEMVs and the attention kernel's split merge). Skips without a GPU.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -133,7 +133,10 @@ fn gpu_backend_logits_match_the_cpu_engine() {
             .unwrap()
             .unwrap();
         let plan = on_gpu.attach_backend(Arc::new(backend), true).unwrap();
-        assert_eq!(plan.on_device, vec![Op::RoutedExperts, Op::OutputHead]);
+        assert_eq!(
+            plan.on_device,
+            vec![Op::AttentionCore, Op::RoutedExperts, Op::OutputHead]
+        );
         eprintln!("{plan}");
         let prompt: Vec<u32> = (0..45).map(|i| (i * 7919 + 11) % 1000).collect();
         let decode = [3u32, 999, 42, 7];

@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use super::compressor::{self, CompressorState, PendingState};
 use crate::{
+    backend::{Attached, AttendBatch, BackendError},
     config::{Attention, ModelConfig},
     rope::Rope,
     tensor::{axpy, dots, rms_norm, rms_norm_unweighted, top_k},
@@ -68,7 +69,13 @@ struct Projected {
 }
 
 /// Attention outputs (`hidden_size` each) for tokens at positions `start..start+xs.len()`;
-/// `xs` are the sublayer inputs (after `attn_norm`).
+/// `xs` are the sublayer inputs (after `attn_norm`). With `device` (a backend running the
+/// attention core, and this layer's index) the softmax over the keys runs there; everything
+/// else stays here. A backend failure leaves `state` partly advanced: discard it.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the layer's weights, state, inputs and the model-wide context"
+)]
 pub fn forward(
     w: &AttentionWeights,
     kind: Attention,
@@ -77,7 +84,8 @@ pub fn forward(
     start: usize,
     c: &ModelConfig,
     ropes: &Ropes<'_>,
-) -> Vec<Vec<f32>> {
+    device: Option<(&Attached, usize)>,
+) -> Result<Vec<Vec<f32>>, BackendError> {
     let compress_rope = ropes.compress;
     let rope = if kind == Attention::Sliding {
         ropes.main
@@ -159,16 +167,18 @@ pub fn forward(
     let scale = 1.0 / (hd as f32).sqrt();
     let state_ref = &*state;
     let rows_ref = &rows;
-    let outputs: Vec<Vec<f32>> = xs
+    // Each token's keys, in the order the reference sums them: its window rows, then the
+    // compressed rows it sees (all visible ones, or the indexer's choice).
+    let key_lists: Vec<Vec<Key>> = xs
         .par_iter()
         .enumerate()
         .map(|(t, x)| {
             let pos = start + t;
             let first = (pos + 1).saturating_sub(c.sliding_window).max(window_start);
-            let mut keys: Vec<&[f32]> = (first..=pos)
-                .map(|p| &rows_ref[(p - window_start) * hd..(p - window_start + 1) * hd])
+            let mut keys: Vec<Key> = (first..=pos)
+                .map(|p| Key::Window(p - window_start))
                 .collect();
-            if let (Some(cw), Some(cs)) = (&w.compressor, &state_ref.compressor) {
+            if w.compressor.is_some() && state_ref.compressor.is_some() {
                 let chosen: Vec<usize> = match (kind, &w.indexer, &state_ref.indexer) {
                     (Attention::Csa { .. }, Some(iw), Some(is)) => select(
                         iw,
@@ -184,32 +194,89 @@ pub fn forward(
                     ),
                     _ => (0..visible[t]).collect(),
                 };
-                keys.extend(chosen.into_iter().map(|i| cs.row(i, cw.head_dim)));
+                keys.extend(chosen.into_iter().map(Key::Compressed));
             }
-            // Every head's logits against every key in one blocked product: [head][key].
-            let q = &projected[t].q;
-            let heads: Vec<&[f32]> = q.chunks_exact(hd).collect();
-            let mut all_logits = vec![0.0f32; h * keys.len()];
-            dots(|k| keys[k], keys.len(), &heads, &mut all_logits);
-            let mut out = vec![0.0f32; h * hd];
-            let rotation = rope.at(pos);
-            for (head, o) in out.chunks_exact_mut(hd).enumerate() {
-                let logits = &mut all_logits[head * keys.len()..(head + 1) * keys.len()];
-                for l in logits.iter_mut() {
-                    *l *= scale;
+            keys
+        })
+        .collect();
+    let compressed_rows = w.compressor.as_ref().zip(state_ref.compressor.as_ref());
+    let key_row = |key: &Key| -> &[f32] {
+        match (*key, compressed_rows) {
+            (Key::Window(r), _) => &rows_ref[r * hd..(r + 1) * hd],
+            (Key::Compressed(i), Some((cw, cs))) => cs.row(i, cw.head_dim),
+            // Compressed keys are only listed for layers with a compressor (above).
+            (Key::Compressed(_), None) => &[],
+        }
+    };
+    let cores: Vec<Vec<f32>> = match device {
+        Some((backend, layer)) => {
+            // The distinct rows of the chunk, each once, and every token's keys as indices.
+            let mut slot_of = std::collections::BTreeMap::<Key, usize>::new();
+            let mut distinct: Vec<&[f32]> = Vec::new();
+            let keys: Vec<Vec<usize>> = key_lists
+                .iter()
+                .map(|list| {
+                    list.iter()
+                        .map(|key| {
+                            *slot_of.entry(*key).or_insert_with(|| {
+                                distinct.push(key_row(key));
+                                distinct.len() - 1
+                            })
+                        })
+                        .collect()
+                })
+                .collect();
+            let queries: Vec<Vec<f32>> = projected.iter().map(|p| p.q.clone()).collect();
+            backend.attend(AttendBatch {
+                layer,
+                heads: h,
+                head_dim: hd,
+                rows: &distinct,
+                queries: &queries,
+                keys: &keys,
+                sinks: &w.sink,
+                scale,
+            })?
+        }
+        None => key_lists
+            .par_iter()
+            .enumerate()
+            .map(|(t, list)| {
+                let keys: Vec<&[f32]> = list.iter().map(key_row).collect();
+                // Every head's logits against every key in one blocked product: [head][key].
+                let q = &projected[t].q;
+                let heads: Vec<&[f32]> = q.chunks_exact(hd).collect();
+                let mut all_logits = vec![0.0f32; h * keys.len()];
+                dots(|k| keys[k], keys.len(), &heads, &mut all_logits);
+                let mut out = vec![0.0f32; h * hd];
+                for (head, o) in out.chunks_exact_mut(hd).enumerate() {
+                    let logits = &mut all_logits[head * keys.len()..(head + 1) * keys.len()];
+                    for l in logits.iter_mut() {
+                        *l *= scale;
+                    }
+                    let sink = w.sink[head];
+                    let max = logits.iter().copied().fold(sink, f32::max);
+                    let mut denom = (sink - max).exp();
+                    for l in logits.iter_mut() {
+                        *l = (*l - max).exp();
+                        denom += *l;
+                    }
+                    for (p, k) in logits.iter().zip(&keys) {
+                        axpy(o, p / denom, k);
+                    }
                 }
-                let sink = w.sink[head];
-                let max = logits.iter().copied().fold(sink, f32::max);
-                let mut denom = (sink - max).exp();
-                for l in logits.iter_mut() {
-                    *l = (*l - max).exp();
-                    denom += *l;
-                }
-                for (p, k) in logits.iter().zip(&keys) {
-                    axpy(o, p / denom, k);
-                }
-                // V carries the keys' rotation; rotating back by the query position leaves only the
-                // relative offset in the rope dims.
+                out
+            })
+            .collect(),
+    };
+    // V carries the keys' rotation; rotating back by the query position leaves only the
+    // relative offset in the rope dims.
+    let outputs: Vec<Vec<f32>> = cores
+        .into_par_iter()
+        .enumerate()
+        .map(|(t, mut out)| {
+            let rotation = rope.at(start + t);
+            for o in out.chunks_exact_mut(hd) {
                 rotation.apply(o, true);
             }
             out
@@ -219,7 +286,14 @@ pub fn forward(
     // The whole chunk's rows stay until the next call trims them, so a paged store can copy
     // every new row into its pages.
     state.window = rows;
-    outputs
+    Ok(outputs)
+}
+
+/// A key row of a token: a window row (index into the chunk's row buffer) or a compressed row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Key {
+    Window(usize),
+    Compressed(usize),
 }
 
 /// The grouped low-rank output projection for every token of a chunk: each of `o_groups` head

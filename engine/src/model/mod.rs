@@ -204,6 +204,11 @@ impl Model {
                     (mix, collapsed)
                 })
                 .unzip();
+            let attend = self
+                .backend
+                .as_ref()
+                .filter(|b| b.runs(Op::AttentionCore))
+                .map(|b| (b, i));
             let attn: Vec<Vec<Vec<f32>>> = batch
                 .par_iter_mut()
                 .zip(&spans)
@@ -216,9 +221,10 @@ impl Model {
                         step.state.len,
                         c,
                         &ropes,
+                        attend,
                     )
                 })
-                .collect();
+                .collect::<Result<_, _>>()?;
             // The layer's state is final once its attention ran; its MoE does not touch it.
             after_layer(i, batch);
             let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();

@@ -1,19 +1,21 @@
 //! [`CudaBackend`], the engine backend on a CUDA device. It keeps every layer's routed experts
 //! on the device in their stored FP4 form and runs a layer's (token, expert) pairs as grouped
-//! GEMVs (gate and up, SwiGLU, down), and the bf16 output head as a GEMV over the final
-//! hidden states. Everything else of the forward pass stays on the CPU reference (hybrid
-//! mode), which the engine only accepts when the operator asked for it.
+//! GEMVs (gate and up, SwiGLU, down), the bf16 output head as a GEMV over the final hidden
+//! states, and the attention core (softmax with sinks over each token's keys) with the
+//! split-KV decode attention kernel over the distinct rows of the call, uploaded per call.
+//! Everything else of the forward pass stays on the CPU reference (hybrid mode), which the
+//! engine only accepts when the operator asked for it.
 
 use std::path::Path;
 
 use cudarc::driver::CudaSlice;
 use engine::{
-    backend::{Backend, ExpertBatch, Op},
+    backend::{AttendBatch, Backend, ExpertBatch, Op},
     config::{ExpertFormat, ModelConfig},
     weights::stored::{Fp4Stack, for_each_fp4_layer, stored_bf16},
 };
 
-use super::{DeviceExperts, Gpu, KernelError, non_empty};
+use super::{AttnShape, DeviceExperts, Gpu, KernelError, non_empty};
 
 /// Pairs per grouped launch (the kernels' grid y is at most 65535).
 const PAIRS_PER_LAUNCH: usize = 65_535;
@@ -267,13 +269,81 @@ impl CudaBackend {
     }
 }
 
+/// Keys per split of the attention kernel (a token with more keys gets more splits).
+const KEYS_PER_SPLIT: usize = 64;
+/// Most splits per (token, head).
+const MAX_SPLITS: usize = 32;
+
+impl CudaBackend {
+    fn attend_on_device(&self, b: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, KernelError> {
+        let (tokens, width) = (b.queries.len(), b.heads * b.head_dim);
+        if b.keys.len() != tokens
+            || b.sinks.len() != b.heads
+            || b.queries.iter().any(|q| q.len() != width)
+            || b.rows.iter().any(|r| r.len() != b.head_dim)
+            || b.keys.iter().flatten().any(|&k| k >= b.rows.len())
+        {
+            return Err(KernelError::Shape(format!(
+                "attention: {tokens} tokens, {} rows of {}, {} heads",
+                b.rows.len(),
+                b.head_dim,
+                b.heads
+            )));
+        }
+        if tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let row_bytes = 4 * b.head_dim;
+        let pool: Vec<u8> = b
+            .rows
+            .iter()
+            .flat_map(|r| r.iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        let mut offsets: Vec<i64> = Vec::with_capacity(b.keys.iter().map(Vec::len).sum());
+        let mut starts: Vec<i64> = vec![0];
+        for keys in b.keys {
+            offsets.extend(keys.iter().map(|&k| (k * row_bytes) as i64));
+            starts.push(offsets.len() as i64);
+        }
+        let longest = b.keys.iter().map(Vec::len).max().unwrap_or(0);
+        let shape = AttnShape {
+            heads: b.heads,
+            dim: b.head_dim,
+            splits: longest.div_ceil(KEYS_PER_SPLIT).clamp(1, MAX_SPLITS),
+            scale: b.scale,
+        };
+        let s = &self.gpu.stream;
+        let d_q = s.clone_htod(&b.queries.concat())?;
+        let d_pool = s.clone_htod(&non_empty(&pool))?;
+        let d_offsets = s.clone_htod(&non_empty(&offsets))?;
+        let d_starts = s.clone_htod(&starts)?;
+        let d_sinks = s.clone_htod(b.sinks)?;
+        let mut scratch = self.gpu.attn_scratch(tokens, shape)?;
+        self.gpu.launch_attn_decode(
+            &d_q,
+            &d_pool,
+            &d_offsets,
+            &d_starts,
+            &d_sinks,
+            shape,
+            &mut scratch,
+        )?;
+        let out = s.clone_dtoh(&scratch.out)?;
+        Ok(out
+            .chunks_exact(width)
+            .take(tokens)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
     }
 
     fn runs(&self, op: Op) -> bool {
-        matches!(op, Op::RoutedExperts | Op::OutputHead)
+        matches!(op, Op::AttentionCore | Op::RoutedExperts | Op::OutputHead)
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
@@ -282,5 +352,9 @@ impl Backend for CudaBackend {
 
     fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
         self.logits_of(hidden).map_err(|e| e.to_string())
+    }
+
+    fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+        self.attend_on_device(batch).map_err(|e| e.to_string())
     }
 }
