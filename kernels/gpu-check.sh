@@ -4,13 +4,28 @@
 # attention and FP4 GEMV GB/s next to the measured copy bandwidth, NVFP4 GEMM TFLOP/s).
 #   build here:  cargo test -p kernels --features cuda --release --no-run
 #                cargo build -p kernels --features cuda --release --bins
-#   run there:   kernels/gpu-check.sh [target/release]
+#   stage here:  kernels/gpu-check.sh --stage gpu-bin   (stripped copies, small enough to carry)
+#   run there:   kernels/gpu-check.sh gpu-bin           (or target/release)
 # Exits non-zero when any test fails. Takes a few minutes (the bench about one).
 set -uo pipefail
+TESTS="nvfp4_quant fp4_gemv nvfp4_gemm nvfp4_gemm_sm100 attn_decode indexer cuda_backend device_pages"
+if [ "${1:-}" = "--stage" ]; then
+  OUT="${2:-gpu-bin}"
+  rm -rf "$OUT" && mkdir -p "$OUT/deps" || exit 1
+  for name in $TESTS; do
+    # The newest build of each test binary (cargo keeps older hashes around).
+    bin=$(ls -t target/release/deps/"$name"-* 2>/dev/null | grep -v '\.d$' | head -1)
+    [ -n "$bin" ] || { echo "missing: target/release/deps/$name-*" >&2; exit 1; }
+    cp "$bin" "$OUT/deps/" && strip "$OUT/deps/$(basename "$bin")"
+  done
+  cp target/release/kernel-bench "$OUT/" && strip "$OUT/kernel-bench" || exit 1
+  du -sh "$OUT"
+  exit 0
+fi
 DIR="${1:-target/release}"
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
 status=0
-for name in nvfp4_quant fp4_gemv nvfp4_gemm nvfp4_gemm_sm100 attn_decode indexer cuda_backend device_pages; do
+for name in $TESTS; do
   found=0
   for bin in "$DIR"/deps/"$name"-*; do
     [ -x "$bin" ] && [ -f "$bin" ] || continue

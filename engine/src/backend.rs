@@ -116,6 +116,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Err("not implemented".to_owned())
     }
 
+    /// The shared expert of layer `layer` for every input (`hidden_size` values each).
+    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+        let _ = (layer, xs);
+        Err("not implemented".to_owned())
+    }
+
     /// The attention core: one `heads * head_dim` output per token.
     fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
         let _ = batch;
@@ -215,6 +221,19 @@ impl Attached {
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         let out = self.backend.output_head(hidden);
         self.checked(Op::OutputHead, out, hidden.len(), vocab, "position")
+    }
+
+    /// [`Backend::shared_expert`], with its output checked: one row of `width` finite values
+    /// per input.
+    pub fn shared_expert(
+        &self,
+        layer: usize,
+        xs: &[Vec<f32>],
+        width: usize,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.backend.shared_expert(layer, xs);
+        let context = format!("layer {layer}, token");
+        self.checked(Op::SharedExpert, out, xs.len(), width, &context)
     }
 
     /// [`Backend::attend`], with its output checked: `heads * head_dim` finite values per

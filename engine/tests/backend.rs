@@ -34,8 +34,8 @@ fn load() -> (tempfile::TempDir, Model) {
     (dir, model)
 }
 
-/// Routed experts through the reference `moe::expert`, one pair at a time, and the output head
-/// through the reference matrix; optionally poisons one layer's expert output.
+/// Routed and shared experts through the reference `moe::expert`, one token at a time, and the
+/// output head through the reference matrix; optionally poisons one layer's expert output.
 #[derive(Debug)]
 struct ReferenceExperts {
     moe: Vec<MoeWeights>,
@@ -65,7 +65,15 @@ impl Backend for ReferenceExperts {
     }
 
     fn runs(&self, op: Op) -> bool {
-        matches!(op, Op::RoutedExperts | Op::OutputHead)
+        matches!(op, Op::RoutedExperts | Op::SharedExpert | Op::OutputHead)
+    }
+
+    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+        let shared = &self.moe[layer].shared;
+        Ok(xs
+            .iter()
+            .map(|x| engine::model::moe::expert(shared, x, self.limit))
+            .collect())
     }
 
     fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
@@ -109,12 +117,15 @@ fn reference_experts_backend_gives_identical_logits() {
         .attach_backend(Arc::clone(&backend) as Arc<dyn Backend>, true)
         .unwrap();
     assert!(plan.is_hybrid());
-    assert_eq!(plan.on_device, vec![Op::RoutedExperts, Op::OutputHead]);
+    assert_eq!(
+        plan.on_device,
+        vec![Op::RoutedExperts, Op::SharedExpert, Op::OutputHead]
+    );
     assert_eq!(
         plan.to_string(),
-        "reference backend runs routed experts, output head; hybrid mode: attention projections \
-         (with compressors and indexer), attention core, mixing (gates, hyper-connections, \
-         norms), shared expert on the CPU"
+        "reference backend runs routed experts, shared expert, output head; hybrid mode: \
+         attention projections (with compressors and indexer), attention core, mixing (gates, \
+         hyper-connections, norms) on the CPU"
     );
     let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
     let decode = [17u32, 404, 9];

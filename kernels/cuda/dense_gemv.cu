@@ -1,14 +1,19 @@
-// BF16 weight x f32 activation GEMV for several vectors: the output head (and, later, the
-// other bf16 linears) on the device.
+// Dense-weight x f32 activation GEMVs for several vectors: the output head (bf16) and the
+// linears of the checkpoint's linear format (bf16, or FP8 e4m3 with 128x128 ue8m0 scales).
 //
-//   y[v][r] = sum_c bf16(W[r][c]) * x[v][c]        W [rows, cols] bf16, x [vectors, cols] f32
+//   bf16_gemv_many:      y[v][r] = sum_c bf16(W[r][c]) * x[v][c]
+//   fp8_block_gemv_many: y[v][r] = sum_c e4m3(W[r][c]) * 2^(S[r/128][c/128] - 127) * x[v][c]
+//   W [rows, cols], S [ceil(rows/128), ceil(cols/128)] row-major, x [vectors, cols] f32
 //
 // One warp per (row, vector); grid x covers rows (WARPS_PER_BLOCK per block), grid y is the
 // vector (the wrapper launches at most 65535 vectors at once). When cols % 8 == 0 each lane
 // reads 8 bf16 (16 bytes) at a time, otherwise one at a time; the warp reduces with shuffles.
 // 64-bit offsets (a vocabulary-sized head is 129280 x 4096). CPU reference:
-// `kernels::cpu::bf16_gemv` (f64; results agree to f32 rounding of the sum).
+// `kernels::cpu::bf16_gemv` / `fp8_block_gemv` (f64 over the exactly dequantized weights;
+// results agree to f32 rounding of the sum).
 #include <stdint.h>
+
+#include "fp4.cuh"
 
 #define WARPS_PER_BLOCK 4
 
@@ -43,6 +48,36 @@ extern "C" __global__ void bf16_gemv_many(const uint16_t* __restrict__ w,
         for (long long c = lane; c < cols; c += 32) {
             acc += bf16_value(wr[c]) * xv[c];
         }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        acc += __shfl_down_sync(0xFFFFFFFFu, acc, offset);
+    }
+    if (lane == 0) {
+        y[vector * rows + row] = acc;
+    }
+}
+
+// The FP8 weight is read one byte per element (any cols); each weight is exact in f32
+// (e4m3 times a power of two), so only the sum's rounding differs from the reference.
+extern "C" __global__ void fp8_block_gemv_many(const uint8_t* __restrict__ w,
+                                               const uint8_t* __restrict__ scales,
+                                               const float* __restrict__ x, long long rows,
+                                               long long cols, float* __restrict__ y) {
+    const long long row =
+        static_cast<long long>(blockIdx.x) * WARPS_PER_BLOCK + threadIdx.x / 32;
+    const long long vector = blockIdx.y;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) {
+        return;
+    }
+    const long long tile_cols = (cols + 127) / 128;
+    const uint8_t* wr = w + row * cols;
+    const uint8_t* sr = scales + (row / 128) * tile_cols;
+    const float* xv = x + vector * cols;
+    float acc = 0.0f;
+    for (long long c = lane; c < cols; c += 32) {
+        acc += fp4::e4m3_value(wr[c]) * fp4::e8m0_value(sr[c / 128]) * xv[c];
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {

@@ -262,6 +262,25 @@ pub fn bf16_gemv(w: &[u16], x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         .collect()
 }
 
+/// `y[v] = W · x[v]` for an FP8 e4m3 weight `[rows, cols]` with 128x128 ue8m0 block scales
+/// (`engine::quant::dequant_fp8_block` layout), in f64 over the exactly dequantized weight
+/// (reference of `fp8_block_gemv_many`); returns `[vectors, rows]`.
+pub fn fp8_block_gemv(
+    w: &[u8],
+    scales: &[u8],
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, QuantError> {
+    let w = quant::dequant_fp8_block(w, scales, rows, cols)?;
+    if cols == 0 {
+        return Ok(Vec::new());
+    }
+    Ok(x.chunks_exact(cols)
+        .flat_map(|xv| matvec_f64(&w, xv, rows, cols))
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,5 +345,19 @@ mod tests {
         let w = [f(1.0), f(2.0), f(-0.5), f(4.0)];
         let y = super::bf16_gemv(&w, &[1.0, 1.0, 2.0, -1.0], 2, 2);
         assert_eq!(y, vec![3.0, 3.5, 0.0, -5.0]);
+    }
+
+    #[test]
+    fn fp8_block_gemv_applies_each_tiles_scale() {
+        // 2 x 130: the second column tile (columns 128, 129) has scale 2^1, the first 2^0.
+        let (rows, cols) = (2usize, 130usize);
+        let one = engine::formats::f32_to_e4m3(1.0);
+        let w = vec![one; rows * cols];
+        let scales = [127u8, 128];
+        let x: Vec<f32> = (0..cols)
+            .map(|c| if c < 128 { 1.0 } else { 10.0 })
+            .collect();
+        let y = super::fp8_block_gemv(&w, &scales, &x, rows, cols).unwrap();
+        assert_eq!(y, vec![128.0 + 2.0 * 20.0; 2]);
     }
 }

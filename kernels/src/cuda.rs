@@ -16,6 +16,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
 pub use backend::CudaBackend;
+pub use dense::DenseWeight;
 pub use fp4::{DeviceExperts, GemvFormat};
 pub use pages::DevicePages;
 
@@ -30,6 +31,9 @@ pub enum KernelError {
     NotCompiled,
     #[error("bad shape: {0}")]
     Shape(String),
+    /// The checkpoint could not be read for the device.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// The kernel does not run on this device's architecture.
     #[error("unsupported here: {0}")]
     Unsupported(String),

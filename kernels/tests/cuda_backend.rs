@@ -1,7 +1,8 @@
 //! The engine's CUDA backend against the CPU reference: the clamped SwiGLU kernel element by
 //! element (bound: 4e-6 relative, expf against the host's exp), the bf16 GEMV of the output
-//! head (bound: 1e-5 of sum |w x| per output), and whole-model logits with the attention
-//! core, the routed experts and the head on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
+//! head and the FP8-block GEMV of the shared expert (bound: 1e-5 of sum |w x| per output), and
+//! whole-model logits with the attention core, the routed and shared experts and the head on
+//! the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
 //! 2e-3 of the largest |logit| per position; the differences are the order of f32 additions
 //! inside the GEMVs and the attention kernel's split merge). Skips without a GPU.
 #![cfg(feature = "cuda")]
@@ -89,6 +90,45 @@ fn gpu_bf16_gemv_matches_reference() {
     }
 }
 
+#[test]
+fn gpu_fp8_block_gemv_matches_reference() {
+    let Some(gpu) = Gpu::open().unwrap() else {
+        eprintln!("skipping gpu_fp8_block_gemv_matches_reference: no CUDA driver or device");
+        return;
+    };
+    let mut rng = Rng::for_tensor(11, "fp8 gemv");
+    // Partial edge tiles in both directions, one tile, many vectors, empty operands.
+    for (rows, cols, vectors) in [
+        (1usize, 1usize, 1usize),
+        (7, 13, 2),
+        (128, 128, 1),
+        (300, 1000, 3),
+        (129, 4097, 2),
+        (0, 8, 2),
+        (5, 8, 0),
+    ] {
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * 3.0).collect();
+        let (codes, scales) = engine::quant::quant_fp8_block(&w, rows, cols).unwrap();
+        let x: Vec<f32> = (0..vectors * cols).map(|_| rng.normal()).collect();
+        let want = cpu::fp8_block_gemv(&codes, &scales, &x, rows, cols).unwrap();
+        let got = gpu.fp8_block_gemv(&codes, &scales, &x, rows, cols).unwrap();
+        assert_eq!(got.len(), rows * vectors);
+        let wf = engine::quant::dequant_fp8_block(&codes, &scales, rows, cols).unwrap();
+        for v in 0..vectors {
+            for r in 0..rows {
+                let mag: f32 = (0..cols)
+                    .map(|c| (wf[r * cols + c] * x[v * cols + c]).abs())
+                    .sum();
+                let (g, e) = (got[v * rows + r], want[v * rows + r]);
+                assert!(
+                    (g - e).abs() <= 1e-5 * mag + 1e-30,
+                    "{rows}x{cols} vector {v} row {r}: gpu {g} ref {e}"
+                );
+            }
+        }
+    }
+}
+
 fn checkpoint(format: ExpertFormat) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     generate(&GenerateOptions {
@@ -135,7 +175,12 @@ fn gpu_backend_logits_match_the_cpu_engine() {
         let plan = on_gpu.attach_backend(Arc::new(backend), true).unwrap();
         assert_eq!(
             plan.on_device,
-            vec![Op::AttentionCore, Op::RoutedExperts, Op::OutputHead]
+            vec![
+                Op::AttentionCore,
+                Op::RoutedExperts,
+                Op::SharedExpert,
+                Op::OutputHead
+            ]
         );
         eprintln!("{plan}");
         let prompt: Vec<u32> = (0..45).map(|i| (i * 7919 + 11) % 1000).collect();

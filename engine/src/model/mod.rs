@@ -246,7 +246,12 @@ impl Model {
                 .as_ref()
                 .filter(|b| b.runs(Op::RoutedExperts))
                 .map(|b| (b, i));
-            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c, routed)?;
+            let shared_on = self
+                .backend
+                .as_ref()
+                .filter(|b| b.runs(Op::SharedExpert))
+                .map(|b| (b, i));
+            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c, routed, shared_on)?;
             streams
                 .par_iter_mut()
                 .zip(&ffn)

@@ -96,14 +96,15 @@ pub fn forward(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> Vec<f3
 /// [`forward`]: the same `expert` call per (token, expert) and the same order of additions.
 ///
 /// With a backend that runs the routed experts (`routed`: the backend and this layer's index),
-/// the (token, expert) pairs go to it in one call and only the shared expert and the weighted
-/// sum stay here.
+/// the (token, expert) pairs go to it in one call; with one that runs the shared expert
+/// (`shared_on`), all tokens' shared expert does. The weighted sum stays here.
 pub fn forward_many(
     w: &MoeWeights,
     xs: &[Vec<f32>],
     tokens: &[u32],
     c: &ModelConfig,
     routed: Option<(&Attached, usize)>,
+    shared_on: Option<(&Attached, usize)>,
 ) -> Result<Vec<Vec<f32>>, BackendError> {
     use rayon::prelude::*;
     let routes: Vec<(Vec<usize>, Vec<f32>)> = w
@@ -161,8 +162,15 @@ pub fn forward_many(
             per_token[t][slot] = Some(y);
         }
     }
-    let all: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
-    let shared = expert_many(&w.shared, &all, c.swiglu_limit);
+    let shared = match shared_on {
+        Some((backend, layer)) if !xs.is_empty() => {
+            backend.shared_expert(layer, xs, xs[0].len())?
+        }
+        _ => {
+            let all: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+            expert_many(&w.shared, &all, c.swiglu_limit)
+        }
+    };
     Ok(per_token
         .into_par_iter()
         .zip(routes.par_iter())

@@ -34,6 +34,65 @@ pub fn stored_bf16(dir: &Path, config: &ModelConfig, name: &str) -> Result<Vec<u
         .collect())
 }
 
+/// A dense linear `[rows, cols]` as stored in the checkpoint's linear format.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoredLinear {
+    /// bf16 bits, row-major.
+    Bf16 {
+        rows: usize,
+        cols: usize,
+        bits: Vec<u16>,
+    },
+    /// e4m3 codes, row-major, with ue8m0 scales per 128x128 tile
+    /// (`[ceil(rows/128), ceil(cols/128)]`).
+    Fp8Block {
+        rows: usize,
+        cols: usize,
+        codes: Vec<u8>,
+        scales: Vec<u8>,
+    },
+}
+
+/// The linear `name` (e.g. `layers.0.ffn.shared_experts.w1`) of an opened checkpoint as
+/// stored.
+pub fn stored_linear(
+    checkpoint: &Checkpoint,
+    config: &ModelConfig,
+    name: &str,
+) -> Result<StoredLinear, LoadError> {
+    let spec = schema::tensors(config)
+        .into_iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| LoadError::Missing(name.to_owned()))?;
+    let (rows, cols) = (spec.shape[0], spec.shape.get(1).copied().unwrap_or(1));
+    let parts = schema::files_of(&spec);
+    let views = parts
+        .iter()
+        .map(|(n, shape, dtypes)| checkpoint.checked(n, shape, dtypes))
+        .collect::<Result<Vec<_>, _>>()?;
+    match spec.storage {
+        Storage::Linear(crate::config::LinearFormat::Bf16) => Ok(StoredLinear::Bf16 {
+            rows,
+            cols,
+            bits: views[0]
+                .data
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        }),
+        Storage::Linear(crate::config::LinearFormat::Fp8Block) => Ok(StoredLinear::Fp8Block {
+            rows,
+            cols,
+            codes: views[0].data.to_vec(),
+            scales: views[1].data.to_vec(),
+        }),
+        other => Err(LoadError::Decode {
+            name: name.to_owned(),
+            message: format!("stored as {other:?}, not a dense linear"),
+        }),
+    }
+}
+
 /// One projection (`w1`, `w2` or `w3`) of every routed expert of a layer, stacked
 /// `[experts, rows, cols]` in the checkpoint's FP4 format.
 #[derive(Debug, Clone, PartialEq)]
@@ -215,6 +274,41 @@ mod tests {
         );
         let err = stored_bf16(dir.path(), &model.config, "hc_head_fn").unwrap_err();
         assert!(err.to_string().contains("not bf16"), "{err}");
+    }
+
+    /// Both linear formats decode to exactly the loaded shared expert (FP4-expert checkpoints
+    /// store linears as FP8 blocks, bf16-expert ones as bf16).
+    #[test]
+    fn stored_linears_decode_to_the_loaded_weights() {
+        for experts in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
+            let dir = tempfile::tempdir().unwrap();
+            generate(&GenerateOptions {
+                preset: Preset::Tiny,
+                seed: 3,
+                experts,
+                out: dir.path().to_path_buf(),
+                tokenizer_dir: None,
+            })
+            .unwrap();
+            let model = crate::model::Model::load(dir.path()).unwrap();
+            let name = format!("{}ffn.shared_experts.w2", schema::layer(1));
+            let checkpoint = Checkpoint::open(dir.path()).unwrap();
+            let decoded = match stored_linear(&checkpoint, &model.config, &name).unwrap() {
+                StoredLinear::Bf16 { bits, .. } => crate::formats::bf16_slice_to_f32(&bits),
+                StoredLinear::Fp8Block {
+                    rows,
+                    cols,
+                    codes,
+                    scales,
+                } => crate::quant::dequant_fp8_block(&codes, &scales, rows, cols).unwrap(),
+            };
+            assert_eq!(
+                decoded, model.weights.layers[1].moe.shared.w2.data,
+                "{experts:?}"
+            );
+            let err = stored_linear(&checkpoint, &model.config, "norm.weight").unwrap_err();
+            assert!(err.to_string().contains("not a dense linear"), "{err}");
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! [`CudaBackend`], the engine backend on a CUDA device. It keeps every layer's routed experts
 //! on the device in their stored FP4 form and runs a layer's (token, expert) pairs as grouped
-//! GEMVs (gate and up, SwiGLU, down), the bf16 output head as a GEMV over the final hidden
-//! states, and the attention core (softmax with sinks over each token's keys) with the
+//! GEMVs (gate and up, SwiGLU, down), the shared expert with the dense (bf16 or FP8-block)
+//! GEMVs, the bf16 output head as a GEMV over the final hidden states, and the attention core (softmax with sinks over each token's keys) with the
 //! split-KV decode attention kernel over the distinct rows of the call, uploaded per call.
 //! Everything else of the forward pass stays on the CPU reference (hybrid mode), which the
 //! engine only accepts when the operator asked for it.
@@ -12,10 +12,13 @@ use cudarc::driver::CudaSlice;
 use engine::{
     backend::{AttendBatch, Backend, ExpertBatch, Op},
     config::{ExpertFormat, ModelConfig},
-    weights::stored::{Fp4Stack, for_each_fp4_layer, stored_bf16},
+    weights::{
+        Checkpoint,
+        stored::{Fp4Stack, StoredLinear, for_each_fp4_layer, stored_bf16, stored_linear},
+    },
 };
 
-use super::{AttnShape, DeviceExperts, Gpu, KernelError, non_empty};
+use super::{AttnShape, DenseWeight, DeviceExperts, Gpu, KernelError, non_empty};
 
 /// Pairs per grouped launch (the kernels' grid y is at most 65535).
 const PAIRS_PER_LAUNCH: usize = 65_535;
@@ -81,11 +84,57 @@ struct DeviceLayer {
     w3: DeviceStack,
 }
 
+/// A dense linear on the device, in the checkpoint's linear format.
+#[derive(Debug)]
+enum DeviceLinear {
+    Bf16(CudaSlice<u16>),
+    Fp8Block {
+        codes: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
+    },
+}
+
+impl DeviceLinear {
+    /// Uploads a stored linear; returns it with its bytes.
+    fn upload(gpu: &Gpu, stored: &StoredLinear) -> Result<(Self, usize), KernelError> {
+        Ok(match stored {
+            StoredLinear::Bf16 { bits, .. } => (
+                Self::Bf16(gpu.stream.clone_htod(&non_empty(bits))?),
+                2 * bits.len(),
+            ),
+            StoredLinear::Fp8Block { codes, scales, .. } => (
+                Self::Fp8Block {
+                    codes: gpu.stream.clone_htod(&non_empty(codes))?,
+                    scales: gpu.stream.clone_htod(&non_empty(scales))?,
+                },
+                codes.len() + scales.len(),
+            ),
+        })
+    }
+
+    fn view(&self) -> DenseWeight<'_> {
+        match self {
+            Self::Bf16(w) => DenseWeight::Bf16(w),
+            Self::Fp8Block { codes, scales } => DenseWeight::Fp8Block { w: codes, scales },
+        }
+    }
+}
+
+/// A layer's shared expert on the device: gate `[inter, hidden]`, down `[hidden, inter]`, up.
+#[derive(Debug)]
+struct DeviceShared {
+    w1: DeviceLinear,
+    w2: DeviceLinear,
+    w3: DeviceLinear,
+    inter: usize,
+}
+
 /// The engine backend for the routed experts on a CUDA device.
 #[derive(Debug)]
 pub struct CudaBackend {
     gpu: Gpu,
     layers: Vec<DeviceLayer>,
+    shared: Vec<DeviceShared>,
     /// `head.weight`, bf16 `[vocab, hidden]`.
     head: CudaSlice<u16>,
     vocab: usize,
@@ -97,8 +146,10 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// Opens device 0 and uploads every layer's routed experts from the checkpoint at `dir`
-    /// in their stored FP4 form. `Ok(None)` when no CUDA driver or device is present.
+    /// Opens device 0 and uploads every layer's routed experts (in their stored FP4 form), its
+    /// shared expert (in the linear format) and the output head (bf16) from the checkpoint at
+    /// `dir`. `Ok(None)` when no CUDA driver or
+    /// device is present.
     pub fn load(dir: &Path, config: &ModelConfig) -> Result<Option<Self>, KernelError> {
         let Some(gpu) = Gpu::open()? else {
             return Ok(None);
@@ -141,16 +192,36 @@ impl CudaBackend {
                     config.expert_format
                 )));
             }
-            Err(e) => return Err(KernelError::Shape(e.to_string())),
+            Err(e) => return Err(KernelError::Checkpoint(e.to_string())),
+        }
+        let checkpoint =
+            Checkpoint::open(dir).map_err(|e| KernelError::Checkpoint(e.to_string()))?;
+        let mut shared = Vec::with_capacity(config.num_layers());
+        for layer in 0..config.num_layers() {
+            let mut linear = |w: &str| -> Result<DeviceLinear, KernelError> {
+                let name = format!("{}ffn.shared_experts.{w}", engine::schema::layer(layer));
+                let stored = stored_linear(&checkpoint, config, &name)
+                    .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
+                let (linear, bytes) = DeviceLinear::upload(&gpu, &stored)?;
+                device_bytes += bytes;
+                Ok(linear)
+            };
+            shared.push(DeviceShared {
+                w1: linear("w1")?,
+                w2: linear("w2")?,
+                w3: linear("w3")?,
+                inter: config.moe_intermediate_size,
+            });
         }
         let head_bits = stored_bf16(dir, config, "head.weight")
-            .map_err(|e| KernelError::Shape(e.to_string()))?;
+            .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
         device_bytes += 2 * head_bits.len();
         let head = gpu.stream.clone_htod(&super::non_empty(&head_bits))?;
         gpu.stream.synchronize()?;
         Ok(Some(Self {
             gpu,
             layers,
+            shared,
             head,
             vocab: config.vocab_size,
             hidden: config.hidden_size,
@@ -269,6 +340,40 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The shared expert of `layer` for every input: two dense GEMVs, SwiGLU, one more.
+    fn shared_of(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, KernelError> {
+        let shared = self
+            .shared
+            .get(layer)
+            .ok_or_else(|| KernelError::Shape(format!("no layer {layer}")))?;
+        if let Some(x) = xs.iter().find(|x| x.len() != self.hidden) {
+            return Err(KernelError::Shape(format!(
+                "shared expert input of {} values, not {}",
+                x.len(),
+                self.hidden
+            )));
+        }
+        let (n, inter) = (xs.len(), shared.inter);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let d_x = s.clone_htod(&xs.concat())?;
+        let mut d_gate = s.clone_htod(&vec![f32::NAN; n * inter])?;
+        let mut d_up = s.clone_htod(&vec![f32::NAN; n * inter])?;
+        let mut d_act = s.clone_htod(&vec![f32::NAN; n * inter])?;
+        let mut d_y = s.clone_htod(&vec![f32::NAN; n * self.hidden])?;
+        let gpu = &self.gpu;
+        gpu.launch_dense_gemv(shared.w1.view(), &d_x, inter, self.hidden, n, &mut d_gate)?;
+        gpu.launch_dense_gemv(shared.w3.view(), &d_x, inter, self.hidden, n, &mut d_up)?;
+        gpu.launch_swiglu_clamp(&d_gate, &d_up, n * inter, self.limit, &mut d_act)?;
+        gpu.launch_dense_gemv(shared.w2.view(), &d_act, self.hidden, inter, n, &mut d_y)?;
+        let y = s.clone_dtoh(&d_y)?;
+        Ok(y.chunks_exact(self.hidden).map(<[f32]>::to_vec).collect())
+    }
+}
+
 /// Keys per split of the attention kernel (a token with more keys gets more splits).
 const KEYS_PER_SPLIT: usize = 64;
 /// Most splits per (token, head).
@@ -343,7 +448,10 @@ impl Backend for CudaBackend {
     }
 
     fn runs(&self, op: Op) -> bool {
-        matches!(op, Op::AttentionCore | Op::RoutedExperts | Op::OutputHead)
+        matches!(
+            op,
+            Op::AttentionCore | Op::RoutedExperts | Op::SharedExpert | Op::OutputHead
+        )
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
@@ -352,6 +460,10 @@ impl Backend for CudaBackend {
 
     fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
         self.logits_of(hidden).map_err(|e| e.to_string())
+    }
+
+    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+        self.shared_of(layer, xs).map_err(|e| e.to_string())
     }
 
     fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {

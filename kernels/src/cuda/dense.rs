@@ -1,13 +1,14 @@
 //! Launch wrappers of the dense kernels: the experts' clamped SwiGLU (`moe_act.cu`) and the
-//! bf16 GEMV over several vectors (`dense_gemv.cu`, the output head).
+//! bf16 and FP8-block GEMVs over several vectors (`dense_gemv.cu`: the output head, the shared
+//! expert).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{Gpu, KernelError, non_empty};
 
-/// Warps (output rows) per block of `bf16_gemv_many` (`WARPS_PER_BLOCK` there).
-const BF16_GEMV_WARPS: usize = 4;
-/// Vectors per `bf16_gemv_many` launch (grid y).
+/// Warps (output rows) per block of the dense GEMVs (`WARPS_PER_BLOCK` in dense_gemv.cu).
+const DENSE_GEMV_WARPS: usize = 4;
+/// Vectors per dense GEMV launch (grid y).
 const VECTORS_PER_LAUNCH: usize = 65_535;
 
 /// Threads per block of `swiglu_clamp`.
@@ -100,7 +101,44 @@ impl Gpu {
         Ok(y)
     }
 
-    /// Launches `y[v] = W · x[v]` on device buffers (in groups of at most 65535 vectors).
+    /// `y[v] = W · x[v]` for an FP8 e4m3 weight `[rows, cols]` with 128x128 ue8m0 scales (see
+    /// `cpu::fp8_block_gemv`); returns `[vectors, rows]`, poisoned with NaN before the launch.
+    pub fn fp8_block_gemv(
+        &self,
+        w: &[u8],
+        scales: &[u8],
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<f32>, KernelError> {
+        let vectors = x.len().checked_div(cols).unwrap_or(0);
+        if w.len() != rows * cols
+            || scales.len() != rows.div_ceil(128) * cols.div_ceil(128)
+            || x.len() != vectors * cols
+        {
+            return Err(KernelError::Shape(format!(
+                "fp8 gemv {rows}x{cols} with {} scales and {} inputs",
+                scales.len(),
+                x.len()
+            )));
+        }
+        let d_w = self.stream.clone_htod(&non_empty(w))?;
+        let d_s = self.stream.clone_htod(&non_empty(scales))?;
+        let d_x = self.stream.clone_htod(&non_empty(x))?;
+        let mut d_y = self
+            .stream
+            .clone_htod(&vec![f32::NAN; (vectors * rows).max(1)])?;
+        let weight = DenseWeight::Fp8Block {
+            w: &d_w,
+            scales: &d_s,
+        };
+        self.launch_dense_gemv(weight, &d_x, rows, cols, vectors, &mut d_y)?;
+        let mut y = self.stream.clone_dtoh(&d_y)?;
+        y.truncate(vectors * rows);
+        Ok(y)
+    }
+
+    /// Launches `y[v] = W · x[v]` for a bf16 weight on device buffers.
     pub fn launch_bf16_gemv(
         &self,
         w: &CudaSlice<u16>,
@@ -110,16 +148,38 @@ impl Gpu {
         vectors: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        if w.len() < rows * cols || x.len() < vectors * cols || y.len() < vectors * rows {
+        self.launch_dense_gemv(DenseWeight::Bf16(w), x, rows, cols, vectors, y)
+    }
+
+    /// Launches `y[v] = W · x[v]` on device buffers (in groups of at most 65535 vectors).
+    pub fn launch_dense_gemv(
+        &self,
+        weight: DenseWeight<'_>,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        vectors: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let weight_ok = match weight {
+            DenseWeight::Bf16(w) => w.len() >= rows * cols,
+            DenseWeight::Fp8Block { w, scales } => {
+                w.len() >= rows * cols && scales.len() >= rows.div_ceil(128) * cols.div_ceil(128)
+            }
+        };
+        if !weight_ok || x.len() < vectors * cols || y.len() < vectors * rows {
             return Err(KernelError::Shape(format!(
-                "bf16 gemv {rows}x{cols}, {vectors} vectors"
+                "dense gemv {rows}x{cols}, {vectors} vectors"
             )));
         }
         if rows == 0 || vectors == 0 {
             return Ok(());
         }
-        let f = self.dense.load_function("bf16_gemv_many")?;
-        let grid_x = super::grid_dim(rows.div_ceil(BF16_GEMV_WARPS), "bf16 gemv rows")?;
+        let f = self.dense.load_function(match weight {
+            DenseWeight::Bf16(_) => "bf16_gemv_many",
+            DenseWeight::Fp8Block { .. } => "fp8_block_gemv_many",
+        })?;
+        let grid_x = super::grid_dim(rows.div_ceil(DENSE_GEMV_WARPS), "dense gemv rows")?;
         let (rows_arg, cols_arg) = (rows as i64, cols as i64);
         let mut first = 0;
         while first < vectors {
@@ -127,18 +187,22 @@ impl Gpu {
             let x_part = x.slice(first * cols..(first + count) * cols);
             let mut y_part = y.slice_mut(first * rows..(first + count) * rows);
             let mut launch = self.stream.launch_builder(&f);
+            match weight {
+                DenseWeight::Bf16(w) => launch.arg(w),
+                DenseWeight::Fp8Block { w, scales } => launch.arg(w).arg(scales),
+            };
             launch
-                .arg(w)
                 .arg(&x_part)
                 .arg(&rows_arg)
                 .arg(&cols_arg)
                 .arg(&mut y_part);
-            // SAFETY: argument types and order match `bf16_gemv_many`; `w` holds rows x cols,
-            // the views hold `count` vectors of inputs and outputs.
+            // SAFETY: argument types and order match `bf16_gemv_many` / `fp8_block_gemv_many`;
+            // the weight holds rows x cols (and its scales), the views hold `count` vectors of
+            // inputs and outputs.
             unsafe {
                 launch.launch(LaunchConfig {
                     grid_dim: (grid_x, count as u32, 1),
-                    block_dim: (32 * BF16_GEMV_WARPS as u32, 1, 1),
+                    block_dim: (32 * DENSE_GEMV_WARPS as u32, 1, 1),
                     shared_mem_bytes: 0,
                 })?;
             }
@@ -146,4 +210,16 @@ impl Gpu {
         }
         Ok(())
     }
+}
+
+/// A dense weight `[rows, cols]` on the device.
+#[derive(Debug, Clone, Copy)]
+pub enum DenseWeight<'a> {
+    /// bf16 bits.
+    Bf16(&'a CudaSlice<u16>),
+    /// e4m3 codes with ue8m0 scales per 128x128 tile (`[ceil(rows/128), ceil(cols/128)]`).
+    Fp8Block {
+        w: &'a CudaSlice<u8>,
+        scales: &'a CudaSlice<u8>,
+    },
 }
