@@ -49,6 +49,30 @@ fn gpu_swiglu_matches_reference() {
     }
 }
 
+/// Every output within 1e-5 of `Σ |w x|` of the reference (`w` the dequantized weight).
+fn assert_gemv_close(
+    got: &[f32],
+    want: &[f32],
+    w: &[f32],
+    x: &[f32],
+    (rows, cols): (usize, usize),
+) {
+    let vectors = x.len().checked_div(cols).unwrap_or(0);
+    assert_eq!(got.len(), rows * vectors);
+    for v in 0..vectors {
+        for r in 0..rows {
+            let mag: f32 = (0..cols)
+                .map(|c| (w[r * cols + c] * x[v * cols + c]).abs())
+                .sum();
+            let (g, e) = (got[v * rows + r], want[v * rows + r]);
+            assert!(
+                (g - e).abs() <= 1e-5 * mag + 1e-30,
+                "{rows}x{cols} vector {v} row {r}: gpu {g} ref {e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn gpu_bf16_gemv_matches_reference() {
     let Some(gpu) = Gpu::open().unwrap() else {
@@ -75,18 +99,7 @@ fn gpu_bf16_gemv_matches_reference() {
         let got = gpu.bf16_gemv(&w, &x, rows, cols).unwrap();
         assert_eq!(got.len(), rows * vectors);
         let wf = engine::formats::bf16_slice_to_f32(&w);
-        for v in 0..vectors {
-            for r in 0..rows {
-                let mag: f32 = (0..cols)
-                    .map(|c| (wf[r * cols + c] * x[v * cols + c]).abs())
-                    .sum();
-                let (g, e) = (got[v * rows + r], want[v * rows + r]);
-                assert!(
-                    (g - e).abs() <= 1e-5 * mag + 1e-30,
-                    "{rows}x{cols} vector {v} row {r}: gpu {g} ref {e}"
-                );
-            }
-        }
+        assert_gemv_close(&got, &want, &wf, &x, (rows, cols));
     }
 }
 
@@ -114,18 +127,7 @@ fn gpu_fp8_block_gemv_matches_reference() {
         let got = gpu.fp8_block_gemv(&codes, &scales, &x, rows, cols).unwrap();
         assert_eq!(got.len(), rows * vectors);
         let wf = engine::quant::dequant_fp8_block(&codes, &scales, rows, cols).unwrap();
-        for v in 0..vectors {
-            for r in 0..rows {
-                let mag: f32 = (0..cols)
-                    .map(|c| (wf[r * cols + c] * x[v * cols + c]).abs())
-                    .sum();
-                let (g, e) = (got[v * rows + r], want[v * rows + r]);
-                assert!(
-                    (g - e).abs() <= 1e-5 * mag + 1e-30,
-                    "{rows}x{cols} vector {v} row {r}: gpu {g} ref {e}"
-                );
-            }
-        }
+        assert_gemv_close(&got, &want, &wf, &x, (rows, cols));
     }
 }
 

@@ -1,7 +1,7 @@
 //! Launch wrappers of the FP4 kernels: NVFP4 activation quantization, FP4 GEMVs (single and
 //! grouped over routed experts) and the NVFP4 tensor-core GEMM.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{Gpu, KernelError, non_empty};
 use crate::cpu;
@@ -390,6 +390,36 @@ impl Gpu {
                 "the block-scaled FP4 MMA needs sm_120 (this device is sm_{major}{minor})"
             )));
         }
+        // SAFETY: the device is sm_120, where the kernel has its real
+        // body; it takes the W4A4 parameter list and 128 threads per 64 x 64 tile.
+        unsafe {
+            self.launch_w4a4(
+                &self.gemm_sm120,
+                "nvfp4_gemm_w4a4_sm120",
+                (GEMM_TILE, GEMM_TILE),
+                a,
+                w,
+                (m, n, k),
+            )
+        }
+    }
+
+    /// Uploads the W4A4 operands, poisons `C` with NaN, launches `kernel` of `module` with 128
+    /// threads per `tile` (rows of A, rows of W) and copies `C` back.
+    ///
+    /// # Safety
+    /// `kernel` must take `(a_codes, a_scales, a_scale_2, w_codes, w_scales, w_scale_2, m, n, k,
+    /// c)`, compute `tile` with 128 threads and static shared memory, and have its real body on
+    /// this device.
+    pub(super) unsafe fn launch_w4a4(
+        &self,
+        module: &std::sync::Arc<CudaModule>,
+        kernel: &str,
+        tile: (usize, usize),
+        a: (&[u8], &[u8], f32),
+        w: (&[u8], &[u8], f32),
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<Vec<f32>, KernelError> {
         if !k.is_multiple_of(64)
             || a.0.len() != m * k / 2
             || a.1.len() != m * k / 16
@@ -398,13 +428,22 @@ impl Gpu {
         {
             return Err(KernelError::Shape(format!("w4a4 gemm {m}x{n}x{k}")));
         }
+        let grid = (
+            super::grid_dim(n.div_ceil(tile.1), "gemm columns")?,
+            super::grid_dim(m.div_ceil(tile.0), "gemm rows")?,
+        );
+        if grid.1 > 65_535 {
+            return Err(KernelError::Shape(format!(
+                "gemm m = {m} (at most 65535 row tiles)"
+            )));
+        }
         let d_a = self.stream.clone_htod(&non_empty(a.0))?;
         let d_sa = self.stream.clone_htod(&non_empty(a.1))?;
         let d_w = self.stream.clone_htod(&non_empty(w.0))?;
         let d_sw = self.stream.clone_htod(&non_empty(w.1))?;
         let mut d_c = self.stream.clone_htod(&vec![f32::NAN; (m * n).max(1)])?;
         if m > 0 && n > 0 {
-            let f = self.gemm_sm120.load_function("nvfp4_gemm_w4a4_sm120")?;
+            let f = module.load_function(kernel)?;
             let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
             let mut launch = self.stream.launch_builder(&f);
             launch
@@ -418,12 +457,8 @@ impl Gpu {
                 .arg(&n_arg)
                 .arg(&k_arg)
                 .arg(&mut d_c);
-            let grid = (
-                super::grid_dim(n.div_ceil(GEMM_TILE), "gemm columns")?,
-                super::grid_dim(m.div_ceil(GEMM_TILE), "gemm rows")?,
-            );
-            // SAFETY: argument types and order match `nvfp4_gemm_w4a4_sm120`; sizes checked
-            // above; the device is sm_120, where the kernel has its real body.
+            // SAFETY: argument types and order are the W4A4 list (the caller's contract), the
+            // buffer sizes were checked above.
             unsafe {
                 launch.launch(LaunchConfig {
                     grid_dim: (grid.0, grid.1, 1),
