@@ -200,6 +200,8 @@ fn main() -> Result<(), KernelError> {
         unit: "GB/s",
     });
 
+    rows.extend(engine_steps()?);
+
     println!(
         "{:<56} {:>10} {:>12} {:>10}",
         "kernel", "us/call", "rate", "% copy"
@@ -220,6 +222,83 @@ fn main() -> Result<(), KernelError> {
         );
     }
     Ok(())
+}
+
+/// Whole engine steps on the `small` synthetic model (NVFP4 experts) on the CPU reference and
+/// with the CUDA backend in hybrid mode: a 256-token prefill, then decode steps of 8 sequences.
+/// On a model this small the device's per-op overhead shows, not its bandwidth.
+fn engine_steps() -> Result<Vec<Row>, KernelError> {
+    use std::sync::Arc;
+
+    use engine::{
+        config::ExpertFormat,
+        model::{Logits, Model, SequenceState, Step},
+        synth::{GenerateOptions, Preset, generate},
+    };
+    let dir = std::env::temp_dir().join(format!("pdserve-kernel-bench-{}", std::process::id()));
+    let fail = |e: String| KernelError::Checkpoint(e);
+    generate(&GenerateOptions {
+        preset: Preset::Small,
+        seed: 1,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.clone(),
+        tokenizer_dir: None,
+    })
+    .map_err(|e| fail(e.to_string()))?;
+    let cpu = Model::load(&dir).map_err(|e| fail(e.to_string()))?;
+    let mut cuda = Model::load(&dir).map_err(|e| fail(e.to_string()))?;
+    let backend = kernels::cuda::CudaBackend::load(&dir, &cuda.config)?
+        .ok_or_else(|| KernelError::Unsupported("no device".into()))?;
+    cuda.attach_backend(Arc::new(backend), true)
+        .map_err(|e| fail(e.to_string()))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let prompt: Vec<u32> = (0..256).map(|i| (i * 7919 + 5) % 1000).collect();
+    let mut rows = Vec::new();
+    for (name, model) in [("cpu", &cpu), ("cuda hybrid", &cuda)] {
+        let start = Instant::now();
+        let mut states: Vec<SequenceState> = Vec::new();
+        for s in 0..8u32 {
+            let mut state = model.new_state();
+            let mut p = prompt.clone();
+            p[0] = s;
+            model
+                .forward(&mut state, &p, Logits::Last)
+                .map_err(|e| fail(e.to_string()))?;
+            states.push(state);
+        }
+        let prefill = start.elapsed().as_secs_f64() / 8.0;
+        rows.push(Row {
+            what: format!("engine prefill, small model, 256 tokens ({name})"),
+            seconds: prefill,
+            rate: 256.0 / prefill,
+            unit: "tok/s",
+        });
+        let steps = 16;
+        let start = Instant::now();
+        for t in 0..steps {
+            let tokens: Vec<[u32; 1]> = (0..8).map(|s| [(t * 8 + s) % 1000]).collect();
+            let mut batch: Vec<Step<'_>> = states
+                .iter_mut()
+                .zip(&tokens)
+                .map(|(state, token)| Step {
+                    state,
+                    tokens: token,
+                    logits: Logits::Last,
+                })
+                .collect();
+            model
+                .forward_batch(&mut batch)
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        let step = start.elapsed().as_secs_f64() / f64::from(steps);
+        rows.push(Row {
+            what: format!("engine decode step, small model, batch 8 ({name})"),
+            seconds: step,
+            rate: 8.0 / step,
+            unit: "tok/s",
+        });
+    }
+    Ok(rows)
 }
 
 #[expect(clippy::needless_pass_by_value, reason = "used as map_err(shape)")]
