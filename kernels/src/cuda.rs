@@ -103,6 +103,12 @@ fn grid_dim(count: usize, what: &str) -> Result<u32, KernelError> {
     u32::try_from(count).map_err(|_| KernelError::Shape(format!("{what}: {count} blocks")))
 }
 
+impl From<String> for KernelError {
+    fn from(message: String) -> Self {
+        Self::Shape(message)
+    }
+}
+
 /// Device allocations of zero length are refused; empty inputs get one unused element.
 fn non_empty<T: Clone + Default>(v: &[T]) -> Vec<T> {
     if v.is_empty() {

@@ -38,6 +38,7 @@
 //! [`backend::open`] picks the backend a worker's configuration names.
 
 pub mod backend;
+pub mod compose;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

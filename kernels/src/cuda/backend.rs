@@ -1,10 +1,12 @@
 //! [`CudaBackend`], the engine backend on a CUDA device. It keeps every layer's routed experts
 //! on the device in their stored FP4 form and runs a layer's (token, expert) pairs as grouped
 //! GEMVs (gate and up, SwiGLU, down), the shared expert with the dense (bf16 or FP8-block)
-//! GEMVs, the bf16 output head as a GEMV over the final hidden states, and the attention core (softmax with sinks over each token's keys) with the
-//! split-KV decode attention kernel over the distinct rows of the call, uploaded per call.
-//! Everything else of the forward pass stays on the CPU reference (hybrid mode), which the
-//! engine only accepts when the operator asked for it.
+//! GEMVs, the bf16 output head as a GEMV over the final hidden states, and the attention core
+//! (softmax with sinks over each token's keys) with the split-KV decode attention kernel over
+//! the distinct rows of the call, uploaded per call. The expert compositions and the attention
+//! packing are `crate::compose`'s, tested on the CPU references; [`LayerOps`] maps their
+//! operations to kernels. Everything else of the forward pass stays on the CPU reference
+//! (hybrid mode), which the engine only accepts when the operator asked for it.
 
 use std::path::Path;
 
@@ -19,9 +21,7 @@ use engine::{
 };
 
 use super::{AttnShape, DenseWeight, DeviceExperts, Gpu, KernelError, non_empty};
-
-/// Pairs per grouped launch (the kernels' grid y is at most 65535).
-const PAIRS_PER_LAUNCH: usize = 65_535;
+use crate::compose::{self, ExpertDims, Ops, Proj};
 
 /// One projection of every routed expert of a layer, on the device.
 #[derive(Debug)]
@@ -126,7 +126,6 @@ struct DeviceShared {
     w1: DeviceLinear,
     w2: DeviceLinear,
     w3: DeviceLinear,
-    inter: usize,
 }
 
 /// The engine backend for the routed experts on a CUDA device.
@@ -210,7 +209,6 @@ impl CudaBackend {
                 w1: linear("w1")?,
                 w2: linear("w2")?,
                 w3: linear("w3")?,
-                inter: config.moe_intermediate_size,
             });
         }
         let head_bits = stored_bf16(dir, config, "head.weight")
@@ -229,86 +227,6 @@ impl CudaBackend {
             limit: config.swiglu_limit,
             device_bytes,
         }))
-    }
-
-    /// The expert outputs of one launch group (at most [`PAIRS_PER_LAUNCH`] pairs), flat
-    /// `[pairs, hidden]`.
-    fn run_pairs(
-        &self,
-        layer: &DeviceLayer,
-        d_x: &CudaSlice<f32>,
-        pairs: &[(usize, usize)],
-    ) -> Result<Vec<f32>, KernelError> {
-        let n = pairs.len();
-        let to_i32 =
-            |v: usize| i32::try_from(v).map_err(|_| KernelError::Shape(format!("index {v}")));
-        let tokens: Vec<i32> = pairs
-            .iter()
-            .map(|&(t, _)| to_i32(t))
-            .collect::<Result<_, _>>()?;
-        let experts: Vec<i32> = pairs
-            .iter()
-            .map(|&(_, e)| to_i32(e))
-            .collect::<Result<_, _>>()?;
-        let identity: Vec<i32> = (0..n).map(to_i32).collect::<Result<_, _>>()?;
-        let s = &self.gpu.stream;
-        let d_token = s.clone_htod(&tokens)?;
-        let d_expert = s.clone_htod(&experts)?;
-        let d_identity = s.clone_htod(&identity)?;
-        // Poisoned: a launch that writes nothing cannot pass for a result.
-        let mut d_gate = s.clone_htod(&vec![f32::NAN; n * self.inter])?;
-        let mut d_up = s.clone_htod(&vec![f32::NAN; n * self.inter])?;
-        let mut d_act = s.clone_htod(&vec![f32::NAN; n * self.inter])?;
-        let mut d_y = s.clone_htod(&vec![f32::NAN; n * self.hidden])?;
-        let gpu = &self.gpu;
-        gpu.launch_grouped_gemv(&layer.w1.view(), d_x, &d_token, &d_expert, n, &mut d_gate)?;
-        gpu.launch_grouped_gemv(&layer.w3.view(), d_x, &d_token, &d_expert, n, &mut d_up)?;
-        gpu.launch_swiglu_clamp(&d_gate, &d_up, n * self.inter, self.limit, &mut d_act)?;
-        gpu.launch_grouped_gemv(
-            &layer.w2.view(),
-            &d_act,
-            &d_identity,
-            &d_expert,
-            n,
-            &mut d_y,
-        )?;
-        Ok(s.clone_dtoh(&d_y)?)
-    }
-
-    fn experts_of(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, KernelError> {
-        let layer = self
-            .layers
-            .get(batch.layer)
-            .ok_or_else(|| KernelError::Shape(format!("no layer {}", batch.layer)))?;
-        let experts = layer.w1.experts;
-        if let Some(&(t, e)) = batch
-            .pairs
-            .iter()
-            .find(|&&(t, e)| t >= batch.xs.len() || e >= experts)
-        {
-            return Err(KernelError::Shape(format!(
-                "pair (token {t}, expert {e}) with {} tokens and {experts} experts",
-                batch.xs.len()
-            )));
-        }
-        if batch.pairs.is_empty() {
-            return Ok(Vec::new());
-        }
-        if let Some(x) = batch.xs.iter().find(|x| x.len() != self.hidden) {
-            return Err(KernelError::Shape(format!(
-                "expert input of {} values, not {}",
-                x.len(),
-                self.hidden
-            )));
-        }
-        let flat: Vec<f32> = batch.xs.concat();
-        let d_x = self.gpu.stream.clone_htod(&flat)?;
-        let mut out = Vec::with_capacity(batch.pairs.len());
-        for group in batch.pairs.chunks(PAIRS_PER_LAUNCH) {
-            let y = self.run_pairs(layer, &d_x, group)?;
-            out.extend(y.chunks_exact(self.hidden).map(<[f32]>::to_vec));
-        }
-        Ok(out)
     }
 }
 
@@ -340,40 +258,6 @@ impl CudaBackend {
     }
 }
 
-impl CudaBackend {
-    /// The shared expert of `layer` for every input: two dense GEMVs, SwiGLU, one more.
-    fn shared_of(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, KernelError> {
-        let shared = self
-            .shared
-            .get(layer)
-            .ok_or_else(|| KernelError::Shape(format!("no layer {layer}")))?;
-        if let Some(x) = xs.iter().find(|x| x.len() != self.hidden) {
-            return Err(KernelError::Shape(format!(
-                "shared expert input of {} values, not {}",
-                x.len(),
-                self.hidden
-            )));
-        }
-        let (n, inter) = (xs.len(), shared.inter);
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let s = &self.gpu.stream;
-        let d_x = s.clone_htod(&xs.concat())?;
-        let mut d_gate = s.clone_htod(&vec![f32::NAN; n * inter])?;
-        let mut d_up = s.clone_htod(&vec![f32::NAN; n * inter])?;
-        let mut d_act = s.clone_htod(&vec![f32::NAN; n * inter])?;
-        let mut d_y = s.clone_htod(&vec![f32::NAN; n * self.hidden])?;
-        let gpu = &self.gpu;
-        gpu.launch_dense_gemv(shared.w1.view(), &d_x, inter, self.hidden, n, &mut d_gate)?;
-        gpu.launch_dense_gemv(shared.w3.view(), &d_x, inter, self.hidden, n, &mut d_up)?;
-        gpu.launch_swiglu_clamp(&d_gate, &d_up, n * inter, self.limit, &mut d_act)?;
-        gpu.launch_dense_gemv(shared.w2.view(), &d_act, self.hidden, inter, n, &mut d_y)?;
-        let y = s.clone_dtoh(&d_y)?;
-        Ok(y.chunks_exact(self.hidden).map(<[f32]>::to_vec).collect())
-    }
-}
-
 /// Keys per split of the attention kernel (a token with more keys gets more splits).
 const KEYS_PER_SPLIT: usize = 64;
 /// Most splits per (token, head).
@@ -381,34 +265,10 @@ const MAX_SPLITS: usize = 32;
 
 impl CudaBackend {
     fn attend_on_device(&self, b: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, KernelError> {
-        let (tokens, width) = (b.queries.len(), b.heads * b.head_dim);
-        if b.keys.len() != tokens
-            || b.sinks.len() != b.heads
-            || b.queries.iter().any(|q| q.len() != width)
-            || b.rows.iter().any(|r| r.len() != b.head_dim)
-            || b.keys.iter().flatten().any(|&k| k >= b.rows.len())
-        {
-            return Err(KernelError::Shape(format!(
-                "attention: {tokens} tokens, {} rows of {}, {} heads",
-                b.rows.len(),
-                b.head_dim,
-                b.heads
-            )));
-        }
+        let packed = compose::pack_attend(&b).map_err(KernelError::Shape)?;
+        let tokens = b.queries.len();
         if tokens == 0 {
             return Ok(Vec::new());
-        }
-        let row_bytes = 4 * b.head_dim;
-        let pool: Vec<u8> = b
-            .rows
-            .iter()
-            .flat_map(|r| r.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
-        let mut offsets: Vec<i64> = Vec::with_capacity(b.keys.iter().map(Vec::len).sum());
-        let mut starts: Vec<i64> = vec![0];
-        for keys in b.keys {
-            offsets.extend(keys.iter().map(|&k| (k * row_bytes) as i64));
-            starts.push(offsets.len() as i64);
         }
         let longest = b.keys.iter().map(Vec::len).max().unwrap_or(0);
         let shape = AttnShape {
@@ -418,10 +278,10 @@ impl CudaBackend {
             scale: b.scale,
         };
         let s = &self.gpu.stream;
-        let d_q = s.clone_htod(&b.queries.concat())?;
-        let d_pool = s.clone_htod(&non_empty(&pool))?;
-        let d_offsets = s.clone_htod(&non_empty(&offsets))?;
-        let d_starts = s.clone_htod(&starts)?;
+        let d_q = s.clone_htod(&packed.queries)?;
+        let d_pool = s.clone_htod(&non_empty(&packed.pool))?;
+        let d_offsets = s.clone_htod(&non_empty(&packed.offsets))?;
+        let d_starts = s.clone_htod(&packed.starts)?;
         let d_sinks = s.clone_htod(b.sinks)?;
         let mut scratch = self.gpu.attn_scratch(tokens, shape)?;
         self.gpu.launch_attn_decode(
@@ -434,11 +294,111 @@ impl CudaBackend {
             &mut scratch,
         )?;
         let out = s.clone_dtoh(&scratch.out)?;
+        let width = b.heads * b.head_dim;
         Ok(out
             .chunks_exact(width)
             .take(tokens)
             .map(<[f32]>::to_vec)
             .collect())
+    }
+
+    /// The compositions' device operations for `layer`.
+    fn layer_ops(&self, layer: usize) -> Result<LayerOps<'_>, KernelError> {
+        match (self.layers.get(layer), self.shared.get(layer)) {
+            (Some(routed), Some(shared)) => Ok(LayerOps {
+                gpu: &self.gpu,
+                routed,
+                shared,
+                dims: self.dims(routed.w1.experts),
+            }),
+            _ => Err(KernelError::Shape(format!("no layer {layer}"))),
+        }
+    }
+
+    fn dims(&self, experts: usize) -> ExpertDims {
+        ExpertDims {
+            hidden: self.hidden,
+            inter: self.inter,
+            experts,
+            limit: self.limit,
+        }
+    }
+}
+
+/// The device operations of one layer's expert compositions (see [`compose::Ops`]).
+#[derive(Debug)]
+struct LayerOps<'a> {
+    gpu: &'a Gpu,
+    routed: &'a DeviceLayer,
+    shared: &'a DeviceShared,
+    dims: ExpertDims,
+}
+
+impl Ops for LayerOps<'_> {
+    type Error = KernelError;
+    type Buf = CudaSlice<f32>;
+    type Idx = CudaSlice<i32>;
+
+    fn put(&self, values: &[f32]) -> Result<CudaSlice<f32>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&non_empty(values))?)
+    }
+
+    fn put_idx(&self, values: &[i32]) -> Result<CudaSlice<i32>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&non_empty(values))?)
+    }
+
+    fn poisoned(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&vec![f32::NAN; len.max(1)])?)
+    }
+
+    fn get(&self, buf: &CudaSlice<f32>) -> Result<Vec<f32>, KernelError> {
+        Ok(self.gpu.stream.clone_dtoh(buf)?)
+    }
+
+    fn grouped(
+        &self,
+        proj: Proj,
+        x: &CudaSlice<f32>,
+        token: &CudaSlice<i32>,
+        expert: &CudaSlice<i32>,
+        pairs: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let stack = match proj {
+            Proj::Gate => &self.routed.w1,
+            Proj::Down => &self.routed.w2,
+            Proj::Up => &self.routed.w3,
+        };
+        self.gpu
+            .launch_grouped_gemv(&stack.view(), x, token, expert, pairs, y)
+    }
+
+    fn dense(
+        &self,
+        proj: Proj,
+        x: &CudaSlice<f32>,
+        vectors: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let (hidden, inter) = (self.dims.hidden, self.dims.inter);
+        let (weight, rows, cols) = match proj {
+            Proj::Gate => (&self.shared.w1, inter, hidden),
+            Proj::Down => (&self.shared.w2, hidden, inter),
+            Proj::Up => (&self.shared.w3, inter, hidden),
+        };
+        self.gpu
+            .launch_dense_gemv(weight.view(), x, rows, cols, vectors, y)
+    }
+
+    fn swiglu(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+        limit: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.gpu.launch_swiglu_clamp(gate, up, n, limit, out)
     }
 }
 
@@ -455,7 +415,8 @@ impl Backend for CudaBackend {
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
-        self.experts_of(batch).map_err(|e| e.to_string())
+        let ops = self.layer_ops(batch.layer).map_err(|e| e.to_string())?;
+        compose::routed_experts(&ops, ops.dims, batch.xs, batch.pairs).map_err(|e| e.to_string())
     }
 
     fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
@@ -463,7 +424,8 @@ impl Backend for CudaBackend {
     }
 
     fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
-        self.shared_of(layer, xs).map_err(|e| e.to_string())
+        let ops = self.layer_ops(layer).map_err(|e| e.to_string())?;
+        compose::shared_expert(&ops, ops.dims, xs).map_err(|e| e.to_string())
     }
 
     fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
