@@ -8,13 +8,18 @@
 //! failing device makes the step fail, and the scheduler turns that into an error for every
 //! request of the batch, never into plausible-looking tokens.
 
-use std::{fmt, sync::Arc};
+use std::{fmt, ops::Range, sync::Arc};
+
+use crate::tensor::Matrix;
 
 /// An op of the forward pass a backend may take over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Op {
-    /// Attention's projections, compressors and the lightning indexer's selection.
-    AttentionProjections,
+    /// Attention's linears: the Q, KV and output projections, the compressors' and the
+    /// indexer's projections ([`LinearId`]).
+    AttentionLinears,
+    /// Attention's norms and RoPE, the compressors' pooling and the indexer's scoring.
+    AttentionElementwise,
     /// Each token's softmax with sinks over its window and compressed rows.
     AttentionCore,
     /// The routed experts of every MoE layer.
@@ -29,8 +34,9 @@ pub enum Op {
 
 impl Op {
     /// Every op, in forward order.
-    pub const ALL: [Op; 6] = [
-        Op::AttentionProjections,
+    pub const ALL: [Op; 7] = [
+        Op::AttentionLinears,
+        Op::AttentionElementwise,
         Op::AttentionCore,
         Op::Mixing,
         Op::RoutedExperts,
@@ -40,13 +46,73 @@ impl Op {
 
     pub fn name(self) -> &'static str {
         match self {
-            Op::AttentionProjections => "attention projections (with compressors and indexer)",
+            Op::AttentionLinears => "attention linears",
+            Op::AttentionElementwise => "attention norms, RoPE, compression and index scoring",
             Op::AttentionCore => "attention core",
             Op::RoutedExperts => "routed experts",
             Op::SharedExpert => "shared expert",
             Op::Mixing => "mixing (gates, hyper-connections, norms)",
             Op::OutputHead => "output head",
         }
+    }
+}
+
+/// One of a layer's attention linears (`[out, in]` as in the checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LinearId {
+    /// `attn.wq_a`: hidden to the Q low rank.
+    QA,
+    /// `attn.wq_b`: Q low rank to the heads.
+    QB,
+    /// `attn.wkv`: hidden to the shared K=V head.
+    Kv,
+    /// `attn.wo_a`: grouped, each head group to its block of rows.
+    OA,
+    /// `attn.wo_b`: the groups' low ranks to hidden.
+    OB,
+    /// `attn.compressor.wkv` and `.wgate`.
+    CompressorKv,
+    CompressorGate,
+    /// `attn.indexer.compressor.wkv` and `.wgate`.
+    IndexerCompressorKv,
+    IndexerCompressorGate,
+    /// `attn.indexer.wq_b` and `attn.indexer.weights_proj`.
+    IndexerQB,
+    IndexerWeights,
+}
+
+impl LinearId {
+    /// Every attention linear.
+    pub const ALL: [LinearId; 11] = [
+        LinearId::QA,
+        LinearId::QB,
+        LinearId::Kv,
+        LinearId::OA,
+        LinearId::OB,
+        LinearId::CompressorKv,
+        LinearId::CompressorGate,
+        LinearId::IndexerCompressorKv,
+        LinearId::IndexerCompressorGate,
+        LinearId::IndexerQB,
+        LinearId::IndexerWeights,
+    ];
+
+    /// The checkpoint name of the linear in layer `layer` (before `.weight`).
+    pub fn tensor(self, layer: usize) -> String {
+        let suffix = match self {
+            LinearId::QA => "wq_a",
+            LinearId::QB => "wq_b",
+            LinearId::Kv => "wkv",
+            LinearId::OA => "wo_a",
+            LinearId::OB => "wo_b",
+            LinearId::CompressorKv => "compressor.wkv.weight",
+            LinearId::CompressorGate => "compressor.wgate.weight",
+            LinearId::IndexerCompressorKv => "indexer.compressor.wkv.weight",
+            LinearId::IndexerCompressorGate => "indexer.compressor.wgate.weight",
+            LinearId::IndexerQB => "indexer.wq_b",
+            LinearId::IndexerWeights => "indexer.weights_proj.weight",
+        };
+        format!("{}attn.{suffix}", crate::schema::layer(layer))
     }
 }
 
@@ -113,6 +179,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The logits (`vocab_size` values) of each final hidden state (after the final norm).
     fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
         let _ = hidden;
+        Err("not implemented".to_owned())
+    }
+
+    /// Rows `rows` of attention linear `which` of layer `layer` times each of `xs`.
+    fn linear(
+        &self,
+        layer: usize,
+        which: LinearId,
+        rows: Range<usize>,
+        xs: &[&[f32]],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let _ = (layer, which, rows, xs);
         Err("not implemented".to_owned())
     }
 
@@ -223,6 +301,20 @@ impl Attached {
         self.checked(Op::OutputHead, out, hidden.len(), vocab, "position")
     }
 
+    /// [`Backend::linear`], with its output checked: `rows.len()` finite values per input.
+    pub fn linear(
+        &self,
+        layer: usize,
+        which: LinearId,
+        rows: Range<usize>,
+        xs: &[&[f32]],
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let width = rows.len();
+        let out = self.backend.linear(layer, which, rows, xs);
+        let context = format!("layer {layer} {which:?}, input");
+        self.checked(Op::AttentionLinears, out, xs.len(), width, &context)
+    }
+
     /// [`Backend::shared_expert`], with its output checked: one row of `width` finite values
     /// per input.
     pub fn shared_expert(
@@ -275,6 +367,47 @@ impl Attached {
             }
         }
         Ok(out)
+    }
+}
+
+/// Where one layer's ops run: on the attached backend for the ops it runs, else here.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerDevice<'a> {
+    pub backend: Option<&'a Attached>,
+    pub layer: usize,
+}
+
+impl<'a> LayerDevice<'a> {
+    /// The backend, when it runs `op`.
+    pub fn on(&self, op: Op) -> Option<&'a Attached> {
+        self.backend.filter(|b| b.runs(op))
+    }
+
+    /// Attention linear `which` (the reference weight `m`) times each of `xs`.
+    pub fn linear<V: AsRef<[f32]> + Sync>(
+        &self,
+        which: LinearId,
+        m: &Matrix,
+        xs: &[V],
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        self.linear_rows(which, m, 0..m.rows, xs)
+    }
+
+    /// Rows `rows` of attention linear `which` times each of `xs`.
+    pub fn linear_rows<V: AsRef<[f32]> + Sync>(
+        &self,
+        which: LinearId,
+        m: &Matrix,
+        rows: Range<usize>,
+        xs: &[V],
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        match self.on(Op::AttentionLinears) {
+            Some(backend) if !xs.is_empty() => {
+                let refs: Vec<&[f32]> = xs.iter().map(AsRef::as_ref).collect();
+                backend.linear(self.layer, which, rows, &refs)
+            }
+            _ => Ok(m.apply_rows_many(rows.start, rows.len(), xs)),
+        }
     }
 }
 

@@ -10,14 +10,14 @@ use std::sync::{
 };
 
 use engine::{
-    backend::{AttendBatch, Backend, BackendError, ExpertBatch, Op},
+    backend::{AttendBatch, Backend, BackendError, ExpertBatch, LinearId, Op},
     config::ExpertFormat,
     model::{ForwardError, Logits, Model},
     sampling::{SamplingParams, StopConditions},
     scheduler::{Engine, EngineConfig, Event, GenerationRequest},
     synth::{GenerateOptions, Preset, generate},
     tensor::Matrix,
-    weights::MoeWeights,
+    weights::{AttentionWeights, MoeWeights},
 };
 
 fn load() -> (tempfile::TempDir, Model) {
@@ -34,10 +34,13 @@ fn load() -> (tempfile::TempDir, Model) {
     (dir, model)
 }
 
-/// Routed and shared experts through the reference `moe::expert`, one token at a time, and the
-/// output head through the reference matrix; optionally poisons one layer's expert output.
+/// Attention linears through the reference matrices, routed and shared experts through the
+/// reference `moe::expert`, one token at a time, and the output head through the reference
+/// matrix; optionally poisons one layer's expert output.
 #[derive(Debug)]
-struct ReferenceExperts {
+struct ReferenceOps {
+    attn: Vec<AttentionWeights>,
+    linear_calls: AtomicUsize,
     moe: Vec<MoeWeights>,
     head: Matrix,
     heads_seen: AtomicUsize,
@@ -46,9 +49,16 @@ struct ReferenceExperts {
     pairs_seen: AtomicUsize,
 }
 
-impl ReferenceExperts {
+impl ReferenceOps {
     fn new(model: &Model, poison_layer: Option<usize>) -> Self {
         Self {
+            attn: model
+                .weights
+                .layers
+                .iter()
+                .map(|l| l.attn.clone())
+                .collect(),
+            linear_calls: AtomicUsize::new(0),
             moe: model.weights.layers.iter().map(|l| l.moe.clone()).collect(),
             head: model.weights.head.clone(),
             heads_seen: AtomicUsize::new(0),
@@ -59,13 +69,44 @@ impl ReferenceExperts {
     }
 }
 
-impl Backend for ReferenceExperts {
+impl Backend for ReferenceOps {
     fn name(&self) -> &'static str {
         "reference"
     }
 
     fn runs(&self, op: Op) -> bool {
-        matches!(op, Op::RoutedExperts | Op::SharedExpert | Op::OutputHead)
+        matches!(
+            op,
+            Op::AttentionLinears | Op::RoutedExperts | Op::SharedExpert | Op::OutputHead
+        )
+    }
+
+    fn linear(
+        &self,
+        layer: usize,
+        which: LinearId,
+        rows: std::ops::Range<usize>,
+        xs: &[&[f32]],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        self.linear_calls.fetch_add(1, Ordering::Relaxed);
+        let a = &self.attn[layer];
+        let compressor = a.compressor.as_ref();
+        let indexer = a.indexer.as_ref();
+        let m = match which {
+            LinearId::QA => Some(&a.wq_a),
+            LinearId::QB => Some(&a.wq_b),
+            LinearId::Kv => Some(&a.wkv),
+            LinearId::OA => Some(&a.wo_a),
+            LinearId::OB => Some(&a.wo_b),
+            LinearId::CompressorKv => compressor.map(|c| &c.wkv),
+            LinearId::CompressorGate => compressor.map(|c| &c.wgate),
+            LinearId::IndexerCompressorKv => indexer.map(|i| &i.compressor.wkv),
+            LinearId::IndexerCompressorGate => indexer.map(|i| &i.compressor.wgate),
+            LinearId::IndexerQB => indexer.map(|i| &i.wq_b),
+            LinearId::IndexerWeights => indexer.map(|i| &i.weights_proj),
+        }
+        .ok_or_else(|| format!("layer {layer} has no {which:?}"))?;
+        Ok(m.apply_rows_many(rows.start, rows.len(), xs))
     }
 
     fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
@@ -112,20 +153,25 @@ fn run(model: &Model, prompt: &[u32], decode: &[u32]) -> Result<Vec<Vec<f32>>, F
 fn reference_experts_backend_gives_identical_logits() {
     let (_dir, plain) = load();
     let (_dir2, mut with_backend) = load();
-    let backend = Arc::new(ReferenceExperts::new(&with_backend, None));
+    let backend = Arc::new(ReferenceOps::new(&with_backend, None));
     let plan = with_backend
         .attach_backend(Arc::clone(&backend) as Arc<dyn Backend>, true)
         .unwrap();
     assert!(plan.is_hybrid());
     assert_eq!(
         plan.on_device,
-        vec![Op::RoutedExperts, Op::SharedExpert, Op::OutputHead]
+        vec![
+            Op::AttentionLinears,
+            Op::RoutedExperts,
+            Op::SharedExpert,
+            Op::OutputHead
+        ]
     );
     assert_eq!(
         plan.to_string(),
-        "reference backend runs routed experts, shared expert, output head; hybrid mode: \
-         attention projections (with compressors and indexer), attention core, mixing (gates, \
-         hyper-connections, norms) on the CPU"
+        "reference backend runs attention linears, routed experts, shared expert, output head; \
+         hybrid mode: attention norms, RoPE, compression and index scoring, attention core, \
+         mixing (gates, hyper-connections, norms) on the CPU"
     );
     let prompt: Vec<u32> = (0..37).map(|i| (i * 7919 + 3) % 1000).collect();
     let decode = [17u32, 404, 9];
@@ -146,6 +192,7 @@ fn reference_experts_backend_gives_identical_logits() {
         backend.heads_seen.load(Ordering::Relaxed),
         prompt.len() + decode.len()
     );
+    assert!(backend.linear_calls.load(Ordering::Relaxed) >= layers * 4 * (1 + decode.len()));
 }
 
 /// The attention core in f64, straight from its definition (softmax with a sink per head).
@@ -235,7 +282,7 @@ fn attention_core_backend_matches_the_reference() {
 #[test]
 fn a_partial_backend_is_refused_without_hybrid_mode() {
     let (_dir, mut model) = load();
-    let backend = Arc::new(ReferenceExperts::new(&model, None));
+    let backend = Arc::new(ReferenceOps::new(&model, None));
     let err = model.attach_backend(backend, false).unwrap_err();
     assert!(matches!(err, BackendError::Incomplete { .. }), "{err}");
     assert!(model.backend_plan().is_none());
@@ -244,7 +291,7 @@ fn a_partial_backend_is_refused_without_hybrid_mode() {
 #[test]
 fn a_failing_backend_fails_the_step_and_the_request() {
     let (_dir, mut model) = load();
-    let backend = Arc::new(ReferenceExperts::new(&model, Some(1)));
+    let backend = Arc::new(ReferenceOps::new(&model, Some(1)));
     model.attach_backend(backend, true).unwrap();
     let err = run(&model, &[5, 6, 7], &[]).unwrap_err();
     let text = err.to_string();

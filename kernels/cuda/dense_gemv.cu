@@ -1,9 +1,11 @@
 // Dense-weight x f32 activation GEMVs for several vectors: the output head (bf16) and the
 // linears of the checkpoint's linear format (bf16, or FP8 e4m3 with 128x128 ue8m0 scales).
 //
-//   bf16_gemv_many:      y[v][r] = sum_c bf16(W[r][c]) * x[v][c]
-//   fp8_block_gemv_many: y[v][r] = sum_c e4m3(W[r][c]) * 2^(S[r/128][c/128] - 127) * x[v][c]
-//   W [rows, cols], S [ceil(rows/128), ceil(cols/128)] row-major, x [vectors, cols] f32
+//   bf16_gemv_many:      y[v][r] = sum_c bf16(W[row0+r][c]) * x[v][c]
+//   fp8_block_gemv_many: y[v][r] = sum_c e4m3(W[row0+r][c]) * 2^(S[(row0+r)/128][c/128] - 127)
+//                                        * x[v][c]
+//   W [total rows, cols], S [ceil(total rows/128), ceil(cols/128)] row-major, x [vectors, cols]
+//   f32, y [vectors, rows]: rows row0..row0+rows of W (a block of a grouped projection).
 //
 // One warp per (row, vector); grid x covers rows (WARPS_PER_BLOCK per block), grid y is the
 // vector (the wrapper launches at most 65535 vectors at once). When cols % 8 == 0 each lane
@@ -22,8 +24,9 @@ __device__ __forceinline__ float bf16_value(uint32_t bits) {
 }
 
 extern "C" __global__ void bf16_gemv_many(const uint16_t* __restrict__ w,
-                                          const float* __restrict__ x, long long rows,
-                                          long long cols, float* __restrict__ y) {
+                                          const float* __restrict__ x, long long row0,
+                                          long long rows, long long cols,
+                                          float* __restrict__ y) {
     const long long row =
         static_cast<long long>(blockIdx.x) * WARPS_PER_BLOCK + threadIdx.x / 32;
     const long long vector = blockIdx.y;
@@ -31,7 +34,7 @@ extern "C" __global__ void bf16_gemv_many(const uint16_t* __restrict__ w,
     if (row >= rows) {
         return;
     }
-    const uint16_t* wr = w + row * cols;
+    const uint16_t* wr = w + (row0 + row) * cols;
     const float* xv = x + vector * cols;
     float acc = 0.0f;
     if (cols % 8 == 0) {
@@ -62,8 +65,9 @@ extern "C" __global__ void bf16_gemv_many(const uint16_t* __restrict__ w,
 // (e4m3 times a power of two), so only the sum's rounding differs from the reference.
 extern "C" __global__ void fp8_block_gemv_many(const uint8_t* __restrict__ w,
                                                const uint8_t* __restrict__ scales,
-                                               const float* __restrict__ x, long long rows,
-                                               long long cols, float* __restrict__ y) {
+                                               const float* __restrict__ x, long long row0,
+                                               long long rows, long long cols,
+                                               float* __restrict__ y) {
     const long long row =
         static_cast<long long>(blockIdx.x) * WARPS_PER_BLOCK + threadIdx.x / 32;
     const long long vector = blockIdx.y;
@@ -72,8 +76,8 @@ extern "C" __global__ void fp8_block_gemv_many(const uint8_t* __restrict__ w,
         return;
     }
     const long long tile_cols = (cols + 127) / 128;
-    const uint8_t* wr = w + row * cols;
-    const uint8_t* sr = scales + (row / 128) * tile_cols;
+    const uint8_t* wr = w + (row0 + row) * cols;
+    const uint8_t* sr = scales + ((row0 + row) / 128) * tile_cols;
     const float* xv = x + vector * cols;
     float acc = 0.0f;
     for (long long c = lane; c < cols; c += 32) {

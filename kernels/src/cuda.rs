@@ -16,7 +16,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
 pub use backend::CudaBackend;
-pub use dense::DenseWeight;
+pub use dense::{DenseWeight, HostDense};
 pub use fp4::{DeviceExperts, GemvFormat};
 pub use pages::DevicePages;
 

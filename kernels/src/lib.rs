@@ -27,12 +27,12 @@
 //!   with the causal rule; ties to the lower index).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
-//!   [`cpu::fp8_block_gemv`] (dense weights, several vectors: the output head, the shared
-//!   expert).
+//!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
+//!   the shared expert, attention's linears).
 //!
 //! `cuda::CudaBackend` is the engine's CUDA backend: the routed experts of every layer on the
-//! device in their stored FP4 form, run as grouped GEMVs, the shared expert, the bf16 output
-//! head and the attention core (see `engine::backend`); the other ops of the forward pass stay on the CPU,
+//! device in their stored FP4 form, run as grouped GEMVs, the shared expert, attention's
+//! linears and core, and the bf16 output head (see `engine::backend`); the other ops of the forward pass stay on the CPU,
 //! so it runs in the engine's explicit hybrid mode. `cuda::DevicePages` is the device page
 //! pool.
 //! [`backend::open`] picks the backend a worker's configuration names.

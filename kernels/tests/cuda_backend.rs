@@ -1,8 +1,8 @@
 //! The engine's CUDA backend against the CPU reference: the clamped SwiGLU kernel element by
 //! element (bound: 4e-6 relative, expf against the host's exp), the bf16 GEMV of the output
 //! head and the FP8-block GEMV of the shared expert (bound: 1e-5 of sum |w x| per output), and
-//! whole-model logits with the attention core, the routed and shared experts and the head on
-//! the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
+//! whole-model logits with the attention linears and core, the routed and shared experts and
+//! the head on the GPU against the all-CPU engine for NVFP4 and MXFP4 checkpoints (bound:
 //! 2e-3 of the largest |logit| per position; the differences are the order of f32 additions
 //! inside the GEMVs and the attention kernel's split merge). Skips without a GPU.
 #![cfg(feature = "cuda")]
@@ -18,7 +18,7 @@ use engine::{
 };
 use kernels::{
     cpu,
-    cuda::{CudaBackend, Gpu, KernelError},
+    cuda::{CudaBackend, Gpu, HostDense, KernelError},
 };
 
 #[test]
@@ -73,6 +73,33 @@ fn assert_gemv_close(
     }
 }
 
+/// A block of rows that does not start on a scale tile (rows 3.. of the middle third) gives
+/// exactly those rows of the device's full product (each row is the same warp's sum).
+fn check_row_block(
+    gpu: &Gpu,
+    weight: HostDense<'_>,
+    full: &[f32],
+    x: &[f32],
+    (rows, cols): (usize, usize),
+) {
+    let block = (rows / 3 + 3).min(rows)..(2 * rows / 3 + 3).min(rows);
+    let got = gpu
+        .dense_gemv(weight, x, (rows, cols), block.clone())
+        .unwrap();
+    let vectors = x.len().checked_div(cols).unwrap_or(0);
+    assert_eq!(got.len(), vectors * block.len());
+    for v in 0..vectors {
+        for (i, r) in block.clone().enumerate() {
+            let (g, e) = (got[v * block.len() + i], full[v * rows + r]);
+            assert_eq!(
+                g.to_bits(),
+                e.to_bits(),
+                "{rows}x{cols} rows {block:?} vector {v} row {r}: block {g} full {e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn gpu_bf16_gemv_matches_reference() {
     let Some(gpu) = Gpu::open().unwrap() else {
@@ -96,10 +123,13 @@ fn gpu_bf16_gemv_matches_reference() {
             .collect();
         let x: Vec<f32> = (0..vectors * cols).map(|_| rng.normal()).collect();
         let want = cpu::bf16_gemv(&w, &x, rows, cols);
-        let got = gpu.bf16_gemv(&w, &x, rows, cols).unwrap();
+        let got = gpu
+            .dense_gemv(HostDense::Bf16(&w), &x, (rows, cols), 0..rows)
+            .unwrap();
         assert_eq!(got.len(), rows * vectors);
         let wf = engine::formats::bf16_slice_to_f32(&w);
         assert_gemv_close(&got, &want, &wf, &x, (rows, cols));
+        check_row_block(&gpu, HostDense::Bf16(&w), &got, &x, (rows, cols));
     }
 }
 
@@ -124,10 +154,15 @@ fn gpu_fp8_block_gemv_matches_reference() {
         let (codes, scales) = engine::quant::quant_fp8_block(&w, rows, cols).unwrap();
         let x: Vec<f32> = (0..vectors * cols).map(|_| rng.normal()).collect();
         let want = cpu::fp8_block_gemv(&codes, &scales, &x, rows, cols).unwrap();
-        let got = gpu.fp8_block_gemv(&codes, &scales, &x, rows, cols).unwrap();
+        let weight = HostDense::Fp8Block {
+            w: &codes,
+            scales: &scales,
+        };
+        let got = gpu.dense_gemv(weight, &x, (rows, cols), 0..rows).unwrap();
         assert_eq!(got.len(), rows * vectors);
         let wf = engine::quant::dequant_fp8_block(&codes, &scales, rows, cols).unwrap();
         assert_gemv_close(&got, &want, &wf, &x, (rows, cols));
+        check_row_block(&gpu, weight, &got, &x, (rows, cols));
     }
 }
 
@@ -178,6 +213,7 @@ fn gpu_backend_logits_match_the_cpu_engine() {
         assert_eq!(
             plan.on_device,
             vec![
+                Op::AttentionLinears,
                 Op::AttentionCore,
                 Op::RoutedExperts,
                 Op::SharedExpert,

@@ -8,11 +8,11 @@ use rayon::prelude::*;
 
 use super::compressor::{self, CompressorState, PendingState};
 use crate::{
-    backend::{Attached, AttendBatch, BackendError},
+    backend::{AttendBatch, BackendError, LayerDevice, LinearId, Op},
     config::{Attention, ModelConfig},
     rope::Rope,
     tensor::{axpy, dots, rms_norm, rms_norm_unweighted, top_k},
-    weights::{AttentionWeights, IndexerWeights},
+    weights::AttentionWeights,
 };
 
 /// A layer's attention state for one sequence.
@@ -69,9 +69,9 @@ struct Projected {
 }
 
 /// Attention outputs (`hidden_size` each) for tokens at positions `start..start+xs.len()`;
-/// `xs` are the sublayer inputs (after `attn_norm`). With `device` (a backend running the
-/// attention core, and this layer's index) the softmax over the keys runs there; everything
-/// else stays here. A backend failure leaves `state` partly advanced: discard it.
+/// `xs` are the sublayer inputs (after `attn_norm`). The linears and the softmax over the keys
+/// run on `device`'s backend when it runs them (`Op::AttentionLinears`, `Op::AttentionCore`);
+/// everything else stays here. A backend failure leaves `state` partly advanced: discard it.
 #[expect(
     clippy::too_many_arguments,
     reason = "the layer's weights, state, inputs and the model-wide context"
@@ -84,7 +84,7 @@ pub fn forward(
     start: usize,
     c: &ModelConfig,
     ropes: &Ropes<'_>,
-    device: Option<(&Attached, usize)>,
+    device: LayerDevice<'_>,
 ) -> Result<Vec<Vec<f32>>, BackendError> {
     let compress_rope = ropes.compress;
     let rope = if kind == Attention::Sliding {
@@ -100,11 +100,11 @@ pub fn forward(
     let window_start = start - rows.len() / hd;
     // Projections of the whole chunk at once (each weight row is read once per block of
     // tokens; every output is still the same dot product as for a lone token).
-    let mut q_residuals = w.wq_a.apply_many(xs);
+    let mut q_residuals = device.linear(LinearId::QA, &w.wq_a, xs)?;
     q_residuals
         .par_iter_mut()
         .for_each(|q| rms_norm(q, &w.q_norm, c.rms_norm_eps));
-    let mut qs = w.wq_b.apply_many(&q_residuals);
+    let mut qs = device.linear(LinearId::QB, &w.wq_b, &q_residuals)?;
     qs.par_iter_mut().enumerate().for_each(|(t, q)| {
         let rotation = rope.at(start + t);
         for head in q.chunks_exact_mut(hd) {
@@ -112,7 +112,7 @@ pub fn forward(
             rotation.apply(head, false);
         }
     });
-    let mut kvs = w.wkv.apply_many(xs);
+    let mut kvs = device.linear(LinearId::Kv, &w.wkv, xs)?;
     kvs.par_iter_mut().enumerate().for_each(|(t, kv)| {
         rms_norm(kv, &w.kv_norm, c.rms_norm_eps);
         rope.apply(kv, start + t, false);
@@ -136,7 +136,8 @@ pub fn forward(
         |t: usize| every > 0 && (start + t + 1).is_multiple_of(every) && t + 1 < xs.len();
     state.boundaries.clear();
     if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
-        let inputs = compressor::project_many(cw, xs);
+        let ids = (LinearId::CompressorKv, LinearId::CompressorGate);
+        let inputs = compressor::project_many(cw, xs, ids, device)?;
         for (t, p) in inputs.into_iter().enumerate() {
             compressor::push(cw, cs, p, c.rms_norm_eps, compress_rope);
             visible[t] = cs.len(cw.head_dim);
@@ -151,7 +152,11 @@ pub fn forward(
     }
     if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
         let mut boundary = state.boundaries.iter_mut();
-        for (t, p) in compressor::project_many(&iw.compressor, xs)
+        let ids = (
+            LinearId::IndexerCompressorKv,
+            LinearId::IndexerCompressorGate,
+        );
+        for (t, p) in compressor::project_many(&iw.compressor, xs, ids, device)?
             .into_iter()
             .enumerate()
         {
@@ -164,6 +169,18 @@ pub fn forward(
         }
     }
 
+    // The indexer's query and head weights of every token (CSA layers).
+    let (index_qs, index_weights) = match &w.indexer {
+        Some(iw) => {
+            let residuals: Vec<&[f32]> =
+                projected.iter().map(|p| p.q_residual.as_slice()).collect();
+            (
+                device.linear(LinearId::IndexerQB, &iw.wq_b, &residuals)?,
+                device.linear(LinearId::IndexerWeights, &iw.weights_proj, xs)?,
+            )
+        }
+        None => (Vec::new(), Vec::new()),
+    };
     let scale = 1.0 / (hd as f32).sqrt();
     let state_ref = &*state;
     let rows_ref = &rows;
@@ -172,7 +189,7 @@ pub fn forward(
     let key_lists: Vec<Vec<Key>> = xs
         .par_iter()
         .enumerate()
-        .map(|(t, x)| {
+        .map(|(t, _)| {
             let pos = start + t;
             let first = (pos + 1).saturating_sub(c.sliding_window).max(window_start);
             let mut keys: Vec<Key> = (first..=pos)
@@ -180,12 +197,11 @@ pub fn forward(
                 .collect();
             if w.compressor.is_some() && state_ref.compressor.is_some() {
                 let chosen: Vec<usize> = match (kind, &w.indexer, &state_ref.indexer) {
-                    (Attention::Csa { .. }, Some(iw), Some(is)) => select(
-                        iw,
+                    (Attention::Csa { .. }, Some(_), Some(is)) => select(
                         is,
                         &IndexQuery {
-                            q_residual: &projected[t].q_residual,
-                            x,
+                            q: &index_qs[t],
+                            weights: &index_weights[t],
                             visible: visible[t],
                             pos,
                         },
@@ -208,8 +224,8 @@ pub fn forward(
             (Key::Compressed(_), None) => &[],
         }
     };
-    let cores: Vec<Vec<f32>> = match device {
-        Some((backend, layer)) => {
+    let cores: Vec<Vec<f32>> = match device.on(Op::AttentionCore) {
+        Some(backend) => {
             // The distinct rows of the chunk, each once, and every token's keys as indices.
             let mut slot_of = std::collections::BTreeMap::<Key, usize>::new();
             let mut distinct: Vec<&[f32]> = Vec::new();
@@ -228,7 +244,7 @@ pub fn forward(
                 .collect();
             let queries: Vec<Vec<f32>> = projected.iter().map(|p| p.q.clone()).collect();
             backend.attend(AttendBatch {
-                layer,
+                layer: device.layer,
                 heads: h,
                 head_dim: hd,
                 rows: &distinct,
@@ -282,7 +298,7 @@ pub fn forward(
             out
         })
         .collect();
-    let outputs = project_out(w, &outputs, c);
+    let outputs = project_out(w, &outputs, c, device)?;
     // The whole chunk's rows stay until the next call trims them, so a paged store can copy
     // every new row into its pages.
     state.window = rows;
@@ -298,9 +314,14 @@ enum Key {
 
 /// The grouped low-rank output projection for every token of a chunk: each of `o_groups` head
 /// groups maps to `o_lora_rank` dims with its own block of `wo_a`, then `wo_b` mixes all groups.
-fn project_out(w: &AttentionWeights, outs: &[Vec<f32>], c: &ModelConfig) -> Vec<Vec<f32>> {
+fn project_out(
+    w: &AttentionWeights,
+    outs: &[Vec<f32>],
+    c: &ModelConfig,
+    device: LayerDevice<'_>,
+) -> Result<Vec<Vec<f32>>, BackendError> {
     let Some(first) = outs.first() else {
-        return Vec::new();
+        return Ok(Vec::new());
     };
     let group_in = first.len() / c.o_groups;
     let mut lows = vec![Vec::with_capacity(c.o_groups * c.o_lora_rank); outs.len()];
@@ -309,36 +330,36 @@ fn project_out(w: &AttentionWeights, outs: &[Vec<f32>], c: &ModelConfig) -> Vec<
             .iter()
             .map(|o| &o[g * group_in..(g + 1) * group_in])
             .collect();
-        let group = w
-            .wo_a
-            .apply_rows_many(g * c.o_lora_rank, c.o_lora_rank, &parts);
+        let rows = g * c.o_lora_rank..(g + 1) * c.o_lora_rank;
+        let group = device.linear_rows(LinearId::OA, &w.wo_a, rows, &parts)?;
         for (low, part) in lows.iter_mut().zip(group) {
             low.extend_from_slice(&part);
         }
     }
-    w.wo_b.apply_many(&lows)
+    device.linear(LinearId::OB, &w.wo_b, &lows)
 }
 
 /// The lightning indexer: scores every visible compressed key by
 /// `Σ_h w_h · ReLU(q_h · k) / sqrt(index_head_dim)` and keeps the top `index_topk`, returned in
 /// ascending row order (the order the attention sums in).
 struct IndexQuery<'a> {
-    q_residual: &'a [f32],
-    x: &'a [f32],
+    /// The token's indexer query (`wq_b` of its Q residual), before RoPE.
+    q: &'a [f32],
+    /// `weights_proj` of the token's input, before the head scale.
+    weights: &'a [f32],
     visible: usize,
     pos: usize,
 }
 
 fn select(
-    iw: &IndexerWeights,
     is: &CompressorState,
     query: &IndexQuery<'_>,
     c: &ModelConfig,
     compress_rope: &Rope,
 ) -> Vec<usize> {
     let IndexQuery {
-        q_residual,
-        x,
+        q,
+        weights,
         visible,
         pos,
     } = *query;
@@ -346,18 +367,13 @@ fn select(
         return Vec::new();
     }
     let di = c.index_head_dim;
-    let mut q = iw.wq_b.apply(q_residual);
+    let mut q = q.to_vec();
     let rotation = compress_rope.at(pos);
     for head in q.chunks_exact_mut(di) {
         rotation.apply(head, false);
     }
     let head_scale = 1.0 / (c.index_n_heads as f32).sqrt();
-    let weights: Vec<f32> = iw
-        .weights_proj
-        .apply(x)
-        .iter()
-        .map(|v| v * head_scale)
-        .collect();
+    let weights: Vec<f32> = weights.iter().map(|v| v * head_scale).collect();
     let softmax_scale = 1.0 / (di as f32).sqrt();
     let heads: Vec<&[f32]> = q.chunks_exact(di).collect();
     let mut head_scores = vec![0.0f32; heads.len() * visible];

@@ -6,6 +6,7 @@
 //! pools 2*ratio slots. Tokens of an unfinished window, and the previous window's Ca slice,
 //! are the state that must survive between forward calls (and cross from prefill to decode).
 
+use crate::backend::{BackendError, LayerDevice, LinearId};
 use crate::{
     rope::Rope,
     tensor::{rms_norm, softmax},
@@ -62,12 +63,18 @@ impl CompressorState {
 /// Each token's projected (kv, gate scores) for a compressor. Independent per token, so a
 /// whole chunk is projected at once (each weight row read once per block of tokens) and then fed
 /// to [`push`] in order.
-pub fn project_many(w: &CompressorWeights, xs: &[Vec<f32>]) -> Vec<(Vec<f32>, Vec<f32>)> {
-    w.wkv
-        .apply_many(xs)
-        .into_iter()
-        .zip(w.wgate.apply_many(xs))
-        .collect()
+///
+/// `ids` name the two linears for a backend (`device`) that runs attention linears.
+#[expect(clippy::type_complexity, reason = "a (kv, gate) pair per token")]
+pub fn project_many(
+    w: &CompressorWeights,
+    xs: &[Vec<f32>],
+    ids: (LinearId, LinearId),
+    device: LayerDevice<'_>,
+) -> Result<Vec<(Vec<f32>, Vec<f32>)>, BackendError> {
+    let kv = device.linear(ids.0, &w.wkv, xs)?;
+    let gate = device.linear(ids.1, &w.wgate, xs)?;
+    Ok(kv.into_iter().zip(gate).collect())
 }
 
 /// Feeds one token's projections; emits a row when its window closes.

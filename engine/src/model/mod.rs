@@ -13,7 +13,7 @@ use attention::AttentionState;
 use rayon::prelude::*;
 
 use crate::{
-    backend::{Attached, Backend, BackendError, BackendPlan, Op},
+    backend::{Attached, Backend, BackendError, BackendPlan, LayerDevice, Op},
     config::ModelConfig,
     rope::Rope,
     tensor::rms_norm,
@@ -204,11 +204,10 @@ impl Model {
                     (mix, collapsed)
                 })
                 .unzip();
-            let attend = self
-                .backend
-                .as_ref()
-                .filter(|b| b.runs(Op::AttentionCore))
-                .map(|b| (b, i));
+            let device = LayerDevice {
+                backend: self.backend.as_ref(),
+                layer: i,
+            };
             let attn: Vec<Vec<Vec<f32>>> = batch
                 .par_iter_mut()
                 .zip(&spans)
@@ -221,7 +220,7 @@ impl Model {
                         step.state.len,
                         c,
                         &ropes,
-                        attend,
+                        device,
                     )
                 })
                 .collect::<Result<_, _>>()?;

@@ -53,8 +53,8 @@ pub enum StoredLinear {
     },
 }
 
-/// The linear `name` (e.g. `layers.0.ffn.shared_experts.w1`) of an opened checkpoint as
-/// stored.
+/// The linear `name` (e.g. `layers.0.ffn.shared_experts.w1`, or a 2-D bf16 tensor such as
+/// `layers.0.attn.compressor.wkv.weight`) of an opened checkpoint as stored.
 pub fn stored_linear(
     checkpoint: &Checkpoint,
     config: &ModelConfig,
@@ -71,15 +71,19 @@ pub fn stored_linear(
         .map(|(n, shape, dtypes)| checkpoint.checked(n, shape, dtypes))
         .collect::<Result<Vec<_>, _>>()?;
     match spec.storage {
-        Storage::Linear(crate::config::LinearFormat::Bf16) => Ok(StoredLinear::Bf16 {
-            rows,
-            cols,
-            bits: views[0]
-                .data
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect(),
-        }),
+        Storage::Linear(crate::config::LinearFormat::Bf16) | Storage::Bf16
+            if spec.shape.len() == 2 =>
+        {
+            Ok(StoredLinear::Bf16 {
+                rows,
+                cols,
+                bits: views[0]
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect(),
+            })
+        }
         Storage::Linear(crate::config::LinearFormat::Fp8Block) => Ok(StoredLinear::Fp8Block {
             rows,
             cols,
@@ -307,6 +311,24 @@ mod tests {
                 "{experts:?}"
             );
             let err = stored_linear(&checkpoint, &model.config, "norm.weight").unwrap_err();
+            assert!(err.to_string().contains("not a dense linear"), "{err}");
+            // A 2-D bf16 tensor outside the linear format (the indexer's head weights).
+            let (l, indexer) = model
+                .weights
+                .layers
+                .iter()
+                .enumerate()
+                .find_map(|(l, w)| w.attn.indexer.as_ref().map(|i| (l, i)))
+                .unwrap();
+            let name = format!("{}attn.indexer.weights_proj.weight", schema::layer(l));
+            match stored_linear(&checkpoint, &model.config, &name).unwrap() {
+                StoredLinear::Bf16 { bits, .. } => assert_eq!(
+                    crate::formats::bf16_slice_to_f32(&bits),
+                    indexer.weights_proj.data
+                ),
+                other @ StoredLinear::Fp8Block { .. } => panic!("{other:?}"),
+            }
+            let err = stored_linear(&checkpoint, &model.config, "hc_head_fn").unwrap_err();
             assert!(err.to_string().contains("not a dense linear"), "{err}");
         }
     }

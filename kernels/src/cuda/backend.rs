@@ -1,18 +1,19 @@
 //! [`CudaBackend`], the engine backend on a CUDA device. It keeps every layer's routed experts
 //! on the device in their stored FP4 form and runs a layer's (token, expert) pairs as grouped
 //! GEMVs (gate and up, SwiGLU, down), the shared expert with the dense (bf16 or FP8-block)
-//! GEMVs, the bf16 output head as a GEMV over the final hidden states, and the attention core
+//! GEMVs, the attention linears (projections, compressors, indexer) with the same GEMVs, the
+//! bf16 output head as a GEMV over the final hidden states, and the attention core
 //! (softmax with sinks over each token's keys) with the split-KV decode attention kernel over
 //! the distinct rows of the call, uploaded per call. The expert compositions and the attention
 //! packing are `crate::compose`'s, tested on the CPU references; [`LayerOps`] maps their
 //! operations to kernels. Everything else of the forward pass stays on the CPU reference
 //! (hybrid mode), which the engine only accepts when the operator asked for it.
 
-use std::path::Path;
+use std::{collections::BTreeMap, ops::Range, path::Path};
 
 use cudarc::driver::CudaSlice;
 use engine::{
-    backend::{AttendBatch, Backend, ExpertBatch, Op},
+    backend::{AttendBatch, Backend, ExpertBatch, LinearId, Op},
     config::{ExpertFormat, ModelConfig},
     weights::{
         Checkpoint,
@@ -134,6 +135,8 @@ pub struct CudaBackend {
     gpu: Gpu,
     layers: Vec<DeviceLayer>,
     shared: Vec<DeviceShared>,
+    /// Every layer's attention linears that exist in it, with their `(rows, cols)`.
+    linears: BTreeMap<(usize, LinearId), (DeviceLinear, (usize, usize))>,
     /// `head.weight`, bf16 `[vocab, hidden]`.
     head: CudaSlice<u16>,
     vocab: usize,
@@ -211,6 +214,28 @@ impl CudaBackend {
                 w3: linear("w3")?,
             });
         }
+        let mut linears = BTreeMap::new();
+        let names: std::collections::BTreeSet<String> = engine::schema::tensors(config)
+            .into_iter()
+            .map(|spec| spec.name)
+            .collect();
+        for layer in 0..config.num_layers() {
+            for which in LinearId::ALL {
+                let name = which.tensor(layer);
+                if !names.contains(&name) {
+                    continue;
+                }
+                let stored = stored_linear(&checkpoint, config, &name)
+                    .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
+                let shape = match &stored {
+                    StoredLinear::Bf16 { rows, cols, .. }
+                    | StoredLinear::Fp8Block { rows, cols, .. } => (*rows, *cols),
+                };
+                let (linear, bytes) = DeviceLinear::upload(&gpu, &stored)?;
+                device_bytes += bytes;
+                linears.insert((layer, which), (linear, shape));
+            }
+        }
         let head_bits = stored_bf16(dir, config, "head.weight")
             .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
         device_bytes += 2 * head_bits.len();
@@ -220,6 +245,7 @@ impl CudaBackend {
             gpu,
             layers,
             shared,
+            linears,
             head,
             vocab: config.vocab_size,
             hidden: config.hidden_size,
@@ -298,6 +324,50 @@ impl CudaBackend {
         Ok(out
             .chunks_exact(width)
             .take(tokens)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+
+    /// Rows `rows` of an attention linear times each of `xs`.
+    fn linear_on_device(
+        &self,
+        layer: usize,
+        which: LinearId,
+        rows: Range<usize>,
+        xs: &[&[f32]],
+    ) -> Result<Vec<Vec<f32>>, KernelError> {
+        let (weight, (total, cols)) = self
+            .linears
+            .get(&(layer, which))
+            .ok_or_else(|| KernelError::Shape(format!("layer {layer} has no {which:?}")))?;
+        if rows.start > rows.end || rows.end > *total {
+            return Err(KernelError::Shape(format!(
+                "rows {rows:?} of {which:?} ({total} rows)"
+            )));
+        }
+        if let Some(x) = xs.iter().find(|x| x.len() != *cols) {
+            return Err(KernelError::Shape(format!(
+                "{which:?} input of {} values, not {cols}",
+                x.len()
+            )));
+        }
+        let n = rows.len();
+        if xs.is_empty() || n == 0 {
+            return Ok(vec![Vec::new(); xs.len()]);
+        }
+        let s = &self.gpu.stream;
+        let d_x = s.clone_htod(&xs.concat())?;
+        let mut d_y = s.clone_htod(&vec![f32::NAN; xs.len() * n])?;
+        self.gpu.launch_dense_gemv(
+            weight.view(),
+            rows.start,
+            &d_x,
+            (n, *cols),
+            xs.len(),
+            &mut d_y,
+        )?;
+        Ok(s.clone_dtoh(&d_y)?
+            .chunks_exact(n)
             .map(<[f32]>::to_vec)
             .collect())
     }
@@ -387,7 +457,7 @@ impl Ops for LayerOps<'_> {
             Proj::Up => (&self.shared.w3, inter, hidden),
         };
         self.gpu
-            .launch_dense_gemv(weight.view(), x, rows, cols, vectors, y)
+            .launch_dense_gemv(weight.view(), 0, x, (rows, cols), vectors, y)
     }
 
     fn swiglu(
@@ -410,8 +480,23 @@ impl Backend for CudaBackend {
     fn runs(&self, op: Op) -> bool {
         matches!(
             op,
-            Op::AttentionCore | Op::RoutedExperts | Op::SharedExpert | Op::OutputHead
+            Op::AttentionLinears
+                | Op::AttentionCore
+                | Op::RoutedExperts
+                | Op::SharedExpert
+                | Op::OutputHead
         )
+    }
+
+    fn linear(
+        &self,
+        layer: usize,
+        which: LinearId,
+        rows: Range<usize>,
+        xs: &[&[f32]],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        self.linear_on_device(layer, which, rows, xs)
+            .map_err(|e| e.to_string())
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {

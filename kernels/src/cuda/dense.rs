@@ -72,69 +72,62 @@ impl Gpu {
     }
 }
 
-impl Gpu {
-    /// `y[v] = W · x[v]` for a bf16 weight (raw bits, `[rows, cols]`) and `x` `[vectors,
-    /// cols]` (see `cpu::bf16_gemv`); returns `[vectors, rows]`, poisoned with NaN before the
-    /// launch.
-    pub fn bf16_gemv(
-        &self,
-        w: &[u16],
-        x: &[f32],
-        rows: usize,
-        cols: usize,
-    ) -> Result<Vec<f32>, KernelError> {
-        let vectors = x.len().checked_div(cols).unwrap_or(0);
-        if w.len() != rows * cols || x.len() != vectors * cols {
-            return Err(KernelError::Shape(format!(
-                "bf16 gemv {rows}x{cols} with {} inputs",
-                x.len()
-            )));
-        }
-        let d_w = self.stream.clone_htod(&non_empty(w))?;
-        let d_x = self.stream.clone_htod(&non_empty(x))?;
-        let mut d_y = self
-            .stream
-            .clone_htod(&vec![f32::NAN; (vectors * rows).max(1)])?;
-        self.launch_bf16_gemv(&d_w, &d_x, rows, cols, vectors, &mut d_y)?;
-        let mut y = self.stream.clone_dtoh(&d_y)?;
-        y.truncate(vectors * rows);
-        Ok(y)
-    }
+/// A dense weight on the host, `[rows, cols]`.
+#[derive(Debug, Clone, Copy)]
+pub enum HostDense<'a> {
+    /// bf16 bits.
+    Bf16(&'a [u16]),
+    /// e4m3 codes with ue8m0 scales per 128x128 tile.
+    Fp8Block { w: &'a [u8], scales: &'a [u8] },
+}
 
-    /// `y[v] = W · x[v]` for an FP8 e4m3 weight `[rows, cols]` with 128x128 ue8m0 scales (see
-    /// `cpu::fp8_block_gemv`); returns `[vectors, rows]`, poisoned with NaN before the launch.
-    pub fn fp8_block_gemv(
+impl Gpu {
+    /// `y[v] = W[rows] · x[v]` for a dense weight `[total rows, cols]` (see `cpu::bf16_gemv`,
+    /// `cpu::fp8_block_gemv`) and `x` `[vectors, cols]`; returns `[vectors, rows.len()]`,
+    /// poisoned with NaN before the launch.
+    pub fn dense_gemv(
         &self,
-        w: &[u8],
-        scales: &[u8],
+        weight: HostDense<'_>,
         x: &[f32],
-        rows: usize,
-        cols: usize,
+        (total, cols): (usize, usize),
+        rows: std::ops::Range<usize>,
     ) -> Result<Vec<f32>, KernelError> {
         let vectors = x.len().checked_div(cols).unwrap_or(0);
-        if w.len() != rows * cols
-            || scales.len() != rows.div_ceil(128) * cols.div_ceil(128)
-            || x.len() != vectors * cols
-        {
+        let sized = match weight {
+            HostDense::Bf16(w) => w.len() == total * cols,
+            HostDense::Fp8Block { w, scales } => {
+                w.len() == total * cols && scales.len() == total.div_ceil(128) * cols.div_ceil(128)
+            }
+        };
+        if !sized || x.len() != vectors * cols || rows.start > rows.end || rows.end > total {
             return Err(KernelError::Shape(format!(
-                "fp8 gemv {rows}x{cols} with {} scales and {} inputs",
-                scales.len(),
+                "dense gemv {total}x{cols}, rows {rows:?}, {} inputs",
                 x.len()
             )));
         }
-        let d_w = self.stream.clone_htod(&non_empty(w))?;
-        let d_s = self.stream.clone_htod(&non_empty(scales))?;
+        let n = rows.len();
         let d_x = self.stream.clone_htod(&non_empty(x))?;
         let mut d_y = self
             .stream
-            .clone_htod(&vec![f32::NAN; (vectors * rows).max(1)])?;
-        let weight = DenseWeight::Fp8Block {
-            w: &d_w,
-            scales: &d_s,
-        };
-        self.launch_dense_gemv(weight, &d_x, rows, cols, vectors, &mut d_y)?;
+            .clone_htod(&vec![f32::NAN; (vectors * n).max(1)])?;
+        match weight {
+            HostDense::Bf16(w) => {
+                let d_w = self.stream.clone_htod(&non_empty(w))?;
+                let weight = DenseWeight::Bf16(&d_w);
+                self.launch_dense_gemv(weight, rows.start, &d_x, (n, cols), vectors, &mut d_y)?;
+            }
+            HostDense::Fp8Block { w, scales } => {
+                let d_w = self.stream.clone_htod(&non_empty(w))?;
+                let d_s = self.stream.clone_htod(&non_empty(scales))?;
+                let weight = DenseWeight::Fp8Block {
+                    w: &d_w,
+                    scales: &d_s,
+                };
+                self.launch_dense_gemv(weight, rows.start, &d_x, (n, cols), vectors, &mut d_y)?;
+            }
+        }
         let mut y = self.stream.clone_dtoh(&d_y)?;
-        y.truncate(vectors * rows);
+        y.truncate(vectors * n);
         Ok(y)
     }
 
@@ -148,23 +141,25 @@ impl Gpu {
         vectors: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        self.launch_dense_gemv(DenseWeight::Bf16(w), x, rows, cols, vectors, y)
+        self.launch_dense_gemv(DenseWeight::Bf16(w), 0, x, (rows, cols), vectors, y)
     }
 
-    /// Launches `y[v] = W · x[v]` on device buffers (in groups of at most 65535 vectors).
+    /// Launches `y[v] = W[row0..row0 + rows] · x[v]` on device buffers (`W` has `cols`
+    /// columns; in groups of at most 65535 vectors).
     pub fn launch_dense_gemv(
         &self,
         weight: DenseWeight<'_>,
+        row0: usize,
         x: &CudaSlice<f32>,
-        rows: usize,
-        cols: usize,
+        (rows, cols): (usize, usize),
         vectors: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
+        let end = row0 + rows;
         let weight_ok = match weight {
-            DenseWeight::Bf16(w) => w.len() >= rows * cols,
+            DenseWeight::Bf16(w) => w.len() >= end * cols,
             DenseWeight::Fp8Block { w, scales } => {
-                w.len() >= rows * cols && scales.len() >= rows.div_ceil(128) * cols.div_ceil(128)
+                w.len() >= end * cols && scales.len() >= end.div_ceil(128) * cols.div_ceil(128)
             }
         };
         if !weight_ok || x.len() < vectors * cols || y.len() < vectors * rows {
@@ -180,7 +175,7 @@ impl Gpu {
             DenseWeight::Fp8Block { .. } => "fp8_block_gemv_many",
         })?;
         let grid_x = super::grid_dim(rows.div_ceil(DENSE_GEMV_WARPS), "dense gemv rows")?;
-        let (rows_arg, cols_arg) = (rows as i64, cols as i64);
+        let (row0_arg, rows_arg, cols_arg) = (row0 as i64, rows as i64, cols as i64);
         let mut first = 0;
         while first < vectors {
             let count = VECTORS_PER_LAUNCH.min(vectors - first);
@@ -193,12 +188,13 @@ impl Gpu {
             };
             launch
                 .arg(&x_part)
+                .arg(&row0_arg)
                 .arg(&rows_arg)
                 .arg(&cols_arg)
                 .arg(&mut y_part);
             // SAFETY: argument types and order match `bf16_gemv_many` / `fp8_block_gemv_many`;
-            // the weight holds rows x cols (and its scales), the views hold `count` vectors of
-            // inputs and outputs.
+            // the weight holds rows up to row0 + rows (and their scales), the views hold
+            // `count` vectors of inputs and outputs.
             unsafe {
                 launch.launch(LaunchConfig {
                     grid_dim: (grid_x, count as u32, 1),
