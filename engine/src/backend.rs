@@ -10,7 +10,7 @@
 
 use std::{fmt, ops::Range, sync::Arc};
 
-use crate::tensor::Matrix;
+use crate::tensor::Weight;
 
 /// An op of the forward pass a backend may take over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -387,7 +387,7 @@ impl<'a> LayerDevice<'a> {
     pub fn linear<V: AsRef<[f32]> + Sync>(
         &self,
         which: LinearId,
-        m: &Matrix,
+        m: &Weight,
         xs: &[V],
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         self.linear_rows(which, m, 0..m.rows, xs)
@@ -397,7 +397,7 @@ impl<'a> LayerDevice<'a> {
     pub fn linear_rows<V: AsRef<[f32]> + Sync>(
         &self,
         which: LinearId,
-        m: &Matrix,
+        m: &Weight,
         rows: Range<usize>,
         xs: &[V],
     ) -> Result<Vec<Vec<f32>>, BackendError> {

@@ -15,6 +15,7 @@ use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::Mmap;
@@ -289,7 +290,7 @@ struct Entry {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
     /// Offset of the data section within the file (8 + header length).
     data_start: usize,
     tensors: BTreeMap<String, Entry>,
@@ -321,7 +322,7 @@ impl SafetensorsFile {
         let (data_start, tensors, metadata) = parse(&path, &mmap)?;
         Ok(SafetensorsFile {
             path,
-            mmap,
+            mmap: Arc::new(mmap),
             data_start,
             tensors,
             metadata,
@@ -345,6 +346,22 @@ impl SafetensorsFile {
             shape: &entry.shape,
             data,
         })
+    }
+
+    /// The named tensor's bytes as a range of the shared mapping, which they keep alive: a
+    /// weight built on them holds the file's pages, not a copy.
+    pub fn shared(&self, name: &str) -> Option<crate::tensor::SharedBytes> {
+        let entry = self.tensors.get(name)?;
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
+        crate::tensor::SharedBytes::new(
+            owner,
+            self.data_start + entry.begin..self.data_start + entry.end,
+        )
+    }
+
+    /// Bytes of the whole file.
+    pub fn file_len(&self) -> usize {
+        self.mmap.len()
     }
 
     /// The `__metadata__` map (empty when absent).

@@ -3,8 +3,11 @@
 //! (batch invariance) or on how a prompt was chunked.
 
 mod gemm;
+pub mod rows;
+mod weight;
 
-pub use gemm::{dot, dots};
+pub use gemm::{dot, dots, dots_source};
+pub use weight::{SharedBytes, Weight, WeightForm};
 
 /// Multiply-adds below which a product runs on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
@@ -76,41 +79,55 @@ impl Matrix {
         out.copy_from_slice(&y);
     }
 
-    /// Rows `r0..r0+n` times every vector, vector-major (`out[v * n + r]`). Large products are
-    /// split into (rows × vectors) tiles over threads; the split does not change any output.
+    /// Rows `r0..r0+n` times every vector, vector-major (`out[v * n + r]`).
     fn rows_times(&self, r0: usize, n: usize, xs: &[&[f32]]) -> Vec<f32> {
-        use rayon::prelude::*;
-        for x in xs {
-            assert_eq!(x.len(), self.cols, "vector length vs matrix columns");
-        }
-        let row = |r: usize| self.row(r0 + r);
-        let mut out = vec![0.0f32; n * xs.len()];
-        if n * xs.len() * self.cols < PARALLEL_MIN_WORK {
-            dots(row, n, xs, &mut out);
-            return out;
-        }
-        let tiles: Vec<(usize, usize)> = (0..n)
-            .step_by(ROWS_PER_TASK)
-            .flat_map(|r| (0..xs.len()).step_by(VECTORS_PER_TASK).map(move |v| (r, v)))
-            .collect();
-        let results: Vec<Vec<f32>> = tiles
-            .par_iter()
-            .map(|&(r, v)| {
-                let nr = ROWS_PER_TASK.min(n - r);
-                let vs = &xs[v..xs.len().min(v + VECTORS_PER_TASK)];
-                let mut tile = vec![0.0f32; nr * vs.len()];
-                dots(|i| self.row(r0 + r + i), nr, vs, &mut tile);
-                tile
-            })
-            .collect();
-        for (&(r, v), tile) in tiles.iter().zip(&results) {
-            let nr = ROWS_PER_TASK.min(n - r);
-            for (j, part) in tile.chunks_exact(nr).enumerate() {
-                out[(v + j) * n + r..(v + j) * n + r + nr].copy_from_slice(part);
-            }
-        }
-        out
+        let src = rows::F32Rows {
+            rows: |r| self.row(r),
+            cols: self.cols,
+        };
+        rows_times(&src, r0, n, xs)
     }
+}
+
+/// Rows `r0..r0+n` of `src` times every vector, vector-major (`out[v * n + r]`). Large
+/// products are split into (rows × vectors) tiles over threads; the split does not change any
+/// output.
+pub(crate) fn rows_times<S: rows::RowSource>(
+    src: &S,
+    r0: usize,
+    n: usize,
+    xs: &[&[f32]],
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    for x in xs {
+        assert_eq!(x.len(), src.cols(), "vector length vs matrix columns");
+    }
+    let mut out = vec![0.0f32; n * xs.len()];
+    if n * xs.len() * src.cols() < PARALLEL_MIN_WORK {
+        dots_source(src, r0, n, xs, &mut out);
+        return out;
+    }
+    let tiles: Vec<(usize, usize)> = (0..n)
+        .step_by(ROWS_PER_TASK)
+        .flat_map(|r| (0..xs.len()).step_by(VECTORS_PER_TASK).map(move |v| (r, v)))
+        .collect();
+    let results: Vec<Vec<f32>> = tiles
+        .par_iter()
+        .map(|&(r, v)| {
+            let nr = ROWS_PER_TASK.min(n - r);
+            let vs = &xs[v..xs.len().min(v + VECTORS_PER_TASK)];
+            let mut tile = vec![0.0f32; nr * vs.len()];
+            dots_source(src, r0 + r, nr, vs, &mut tile);
+            tile
+        })
+        .collect();
+    for (&(r, v), tile) in tiles.iter().zip(&results) {
+        let nr = ROWS_PER_TASK.min(n - r);
+        for (j, part) in tile.chunks_exact(nr).enumerate() {
+            out[(v + j) * n + r..(v + j) * n + r + nr].copy_from_slice(part);
+        }
+    }
+    out
 }
 
 /// `x * rsqrt(mean(x²) + eps)`, the weightless RMS norm, in place.

@@ -1,7 +1,10 @@
-//! Loading a checkpoint into f32 weights. Every tensor the configuration needs is checked for
-//! presence, dtype and shape, every file tensor must be one the model uses (or `mtp.*`), and
-//! every value must be finite; any problem is an error naming the tensor, and nothing is
-//! returned from a partial load.
+//! Loading a checkpoint. Shards are memory-mapped; large tensors (linears, experts, embedding,
+//! head) stay in their stored form as ranges of the mapping ([`Weight`]), and only small ones
+//! (norms, biases, sinks, hyper-connection parameters, positional biases) are expanded to
+//! f32. Every tensor the configuration needs is checked for presence, dtype and shape, every
+//! file tensor must be one the model uses (or `mtp.*`), and every element must decode to a
+//! finite value; any problem is an error naming the tensor, and nothing is returned from a
+//! partial load.
 
 mod fingerprint;
 pub mod stored;
@@ -18,7 +21,7 @@ use crate::{
     formats, quant,
     safetensors::{Dtype, SafetensorsError, SafetensorsFile, TensorView},
     schema::{self, Storage, TensorSpec},
-    tensor::Matrix,
+    tensor::{Matrix, SharedBytes, Weight},
 };
 
 /// Why a checkpoint cannot be loaded.
@@ -194,6 +197,59 @@ impl Checkpoint {
         Ok(values)
     }
 
+    /// A weight matrix in its stored form, borrowing the mapping (no element is copied);
+    /// checked for shape, dtype, scale layout and finiteness of every element.
+    pub fn load_weight(&self, spec: &TensorSpec) -> Result<Weight, LoadError> {
+        let parts = schema::files_of(spec);
+        let views = parts
+            .iter()
+            .map(|(name, shape, dtypes)| self.checked(name, shape, dtypes))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (rows, cols) = (spec.shape[0], spec.shape.get(1).copied().unwrap_or(1));
+        let name = &parts[0].0;
+        let decode_err = |message: String| LoadError::Decode {
+            name: name.clone(),
+            message,
+        };
+        let bytes = |i: usize| {
+            self.shared(&parts[i].0)
+                .ok_or_else(|| LoadError::Missing(parts[i].0.clone()))
+        };
+        let weight = match spec.storage {
+            Storage::F32 | Storage::I32 => {
+                return Err(decode_err(format!(
+                    "stored as {:?}, not a weight matrix",
+                    spec.storage
+                )));
+            }
+            Storage::Bf16
+            | Storage::Linear(LinearFormat::Bf16)
+            | Storage::Expert(ExpertFormat::Bf16) => Weight::bf16(rows, cols, bytes(0)?),
+            Storage::Linear(LinearFormat::Fp8Block) | Storage::Expert(ExpertFormat::Fp8Block) => {
+                Weight::fp8_block(rows, cols, bytes(0)?, views[1].data)
+            }
+            Storage::Expert(ExpertFormat::Mxfp4) => Weight::mxfp4(rows, cols, bytes(0)?, bytes(1)?),
+            Storage::Expert(ExpertFormat::Nvfp4) => {
+                let scale_2 =
+                    scalar_f32(&views[2]).ok_or_else(|| decode_err("bad weight_scale_2".into()))?;
+                Weight::nvfp4(rows, cols, bytes(0)?, bytes(1)?, scale_2)
+            }
+        }
+        .map_err(|e| decode_err(e.to_string()))?;
+        if let Some(index) = weight.first_non_finite() {
+            return Err(LoadError::NonFinite {
+                name: name.clone(),
+                index,
+            });
+        }
+        Ok(weight)
+    }
+
+    /// The bytes of tensor `name` as a range of its shard's mapping.
+    fn shared(&self, name: &str) -> Option<SharedBytes> {
+        self.files[*self.index.get(name)?].shared(name)
+    }
+
     /// Decodes an integer tensor (expert ids) and checks every id is below `limit`.
     pub fn load_ids(&self, spec: &TensorSpec, limit: usize) -> Result<Vec<u32>, LoadError> {
         let (name, shape, dtypes) = &schema::files_of(spec)[0];
@@ -255,8 +311,8 @@ pub struct HyperWeights {
 /// A compressor (attention or indexer side).
 #[derive(Debug, Clone)]
 pub struct CompressorWeights {
-    pub wkv: Matrix,
-    pub wgate: Matrix,
+    pub wkv: Weight,
+    pub wgate: Weight,
     /// Position bias `[ratio, width]` added to the gate scores.
     pub ape: Matrix,
     pub norm: Vec<f32>,
@@ -270,21 +326,21 @@ pub struct CompressorWeights {
 /// The lightning indexer of a CSA layer.
 #[derive(Debug, Clone)]
 pub struct IndexerWeights {
-    pub wq_b: Matrix,
-    pub weights_proj: Matrix,
+    pub wq_b: Weight,
+    pub weights_proj: Weight,
     pub compressor: CompressorWeights,
 }
 
 /// Attention of one layer.
 #[derive(Debug, Clone)]
 pub struct AttentionWeights {
-    pub wq_a: Matrix,
+    pub wq_a: Weight,
     pub q_norm: Vec<f32>,
-    pub wq_b: Matrix,
-    pub wkv: Matrix,
+    pub wq_b: Weight,
+    pub wkv: Weight,
     pub kv_norm: Vec<f32>,
-    pub wo_a: Matrix,
-    pub wo_b: Matrix,
+    pub wo_a: Weight,
+    pub wo_b: Weight,
     pub sink: Vec<f32>,
     pub compressor: Option<CompressorWeights>,
     pub indexer: Option<IndexerWeights>,
@@ -293,15 +349,15 @@ pub struct AttentionWeights {
 /// One SwiGLU expert.
 #[derive(Debug, Clone)]
 pub struct ExpertWeights {
-    pub w1: Matrix,
-    pub w2: Matrix,
-    pub w3: Matrix,
+    pub w1: Weight,
+    pub w2: Weight,
+    pub w3: Weight,
 }
 
 /// The MoE of one layer.
 #[derive(Debug, Clone)]
 pub struct MoeWeights {
-    pub gate: Matrix,
+    pub gate: Weight,
     /// Selection-only score bias (top-k layers).
     pub bias: Option<Vec<f32>>,
     /// `[vocab, k]` expert ids (hash layers).
@@ -329,14 +385,92 @@ pub struct HeadWeights {
     pub scale: f32,
 }
 
-/// All weights in f32.
+/// All weights: large ones as stored, small ones in f32.
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
-    pub embed: Matrix,
-    pub head: Matrix,
+    pub embed: Weight,
+    pub head: Weight,
     pub norm: Vec<f32>,
     pub hc_head: HeadWeights,
     pub layers: Vec<LayerWeights>,
+}
+
+impl ModelWeights {
+    /// The same weights with every large tensor decoded to owned f32, as the loader produced
+    /// them before weights stayed in their stored form: the reference that stored-form
+    /// products are checked against bit for bit (tests and tools; about 4-8x the memory).
+    #[must_use]
+    pub fn expanded(&self) -> Self {
+        let f = |w: &Weight| Weight::from(w.to_matrix());
+        let compressor = |c: &CompressorWeights| CompressorWeights {
+            wkv: f(&c.wkv),
+            wgate: f(&c.wgate),
+            ..c.clone()
+        };
+        let expert = |e: &ExpertWeights| ExpertWeights {
+            w1: f(&e.w1),
+            w2: f(&e.w2),
+            w3: f(&e.w3),
+        };
+        let mut out = self.clone();
+        out.embed = f(&self.embed);
+        out.head = f(&self.head);
+        for l in &mut out.layers {
+            let a = &mut l.attn;
+            a.wq_a = f(&a.wq_a);
+            a.wq_b = f(&a.wq_b);
+            a.wkv = f(&a.wkv);
+            a.wo_a = f(&a.wo_a);
+            a.wo_b = f(&a.wo_b);
+            a.compressor = a.compressor.as_ref().map(compressor);
+            if let Some(i) = &mut a.indexer {
+                i.wq_b = f(&i.wq_b);
+                i.weights_proj = f(&i.weights_proj);
+                i.compressor = compressor(&i.compressor);
+            }
+            l.moe.gate = f(&l.moe.gate);
+            l.moe.shared = expert(&l.moe.shared);
+            l.moe.experts = l.moe.experts.iter().map(expert).collect();
+        }
+        out
+    }
+
+    /// Bytes of every weight as held (stored bytes for large tensors, f32 for small ones).
+    pub fn held_bytes(&self) -> usize {
+        let v = |x: &[f32]| 4 * x.len();
+        let m = |x: &Matrix| 4 * x.data.len();
+        let compressor = |c: &CompressorWeights| {
+            c.wkv.stored_bytes() + c.wgate.stored_bytes() + m(&c.ape) + v(&c.norm)
+        };
+        let expert =
+            |e: &ExpertWeights| e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes();
+        let hyper = |h: &HyperWeights| m(&h.mix) + v(&h.base) + 12;
+        let mut total = self.embed.stored_bytes()
+            + self.head.stored_bytes()
+            + v(&self.norm)
+            + m(&self.hc_head.mix)
+            + v(&self.hc_head.base)
+            + 4;
+        for l in &self.layers {
+            let a = &l.attn;
+            total += v(&l.attn_norm) + v(&l.ffn_norm) + hyper(&l.hc_attn) + hyper(&l.hc_ffn);
+            total += [&a.wq_a, &a.wq_b, &a.wkv, &a.wo_a, &a.wo_b]
+                .iter()
+                .map(|w| w.stored_bytes())
+                .sum::<usize>();
+            total += v(&a.q_norm) + v(&a.kv_norm) + v(&a.sink);
+            total += a.compressor.as_ref().map_or(0, compressor);
+            total += a.indexer.as_ref().map_or(0, |i| {
+                i.wq_b.stored_bytes() + i.weights_proj.stored_bytes() + compressor(&i.compressor)
+            });
+            total += l.moe.gate.stored_bytes()
+                + l.moe.bias.as_ref().map_or(0, |b| v(b))
+                + l.moe.tid2eid.as_ref().map_or(0, |t| 4 * t.len())
+                + expert(&l.moe.shared)
+                + l.moe.experts.iter().map(expert).sum::<usize>();
+        }
+        total
+    }
 }
 
 /// Loads and checks every tensor of `config` from `dir`.
@@ -376,11 +510,15 @@ impl Assembler<'_> {
         Ok(Matrix::new(spec.shape[0], spec.shape[1], data))
     }
 
+    fn weight(&self, name: &str) -> Result<Weight, LoadError> {
+        self.checkpoint.load_weight(self.spec(name)?)
+    }
+
     fn model(&self) -> Result<ModelWeights, LoadError> {
         let scale = self.vec("hc_head_scale")?;
         Ok(ModelWeights {
-            embed: self.matrix("embed.weight")?,
-            head: self.matrix("head.weight")?,
+            embed: self.weight("embed.weight")?,
+            head: self.weight("head.weight")?,
             norm: self.vec("norm.weight")?,
             hc_head: HeadWeights {
                 mix: self.matrix("hc_head_fn")?,
@@ -410,8 +548,8 @@ impl Assembler<'_> {
         overlap: bool,
     ) -> Result<CompressorWeights, LoadError> {
         Ok(CompressorWeights {
-            wkv: self.matrix(&format!("{prefix}wkv.weight"))?,
-            wgate: self.matrix(&format!("{prefix}wgate.weight"))?,
+            wkv: self.weight(&format!("{prefix}wkv.weight"))?,
+            wgate: self.weight(&format!("{prefix}wgate.weight"))?,
             ape: self.matrix(&format!("{prefix}ape"))?,
             norm: self.vec(&format!("{prefix}norm.weight"))?,
             ratio,
@@ -422,9 +560,9 @@ impl Assembler<'_> {
 
     fn expert(&self, prefix: &str) -> Result<ExpertWeights, LoadError> {
         Ok(ExpertWeights {
-            w1: self.matrix(&format!("{prefix}w1"))?,
-            w2: self.matrix(&format!("{prefix}w2"))?,
-            w3: self.matrix(&format!("{prefix}w3"))?,
+            w1: self.weight(&format!("{prefix}w1"))?,
+            w2: self.weight(&format!("{prefix}w2"))?,
+            w3: self.weight(&format!("{prefix}w3"))?,
         })
     }
 
@@ -442,8 +580,8 @@ impl Assembler<'_> {
             Attention::Csa { ratio } => (
                 Some(self.compressor(&format!("{a}compressor."), ratio, c.head_dim, true)?),
                 Some(IndexerWeights {
-                    wq_b: self.matrix(&format!("{a}indexer.wq_b"))?,
-                    weights_proj: self.matrix(&format!("{a}indexer.weights_proj.weight"))?,
+                    wq_b: self.weight(&format!("{a}indexer.wq_b"))?,
+                    weights_proj: self.weight(&format!("{a}indexer.weights_proj.weight"))?,
                     compressor: self.compressor(
                         &format!("{a}indexer.compressor."),
                         ratio,
@@ -470,19 +608,19 @@ impl Assembler<'_> {
             hc_attn: self.hyper(&p, "attn")?,
             hc_ffn: self.hyper(&p, "ffn")?,
             attn: AttentionWeights {
-                wq_a: self.matrix(&format!("{a}wq_a"))?,
+                wq_a: self.weight(&format!("{a}wq_a"))?,
                 q_norm: self.vec(&format!("{a}q_norm.weight"))?,
-                wq_b: self.matrix(&format!("{a}wq_b"))?,
-                wkv: self.matrix(&format!("{a}wkv"))?,
+                wq_b: self.weight(&format!("{a}wq_b"))?,
+                wkv: self.weight(&format!("{a}wkv"))?,
                 kv_norm: self.vec(&format!("{a}kv_norm.weight"))?,
-                wo_a: self.matrix(&format!("{a}wo_a"))?,
-                wo_b: self.matrix(&format!("{a}wo_b"))?,
+                wo_a: self.weight(&format!("{a}wo_a"))?,
+                wo_b: self.weight(&format!("{a}wo_b"))?,
                 sink: self.vec(&format!("{a}attn_sink"))?,
                 compressor,
                 indexer,
             },
             moe: MoeWeights {
-                gate: self.matrix(&format!("{f}gate.weight"))?,
+                gate: self.weight(&format!("{f}gate.weight"))?,
                 bias,
                 tid2eid,
                 shared: self.expert(&format!("{f}shared_experts."))?,

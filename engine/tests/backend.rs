@@ -16,7 +16,7 @@ use engine::{
     sampling::{SamplingParams, StopConditions},
     scheduler::{Engine, EngineConfig, Event, GenerationRequest},
     synth::{GenerateOptions, Preset, generate},
-    tensor::Matrix,
+    tensor::Weight,
     weights::{AttentionWeights, MoeWeights},
 };
 
@@ -42,7 +42,7 @@ struct ReferenceOps {
     attn: Vec<AttentionWeights>,
     linear_calls: AtomicUsize,
     moe: Vec<MoeWeights>,
-    head: Matrix,
+    head: Weight,
     heads_seen: AtomicUsize,
     limit: f32,
     poison_layer: Option<usize>,

@@ -364,6 +364,8 @@ mod tests {
             let mut rng = Rng::for_tensor(2, "compose");
             for (l, stored) in layers.iter().enumerate() {
                 let moe_w = &model.weights.layers[l].moe;
+                let shared_f32 = [&moe_w.shared.w1, &moe_w.shared.w2, &moe_w.shared.w3]
+                    .map(engine::tensor::Weight::to_f32);
                 let dims = ExpertDims {
                     hidden: c.hidden_size,
                     inter: c.moe_intermediate_size,
@@ -375,9 +377,9 @@ mod tests {
                     up: experts(&stored.w3),
                     down: experts(&stored.w2),
                     shared: (
-                        &moe_w.shared.w1.data,
-                        &moe_w.shared.w2.data,
-                        &moe_w.shared.w3.data,
+                        &shared_f32[0],
+                        &shared_f32[1],
+                        &shared_f32[2],
                     ),
                     dims,
                 };

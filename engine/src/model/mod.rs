@@ -190,7 +190,7 @@ impl Model {
         }
         let mut streams: Vec<Vec<f32>> = tokens
             .iter()
-            .map(|&t| w.embed.row(t as usize).repeat(c.hc_mult))
+            .map(|&t| w.embed.row_f32(t as usize).repeat(c.hc_mult))
             .collect();
         let ropes = attention::Ropes {
             main: &self.main_rope,

@@ -13,8 +13,13 @@
 //! On x86-64 with AVX2 and FMA the kernel uses 256-bit registers; elsewhere a portable version
 //! with the same per-lane `mul_add` gives the same bits (tests compare the two).
 
-/// Lanes per output accumulator.
-const LANES: usize = 8;
+#![allow(
+    clippy::inline_always,
+    reason = "the finish must inline into the AVX2 kernel to be compiled with its features"
+)]
+
+use super::rows::{F32Rows, LANES, RowSource};
+
 /// Weight rows per block.
 const BLOCK_ROWS: usize = 4;
 /// Vectors per block.
@@ -31,44 +36,100 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `out[v * rows + r] = dot(row(r), xs[v])` for every row `r < rows` and vector `v`; every row
 /// and vector has the same length. The result is vector-major so each vector's outputs are
 /// contiguous.
-pub fn dots<'a>(row: impl Fn(usize) -> &'a [f32], rows: usize, xs: &[&[f32]], out: &mut [f32]) {
+pub fn dots<'a>(
+    row: impl Fn(usize) -> &'a [f32] + Sync,
+    rows: usize,
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
+    let cols = xs.first().map_or(0, |x| x.len());
+    dots_source(&F32Rows { rows: row, cols }, 0, rows, xs, out);
+}
+
+/// Rows `r0..r0 + rows` of `src` times every vector, vector-major like [`dots`]. Each output
+/// is the same [`dot`] of the decoded row whatever the source's format: stored weights give
+/// bit for bit what their f32 expansion gives.
+pub fn dots_source<S: RowSource>(src: &S, r0: usize, rows: usize, xs: &[&[f32]], out: &mut [f32]) {
     assert_eq!(out.len(), rows * xs.len(), "output size");
-    let Some(first) = xs.first() else {
+    if xs.is_empty() {
         return;
-    };
-    let n = first.len();
+    }
+    let n = src.cols();
+    for (v, x) in xs.iter().enumerate() {
+        assert_eq!(x.len(), n, "vector {v} length");
+    }
     let fast = has_avx2_fma();
+    // Decoding a stored row costs about as much as three multiply-adds per element, so against
+    // many vectors a block's rows are decoded once into f32 and read from cache.
+    let mut scratch = if S::DECODES && xs.len() > BLOCK_VECTORS {
+        vec![0.0f32; BLOCK_ROWS * n]
+    } else {
+        Vec::new()
+    };
     // A block's rows are a quarter of the rows apart, so each of its rows is one forward stream
     // through memory. (Four neighbouring rows read side by side share a 4 KiB page, which the
     // hardware stream prefetcher does not follow: that halves the speed of a large matrix times
     // one vector.)
     let stride = rows.div_ceil(BLOCK_ROWS);
     for base in 0..stride {
-        let mut ws: [&[f32]; BLOCK_ROWS] = [&[]; BLOCK_ROWS];
         let mut at = [0usize; BLOCK_ROWS];
         let mut nr = 0;
         for r in (base..rows).step_by(stride).take(BLOCK_ROWS) {
-            ws[nr] = row(r);
-            assert_eq!(ws[nr].len(), n, "row {r} length");
             at[nr] = r;
             nr += 1;
         }
-        let mut v0 = 0;
-        while v0 < xs.len() {
-            let nv = BLOCK_VECTORS.min(xs.len() - v0);
-            let mut vs: [&[f32]; BLOCK_VECTORS] = [&[]; BLOCK_VECTORS];
-            for (i, v) in vs.iter_mut().take(nv).enumerate() {
-                *v = xs[v0 + i];
-                assert_eq!(v.len(), n, "vector {} length", v0 + i);
-            }
-            let block = block_any(fast, nr, nv, &ws, &vs, n);
+        let mut store = |block: &Block, v0: usize, nv: usize| {
             for (i, block_row) in block.iter().take(nr).enumerate() {
                 for (j, value) in block_row.iter().take(nv).enumerate() {
                     out[(v0 + j) * rows + at[i]] = *value;
                 }
             }
-            v0 += nv;
+        };
+        if scratch.is_empty() {
+            let rows_at = at.map(|r| r0 + r);
+            row_block(src, &rows_at, nr, fast, xs, n, &mut store);
+        } else {
+            for (i, &r) in at.iter().take(nr).enumerate() {
+                src.decode_row(r0 + r, &mut scratch[i * n..(i + 1) * n]);
+            }
+            let decoded = F32Rows {
+                rows: |i: usize| &scratch[i * n..(i + 1) * n],
+                cols: n,
+            };
+            row_block(&decoded, &[0, 1, 2, 3], nr, fast, xs, n, &mut store);
         }
+    }
+}
+
+/// Rows `rows[..nr]` of `src` against every vector, a block of up to three vectors at a time;
+/// `store(block, v0, nv)` takes each block's results.
+fn row_block<S: RowSource>(
+    src: &S,
+    rows: &[usize; BLOCK_ROWS],
+    nr: usize,
+    fast: bool,
+    xs: &[&[f32]],
+    n: usize,
+    store: &mut impl FnMut(&Block, usize, usize),
+) {
+    let ws: [S::Row<'_>; BLOCK_ROWS] = std::array::from_fn(|i| src.row(rows[i.min(nr - 1)]));
+    for_vector_blocks(xs, |v0, vs, nv| {
+        store(&block_any::<S>(fast, nr, nv, &ws, vs, n), v0, nv);
+    });
+}
+
+/// Calls `each(v0, vectors, count)` for consecutive groups of up to three vectors.
+fn for_vector_blocks<'x>(
+    xs: &[&'x [f32]],
+    mut each: impl FnMut(usize, &[&'x [f32]; BLOCK_VECTORS], usize),
+) {
+    let mut v0 = 0;
+    while v0 < xs.len() {
+        let nv = BLOCK_VECTORS.min(xs.len() - v0);
+        let mut vs: [&[f32]; BLOCK_VECTORS] = [&[]; BLOCK_VECTORS];
+        vs[..nv].copy_from_slice(&xs[v0..v0 + nv]);
+        each(v0, &vs, nv);
+        v0 += nv;
     }
 }
 
@@ -76,7 +137,9 @@ pub fn dots<'a>(row: impl Fn(usize) -> &'a [f32], rows: usize, xs: &[&[f32]], ou
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -88,18 +151,18 @@ type Block = [[f32; BLOCK_VECTORS]; BLOCK_ROWS];
 
 /// One block of `nr` rows × `nv` vectors, dispatched to a kernel specialised for that shape
 /// (the accumulators must be compile-time arrays to live in registers).
-fn block_any(
+fn block_any<S: RowSource>(
     fast: bool,
     nr: usize,
     nv: usize,
-    ws: &[&[f32]; BLOCK_ROWS],
+    ws: &[S::Row<'_>; BLOCK_ROWS],
     vs: &[&[f32]; BLOCK_VECTORS],
     n: usize,
 ) -> Block {
     macro_rules! shapes {
         ($(($r:literal, $v:literal)),*) => {
             match (nr, nv) {
-                $(($r, $v) => block::<$r, $v>(fast, ws, vs, n),)*
+                $(($r, $v) => block::<S, $r, $v>(fast, ws, vs, n),)*
                 _ => unreachable!("block shape {nr}x{nv}"),
             }
         };
@@ -120,31 +183,32 @@ fn block_any(
     )
 }
 
-fn block<const R: usize, const V: usize>(
+fn block<S: RowSource, const R: usize, const V: usize>(
     fast: bool,
-    ws: &[&[f32]; BLOCK_ROWS],
+    ws: &[S::Row<'_>; BLOCK_ROWS],
     vs: &[&[f32]; BLOCK_VECTORS],
     n: usize,
 ) -> Block {
     #[cfg(target_arch = "x86_64")]
     {
         if fast {
-            // SAFETY: the CPU supports AVX2 and FMA (`has_avx2_fma`), and every slice in the
-            // first R / V entries has length n (checked by `dots`).
-            return unsafe { block_avx2::<R, V>(ws, vs, n) };
+            // SAFETY: the CPU supports AVX2, FMA and F16C (`has_avx2_fma`); every row holds n
+            // elements (`RowSource::row`) and every vector in the first V entries has length
+            // n (checked by `dots_source`).
+            return unsafe { block_avx2::<S, R, V>(ws, vs, n) };
         }
     }
     let _ = fast;
-    block_portable::<R, V>(ws, vs, n)
+    block_portable::<S, R, V>(ws, vs, n)
 }
 
 /// The per-output finish shared by both kernels: the leftover elements into a scalar, the
 /// lanes halved pairwise, the scalar added last.
-#[inline]
-fn finish(mut lanes: [f32; LANES], a: &[f32], b: &[f32], from: usize) -> f32 {
+#[inline(always)]
+fn finish<S: RowSource>(mut lanes: [f32; LANES], a: S::Row<'_>, b: &[f32], from: usize) -> f32 {
     let mut tail = 0.0f32;
-    for i in from..a.len() {
-        tail = a[i].mul_add(b[i], tail);
+    for (i, bi) in b.iter().enumerate().skip(from) {
+        tail = S::get(a, i).mul_add(*bi, tail);
     }
     let mut width = LANES;
     while width > 1 {
@@ -156,8 +220,8 @@ fn finish(mut lanes: [f32; LANES], a: &[f32], b: &[f32], from: usize) -> f32 {
     lanes[0] + tail
 }
 
-fn block_portable<const R: usize, const V: usize>(
-    ws: &[&[f32]; BLOCK_ROWS],
+fn block_portable<S: RowSource, const R: usize, const V: usize>(
+    ws: &[S::Row<'_>; BLOCK_ROWS],
     vs: &[&[f32]; BLOCK_VECTORS],
     n: usize,
 ) -> Block {
@@ -168,20 +232,21 @@ fn block_portable<const R: usize, const V: usize>(
             let (a, b) = (ws[r], vs[v]);
             let mut lanes = [0.0f32; LANES];
             for i in 0..chunks {
+                let w = S::chunk(a, i * LANES);
                 for (k, lane) in lanes.iter_mut().enumerate() {
-                    *lane = a[i * LANES + k].mul_add(b[i * LANES + k], *lane);
+                    *lane = w[k].mul_add(b[i * LANES + k], *lane);
                 }
             }
-            out[r][v] = finish(lanes, a, b, chunks * LANES);
+            out[r][v] = finish::<S>(lanes, a, b, chunks * LANES);
         }
     }
     out
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn block_avx2<const R: usize, const V: usize>(
-    ws: &[&[f32]; BLOCK_ROWS],
+#[target_feature(enable = "avx2,fma,f16c")]
+fn block_avx2<S: RowSource, const R: usize, const V: usize>(
+    ws: &[S::Row<'_>; BLOCK_ROWS],
     vs: &[&[f32]; BLOCK_VECTORS],
     n: usize,
 ) -> Block {
@@ -198,8 +263,8 @@ fn block_avx2<const R: usize, const V: usize>(
             x[v] = unsafe { _mm256_loadu_ps(vs[v].as_ptr().add(at)) };
         }
         for r in 0..R {
-            // SAFETY: as above for ws[r].
-            let w = unsafe { _mm256_loadu_ps(ws[r].as_ptr().add(at)) };
+            // SAFETY: at + 8 <= n = the row's length; this function has the features.
+            let w = unsafe { S::chunk_avx2(ws[r], at) };
             for v in 0..V {
                 acc[r][v] = _mm256_fmadd_ps(w, x[v], acc[r][v]);
             }
@@ -211,7 +276,7 @@ fn block_avx2<const R: usize, const V: usize>(
             let mut lanes = [0.0f32; LANES];
             // SAFETY: `lanes` holds exactly 8 f32.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][v]) };
-            out[r][v] = finish(lanes, ws[r], vs[v], chunks * LANES);
+            out[r][v] = finish::<S>(lanes, ws[r], vs[v], chunks * LANES);
         }
     }
     out
@@ -225,6 +290,13 @@ mod tests {
         (0..n)
             .map(|i| ((i as f32 + seed) * 1.37).sin() * (1.0 + seed))
             .collect()
+    }
+
+    /// Row 0 of `src` times `x` on the portable kernel alone.
+    fn single_portable<S: RowSource>(src: &S, x: &[f32]) -> f32 {
+        let ws: [S::Row<'_>; BLOCK_ROWS] = std::array::from_fn(|_| src.row(0));
+        let vs: [&[f32]; BLOCK_VECTORS] = [x, &[], &[]];
+        block_portable::<S, 1, 1>(&ws, &vs, x.len())[0][0]
     }
 
     #[test]
@@ -256,9 +328,11 @@ mod tests {
             let rows: Vec<Vec<f32>> = (0..7).map(|r| vector(n, r as f32 * 0.3)).collect();
             let xs: Vec<Vec<f32>> = (0..5).map(|v| vector(n, 10.0 + v as f32)).collect();
             let reference = |r: usize, v: usize| {
-                let ws: [&[f32]; BLOCK_ROWS] = [&rows[r], &[], &[], &[]];
-                let vs: [&[f32]; BLOCK_VECTORS] = [&xs[v], &[], &[]];
-                block_portable::<1, 1>(&ws, &vs, n)[0][0]
+                let one = F32Rows {
+                    rows: |_| rows[r].as_slice(),
+                    cols: n,
+                };
+                single_portable(&one, &xs[v])
             };
             for nr in 0..=rows.len() {
                 for nv in 0..=xs.len() {

@@ -245,7 +245,7 @@ mod tests {
                             _ => crate::quant::dequant_mxfp4(codes, scales, stack.rows, stack.cols),
                         }
                         .map_err(|e| e.to_string())?;
-                        if got != want.data {
+                        if got != want.to_f32() {
                             return Err(format!("layer {} expert {x} differs", l.layer));
                         }
                     }
@@ -274,7 +274,7 @@ mod tests {
         let bits = stored_bf16(dir.path(), &model.config, "head.weight").unwrap();
         assert_eq!(
             crate::formats::bf16_slice_to_f32(&bits),
-            model.weights.head.data
+            model.weights.head.to_f32()
         );
         let err = stored_bf16(dir.path(), &model.config, "hc_head_fn").unwrap_err();
         assert!(err.to_string().contains("not bf16"), "{err}");
@@ -307,7 +307,8 @@ mod tests {
                 } => crate::quant::dequant_fp8_block(&codes, &scales, rows, cols).unwrap(),
             };
             assert_eq!(
-                decoded, model.weights.layers[1].moe.shared.w2.data,
+                decoded,
+                model.weights.layers[1].moe.shared.w2.to_f32(),
                 "{experts:?}"
             );
             let err = stored_linear(&checkpoint, &model.config, "norm.weight").unwrap_err();
@@ -324,7 +325,7 @@ mod tests {
             match stored_linear(&checkpoint, &model.config, &name).unwrap() {
                 StoredLinear::Bf16 { bits, .. } => assert_eq!(
                     crate::formats::bf16_slice_to_f32(&bits),
-                    indexer.weights_proj.data
+                    indexer.weights_proj.to_f32()
                 ),
                 other @ StoredLinear::Fp8Block { .. } => panic!("{other:?}"),
             }
