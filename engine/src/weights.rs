@@ -435,6 +435,28 @@ impl ModelWeights {
         out
     }
 
+    /// Weight bytes one decode token reads: everything held except the embedding (one row of
+    /// it is read) and the routed experts it is not routed to (`experts_per_token` of them
+    /// are, in every layer).
+    pub fn decode_bytes_per_token(&self, experts_per_token: usize) -> usize {
+        let routed: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let all: usize = l
+                    .moe
+                    .experts
+                    .iter()
+                    .map(|e| e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes())
+                    .sum();
+                let n = l.moe.experts.len().max(1);
+                all - all * experts_per_token.min(n) / n
+            })
+            .sum();
+        let embed_row = self.embed.stored_bytes() / self.embed.rows.max(1);
+        self.held_bytes() - self.embed.stored_bytes() + embed_row - routed
+    }
+
     /// Bytes of every weight as held (stored bytes for large tensors, f32 for small ones).
     pub fn held_bytes(&self) -> usize {
         let v = |x: &[f32]| 4 * x.len();

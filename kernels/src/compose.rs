@@ -376,11 +376,7 @@ mod tests {
                     gate: experts(&stored.w1),
                     up: experts(&stored.w3),
                     down: experts(&stored.w2),
-                    shared: (
-                        &shared_f32[0],
-                        &shared_f32[1],
-                        &shared_f32[2],
-                    ),
+                    shared: (&shared_f32[0], &shared_f32[1], &shared_f32[2]),
                     dims,
                 };
                 let xs: Vec<Vec<f32>> = (0..4)

@@ -287,6 +287,21 @@ pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
         model = back;
         println!("{:<28} {:>12.1}", format!("decode, batch {batch}"), rate);
     }
+    let per_token = model
+        .weights
+        .decode_bytes_per_token(model.config.experts_per_token) as f64;
+    let achieved = per_token * single_decode / 1e9;
+    let probe = crate::bench_roofline::read_bandwidth_gbs(5);
+    println!(
+        "\nweights held {:.1} MB; a decode token reads {:.1} MB of them",
+        model.weights.held_bytes() as f64 / 1e6,
+        per_token / 1e6
+    );
+    println!(
+        "decode b=1: {achieved:.2} GB/s of weights; read-bandwidth probe {probe:.2} GB/s \
+         ({threads} threads, same run); {:.0}% of the roofline",
+        100.0 * achieved / probe
+    );
     if let Some(python) = &args.transformers_python {
         let (tp, td) =
             transformers_rates(python, &dir, prompt.len(), args.decode_steps, args.repeat)?;

@@ -90,7 +90,7 @@ pub fn dots_source<S: RowSource>(src: &S, r0: usize, rows: usize, xs: &[&[f32]],
             row_block(src, &rows_at, nr, fast, xs, n, &mut store);
         } else {
             for (i, &r) in at.iter().take(nr).enumerate() {
-                src.decode_row(r0 + r, &mut scratch[i * n..(i + 1) * n]);
+                decode_row(fast, src, r0 + r, &mut scratch[i * n..(i + 1) * n]);
             }
             let decoded = F32Rows {
                 rows: |i: usize| &scratch[i * n..(i + 1) * n],
@@ -98,6 +98,41 @@ pub fn dots_source<S: RowSource>(src: &S, r0: usize, rows: usize, xs: &[&[f32]],
             };
             row_block(&decoded, &[0, 1, 2, 3], nr, fast, xs, n, &mut store);
         }
+    }
+}
+
+/// Row `r` of `src` decoded into `out` (`cols` values), eight at a time in registers when the
+/// CPU has the features.
+fn decode_row<S: RowSource>(fast: bool, src: &S, r: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if fast {
+            // SAFETY: the CPU supports AVX2, FMA and F16C (`has_avx2_fma`).
+            unsafe { decode_row_avx2(src, r, out) };
+            return;
+        }
+    }
+    let _ = fast;
+    src.decode_row(r, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn decode_row_avx2<S: RowSource>(src: &S, r: usize, out: &mut [f32]) {
+    let n = src.cols();
+    assert_eq!(out.len(), n, "decoded row length");
+    let row = src.row(r);
+    let chunks = n / LANES;
+    for i in 0..chunks {
+        // SAFETY: (i + 1) * 8 <= n, the row's and `out`'s length; this function has the
+        // features; unaligned store.
+        unsafe {
+            let v = S::chunk_avx2(row, i * LANES);
+            std::arch::x86_64::_mm256_storeu_ps(out.as_mut_ptr().add(i * LANES), v);
+        }
+    }
+    for (c, v) in out.iter_mut().enumerate().skip(chunks * LANES) {
+        *v = S::get(row, c);
     }
 }
 
