@@ -7,6 +7,7 @@
 //! partial load.
 
 mod fingerprint;
+pub mod index;
 pub mod stored;
 
 pub use fingerprint::fingerprint;
@@ -62,6 +63,8 @@ pub enum LoadError {
     },
     #[error("tensor {name}: {message}")]
     Decode { name: String, message: String },
+    #[error("{}: {message}", path.display())]
+    Index { path: PathBuf, message: String },
     #[error("tensor {name}: non-finite value at index {index}")]
     NonFinite { name: String, index: usize },
     #[error("tensor {name}: expert id {id} at index {index} is outside 0..{experts}")]
@@ -112,6 +115,13 @@ impl Checkpoint {
                 index.insert(name.to_owned(), i);
             }
             files.push(file);
+        }
+        if let Some(map) = index::read(dir)? {
+            let holders = index
+                .iter()
+                .map(|(name, &i)| (name.clone(), paths[i].clone()))
+                .collect();
+            index::check(dir, &map, &paths, &holders)?;
         }
         Ok(Self { files, index })
     }

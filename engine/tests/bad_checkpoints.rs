@@ -28,8 +28,23 @@ fn tiny(experts: ExpertFormat) -> tempfile::TempDir {
 
 const SHARD: &str = "model-00001-of-00002.safetensors";
 
-/// Rewrites a shard through `edit`, which may change, add or remove tensors.
+/// Rewrites a shard through `edit`, which may change, add or remove tensors, and updates the
+/// index to match (so each test damages only what it means to).
 fn rewrite(dir: &Path, shard: &str, edit: impl FnOnce(&mut Vec<WriteTensor>)) {
+    rewrite_shard(dir, shard, edit);
+    let index_path = dir.join("model.safetensors.index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    let map = index["weight_map"].as_object_mut().unwrap();
+    map.retain(|_, file| file != shard);
+    for name in SafetensorsFile::open(dir.join(shard)).unwrap().names() {
+        map.insert(name.to_owned(), shard.into());
+    }
+    std::fs::write(&index_path, index.to_string()).unwrap();
+}
+
+/// Rewrites a shard through `edit` and leaves the index as it was.
+fn rewrite_shard(dir: &Path, shard: &str, edit: impl FnOnce(&mut Vec<WriteTensor>)) {
     let path = dir.join(shard);
     let mut tensors: Vec<WriteTensor> = {
         let file = SafetensorsFile::open(&path).unwrap();
@@ -208,4 +223,143 @@ fn config_that_disagrees_with_weights_is_refused() {
     assert!(load_err(dir.path()).contains("unsupported architecture"));
     std::fs::write(&path, "{not json").unwrap();
     assert!(load_err(dir.path()).contains("not valid JSON"));
+}
+
+const SHARD_2: &str = "model-00002-of-00002.safetensors";
+
+fn index_err(dir: &Path) -> String {
+    let msg = load_err(dir);
+    assert!(msg.contains("model.safetensors.index.json"), "{msg}");
+    msg
+}
+
+#[test]
+fn index_naming_a_missing_shard_is_refused() {
+    let dir = tiny(ExpertFormat::Mxfp4);
+    std::fs::remove_file(dir.path().join(SHARD_2)).unwrap();
+    let msg = index_err(dir.path());
+    assert!(
+        msg.contains(SHARD_2) && msg.contains("not in the folder"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn tensor_moved_to_another_shard_than_the_index_says_is_refused() {
+    let dir = tiny(ExpertFormat::Mxfp4);
+    let mut moved = None;
+    rewrite_shard(dir.path(), SHARD, |t| {
+        let i = t.iter().position(|t| t.name == "norm.weight").unwrap();
+        moved = Some(t.remove(i));
+    });
+    rewrite_shard(dir.path(), SHARD_2, |t| t.push(moved.take().unwrap()));
+    let msg = index_err(dir.path());
+    assert!(
+        msg.contains("norm.weight") && msg.contains(SHARD) && msg.contains(SHARD_2),
+        "{msg}"
+    );
+}
+
+#[test]
+fn tensor_missing_from_the_index_or_its_shard_is_refused() {
+    let dir = tiny(ExpertFormat::Nvfp4);
+    rewrite_shard(dir.path(), SHARD, |t| {
+        t.retain(|t| t.name != "layers.0.attn.wkv.scale");
+    });
+    let msg = index_err(dir.path());
+    assert!(
+        msg.contains("layers.0.attn.wkv.scale") && msg.contains("does not hold it"),
+        "{msg}"
+    );
+    let dir = tiny(ExpertFormat::Nvfp4);
+    rewrite_shard(dir.path(), SHARD, |t| {
+        let mut extra = find(t, "norm.weight").clone();
+        extra.name = "norm.extra".into();
+        t.push(extra);
+    });
+    let msg = index_err(dir.path());
+    assert!(
+        msg.contains("norm.extra") && msg.contains("does not list"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn stray_shard_and_bad_index_are_refused() {
+    let dir = tiny(ExpertFormat::Mxfp4);
+    std::fs::copy(
+        dir.path().join(SHARD_2),
+        dir.path().join("model-00003-of-00003.safetensors"),
+    )
+    .unwrap();
+    // The copy duplicates every tensor of shard 2: named as a duplicate before the index.
+    let msg = load_err(dir.path());
+    assert!(msg.contains("appears in both"), "{msg}");
+    let dir = tiny(ExpertFormat::Mxfp4);
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(&index, "{\"weight_map\": [}").unwrap();
+    assert!(index_err(dir.path()).contains("not valid JSON"));
+    std::fs::write(
+        &index,
+        "{\"weight_map\": {\"norm.weight\": \"../x.safetensors\"}}",
+    )
+    .unwrap();
+    assert!(index_err(dir.path()).contains("not a shard file name"));
+}
+
+#[test]
+fn a_tensor_in_two_shards_is_refused() {
+    let dir = tiny(ExpertFormat::Bf16);
+    let mut copy = None;
+    rewrite_shard(dir.path(), SHARD, |t| {
+        copy = Some(find(t, "norm.weight").clone())
+    });
+    rewrite_shard(dir.path(), SHARD_2, |t| t.push(copy.take().unwrap()));
+    let msg = load_err(dir.path());
+    assert!(
+        msg.contains("norm.weight") && msg.contains(SHARD) && msg.contains(SHARD_2),
+        "{msg}"
+    );
+}
+
+#[test]
+fn bad_scales_are_refused() {
+    // An FP8 scale of the wrong shape, an NVFP4 block scale that is NaN, an MXFP4 scale that
+    // is NaN, a missing NVFP4 global scale: each named.
+    let dir = tiny(ExpertFormat::Nvfp4);
+    rewrite(dir.path(), SHARD, |t| {
+        let s = find(t, "layers.0.attn.wq_a.scale");
+        s.shape = vec![s.data.len()];
+    });
+    let msg = load_err(dir.path());
+    assert!(
+        msg.contains("layers.0.attn.wq_a.scale") && msg.contains("shape"),
+        "{msg}"
+    );
+    let dir = tiny(ExpertFormat::Nvfp4);
+    rewrite(dir.path(), SHARD, |t| {
+        find(t, "layers.0.ffn.experts.1.w2.weight_scale").data[5] = 0x7F;
+    });
+    let msg = load_err(dir.path());
+    assert!(
+        msg.contains("layers.0.ffn.experts.1.w2.weight") && msg.contains("non-finite"),
+        "{msg}"
+    );
+    let dir = tiny(ExpertFormat::Nvfp4);
+    rewrite(dir.path(), SHARD, |t| {
+        t.retain(|t| t.name != "layers.0.ffn.experts.0.w1.weight_scale_2");
+    });
+    assert_eq!(
+        load_err(dir.path()),
+        "missing tensor layers.0.ffn.experts.0.w1.weight_scale_2"
+    );
+    let dir = tiny(ExpertFormat::Mxfp4);
+    rewrite(dir.path(), SHARD, |t| {
+        find(t, "layers.0.ffn.experts.3.w1.scale").data[2] = 0xFF;
+    });
+    let msg = load_err(dir.path());
+    assert!(
+        msg.contains("layers.0.ffn.experts.3.w1.weight") && msg.contains("non-finite"),
+        "{msg}"
+    );
 }
