@@ -312,7 +312,7 @@ fn a_tensor_in_two_shards_is_refused() {
     let dir = tiny(ExpertFormat::Bf16);
     let mut copy = None;
     rewrite_shard(dir.path(), SHARD, |t| {
-        copy = Some(find(t, "norm.weight").clone())
+        copy = Some(find(t, "norm.weight").clone());
     });
     rewrite_shard(dir.path(), SHARD_2, |t| t.push(copy.take().unwrap()));
     let msg = load_err(dir.path());
