@@ -1,5 +1,5 @@
-//! Weights exactly as stored, for device backends that compute on the stored form (the CPU
-//! reference decodes everything to f32 at load; a device keeps 4-bit experts and bf16
+//! Weights exactly as stored, gathered for device backends that upload them (the CPU
+//! model reads the same bytes in place through `tensor::Weight`; a device keeps 4-bit experts and bf16
 //! matrices). The routed experts are read one layer at a time so a backend can upload a layer
 //! and drop the host copy.
 
