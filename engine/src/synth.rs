@@ -17,6 +17,13 @@ use crate::{
     schema::{self, Storage, TensorSpec},
 };
 
+mod flash;
+
+pub use flash::{
+    FLASH_COMPRESS_RATIOS, FLASH_HASH_LAYERS, FLASH_LAYERS, FLASH_ROUTED_EXPERTS, FLASH_TOP_K,
+    FlashShape, FlashShapeError, MAX_SHARD_BYTES, shard_file, shard_plan, stored_bytes, weight_map,
+};
+
 /// Built-in model sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
@@ -24,14 +31,49 @@ pub enum Preset {
     Tiny,
     /// Larger dims for benchmarks.
     Small,
+    /// DeepSeek-V4-Flash's real dimensions, truncated in layers and routed experts; one shard
+    /// per layer.
+    FlashShape(FlashShape),
+}
+
+/// A preset name or size option that does not describe a model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PresetError {
+    #[error("unknown preset {0:?} (expected tiny, small or flash-shape)")]
+    Unknown(String),
+    #[error("--layers and --routed-experts apply only to --preset flash-shape, not {0}")]
+    NotSizable(String),
+    #[error(transparent)]
+    FlashShape(#[from] FlashShapeError),
 }
 
 impl Preset {
+    /// `tiny`, `small`, or `flash-shape` at its default size (4 layers, 16 routed experts).
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "tiny" => Some(Self::Tiny),
             "small" => Some(Self::Small),
+            "flash-shape" => Some(Self::FlashShape(FlashShape::default())),
             _ => None,
+        }
+    }
+
+    /// A preset with optional size overrides (`pdctl gen-model --layers --routed-experts`).
+    /// Only `flash-shape` takes them; the fixed presets refuse them.
+    pub fn resolve(
+        name: &str,
+        layers: Option<usize>,
+        routed_experts: Option<usize>,
+    ) -> Result<Self, PresetError> {
+        match Self::parse(name).ok_or_else(|| PresetError::Unknown(name.to_owned()))? {
+            Self::FlashShape(default) => Ok(Self::FlashShape(FlashShape::new(
+                layers.unwrap_or(default.layers()),
+                routed_experts.unwrap_or(default.routed_experts()),
+            )?)),
+            _ if layers.is_some() || routed_experts.is_some() => {
+                Err(PresetError::NotSizable(name.to_owned()))
+            }
+            preset => Ok(preset),
         }
     }
 
@@ -56,6 +98,7 @@ impl Preset {
                 "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
                 "sliding_window": 64,
             }),
+            Preset::FlashShape(shape) => return with_expert_format(shape.config_json(), experts),
         };
         let common = json!({
             "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
@@ -74,16 +117,7 @@ impl Preset {
         if let (Value::Object(dst), Value::Object(src)) = (&mut v, common) {
             dst.extend(src);
         }
-        match experts {
-            ExpertFormat::Bf16 => v["expert_dtype"] = json!("bf16"),
-            ExpertFormat::Fp8Block => v["expert_dtype"] = json!("fp8"),
-            ExpertFormat::Mxfp4 => v["expert_dtype"] = json!("fp4"),
-            ExpertFormat::Nvfp4 => {
-                v["expert_dtype"] = json!("fp4");
-                v["quantization_config"]["moe_quant_algo"] = json!("NVFP4");
-            }
-        }
-        v
+        with_expert_format(v, experts)
     }
 
     pub fn config(self, experts: ExpertFormat) -> ModelConfig {
@@ -91,6 +125,20 @@ impl Preset {
         ModelConfig::from_json(&self.config_json(experts))
             .unwrap_or_else(|e| unreachable!("preset config must parse: {e}"))
     }
+}
+
+/// Sets the `config.json` keys that choose the routed-expert format.
+fn with_expert_format(mut v: Value, experts: ExpertFormat) -> Value {
+    match experts {
+        ExpertFormat::Bf16 => v["expert_dtype"] = json!("bf16"),
+        ExpertFormat::Fp8Block => v["expert_dtype"] = json!("fp8"),
+        ExpertFormat::Mxfp4 => v["expert_dtype"] = json!("fp4"),
+        ExpertFormat::Nvfp4 => {
+            v["expert_dtype"] = json!("fp4");
+            v["quantization_config"]["moe_quant_algo"] = json!("NVFP4");
+        }
+    }
+    v
 }
 
 /// What to generate.
@@ -148,41 +196,11 @@ pub fn generate(opts: &GenerateOptions) -> Result<Vec<PathBuf>, GenerateError> {
         )?;
     }
 
-    // Two shards: globals and the first half of the layers, then the rest (multi-file loading
-    // is part of what the checkpoint exercises).
-    let half = config.num_layers().div_ceil(2);
-    let mut shards: [Vec<WriteTensor>; 2] = [Vec::new(), Vec::new()];
-    let specs = schema::tensors(&config);
-    for spec in &specs {
-        let shard = usize::from(layer_of(&spec.name).is_some_and(|l| l >= half));
-        if spec.storage == Storage::Expert(ExpertFormat::Nvfp4) {
-            // w1 and w3 of one NVFP4 expert share one global scale: quantize them together.
-            match spec.name.rsplit('.').next() {
-                Some("w1") => {
-                    let w3 = TensorSpec {
-                        name: format!("{}w3", &spec.name[..spec.name.len() - 2]),
-                        ..spec.clone()
-                    };
-                    shards[shard].extend(nvfp4_pair(spec, &w3, opts.seed)?);
-                    continue;
-                }
-                Some("w3") => continue,
-                _ => {}
-            }
-        }
-        shards[shard].extend(encode(spec, &config, opts.seed)?);
-    }
-    let mut weight_map = BTreeMap::new();
-    for (n, tensors) in shards.iter().enumerate() {
-        let name = format!("model-{:05}-of-00002.safetensors", n + 1);
-        for t in tensors {
-            weight_map.insert(t.name.clone(), name.clone());
-        }
-        let path = out.join(&name);
-        let meta = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
-        safetensors::write(&path, tensors, &meta).map_err(io_err(&path))?;
-        written.push(path);
-    }
+    let weight_map = if matches!(opts.preset, Preset::FlashShape(_)) {
+        flash::write_shards(out, &config, opts.seed, &mut written)?
+    } else {
+        two_shards(out, &config, opts.seed, &mut written)?
+    };
     write_json(
         "model.safetensors.index.json",
         &json!({"metadata": {}, "weight_map": weight_map}),
@@ -196,6 +214,50 @@ pub fn generate(opts: &GenerateOptions) -> Result<Vec<PathBuf>, GenerateError> {
         }
     }
     Ok(written)
+}
+
+/// The tiny and small presets: two shards, globals and the first half of the layers, then the
+/// rest (multi-file loading is part of what the checkpoint exercises); f32 values quantized.
+fn two_shards(
+    out: &Path,
+    config: &ModelConfig,
+    seed: u64,
+    written: &mut Vec<PathBuf>,
+) -> Result<BTreeMap<String, String>, GenerateError> {
+    let half = config.num_layers().div_ceil(2);
+    let mut shards: [Vec<WriteTensor>; 2] = [Vec::new(), Vec::new()];
+    let specs = schema::tensors(config);
+    for spec in &specs {
+        let shard = usize::from(layer_of(&spec.name).is_some_and(|l| l >= half));
+        if spec.storage == Storage::Expert(ExpertFormat::Nvfp4) {
+            // w1 and w3 of one NVFP4 expert share one global scale: quantize them together.
+            match spec.name.rsplit('.').next() {
+                Some("w1") => {
+                    let w3 = TensorSpec {
+                        name: format!("{}w3", &spec.name[..spec.name.len() - 2]),
+                        ..spec.clone()
+                    };
+                    shards[shard].extend(nvfp4_pair(spec, &w3, seed)?);
+                    continue;
+                }
+                Some("w3") => continue,
+                _ => {}
+            }
+        }
+        shards[shard].extend(encode(spec, config, seed)?);
+    }
+    let mut weight_map = BTreeMap::new();
+    for (n, tensors) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-00002.safetensors", n + 1);
+        for t in tensors {
+            weight_map.insert(t.name.clone(), name.clone());
+        }
+        let path = out.join(&name);
+        let meta = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+        safetensors::write(&path, tensors, &meta).map_err(io_err(&path))?;
+        written.push(path);
+    }
+    Ok(weight_map)
 }
 
 fn layer_of(name: &str) -> Option<usize> {

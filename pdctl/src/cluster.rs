@@ -96,6 +96,8 @@ pub(crate) fn default_model() -> Result<PathBuf, PdctlError> {
     }
     crate::model_cmds::gen_model(&crate::model_cmds::GenModelArgs {
         preset: "tiny".into(),
+        layers: None,
+        routed_experts: None,
         seed: 0,
         experts: "mxfp4".into(),
         out: dir.clone(),

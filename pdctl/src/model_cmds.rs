@@ -14,14 +14,24 @@ use crate::PdctlError;
 /// Arguments of `pdctl gen-model`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GenModelArgs {
-    /// Model size.
-    #[arg(long, value_parser = ["tiny", "small"], default_value = "tiny")]
+    /// Model size: `tiny` and `small` are fixed small models; `flash-shape` has
+    /// DeepSeek-V4-Flash's real dimensions (hidden 4096, 64 heads of 512, vocab 129280, ...)
+    /// truncated to `--layers` layers and `--routed-experts` routed experts, one shard per layer.
+    #[arg(long, value_parser = ["tiny", "small", "flash-shape"], default_value = "tiny")]
     pub preset: String,
+    /// Layers of `flash-shape` (1-43, the first N of V4-Flash's layer pattern; default 4).
+    /// Refused for the other presets.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// Routed experts per layer of `flash-shape` (6-256, top-6 routing; default 16). Refused
+    /// for the other presets.
+    #[arg(long, value_name = "E")]
+    pub routed_experts: Option<usize>,
     /// Seed of the weights; the same seed gives identical files.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Storage of the routed experts.
-    #[arg(long, value_parser = ["bf16", "mxfp4", "nvfp4"], default_value = "mxfp4")]
+    #[arg(long, value_parser = ["bf16", "fp8", "mxfp4", "nvfp4"], default_value = "mxfp4")]
     pub experts: String,
     /// Output folder (created).
     #[arg(long, value_name = "DIR")]
@@ -51,6 +61,7 @@ pub struct LogitsArgs {
 fn expert_format(name: &str) -> ExpertFormat {
     match name {
         "bf16" => ExpertFormat::Bf16,
+        "fp8" => ExpertFormat::Fp8Block,
         "nvfp4" => ExpertFormat::Nvfp4,
         _ => ExpertFormat::Mxfp4,
     }
@@ -59,6 +70,9 @@ fn expert_format(name: &str) -> ExpertFormat {
 /// Runs `pdctl gen-model`.
 #[expect(clippy::print_stdout, reason = "CLI output")]
 pub fn gen_model(args: &GenModelArgs) -> Result<(), PdctlError> {
+    // Validate the size before touching the tokenizer cache or the output folder.
+    let preset = Preset::resolve(&args.preset, args.layers, args.routed_experts)
+        .map_err(|e| PdctlError::Model(e.to_string()))?;
     let tokenizer_dir = if args.no_tokenizer {
         None
     } else {
@@ -66,8 +80,6 @@ pub fn gen_model(args: &GenModelArgs) -> Result<(), PdctlError> {
             .map_err(|e| PdctlError::Model(e.to_string()))?;
         path.parent().map(std::path::Path::to_path_buf)
     };
-    let preset = Preset::parse(&args.preset)
-        .ok_or_else(|| PdctlError::Model(format!("unknown preset {}", args.preset)))?;
     let files = synth::generate(&GenerateOptions {
         preset,
         seed: args.seed,
