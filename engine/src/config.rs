@@ -106,6 +106,10 @@ pub struct ModelConfig {
     pub yarn: Option<Yarn>,
     pub layers: Vec<LayerSpec>,
     pub num_nextn_predict_layers: usize,
+    /// Attention kind of each draft stage stored beside the decoder as `mtp.{i}.*` (the
+    /// multi-token-prediction layers, or DSpark's stages in the 0731 checkpoints). The engine
+    /// does not run them; `plan` sizes them.
+    pub draft_layers: Vec<Attention>,
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -193,33 +197,34 @@ impl Raw<'_> {
     }
 }
 
+fn read_json(path: &Path) -> Result<Value, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| ConfigError::Json {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
 impl ModelConfig {
     /// Reads `<dir>/config.json` (and, when NVFP4 experts are declared only there,
     /// `<dir>/hf_quant_config.json`).
     pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let value: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Json {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        let mut config = Self::from_json(&value)?;
-        let quant = dir.join("hf_quant_config.json");
-        if config.expert_format != ExpertFormat::Nvfp4 && quant.is_file() {
-            let text = std::fs::read_to_string(&quant).map_err(|source| ConfigError::Read {
-                path: quant.display().to_string(),
-                source,
-            })?;
-            let value: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Json {
-                path: quant.display().to_string(),
-                message: e.to_string(),
-            })?;
-            if hf_quant_declares_nvfp4_experts(&value) {
-                config.expert_format = ExpertFormat::Nvfp4;
-            }
+        Self::from_file(&dir.join("config.json"))
+    }
+
+    /// Reads a `config.json` file, and the `hf_quant_config.json` beside it when NVFP4 experts
+    /// are declared only there.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let mut config = Self::from_json(&read_json(path)?)?;
+        let quant = path.with_file_name("hf_quant_config.json");
+        if config.expert_format != ExpertFormat::Nvfp4
+            && quant.is_file()
+            && hf_quant_declares_nvfp4_experts(&read_json(&quant)?)
+        {
+            config.expert_format = ExpertFormat::Nvfp4;
         }
         Ok(config)
     }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod formats;
 pub mod model;
 pub mod paged;
+pub mod plan;
 pub mod pool;
 pub mod quant;
 pub mod rope;

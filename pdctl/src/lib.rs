@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod generate;
 pub mod health;
 pub mod model_cmds;
+pub mod plan;
 pub mod soak;
 pub mod verify;
 pub mod workers;
@@ -57,6 +58,9 @@ pub enum Command {
     Soak(soak::SoakArgs),
     /// Measure page-transfer throughput over UCX and TCP between two processes.
     BenchTransfer(bench_transfer::BenchTransferArgs),
+    /// Size a deployment from a checkpoint's config.json alone: weight bytes by class, state
+    /// per token and per request, and what fits beside the weights in a GPU group.
+    Plan(plan::PlanArgs),
 }
 
 /// Arguments of `pdctl up`.
@@ -149,6 +153,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::Verify(args) => verify::run(&args).await,
             Command::Soak(args) => soak::run(&args).await,
             Command::BenchTransfer(args) => bench_transfer::run(&args).await,
+            Command::Plan(args) => plan::run(&args),
         }
     });
     match result {

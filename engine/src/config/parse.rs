@@ -14,6 +14,8 @@ pub(super) fn config(raw: &Raw<'_>) -> Result<ModelConfig, ConfigError> {
     let head_dim = raw.usize("head_dim")?;
     let num_nextn_predict_layers = raw.usize_or("num_nextn_predict_layers", Some(1))?;
     let (linear_format, expert_format) = formats(raw)?;
+    let stages = draft_stages(raw, num_nextn_predict_layers)?;
+    let (layers, draft_layers) = layers(raw, num_layers, stages)?;
     let config = ModelConfig {
         vocab_size: raw.usize("vocab_size")?,
         hidden_size: raw.usize("hidden_size")?,
@@ -39,8 +41,9 @@ pub(super) fn config(raw: &Raw<'_>) -> Result<ModelConfig, ConfigError> {
         rope_theta: 0.0,
         compress_rope_theta: 0.0,
         yarn: None,
-        layers: layers(raw, num_layers, num_nextn_predict_layers)?,
+        layers,
         num_nextn_predict_layers,
+        draft_layers,
         max_position_embeddings: raw.usize_or("max_position_embeddings", Some(1_048_576))?,
         bos_token_id: token_ids(raw, "bos_token_id")?.first().copied(),
         eos_token_ids: token_ids(raw, "eos_token_id")?,
@@ -109,14 +112,39 @@ fn rope_dim(raw: &Raw<'_>, head_dim: usize) -> Result<usize, ConfigError> {
     Ok(dims as usize)
 }
 
-fn layers(raw: &Raw<'_>, num_layers: usize, nextn: usize) -> Result<Vec<LayerSpec>, ConfigError> {
-    let attention = attention_kinds(raw, num_layers, nextn)?;
+/// Draft stages stored beside the decoder (`mtp.{i}.*`): DSpark's (one per
+/// `dspark_target_layer_ids` entry, as in the 0731 checkpoints) or the multi-token-prediction
+/// layers of `num_nextn_predict_layers`.
+fn draft_stages(raw: &Raw<'_>, nextn: usize) -> Result<usize, ConfigError> {
+    let Some(targets) = raw.get("dspark_target_layer_ids") else {
+        return Ok(nextn);
+    };
+    let targets = targets
+        .as_array()
+        .ok_or_else(|| invalid("dspark_target_layer_ids", "expected a list"))?;
+    if targets.iter().any(|t| t.as_u64().is_none()) {
+        return Err(invalid(
+            "dspark_target_layer_ids",
+            "expected non-negative layer indices",
+        ));
+    }
+    Ok(targets.len())
+}
+
+/// The decoder layers' kinds and the draft stages' attention kinds.
+fn layers(
+    raw: &Raw<'_>,
+    num_layers: usize,
+    stages: usize,
+) -> Result<(Vec<LayerSpec>, Vec<Attention>), ConfigError> {
+    let (attention, draft) = attention_kinds(raw, num_layers, stages)?;
     let routing = routing_kinds(raw, num_layers)?;
-    Ok(attention
+    let layers = attention
         .into_iter()
         .zip(routing)
         .map(|(attention, routing)| LayerSpec { attention, routing })
-        .collect())
+        .collect();
+    Ok((layers, draft))
 }
 
 fn compress_rates(raw: &Raw<'_>) -> Result<(usize, usize), ConfigError> {
@@ -153,11 +181,13 @@ fn compress_rates(raw: &Raw<'_>) -> Result<(usize, usize), ConfigError> {
     Ok((csa, hca))
 }
 
+/// Each decoder layer's attention kind, then each draft stage's (sliding where the config
+/// lists none: every shipped draft stage is).
 fn attention_kinds(
     raw: &Raw<'_>,
     num_layers: usize,
-    nextn: usize,
-) -> Result<Vec<Attention>, ConfigError> {
+    stages: usize,
+) -> Result<(Vec<Attention>, Vec<Attention>), ConfigError> {
     let (csa, hca) = compress_rates(raw)?;
     if let Some(types) = raw.get("layer_types") {
         let types = types
@@ -172,7 +202,7 @@ fn attention_kinds(
                 ),
             ));
         }
-        return types
+        let kinds = types
             .iter()
             .map(|t| match t.as_str() {
                 Some("sliding_attention") => Ok(Attention::Sliding),
@@ -180,26 +210,26 @@ fn attention_kinds(
                 Some("heavily_compressed_attention") => Ok(Attention::Hca { ratio: hca }),
                 _ => Err(invalid("layer_types", format!("unknown layer type {t}"))),
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
+        return Ok((kinds, vec![Attention::Sliding; stages]));
     }
     let ratios = raw
         .get("compress_ratios")
         .ok_or(ConfigError::Missing("compress_ratios"))?
         .as_array()
         .ok_or_else(|| invalid("compress_ratios", "expected a list"))?;
-    // Shipped configs list one entry per layer plus one per multi-token-prediction layer.
-    if ratios.len() != num_layers && ratios.len() != num_layers + nextn {
+    // Shipped configs list one entry per layer plus one per draft stage.
+    if ratios.len() != num_layers && ratios.len() != num_layers + stages {
         return Err(invalid(
             "compress_ratios",
             format!(
-                "has {} entries; expected num_hidden_layers ({num_layers}) or that plus num_nextn_predict_layers ({nextn})",
+                "has {} entries; expected num_hidden_layers ({num_layers}) or that plus the draft stages ({stages}: num_nextn_predict_layers, or dspark_target_layer_ids when present)",
                 ratios.len()
             ),
         ));
     }
-    ratios
+    let kinds: Vec<Attention> = ratios
         .iter()
-        .take(num_layers)
         .map(|r| match r.as_u64() {
             Some(0) => Ok(Attention::Sliding),
             Some(4) => Ok(Attention::Csa { ratio: csa }),
@@ -209,7 +239,10 @@ fn attention_kinds(
                 format!("entries must be 0, 4 or 128, got {r}"),
             )),
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let mut draft = kinds[num_layers..].to_vec();
+    draft.resize(stages, Attention::Sliding);
+    Ok((kinds[..num_layers].to_vec(), draft))
 }
 
 fn routing_kinds(raw: &Raw<'_>, num_layers: usize) -> Result<Vec<Routing>, ConfigError> {

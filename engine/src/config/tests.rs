@@ -244,3 +244,40 @@ fn unquantized_config_is_bf16() {
     let v = without(flash(), "quantization_config");
     assert!(err(&v).contains("expert_dtype"));
 }
+
+#[test]
+fn draft_stages_from_nextn_or_dspark_targets() {
+    let c = ModelConfig::from_json(&flash()).unwrap();
+    assert_eq!(c.draft_layers, vec![Attention::Sliding]);
+
+    // The 0731 checkpoints list three DSpark stages and one ratio per layer and stage.
+    let mut v = with(flash(), "dspark_target_layer_ids", json!([10, 20, 30]));
+    let mut ratios = v["compress_ratios"].as_array().unwrap().clone();
+    ratios.extend([json!(0), json!(0)]);
+    v["compress_ratios"] = json!(ratios);
+    let c = ModelConfig::from_json(&v).unwrap();
+    assert_eq!(c.num_layers(), 43);
+    assert_eq!(c.draft_layers, vec![Attention::Sliding; 3]);
+
+    // One ratio per decoder layer only is also accepted; the stages are sliding.
+    let mut v = with(flash(), "dspark_target_layer_ids", json!([10, 20]));
+    let ratios = v["compress_ratios"].as_array().unwrap()[..43].to_vec();
+    v["compress_ratios"] = json!(ratios);
+    let c = ModelConfig::from_json(&v).unwrap();
+    assert_eq!(c.draft_layers, vec![Attention::Sliding; 2]);
+}
+
+#[test]
+fn draft_stage_counts_that_disagree_are_refused() {
+    // 44 ratios but three stages: neither 43 nor 46.
+    let v = with(flash(), "dspark_target_layer_ids", json!([10, 20, 30]));
+    let e = err(&v);
+    assert!(
+        e.contains("compress_ratios") && e.contains("draft stages"),
+        "{e}"
+    );
+    let v = with(flash(), "dspark_target_layer_ids", json!("10,20"));
+    assert!(err(&v).contains("dspark_target_layer_ids"));
+    let v = with(flash(), "dspark_target_layer_ids", json!([-1]));
+    assert!(err(&v).contains("dspark_target_layer_ids"));
+}
