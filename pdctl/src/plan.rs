@@ -231,6 +231,7 @@ impl Report<'_> {
             "draft_stages": c.draft_layers.len(),
             "linear_format": linear_name(c.linear_format),
             "expert_format": expert_name(c.expert_format),
+            "weight_bytes": self.weights.total,
             "weights": {
                 "total_bytes": self.weights.total,
                 "served_bytes": self.weights.served,

@@ -44,6 +44,7 @@ fn json_agrees_with_the_engine_and_the_fit_adds_up() {
     let config = ModelConfig::from_dir(&dir).unwrap();
     let weights = plan::weights(&config);
     assert_eq!(v["expert_format"], "nvfp4", "hf_quant_config.json was read");
+    assert_eq!(v["weight_bytes"], weights.total);
     assert_eq!(v["weights"]["total_bytes"], weights.total);
     assert_eq!(v["weights"]["served_bytes"], weights.served);
     let classes = v["weights"]["classes"].as_array().unwrap();
