@@ -329,6 +329,20 @@ impl SafetensorsFile {
         })
     }
 
+    /// Drops this process's resident pages of the mapping (`madvise(MADV_DONTNEED)`): its RSS
+    /// falls by what was read through it, the data stays in the page cache and a later read
+    /// faults it back in from there or from the file. For a reader done with a shard (a
+    /// device backend after uploading it).
+    pub fn release_resident(&self) -> std::io::Result<()> {
+        // SAFETY: the mapping is read-only and shared, so no private copy of a page exists to
+        // be lost: after DONTNEED every byte reads back as the file's, which is what any
+        // outstanding borrow already sees (the same immutability assumption as `open`).
+        unsafe {
+            self.mmap
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        }
+    }
+
     /// Tensor names in sorted (byte-wise) order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)

@@ -67,6 +67,11 @@ pub enum LoadError {
     Index { path: PathBuf, message: String },
     #[error("tensor {name}: non-finite value at index {index}")]
     NonFinite { name: String, index: usize },
+    #[error("cannot release the mapped pages of {}: {source}", path.display())]
+    Release {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("tensor {name}: expert id {id} at index {index} is outside 0..{experts}")]
     ExpertId {
         name: String,
@@ -124,6 +129,19 @@ impl Checkpoint {
             index::check(dir, &map, &paths, &holders)?;
         }
         Ok(Self { files, index })
+    }
+
+    /// Drops this process's resident pages of every shard's mapping (see
+    /// [`SafetensorsFile::release_resident`]).
+    pub fn release_resident(&self) -> Result<(), LoadError> {
+        for file in &self.files {
+            file.release_resident()
+                .map_err(|source| LoadError::Release {
+                    path: file.path().to_path_buf(),
+                    source,
+                })?;
+        }
+        Ok(())
     }
 
     fn view(&self, name: &str) -> Result<TensorView<'_>, LoadError> {

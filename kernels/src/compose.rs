@@ -306,13 +306,16 @@ mod tests {
         config::ExpertFormat,
         model::{Model, moe},
         synth::{GenerateOptions, Preset, Rng, generate},
-        weights::stored::{LayerFp4Experts, for_each_fp4_layer},
+        weights::stored::StoredWeights,
     };
 
     use super::*;
     use crate::cpu::Experts;
 
-    fn model(format: ExpertFormat) -> (tempfile::TempDir, Model, Vec<LayerFp4Experts>) {
+    /// One layer's stacked expert projections, owned (packed, scales, global scales).
+    type Stack = (ExpertFormat, (Vec<u8>, Vec<u8>, Vec<f32>));
+
+    fn model(format: ExpertFormat) -> (tempfile::TempDir, Model, Vec<[Stack; 3]>) {
         let dir = tempfile::tempdir().unwrap();
         generate(&GenerateOptions {
             preset: Preset::Tiny,
@@ -323,26 +326,25 @@ mod tests {
         })
         .unwrap();
         let model = Model::load(dir.path()).unwrap();
-        let mut layers = Vec::new();
-        for_each_fp4_layer(dir.path(), &model.config, &mut |l| {
-            layers.push(l);
-            Ok(())
-        })
-        .unwrap();
+        let stored = StoredWeights::open(dir.path(), &model.config).unwrap();
+        let layers = (0..model.config.num_layers())
+            .map(|layer| {
+                let l = stored.fp4_layer(layer).unwrap();
+                [&l.w1, &l.w2, &l.w3].map(|s| (s.format, s.concat()))
+            })
+            .collect();
         (dir, model, layers)
     }
 
-    fn experts(stack: &engine::weights::stored::Fp4Stack) -> Experts<'_> {
-        match stack.format {
+    fn experts(stack: &Stack) -> Experts<'_> {
+        let (format, (packed, scales, scale_2)) = stack;
+        match format {
             ExpertFormat::Nvfp4 => Experts::Nvfp4 {
-                packed: &stack.packed,
-                scales: &stack.scales,
-                scale_2: &stack.scale_2,
+                packed,
+                scales,
+                scale_2,
             },
-            _ => Experts::Mxfp4 {
-                packed: &stack.packed,
-                scales: &stack.scales,
-            },
+            _ => Experts::Mxfp4 { packed, scales },
         }
     }
 
@@ -373,9 +375,9 @@ mod tests {
                     limit: c.swiglu_limit,
                 };
                 let ops = CpuOps {
-                    gate: experts(&stored.w1),
-                    up: experts(&stored.w3),
-                    down: experts(&stored.w2),
+                    gate: experts(&stored[0]),
+                    up: experts(&stored[2]),
+                    down: experts(&stored[1]),
                     shared: (&shared_f32[0], &shared_f32[1], &shared_f32[2]),
                     dims,
                 };

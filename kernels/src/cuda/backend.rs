@@ -15,10 +15,7 @@ use cudarc::driver::CudaSlice;
 use engine::{
     backend::{AttendBatch, Backend, ExpertBatch, LinearId, Op},
     config::{ExpertFormat, ModelConfig},
-    weights::{
-        Checkpoint,
-        stored::{Fp4Stack, StoredLinear, for_each_fp4_layer, stored_bf16, stored_linear},
-    },
+    weights::stored::{Fp4Stack, StoredLinear, StoredWeights},
 };
 
 use super::{AttnShape, DenseWeight, DeviceExperts, Gpu, KernelError, non_empty};
@@ -36,30 +33,48 @@ struct DeviceStack {
 }
 
 impl DeviceStack {
-    fn upload(gpu: &Gpu, stack: &Fp4Stack) -> Result<Self, KernelError> {
-        let block = if stack.format == ExpertFormat::Nvfp4 {
-            16
-        } else {
-            32
-        };
-        let elements = stack.experts * stack.rows * stack.cols;
-        if !stack.cols.is_multiple_of(block)
-            || stack.packed.len() != elements / 2
-            || stack.scales.len() != elements / block
-        {
+    /// Uploads every expert of `stack` straight from the checkpoint's mapping into one
+    /// device buffer `[experts, rows, cols]` (no host staging copy).
+    fn upload(gpu: &Gpu, stack: &Fp4Stack<'_>) -> Result<Self, KernelError> {
+        let (per_packed, per_scales) = (stack.packed_per_expert(), stack.scales_per_expert());
+        let experts = stack.experts.len();
+        let bad = stack.experts.iter().any(|e| {
+            e.packed.len() != per_packed
+                || e.scales.len() != per_scales
+                || e.scale_2.is_some() != (stack.format == ExpertFormat::Nvfp4)
+        });
+        if !stack.cols.is_multiple_of(stack.block()) || bad || experts == 0 {
             return Err(KernelError::Shape(format!(
                 "{:?} experts {}x{}x{}",
-                stack.format, stack.experts, stack.rows, stack.cols
+                stack.format, experts, stack.rows, stack.cols
             )));
         }
+        let s = &gpu.stream;
+        let mut packed = s.alloc_zeros::<u8>((experts * per_packed).max(1))?;
+        let mut scales = s.alloc_zeros::<u8>((experts * per_scales).max(1))?;
+        for (x, e) in stack.experts.iter().enumerate() {
+            if per_packed > 0 {
+                s.memcpy_htod(
+                    e.packed,
+                    &mut packed.slice_mut(x * per_packed..(x + 1) * per_packed),
+                )?;
+            }
+            if per_scales > 0 {
+                s.memcpy_htod(
+                    e.scales,
+                    &mut scales.slice_mut(x * per_scales..(x + 1) * per_scales),
+                )?;
+            }
+        }
+        let scale_2: Vec<f32> = stack.experts.iter().filter_map(|e| e.scale_2).collect();
         Ok(Self {
-            packed: gpu.stream.clone_htod(&non_empty(&stack.packed))?,
-            scales: gpu.stream.clone_htod(&non_empty(&stack.scales))?,
+            packed,
+            scales,
             scale_2: match stack.format {
-                ExpertFormat::Nvfp4 => Some(gpu.stream.clone_htod(&non_empty(&stack.scale_2))?),
+                ExpertFormat::Nvfp4 => Some(s.clone_htod(&scale_2)?),
                 _ => None,
             },
-            experts: stack.experts,
+            experts,
             rows: stack.rows,
             cols: stack.cols,
         })
@@ -96,17 +111,15 @@ enum DeviceLinear {
 }
 
 impl DeviceLinear {
-    /// Uploads a stored linear; returns it with its bytes.
-    fn upload(gpu: &Gpu, stored: &StoredLinear) -> Result<(Self, usize), KernelError> {
-        Ok(match stored {
-            StoredLinear::Bf16 { bits, .. } => (
-                Self::Bf16(gpu.stream.clone_htod(&non_empty(bits))?),
-                2 * bits.len(),
-            ),
+    /// Uploads a stored linear straight from the checkpoint's mapping; returns it with its
+    /// bytes.
+    fn upload(gpu: &Gpu, stored: &StoredLinear<'_>) -> Result<(Self, usize), KernelError> {
+        Ok(match *stored {
+            StoredLinear::Bf16 { bytes, .. } => (Self::Bf16(upload_bf16(gpu, bytes)?), bytes.len()),
             StoredLinear::Fp8Block { codes, scales, .. } => (
                 Self::Fp8Block {
-                    codes: gpu.stream.clone_htod(&non_empty(codes))?,
-                    scales: gpu.stream.clone_htod(&non_empty(scales))?,
+                    codes: upload_bytes(gpu, codes)?,
+                    scales: upload_bytes(gpu, scales)?,
                 },
                 codes.len() + scales.len(),
             ),
@@ -119,6 +132,35 @@ impl DeviceLinear {
             Self::Fp8Block { codes, scales } => DenseWeight::Fp8Block { w: codes, scales },
         }
     }
+}
+
+/// Bytes from the mapping to a new device buffer (one byte when empty: the kernels take a
+/// valid pointer).
+fn upload_bytes(gpu: &Gpu, bytes: &[u8]) -> Result<CudaSlice<u8>, KernelError> {
+    let mut out = gpu.stream.alloc_zeros::<u8>(bytes.len().max(1))?;
+    if !bytes.is_empty() {
+        gpu.stream
+            .memcpy_htod(bytes, &mut out.slice_mut(..bytes.len()))?;
+    }
+    Ok(out)
+}
+
+/// Little-endian bf16 bytes from the mapping to a device bf16 buffer, copied as bytes (the
+/// mapping need not be 2-aligned, so it is never reinterpreted as `u16` on the host).
+fn upload_bf16(gpu: &Gpu, bytes: &[u8]) -> Result<CudaSlice<u16>, KernelError> {
+    if !bytes.len().is_multiple_of(2) {
+        return Err(KernelError::Shape(format!("{} bf16 bytes", bytes.len())));
+    }
+    let n = bytes.len() / 2;
+    let mut out = gpu.stream.alloc_zeros::<u16>(n.max(1))?;
+    if n > 0 {
+        // SAFETY: a buffer of n u16 is 2n bytes, every byte pattern is a valid u8, and the
+        // device is little-endian like the checkpoint, so the bytes land as the bf16 bits.
+        let mut view = unsafe { out.transmute_mut::<u8>(bytes.len()) }
+            .ok_or_else(|| KernelError::Shape(format!("{n} bf16 values")))?;
+        gpu.stream.memcpy_htod(bytes, &mut view)?;
+    }
+    Ok(out)
 }
 
 /// A layer's shared expert on the device: gate `[inter, hidden]`, down `[hidden, inter]`, up.
@@ -156,90 +198,56 @@ impl CudaBackend {
         let Some(gpu) = Gpu::open()? else {
             return Ok(None);
         };
+        let checkpoint = |e: engine::weights::LoadError| KernelError::Checkpoint(e.to_string());
+        let stored = StoredWeights::open(dir, config).map_err(checkpoint)?;
+        if !stored.has_fp4_experts() {
+            return Err(KernelError::Unsupported(format!(
+                "the CUDA backend runs FP4 routed experts (NVFP4 or MXFP4); this \
+                 checkpoint's experts are {:?}",
+                config.expert_format
+            )));
+        }
         let mut layers = Vec::with_capacity(config.num_layers());
-        let mut device_bytes = 0;
-        let mut upload_error = None;
-        let fp4 = for_each_fp4_layer(dir, config, &mut |layer| {
-            let uploaded = (|| -> Result<DeviceLayer, KernelError> {
-                Ok(DeviceLayer {
-                    w1: DeviceStack::upload(&gpu, &layer.w1)?,
-                    w2: DeviceStack::upload(&gpu, &layer.w2)?,
-                    w3: DeviceStack::upload(&gpu, &layer.w3)?,
-                })
-            })();
-            match uploaded {
-                Ok(l) => {
-                    for s in [&layer.w1, &layer.w2, &layer.w3] {
-                        device_bytes += s.packed.len() + s.scales.len() + 4 * s.scale_2.len();
-                    }
-                    layers.push(l);
-                    Ok(())
-                }
-                Err(e) => {
-                    let text = e.to_string();
-                    upload_error = Some(e);
-                    Err(text)
-                }
-            }
-        });
-        if let Some(e) = upload_error {
-            return Err(e);
-        }
-        match fp4 {
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(KernelError::Unsupported(format!(
-                    "the CUDA backend runs FP4 routed experts (NVFP4 or MXFP4); this \
-                     checkpoint's experts are {:?}",
-                    config.expert_format
-                )));
-            }
-            Err(e) => return Err(KernelError::Checkpoint(e.to_string())),
-        }
-        let checkpoint =
-            Checkpoint::open(dir).map_err(|e| KernelError::Checkpoint(e.to_string()))?;
         let mut shared = Vec::with_capacity(config.num_layers());
-        for layer in 0..config.num_layers() {
-            let mut linear = |w: &str| -> Result<DeviceLinear, KernelError> {
-                let name = format!("{}ffn.shared_experts.{w}", engine::schema::layer(layer));
-                let stored = stored_linear(&checkpoint, config, &name)
-                    .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
-                let (linear, bytes) = DeviceLinear::upload(&gpu, &stored)?;
-                device_bytes += bytes;
-                Ok(linear)
-            };
-            shared.push(DeviceShared {
-                w1: linear("w1")?,
-                w2: linear("w2")?,
-                w3: linear("w3")?,
-            });
-        }
         let mut linears = BTreeMap::new();
-        let names: std::collections::BTreeSet<String> = engine::schema::tensors(config)
-            .into_iter()
-            .map(|spec| spec.name)
-            .collect();
+        let mut device_bytes = 0;
+        // Layer by layer, straight from the mapping; after each layer the pages it read are
+        // released, so the host holds at most one layer of it beyond what the CPU model keeps.
         for layer in 0..config.num_layers() {
+            let experts = stored.fp4_layer(layer).map_err(checkpoint)?;
+            for s in [&experts.w1, &experts.w2, &experts.w3] {
+                device_bytes += s.stored_bytes();
+            }
+            layers.push(DeviceLayer {
+                w1: DeviceStack::upload(&gpu, &experts.w1)?,
+                w2: DeviceStack::upload(&gpu, &experts.w2)?,
+                w3: DeviceStack::upload(&gpu, &experts.w3)?,
+            });
+            let mut linear = |name: &str| -> Result<(DeviceLinear, (usize, usize)), KernelError> {
+                let s = stored.linear(name).map_err(checkpoint)?;
+                let (linear, bytes) = DeviceLinear::upload(&gpu, &s)?;
+                device_bytes += bytes;
+                Ok((linear, s.shape()))
+            };
+            let shared_name =
+                |w: &str| format!("{}ffn.shared_experts.{w}", engine::schema::layer(layer));
+            shared.push(DeviceShared {
+                w1: linear(&shared_name("w1"))?.0,
+                w2: linear(&shared_name("w2"))?.0,
+                w3: linear(&shared_name("w3"))?.0,
+            });
             for which in LinearId::ALL {
                 let name = which.tensor(layer);
-                if !names.contains(&name) {
-                    continue;
+                if stored.contains(&name) {
+                    linears.insert((layer, which), linear(&name)?);
                 }
-                let stored = stored_linear(&checkpoint, config, &name)
-                    .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
-                let shape = match &stored {
-                    StoredLinear::Bf16 { rows, cols, .. }
-                    | StoredLinear::Fp8Block { rows, cols, .. } => (*rows, *cols),
-                };
-                let (linear, bytes) = DeviceLinear::upload(&gpu, &stored)?;
-                device_bytes += bytes;
-                linears.insert((layer, which), (linear, shape));
             }
+            gpu.stream.synchronize()?;
+            stored.release_resident().map_err(checkpoint)?;
         }
-        let head_bits = stored_bf16(dir, config, "head.weight")
-            .map_err(|e| KernelError::Checkpoint(e.to_string()))?;
-        device_bytes += 2 * head_bits.len();
-        let head = gpu.stream.clone_htod(&super::non_empty(&head_bits))?;
+        let head_bytes = stored.bf16("head.weight").map_err(checkpoint)?;
+        device_bytes += head_bytes.len();
+        let head = upload_bf16(&gpu, head_bytes)?;
         gpu.stream.synchronize()?;
         Ok(Some(Self {
             gpu,
