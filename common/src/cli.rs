@@ -20,13 +20,25 @@ pub fn fail(program: &str, error: &dyn fmt::Display, code: u8) -> ExitCode {
 
 /// Prints the readiness line on stdout: `PDSERVE_READY role=<role> <name>=<addr> ...`.
 /// Launchers and tests read the bound addresses from it (ports may be ephemeral).
+pub fn announce_ready(role: &str, addrs: &[(&str, std::net::SocketAddr)]) {
+    announce("PDSERVE_READY", role, addrs);
+}
+
+/// Prints the listening line on stdout: `PDSERVE_LISTENING role=<role> <name>=<addr> ...`.
+/// A worker prints it as soon as it answers health and `Worker.Info`, before its model is
+/// loaded; the readiness line follows once it serves. Launchers learn from it where to ask
+/// for load progress (ports may be ephemeral).
+pub fn announce_listening(role: &str, addrs: &[(&str, std::net::SocketAddr)]) {
+    announce("PDSERVE_LISTENING", role, addrs);
+}
+
 #[expect(
     clippy::print_stdout,
-    reason = "the readiness line is the stdout contract"
+    reason = "the readiness and listening lines are the stdout contract"
 )]
-pub fn announce_ready(role: &str, addrs: &[(&str, std::net::SocketAddr)]) {
+fn announce(tag: &str, role: &str, addrs: &[(&str, std::net::SocketAddr)]) {
     use std::{fmt::Write as _, io::Write as _};
-    let mut line = format!("PDSERVE_READY role={role}");
+    let mut line = format!("{tag} role={role}");
     for (name, addr) in addrs {
         let _ = write!(line, " {name}={addr}");
     }
@@ -36,13 +48,19 @@ pub fn announce_ready(role: &str, addrs: &[(&str, std::net::SocketAddr)]) {
 
 /// Parses a readiness line back into its fields.
 pub fn parse_ready(line: &str) -> Option<Vec<(String, String)>> {
-    let rest = line.trim().strip_prefix("PDSERVE_READY ")?;
-    Some(
-        rest.split_whitespace()
-            .filter_map(|kv| kv.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect(),
-    )
+    Some(fields(line.trim().strip_prefix("PDSERVE_READY ")?))
+}
+
+/// Parses a listening line back into its fields.
+pub fn parse_listening(line: &str) -> Option<Vec<(String, String)>> {
+    Some(fields(line.trim().strip_prefix("PDSERVE_LISTENING ")?))
+}
+
+fn fields(rest: &str) -> Vec<(String, String)> {
+    rest.split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
 }
 
 /// An error that knows which exit status it means.
@@ -113,5 +131,9 @@ mod tests {
         assert_eq!(fields[0], ("role".into(), "router".into()));
         assert_eq!(fields[2], ("grpc".into(), "127.0.0.1:2".into()));
         assert!(parse_ready("something else").is_none());
+        let listening = parse_listening("PDSERVE_LISTENING role=decode grpc=127.0.0.1:3").unwrap();
+        assert_eq!(listening[1], ("grpc".into(), "127.0.0.1:3".into()));
+        assert!(parse_ready("PDSERVE_LISTENING role=decode grpc=127.0.0.1:3").is_none());
+        assert!(parse_listening("PDSERVE_READY role=decode grpc=127.0.0.1:3").is_none());
     }
 }

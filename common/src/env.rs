@@ -31,6 +31,9 @@ pub const REQUIRE_CUDA_KERNELS: &str = "PDSERVE_REQUIRE_CUDA_KERNELS";
 /// API key `pdctl` sends to a router (`pdctl workers --api-key`).
 pub const API_KEY: &str = "PDSERVE_API_KEY";
 
+/// Seconds `pdctl up` waits for its workers to load their models and serve (`--start-timeout`).
+pub const START_TIMEOUT: &str = "PDSERVE_START_TIMEOUT";
+
 /// Names a fault a worker injects on purpose (see `common::fault`); tests only.
 pub const INJECT_FAULT: &str = "PDSERVE_INJECT_FAULT";
 
@@ -52,6 +55,7 @@ pub const GLOBAL: &[&str] = &[
     CUDA_HOME,
     REQUIRE_CUDA_KERNELS,
     API_KEY,
+    START_TIMEOUT,
     INJECT_FAULT,
 ];
 

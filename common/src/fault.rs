@@ -1,7 +1,8 @@
 //! Deliberate faults, for proving that `pdctl verify` and the tests catch a cluster that
 //! produces wrong answers. Set `PDSERVE_INJECT_FAULT` to one of the names below before a worker
 //! starts; the worker logs a warning at start and then misbehaves in exactly that way. Never
-//! set in production: a faulty worker returns plausible-looking garbage on purpose.
+//! set in production: a faulty worker returns plausible-looking garbage on purpose (or, with
+//! `slow-load`, starts slowly on purpose).
 
 use crate::env;
 
@@ -19,16 +20,25 @@ pub enum Fault {
     /// Decode: the engine thread stops answering one second after start, as if wedged (the
     /// watchdog must notice).
     StallEngine,
+    /// Either role: pauses [`SLOW_LOAD_PER_SHARD`] after each checkpoint shard is loaded, so
+    /// tests can watch a worker in its loading state without depending on disk speed.
+    SlowLoad,
 }
+
+/// How long `slow-load` pauses per shard: long enough for a test to look at a loading cluster
+/// through a router polling its workers, short enough for a test (the test checkpoints have
+/// two shards).
+pub const SLOW_LOAD_PER_SHARD: std::time::Duration = std::time::Duration::from_millis(2500);
 
 impl Fault {
     /// Every fault with its name.
-    pub const ALL: [(&'static str, Fault); 5] = [
+    pub const ALL: [(&'static str, Fault); 6] = [
         ("flip-page-byte", Fault::FlipPageByte),
         ("drop-slot", Fault::DropSlot),
         ("swap-pages", Fault::SwapPages),
         ("reorder-batch", Fault::ReorderBatch),
         ("stall-engine", Fault::StallEngine),
+        ("slow-load", Fault::SlowLoad),
     ];
 
     /// The fault named by `PDSERVE_INJECT_FAULT`, if any; an unknown name is an error.
@@ -63,7 +73,7 @@ impl Fault {
             tracing::warn!(
                 role,
                 fault = ?f,
-                "FAULT INJECTION ENABLED: this worker corrupts answers on purpose"
+                "FAULT INJECTION ENABLED: this worker misbehaves on purpose"
             );
         }
         Ok(fault)

@@ -14,6 +14,7 @@ pub mod http_client;
 pub mod internal_tls;
 pub mod listen;
 pub mod logging;
+pub mod pending;
 pub mod registration;
 pub mod shutdown;
 pub mod systemd;

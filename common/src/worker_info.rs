@@ -9,7 +9,8 @@ use std::{
 };
 
 use proto::v1::{
-    Ack, DrainRequest, InfoRequest, Load, Role, WorkerInfo, WorkerState, worker_server::Worker,
+    Ack, DrainRequest, InfoRequest, Load, LoadProgress, Role, WorkerInfo, WorkerState,
+    worker_server::Worker,
 };
 use tokio::sync::{Notify, RwLock};
 use tonic::{Request, Response, Status};
@@ -35,6 +36,19 @@ pub struct WorkerHandle {
     /// When the engine last reported its load (it answers between steps, so a stale report
     /// means a wedged engine).
     last_load: Arc<Mutex<Option<Instant>>>,
+    /// Reads the model load's progress (atomics the loading thread updates), so `Info` is
+    /// exact at every call without a task copying it.
+    progress: Arc<Mutex<Option<ProgressSource>>>,
+}
+
+/// A function giving the model load's progress now.
+#[derive(Clone)]
+pub struct ProgressSource(pub Arc<dyn Fn() -> LoadProgress + Send + Sync>);
+
+impl std::fmt::Debug for ProgressSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressSource")
+    }
 }
 
 /// Whether the worker is draining: set once, read by the services on every new request.
@@ -64,7 +78,14 @@ impl WorkerHandle {
             drain_deadline_ms: Arc::default(),
             draining: DrainingFlag::default(),
             last_load: Arc::default(),
+            progress: Arc::default(),
         }
+    }
+
+    /// Reports the model load's progress from `source` in every `Info` (and registration)
+    /// from now on.
+    pub fn set_progress_source(&self, source: ProgressSource) {
+        *self.progress.lock().unwrap_or_else(PoisonError::into_inner) = Some(source);
     }
 
     /// The flag services check before taking new work.
@@ -73,7 +94,16 @@ impl WorkerHandle {
     }
 
     pub async fn snapshot(&self) -> WorkerInfo {
-        self.info.read().await.clone()
+        let mut info = self.info.read().await.clone();
+        let source = self
+            .progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(source) = source {
+            info.load_progress = Some((source.0)());
+        }
+        info
     }
 
     pub async fn set_state(&self, state: WorkerState) {

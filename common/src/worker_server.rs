@@ -67,6 +67,8 @@ pub struct WorkerServer {
     /// The router this worker registers with, if any.
     router: Option<String>,
     notifier: Notifier,
+    /// The role named on the readiness line, when this process prints one.
+    ready_line: Option<String>,
 }
 
 /// How long calls still running when the drain ends (idle or deadline) may take to finish.
@@ -94,6 +96,7 @@ impl WorkerServer {
             handle,
             router: None,
             notifier: Notifier::from_env(),
+            ready_line: None,
         })
     }
 
@@ -135,6 +138,29 @@ impl WorkerServer {
         role_services: &[&str],
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ServeError> {
+        self.serve_after(
+            role_routes,
+            role_services,
+            std::future::ready(Ok(())),
+            shutdown,
+        )
+        .await
+    }
+
+    /// [`Self::serve`] for a worker whose role services can only work once `loaded` resolves
+    /// (its model is loading): health and `Worker.Info` answer at once, the role services and
+    /// the process ("") report NOT_SERVING, and the worker registers with its router at once
+    /// (the router lists it, with its progress, but sends it nothing before it reports READY).
+    /// Once `loaded` succeeds the role services turn SERVING, the state READY, and the
+    /// readiness line is printed. A failed load stops the server and is returned; a shutdown or
+    /// drain during the load stops it without waiting for the load.
+    pub async fn serve_after(
+        self,
+        role_routes: impl FnOnce(Routes) -> Routes,
+        role_services: &[&str],
+        loaded: impl Future<Output = Result<(), ServeError>>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
         let (reporter, health) = grpc::health();
         let routes = role_routes(
             Routes::new(health)
@@ -142,52 +168,85 @@ impl WorkerServer {
         );
         let mut services = vec![proto::service_names::WORKER];
         services.extend_from_slice(role_services);
-        grpc::set_serving(&reporter, &services).await;
-        self.handle.set_state(WorkerState::Ready).await;
+        // Until loaded only Worker answers: nothing may mistake the worker for one that serves.
+        grpc::set_not_serving(&reporter, role_services).await;
+        reporter
+            .set_service_status(
+                proto::service_names::WORKER,
+                tonic_health::ServingStatus::Serving,
+            )
+            .await;
+        let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let failure = std::sync::Arc::clone(&failed);
         let credentials = self.credentials();
-        let (registered_tx, registered) = tokio::sync::oneshot::channel();
-        let registration = self.router.clone().map(|router| {
-            tokio::spawn(crate::registration::keep_registered(
-                self.handle.clone(),
-                router,
-                credentials.clone(),
-                registered_tx,
-            ))
-        });
-        let notifier = self.notifier.clone();
-        let address = self.local_addr;
-        let registers = registration.is_some();
-        let announce = tokio::spawn(async move {
-            if registers {
-                let _ = registered.await;
-            }
-            notifier.ready(&format!("serving on {address}"));
-        });
-        let engine_handle = self.handle.clone();
-        let max_age = self
-            .notifier
-            .watchdog_timeout()
-            .map_or(Duration::MAX, |t| t / 2);
-        let watchdog = tokio::spawn(
-            self.notifier
-                .clone()
-                .keep_watchdog(move || engine_handle.engine_responsive(max_age)),
-        );
         let handle = self.handle.clone();
         let notifier = self.notifier.clone();
         let (grace, router) = (self.grace, self.router.clone());
+        let (address, ready_line) = (self.local_addr, self.ready_line.clone());
         let stop = async move {
-            let asked = tokio::select! {
-                () = shutdown => None,
-                deadline = handle.drain_requested() => deadline,
+            let (registered_tx, registered) = tokio::sync::oneshot::channel();
+            let registration = router.clone().map(|router| {
+                tokio::spawn(crate::registration::keep_registered(
+                    handle.clone(),
+                    router,
+                    credentials.clone(),
+                    registered_tx,
+                ))
+            });
+            tokio::pin!(shutdown);
+            let outcome = tokio::select! {
+                result = load_reporting(loaded, &handle, &notifier) => Some(result),
+                () = &mut shutdown => {
+                    tracing::info!("stopping before the model finished loading");
+                    None
+                }
+                _ = handle.drain_requested() => {
+                    tracing::info!("drain requested before the model finished loading; stopping");
+                    None
+                }
             };
-            announce.abort();
-            handle.set_state(WorkerState::Draining).await;
-            grpc::set_not_serving(&reporter, &services).await;
-            notifier.stopping("draining");
-            let deadline = asked.map_or(grace, |d| d.min(grace));
-            tracing::info!(deadline_ms = deadline.as_millis(), "worker draining");
-            drain(&handle, &notifier, deadline).await;
+            let mut watchdog = None;
+            if let Some(Ok(())) = outcome {
+                grpc::set_serving(&reporter, &services).await;
+                handle.set_state(WorkerState::Ready).await;
+                if let Some(role) = &ready_line {
+                    crate::cli::announce_ready(role, &[("grpc", address)]);
+                }
+                let ready_notifier = notifier.clone();
+                let registers = registration.is_some();
+                let announce = tokio::spawn(async move {
+                    if registers {
+                        let _ = registered.await;
+                    }
+                    ready_notifier.ready(&format!("serving on {address}"));
+                });
+                let engine_handle = handle.clone();
+                let max_age = notifier.watchdog_timeout().map_or(Duration::MAX, |t| t / 2);
+                watchdog =
+                    Some(tokio::spawn(notifier.clone().keep_watchdog(move || {
+                        engine_handle.engine_responsive(max_age)
+                    })));
+                let asked = tokio::select! {
+                    () = &mut shutdown => None,
+                    deadline = handle.drain_requested() => deadline,
+                };
+                announce.abort();
+                handle.set_state(WorkerState::Draining).await;
+                grpc::set_not_serving(&reporter, &services).await;
+                notifier.stopping("draining");
+                let deadline = asked.map_or(grace, |d| d.min(grace));
+                tracing::info!(deadline_ms = deadline.as_millis(), "worker draining");
+                drain(&handle, &notifier, deadline).await;
+            } else {
+                handle.set_state(WorkerState::Draining).await;
+                grpc::set_not_serving(&reporter, &services).await;
+                notifier.stopping("stopping before the model finished loading");
+                if let Some(Err(e)) = outcome {
+                    *failure
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                }
+            }
             if let Some(task) = registration {
                 task.abort();
                 if let Some(router) = router {
@@ -195,7 +254,9 @@ impl WorkerServer {
                     crate::registration::deregister(&router, &credentials, id).await;
                 }
             }
-            watchdog.abort();
+            if let Some(task) = watchdog {
+                task.abort();
+            }
             tracing::info!("worker stopping");
         };
         grpc::serve(
@@ -206,7 +267,11 @@ impl WorkerServer {
             AFTER_DRAIN_GRACE,
         )
         .await?;
-        Ok(())
+        let failure = failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        failure.map_or(Ok(()), Err)
     }
 
     /// Runs as a process: announce readiness on stdout, serve until SIGTERM/SIGINT.
@@ -215,16 +280,82 @@ impl WorkerServer {
         role_name: &str,
         role_routes: impl FnOnce(Routes) -> Routes,
         role_services: &[&str],
+        signal: crate::shutdown::ShutdownSignal,
+    ) -> Result<(), ServeError> {
+        self.run_after_load(
+            role_name,
+            role_routes,
+            role_services,
+            std::future::ready(Ok(())),
+            signal,
+        )
+        .await
+    }
+
+    /// [`Self::run_until_signal`] for a worker loading its model (see [`Self::serve_after`]):
+    /// the listening line is printed at once, the readiness line once `loaded` succeeds.
+    pub async fn run_after_load(
+        mut self,
+        role_name: &str,
+        role_routes: impl FnOnce(Routes) -> Routes,
+        role_services: &[&str],
+        loaded: impl Future<Output = Result<(), ServeError>>,
         mut signal: crate::shutdown::ShutdownSignal,
     ) -> Result<(), ServeError> {
         tracing::info!(addr = %self.local_addr, role = role_name, "worker listening");
-        crate::cli::announce_ready(role_name, &[("grpc", self.local_addr)]);
+        crate::cli::announce_listening(role_name, &[("grpc", self.local_addr)]);
+        self.ready_line = Some(role_name.to_owned());
         // Boxed: the serving future is large, and callers keep it across their own awaits.
-        Box::pin(self.serve(role_routes, role_services, async move {
-            let name = signal.recv().await;
-            tracing::info!(signal = name, "shutdown requested");
-        }))
+        Box::pin(
+            self.serve_after(role_routes, role_services, loaded, async move {
+                let name = signal.recv().await;
+                tracing::info!(signal = name, "shutdown requested");
+            }),
+        )
         .await
+    }
+}
+
+/// Runs `load` on its own OS thread (checking a large checkpoint takes minutes of CPU) and
+/// resolves with its result. Not `spawn_blocking`: a runtime waits for its blocking tasks when
+/// it shuts down, and a worker told to stop mid-load must not wait for the load.
+pub async fn load_on_thread<T: Send + 'static>(
+    name: &str,
+    load: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, ServeError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let _ = tx.send(load());
+        })?;
+    rx.await
+        .map_err(|_| ServeError::Startup("the model loading thread panicked".to_owned()))?
+        .map_err(ServeError::Startup)
+}
+
+/// How often a loading worker's progress is put in its systemd status.
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+
+/// Awaits `loaded`, putting the load's progress in the unit's status meanwhile (`systemctl
+/// status` shows how far a start that takes minutes is).
+async fn load_reporting(
+    loaded: impl Future<Output = Result<(), ServeError>>,
+    handle: &WorkerHandle,
+    notifier: &Notifier,
+) -> Result<(), ServeError> {
+    tokio::pin!(loaded);
+    let mut every = tokio::time::interval(STATUS_EVERY);
+    loop {
+        tokio::select! {
+            biased;
+            result = &mut loaded => return result,
+            _ = every.tick() => {
+                if let Some(progress) = handle.snapshot().await.load_progress {
+                    notifier.status(&format!("loading the model: {progress}"));
+                }
+            }
+        }
     }
 }
 

@@ -150,7 +150,8 @@ pub fn start_from_dir(
     config: crate::scheduler::EngineConfig,
     thread_name: &str,
 ) -> Result<LoadedEngine, String> {
-    start_with_backend(dir, config, thread_name, &|_, _| Ok(None), false)
+    let progress = std::sync::Arc::new(crate::weights::LoadProgress::new());
+    start_with_backend(dir, config, thread_name, &|_, _| Ok(None), false, &progress)
 }
 
 /// Opens a compute backend for a loaded model (`None`: the CPU reference only).
@@ -161,16 +162,20 @@ pub type OpenBackend<'a> =
     ) -> Result<Option<std::sync::Arc<dyn crate::backend::Backend>>, String>;
 
 /// [`start_from_dir`] with the backend `open` returns attached to the model; a backend that
-/// does not run every op is refused unless `hybrid` (see `engine::backend`).
+/// does not run every op is refused unless `hybrid` (see `engine::backend`). How far the
+/// weights check is (the part of starting that takes minutes on a large checkpoint) shows in
+/// `progress` while this runs.
 pub fn start_with_backend(
     dir: &std::path::Path,
     config: crate::scheduler::EngineConfig,
     thread_name: &str,
     open: OpenBackend<'_>,
     hybrid: bool,
+    progress: &std::sync::Arc<crate::weights::LoadProgress>,
 ) -> Result<LoadedEngine, String> {
     let fingerprint = crate::weights::fingerprint(dir).map_err(|e| e.to_string())?;
-    let mut model = crate::model::Model::load(dir).map_err(|e| e.to_string())?;
+    let mut model =
+        crate::model::Model::load_with_progress(dir, progress).map_err(|e| e.to_string())?;
     let backend_plan = match open(dir, &model.config)? {
         Some(backend) => Some(
             model

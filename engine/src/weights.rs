@@ -8,13 +8,17 @@
 
 mod fingerprint;
 pub mod index;
+pub mod progress;
 pub mod stored;
 
 pub use fingerprint::fingerprint;
+pub use progress::{LoadProgress, ShardLoaded};
 
 use std::{
+    cell::RefCell,
     collections::BTreeMap,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use crate::{
@@ -525,21 +529,64 @@ impl ModelWeights {
 
 /// Loads and checks every tensor of `config` from `dir`.
 pub fn load(dir: &Path, config: &ModelConfig) -> Result<ModelWeights, LoadError> {
+    load_with_progress(dir, config, &Arc::new(LoadProgress::new()))
+}
+
+/// [`load`], counting what has been checked in `progress` (readable from other threads while
+/// this runs) and logging each shard as it completes.
+pub fn load_with_progress(
+    dir: &Path,
+    config: &ModelConfig,
+    progress: &Arc<LoadProgress>,
+) -> Result<ModelWeights, LoadError> {
     let checkpoint = Checkpoint::open(dir)?;
     let specs = schema::tensors(config);
     checkpoint.check_no_extra(&specs)?;
-    Assembler {
+    let tracker = checkpoint.tracker(&specs, progress);
+    let assembler = Assembler {
         checkpoint: &checkpoint,
         specs: specs.iter().map(|s| (s.name.clone(), s)).collect(),
         config,
+        tracker: RefCell::new(tracker),
+    };
+    let weights = assembler.model()?;
+    assembler.tracker.borrow_mut().finish();
+    Ok(weights)
+}
+
+impl Checkpoint {
+    /// Progress accounting for loading `specs`: every shard with its size on disk, every file
+    /// tensor the specs name with the shard it is in and its bytes.
+    fn tracker(&self, specs: &[TensorSpec], progress: &Arc<LoadProgress>) -> progress::Tracker {
+        let shards = self
+            .files
+            .iter()
+            .map(|f| {
+                let name = f.path().file_name().map_or_else(
+                    || f.path().display().to_string(),
+                    |n| n.to_string_lossy().into_owned(),
+                );
+                (name, f.file_len() as u64)
+            })
+            .collect();
+        let tensors = specs
+            .iter()
+            .flat_map(|s| schema::files_of(s).into_iter().map(|(n, _, _)| n))
+            .filter_map(|name| {
+                let shard = *self.index.get(&name)?;
+                let bytes = self.files[shard].get(&name)?.data.len() as u64;
+                Some((name, shard, bytes))
+            });
+        progress::Tracker::start(Arc::clone(progress), shards, tensors)
     }
-    .model()
 }
 
 struct Assembler<'a> {
     checkpoint: &'a Checkpoint,
     specs: BTreeMap<String, &'a TensorSpec>,
     config: &'a ModelConfig,
+    /// Credits each checked tensor to its shard (the loader is single-threaded, hence a cell).
+    tracker: RefCell<progress::Tracker>,
 }
 
 impl Assembler<'_> {
@@ -550,18 +597,33 @@ impl Assembler<'_> {
             .ok_or_else(|| LoadError::Missing(name.to_owned()))
     }
 
+    /// `spec` was checked: its file tensors count as loaded.
+    fn checked(&self, spec: &TensorSpec) {
+        let parts = schema::files_of(spec);
+        self.tracker
+            .borrow_mut()
+            .checked(parts.iter().map(|(n, _, _)| n.as_str()));
+    }
+
     fn vec(&self, name: &str) -> Result<Vec<f32>, LoadError> {
-        self.checkpoint.load_f32(self.spec(name)?)
+        let spec = self.spec(name)?;
+        let values = self.checkpoint.load_f32(spec)?;
+        self.checked(spec);
+        Ok(values)
     }
 
     fn matrix(&self, name: &str) -> Result<Matrix, LoadError> {
         let spec = self.spec(name)?;
         let data = self.checkpoint.load_f32(spec)?;
+        self.checked(spec);
         Ok(Matrix::new(spec.shape[0], spec.shape[1], data))
     }
 
     fn weight(&self, name: &str) -> Result<Weight, LoadError> {
-        self.checkpoint.load_weight(self.spec(name)?)
+        let spec = self.spec(name)?;
+        let weight = self.checkpoint.load_weight(spec)?;
+        self.checked(spec);
+        Ok(weight)
     }
 
     fn model(&self) -> Result<ModelWeights, LoadError> {
@@ -646,10 +708,9 @@ impl Assembler<'_> {
             Routing::TopK => (Some(self.vec(&format!("{f}gate.bias"))?), None),
             Routing::Hash => {
                 let spec = self.spec(&format!("{f}gate.tid2eid"))?;
-                (
-                    None,
-                    Some(self.checkpoint.load_ids(spec, c.n_routed_experts)?),
-                )
+                let ids = self.checkpoint.load_ids(spec, c.n_routed_experts)?;
+                self.checked(spec);
+                (None, Some(ids))
             }
         };
         Ok(LayerWeights {

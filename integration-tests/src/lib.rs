@@ -65,11 +65,50 @@ pub struct Service {
     /// Fields of the readiness line (`role`, `grpc`, `http`, ...).
     pub ready: HashMap<String, String>,
     stderr: mpsc::Receiver<String>,
+    /// Stdout lines after the one `start` returned at.
+    stdout: mpsc::Receiver<String>,
+    /// The readiness line has been read.
+    ready_seen: bool,
 }
 
 impl Service {
     /// Starts `cmd` and waits for its readiness line.
-    pub fn start(mut cmd: Command) -> Self {
+    pub fn start(cmd: Command) -> Self {
+        Self::start_until(cmd, common::cli::parse_ready)
+    }
+
+    /// Starts `cmd` and waits for its listening line (a worker prints it before loading its
+    /// model) or its readiness line; [`Self::wait_ready_line`] waits for the readiness line.
+    pub fn start_listening(cmd: Command) -> Self {
+        Self::start_until(cmd, |line| {
+            common::cli::parse_listening(line).or_else(|| common::cli::parse_ready(line))
+        })
+    }
+
+    /// Waits (bounded) for the readiness line; false when it did not come within `timeout`
+    /// (or stdout closed). True at once if `start` already returned at it.
+    pub fn wait_ready_line(&mut self, timeout: Duration) -> bool {
+        if self.ready_seen {
+            return true;
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout.recv_timeout(left) {
+                Ok(line) if common::cli::parse_ready(&line).is_some() => {
+                    self.ready_seen = true;
+                    return true;
+                }
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+    }
+
+    fn start_until(
+        mut cmd: Command,
+        parse: impl Fn(&str) -> Option<Vec<(String, String)>>,
+    ) -> Self {
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -97,11 +136,13 @@ impl Service {
             let left = deadline.saturating_duration_since(Instant::now());
             match line_rx.recv_timeout(left.min(Duration::from_millis(200))) {
                 Ok(line) => {
-                    if let Some(fields) = common::cli::parse_ready(&line) {
+                    if let Some(fields) = parse(&line) {
                         return Self {
                             child,
                             ready: fields.into_iter().collect(),
                             stderr: err_rx,
+                            stdout: line_rx,
+                            ready_seen: common::cli::parse_ready(&line).is_some(),
                         };
                     }
                 }

@@ -295,7 +295,7 @@ fn cluster_metrics_report_every_worker() {
             &[("role", role), ("state", "ready")],
         );
         assert!((ready - 1.0).abs() < f64::EPSILON, "{role}: {ready}");
-        for state in ["starting", "draining", "unreachable"] {
+        for state in ["starting", "loading", "draining", "unreachable"] {
             let n = value(
                 &samples,
                 "pdserve_workers",

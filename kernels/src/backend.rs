@@ -66,13 +66,15 @@ fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, Stri
 }
 
 /// Loads the checkpoint at `dir` into an engine thread with the backend `backend` names
-/// (`"cpu"` or `"cuda"`), `hybrid` letting ops the backend does not run stay on the CPU.
+/// (`"cpu"` or `"cuda"`), `hybrid` letting ops the backend does not run stay on the CPU. How
+/// far the weights check is shows in `progress` while this runs.
 pub fn start_engine(
     dir: &Path,
     config: engine::scheduler::EngineConfig,
     thread_name: &str,
     backend: &str,
     hybrid: bool,
+    progress: &Arc<engine::weights::LoadProgress>,
 ) -> Result<engine::runner::LoadedEngine, String> {
     let kind = BackendKind::parse(backend)?;
     engine::runner::start_with_backend(
@@ -81,6 +83,7 @@ pub fn start_engine(
         thread_name,
         &|dir, model| open(kind, dir, model),
         hybrid,
+        progress,
     )
 }
 

@@ -1,6 +1,8 @@
 //! `pdctl up`: a local cluster on loopback from the workspace's own binaries. Each child is
 //! started with ephemeral ports (except the router's HTTP port), reports its addresses on its
-//! readiness line, is health-checked, and is stopped with SIGTERM.
+//! listening line (workers, before their model is loaded) and its readiness line (once
+//! serving), is health-checked, and is stopped with SIGTERM. While workers load, their
+//! progress (`Worker.Info`) is printed.
 
 use std::{
     collections::HashMap,
@@ -16,11 +18,20 @@ use proto::auth::{ClusterSecret, Credentials};
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
+    sync::watch,
 };
 
 use crate::{PdctlError, UpArgs, health};
 
+/// How long a process may take to print its first line (listening or ready), and the router
+/// to become ready once its workers serve.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long workers may take to load their model, unless `--start-timeout` says otherwise.
+pub(crate) const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+/// When the progress of loading workers is first printed (a small model is loaded before
+/// then, and prints nothing), and how often after that.
+const FIRST_PROGRESS: Duration = Duration::from_secs(1);
+const PROGRESS_EVERY: Duration = Duration::from_secs(3);
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
 pub(crate) const EPHEMERAL: &str = "127.0.0.1:0";
 
@@ -62,12 +73,26 @@ impl LocalSecret {
     }
 }
 
+/// What a child's stdout has said so far.
+#[derive(Debug, Clone)]
+enum Stage {
+    /// Nothing yet.
+    Started,
+    /// The listening line: it answers health and `Info`; its model may still be loading.
+    Listening(Vec<(String, String)>),
+    /// The readiness line: serving.
+    Ready(Vec<(String, String)>),
+    /// Stdout closed before the readiness line (the process is exiting).
+    Closed,
+}
+
 /// A started child process and the addresses it announced.
 #[derive(Debug)]
 pub(crate) struct Proc {
     pub(crate) name: String,
     child: Child,
     ready: HashMap<String, String>,
+    stage: watch::Receiver<Stage>,
 }
 
 impl Proc {
@@ -164,7 +189,17 @@ pub(crate) fn default_bin_dir() -> Result<PathBuf, PdctlError> {
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf))
 }
 
+/// Starts `bin` and waits until it serves (its readiness line), at most [`LOAD_TIMEOUT`].
 pub(crate) async fn spawn(bin: &Path, name: String, args: &[&str]) -> Result<Proc, PdctlError> {
+    let mut procs = [launch(bin, name, args).await?];
+    wait_serving(&mut procs, LOAD_TIMEOUT, &Credentials::none()).await?;
+    let [proc] = procs;
+    Ok(proc)
+}
+
+/// Starts `bin` and waits (at most [`START_TIMEOUT`]) for its listening or readiness line; a
+/// worker may still be loading its model when this returns (see [`wait_serving`]).
+pub(crate) async fn launch(bin: &Path, name: String, args: &[&str]) -> Result<Proc, PdctlError> {
     let mut cmd = Command::new(bin);
     cmd.args(args)
         .stdin(Stdio::null())
@@ -189,34 +224,152 @@ pub(crate) async fn spawn(bin: &Path, name: String, args: &[&str]) -> Result<Pro
         what: name.clone(),
         reason: "no stdout".into(),
     })?;
-    let mut lines = BufReader::new(stdout).lines();
-    let ready = tokio::time::timeout(START_TIMEOUT, async {
-        while let Some(line) = lines.next_line().await? {
+    let (tx, mut stage) = watch::channel(Stage::Started);
+    // Reads stdout to its end (so the child never blocks on a full pipe), noting the lines.
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
             if let Some(fields) = common::cli::parse_ready(&line) {
-                return Ok(Some(fields));
+                tx.send_replace(Stage::Ready(fields));
+            } else if let Some(fields) = common::cli::parse_listening(&line) {
+                tx.send_replace(Stage::Listening(fields));
             }
         }
-        Ok::<_, std::io::Error>(None)
-    })
+        tx.send_if_modified(|s| {
+            let open = !matches!(s, Stage::Ready(_));
+            if open {
+                *s = Stage::Closed;
+            }
+            open
+        });
+    });
+    let first = tokio::time::timeout(
+        START_TIMEOUT,
+        stage.wait_for(|s| !matches!(s, Stage::Started)),
+    )
     .await
     .map_err(|_| PdctlError::NotReady {
         what: name.clone(),
-        reason: format!("no readiness line within {START_TIMEOUT:?}"),
-    })??;
-    let Some(fields) = ready else {
-        let status = child.wait().await?;
-        return Err(PdctlError::NotReady {
-            what: name,
-            reason: format!("exited with {status} (see its error above)"),
-        });
+        reason: format!("no listening or readiness line within {START_TIMEOUT:?}"),
+    })?
+    .map_or(Stage::Closed, |s| s.clone());
+    let fields = match first {
+        Stage::Listening(f) | Stage::Ready(f) => f,
+        Stage::Started | Stage::Closed => {
+            let status = child.wait().await?;
+            return Err(PdctlError::NotReady {
+                what: name,
+                reason: format!("exited with {status} (see its error above)"),
+            });
+        }
     };
-    // Keep draining stdout so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok(Proc {
         name,
         child,
         ready: fields.into_iter().collect(),
+        stage,
     })
+}
+
+/// Waits until every process in `procs` serves (has printed its readiness line), printing the
+/// load progress of those still loading every [`PROGRESS_EVERY`]. An error names the first
+/// process that exited, or one still not serving after `timeout` with its progress then.
+#[expect(clippy::print_stdout, reason = "CLI output")]
+pub(crate) async fn wait_serving(
+    procs: &mut [Proc],
+    timeout: Duration,
+    credentials: &Credentials,
+) -> Result<(), PdctlError> {
+    let start = tokio::time::Instant::now();
+    let deadline = start + timeout;
+    let mut report_at = start + FIRST_PROGRESS;
+    loop {
+        let mut waiting = Vec::new();
+        for proc in procs.iter_mut() {
+            let stage = proc.stage.borrow().clone();
+            match stage {
+                Stage::Ready(fields) => proc.ready.extend(fields),
+                Stage::Closed => {
+                    let status = proc.child.wait().await?;
+                    return Err(exited(proc, &status.to_string()));
+                }
+                Stage::Started | Stage::Listening(_) => {
+                    if let Some(status) = proc.child.try_wait()? {
+                        return Err(exited(proc, &status.to_string()));
+                    }
+                    waiting.push(&*proc);
+                }
+            }
+        }
+        let Some(first) = waiting.first() else {
+            return Ok(());
+        };
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Err(PdctlError::NotReady {
+                what: first.name.clone(),
+                reason: format!(
+                    "not serving within {} s (--start-timeout): {}",
+                    timeout.as_secs(),
+                    describe(first, credentials).await
+                ),
+            });
+        }
+        if now >= report_at {
+            for proc in &waiting {
+                println!("{} {}", proc.name, describe(proc, credentials).await);
+            }
+            report_at = now + PROGRESS_EVERY;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn exited(proc: &Proc, status: &str) -> PdctlError {
+    PdctlError::NotReady {
+        what: proc.name.clone(),
+        reason: format!("exited with {status} before serving (see its error above)"),
+    }
+}
+
+/// What a starting worker says about itself: `loading 42% (67.2 of 160.0 GB, 1.20 GB/s, ETA
+/// 1m21s)`, its state, or why it did not answer.
+async fn describe(proc: &Proc, credentials: &Credentials) -> String {
+    let Ok(addr) = proc.addr("grpc") else {
+        return "starting (no address yet)".to_owned();
+    };
+    let ask = async {
+        let channel = credentials
+            .endpoint(&addr.to_string())
+            .map_err(|e| e.to_string())?
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?;
+        proto::v1::worker_client::WorkerClient::new(credentials.channel(channel))
+            .info(proto::v1::InfoRequest {})
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| s.message().to_owned())
+    };
+    match tokio::time::timeout(Duration::from_secs(2), ask).await {
+        Ok(Ok(info)) => describe_info(&info),
+        Ok(Err(e)) => format!("starting (Info: {e})"),
+        Err(_) => "starting (Info did not answer within 2 s)".to_owned(),
+    }
+}
+
+/// The state of a worker and, while it loads, how far it is.
+fn describe_info(info: &proto::v1::WorkerInfo) -> String {
+    let state = match proto::v1::WorkerState::try_from(info.state) {
+        Ok(proto::v1::WorkerState::Loading) => "loading",
+        Ok(proto::v1::WorkerState::Ready) => "ready",
+        Ok(proto::v1::WorkerState::Draining) => "draining",
+        _ => "starting",
+    };
+    match &info.load_progress {
+        Some(p) if state == "loading" && p.bytes_total > 0 => format!("{state} {p}"),
+        _ => state.to_owned(),
+    }
 }
 
 pub(crate) async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
@@ -252,6 +405,7 @@ pub(crate) async fn start(
     http_listen: std::net::SocketAddr,
     secret: &LocalSecret,
     procs: &mut Vec<Proc>,
+    load_timeout: Duration,
 ) -> Result<(), PdctlError> {
     let model_arg = model.display().to_string();
     let secret_arg = secret.path().display().to_string();
@@ -263,9 +417,10 @@ pub(crate) async fn start(
         "--cluster-secret-file",
         secret_arg.as_str(),
     ];
+    // Every worker is started before any is waited for: they load their models at once.
     for i in 0..decode {
         procs.push(
-            spawn(
+            launch(
                 &dir.join("pdserve-decode"),
                 format!("decode-{i}"),
                 &worker_args,
@@ -275,7 +430,7 @@ pub(crate) async fn start(
     }
     for i in 0..prefill {
         procs.push(
-            spawn(
+            launch(
                 &dir.join("pdserve-prefill"),
                 format!("prefill-{i}"),
                 &worker_args,
@@ -283,6 +438,7 @@ pub(crate) async fn start(
             .await?,
         );
     }
+    wait_serving(procs, load_timeout, &secret.credentials()).await?;
     let mut router_args = vec![
         "--http-listen".to_owned(),
         http_listen.to_string(),
@@ -303,7 +459,10 @@ pub(crate) async fn start(
         router_args.push(proc.addr("grpc")?.to_string());
     }
     let router_args: Vec<&str> = router_args.iter().map(String::as_str).collect();
-    procs.push(spawn(&dir.join("pdserve-router"), "router".into(), &router_args).await?);
+    let mut router = [launch(&dir.join("pdserve-router"), "router".into(), &router_args).await?];
+    wait_serving(&mut router, START_TIMEOUT, &secret.credentials()).await?;
+    let [router] = router;
+    procs.push(router);
     let http = procs
         .last()
         .map(|p| p.addr("http"))
@@ -336,6 +495,7 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
             args.http_listen,
             &secret,
             &mut procs,
+            Duration::from_secs(args.start_timeout),
         )
         .await?;
         println!("{:<12} {:>7}  {:<28} health", "process", "pid", "address");
@@ -385,4 +545,40 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
         println!("smoke: all processes answered health checks and stopped cleanly");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use proto::v1::{LoadProgress, WorkerInfo, WorkerState};
+
+    use super::describe_info;
+
+    #[test]
+    fn a_loading_worker_is_described_with_its_progress() {
+        let progress = LoadProgress {
+            bytes_done: 3_000_000,
+            bytes_total: 12_000_000,
+            shards_done: 1,
+            shards_total: 4,
+            elapsed_ms: 1_000,
+            done: false,
+        };
+        let loading = WorkerInfo {
+            state: WorkerState::Loading.into(),
+            load_progress: Some(progress),
+            ..WorkerInfo::default()
+        };
+        assert_eq!(
+            describe_info(&loading),
+            "loading 25% (3.0 of 12.0 MB, 3.0 MB/s, ETA 3s), 1 of 4 shards"
+        );
+        // Once ready the progress (kept in Info) is not news.
+        let ready = WorkerInfo {
+            state: WorkerState::Ready.into(),
+            ..loading.clone()
+        };
+        assert_eq!(describe_info(&ready), "ready");
+        let unknown = WorkerInfo::default();
+        assert_eq!(describe_info(&unknown), "starting");
+    }
 }

@@ -85,6 +85,10 @@ pub struct UpArgs {
     /// checkpoint generated once into the cache folder.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// Seconds to wait for the workers to load their models and serve (they load at once; a
+    /// large checkpoint takes minutes). Their progress is printed while they load.
+    #[arg(long, env = common::env::START_TIMEOUT, default_value_t = 600, value_name = "SECS")]
+    pub start_timeout: u64,
 }
 
 /// Arguments of `pdctl health`.

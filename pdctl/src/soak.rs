@@ -167,6 +167,7 @@ pub async fn run(args: &SoakArgs) -> Result<(), PdctlError> {
             SocketAddr::from(([127, 0, 0, 1], 0)),
             &secret,
             &mut procs,
+            cluster::LOAD_TIMEOUT,
         )
         .await?;
         let http = procs

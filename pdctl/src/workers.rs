@@ -114,11 +114,16 @@ fn print_table(body: &Value) {
     for w in body["workers"].as_array().into_iter().flatten() {
         let text = |k: &str| w[k].as_str().unwrap_or("").to_owned();
         let num = |k: &str| w[k].as_u64().unwrap_or(0);
+        let progress = load_progress(&w["load_progress"]);
+        let state = match &progress {
+            Some(p) => format!("{} {}%", text("state"), p.percent()),
+            None => text("state"),
+        };
         println!(
             "{:<8} {:<22} {:<12} {:<10} {:>8} {:>8} {:>8} {:>8} {:>14}  {}",
             text("role"),
             text("address"),
-            text("state"),
+            state,
             if w["registered"].as_bool() == Some(true) {
                 "registered"
             } else {
@@ -131,7 +136,23 @@ fn print_table(body: &Value) {
             format!("{}/{}", num("pages_used"), num("pages_total")),
             text("id"),
         );
+        if let Some(p) = progress {
+            println!("{:<8} loading: {p}", "");
+        }
     }
+}
+
+/// A listing's `load_progress` object (present while the worker loads its model).
+fn load_progress(v: &Value) -> Option<proto::v1::LoadProgress> {
+    let n = |k: &str| v[k].as_u64();
+    Some(proto::v1::LoadProgress {
+        bytes_done: n("bytes_done")?,
+        bytes_total: n("bytes_total")?,
+        shards_done: u32::try_from(n("shards_done")?).ok()?,
+        shards_total: u32::try_from(n("shards_total")?).ok()?,
+        elapsed_ms: n("elapsed_ms").unwrap_or(0),
+        done: v["done"].as_bool().unwrap_or(false),
+    })
 }
 
 /// Sums of the samples of each metric in a Prometheus text, by name and label set.
@@ -177,6 +198,7 @@ pub async fn status(args: &WorkersArgs) -> Result<(), PdctlError> {
             .count()
     };
     let (prefill_ready, decode_ready) = (ready_of("prefill"), ready_of("decode"));
+    let loading = list.iter().filter(|w| w["state"] == "loading").count();
     if args.json {
         let summary = serde_json::json!({
             "router": args.url.to_string(),
@@ -210,7 +232,14 @@ pub async fn status(args: &WorkersArgs) -> Result<(), PdctlError> {
                 format!(" ({})", errors.join(", "))
             }
         );
-        println!("ready workers: {prefill_ready} prefill, {decode_ready} decode\n");
+        println!(
+            "ready workers: {prefill_ready} prefill, {decode_ready} decode{}\n",
+            if loading > 0 {
+                format!(" ({loading} still loading the model)")
+            } else {
+                String::new()
+            }
+        );
         print_table(&workers);
     }
     if !ready || prefill_ready == 0 || decode_ready == 0 {
@@ -299,5 +328,20 @@ mod tests {
         assert_eq!(m.get("x{kind=\"a\"}"), Some(&2.0));
         assert_eq!(m.get("y"), Some(&1.5));
         assert_eq!(m.len(), 3);
+    }
+
+    #[test]
+    fn listing_progress_parses_and_reads() {
+        let v = serde_json::json!({
+            "bytes_done": 67_200_000_000_u64, "bytes_total": 160_000_000_000_u64,
+            "shards_done": 19, "shards_total": 46, "elapsed_ms": 56_000, "done": false,
+        });
+        let p = load_progress(&v).unwrap();
+        assert_eq!(
+            p.to_string(),
+            "42% (67.2 of 160.0 GB, 1.20 GB/s, ETA 1m18s), 19 of 46 shards"
+        );
+        assert!(load_progress(&Value::Null).is_none());
+        assert!(load_progress(&serde_json::json!({"bytes_done": 1})).is_none());
     }
 }

@@ -5,12 +5,19 @@
 pub mod config;
 pub mod service;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
-use common::worker_server::{ListenOptions, ServeError, WorkerServer};
+use common::{
+    pending::Pending,
+    worker_info::ProgressSource,
+    worker_server::{ListenOptions, ServeError, WorkerServer, load_on_thread},
+};
 pub use config::{Cli, PrefillConfig};
-use engine::scheduler::EngineConfig;
-use proto::v1::{Role, prefill_server::PrefillServer};
+use engine::{scheduler::EngineConfig, weights::LoadProgress};
+use proto::v1::{Role, WorkerState, prefill_server::PrefillServer};
 use service::{PrefillService, PrefillWorker};
 
 /// How often the worker refreshes the load it reports in `Info`.
@@ -46,65 +53,103 @@ pub fn engine_config(config: &PrefillConfig) -> EngineConfig {
     }
 }
 
-/// Runs the worker as a process until SIGTERM/SIGINT.
+/// Runs the worker as a process until SIGTERM/SIGINT. With a model, the worker answers health
+/// and `Worker.Info` (state LOADING, with the load's progress) and registers with its router
+/// while the model loads on its own thread; the Prefill service answers only once it is loaded.
 pub async fn run(
     config: PrefillConfig,
     signal: common::shutdown::ShutdownSignal,
 ) -> Result<(), ServeError> {
     let server = bind(&config).await?;
-    let Some(dir) = &config.model_dir else {
+    let Some(dir) = config.model_dir.clone() else {
         return server
             .run_until_signal("prefill", |routes| routes, &[], signal)
             .await;
     };
-    let loaded = kernels::backend::start_engine(
-        dir,
-        engine_config(&config),
-        "pdserve-prefill",
-        &config.backend,
-        config.hybrid,
-    )
-    .map_err(|e| ServeError::Startup(format!("model_dir {}: {e}", dir.display())))?;
-    log_backend_plan(loaded.backend_plan.as_ref());
-    // Only a worker with a model joins a router: it is the only kind that serves requests.
-    let server = server.register_with(config.router.clone());
-    let info = server.handle().snapshot().await;
+    let fault = common::fault::Fault::for_worker("prefill").map_err(ServeError::Startup)?;
     let transports = kv_transfer::handshake::parse_transports(&config.transports)
         .map_err(ServeError::Startup)?;
-    let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
-    let runner = loaded.runner.clone();
-    let fault = common::fault::Fault::for_worker("prefill").map_err(ServeError::Startup)?;
-    let worker = Arc::new(
-        PrefillWorker::new(
-            loaded,
-            info.worker_id,
-            transports,
-            config.stream_state,
-            server.credentials(),
-        )
-        .with_fault(fault)
-        .with_draining(server.handle().draining()),
-    );
-    server
-        .handle()
-        .set_model(fingerprint, layout, worker.transports())
-        .await;
+    // Only a worker with a model joins a router: it is the only kind that serves requests.
+    let server = server.register_with(config.router.clone());
     let handle = server.handle().clone();
-    tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
-        let handle = handle.clone();
-        async move { handle.set_load(load).await }
-    }));
-    let prefill = PrefillServer::new(PrefillService(Arc::clone(&worker)));
+    let progress = load_progress(fault);
+    let source = Arc::clone(&progress);
+    handle.set_progress_source(ProgressSource(Arc::new(move || source.snapshot())));
+    handle.set_state(WorkerState::Loading).await;
+    let credentials = server.credentials();
+    let pending = Pending::new();
+    let slot = pending.clone();
+    let worker_slot: Arc<OnceLock<Arc<PrefillWorker>>> = Arc::default();
+    let loaded_worker = Arc::clone(&worker_slot);
+    let (engine, stream_state) = (engine_config(&config), config.stream_state);
+    let (backend, hybrid) = (config.backend.clone(), config.hybrid);
+    let loaded = async move {
+        let shown = dir.display().to_string();
+        let loaded = load_on_thread("pdserve-load", move || {
+            kernels::backend::start_engine(
+                &dir,
+                engine,
+                "pdserve-prefill",
+                &backend,
+                hybrid,
+                &progress,
+            )
+        })
+        .await
+        .map_err(|e| ServeError::Startup(format!("model_dir {shown}: {e}")))?;
+        log_backend_plan(loaded.backend_plan.as_ref());
+        let info = handle.snapshot().await;
+        let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
+        let runner = loaded.runner.clone();
+        let worker = Arc::new(
+            PrefillWorker::new(
+                loaded,
+                info.worker_id,
+                transports,
+                stream_state,
+                credentials,
+            )
+            .with_fault(fault)
+            .with_draining(handle.draining()),
+        );
+        handle
+            .set_model(fingerprint, layout, worker.transports())
+            .await;
+        let reporter = handle.clone();
+        tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
+            let reporter = reporter.clone();
+            async move { reporter.set_load(load).await }
+        }));
+        slot.set(PrefillServer::new(PrefillService(Arc::clone(&worker))));
+        let _ = loaded_worker.set(worker);
+        Ok(())
+    };
     let served = server
-        .run_until_signal(
+        .run_after_load(
             "prefill",
-            |routes| routes.add_service(prefill),
+            |routes| routes.add_service(pending),
             &[proto::service_names::PREFILL],
+            loaded,
             signal,
         )
         .await;
-    worker.stop_transports();
+    if let Some(worker) = worker_slot.get() {
+        worker.stop_transports();
+    }
     served
+}
+
+/// Where the model load counts its progress; under the `slow-load` fault it pauses after each
+/// shard, so tests can watch the loading state.
+fn load_progress(fault: Option<common::fault::Fault>) -> Arc<LoadProgress> {
+    let progress = LoadProgress::new();
+    Arc::new(if fault == Some(common::fault::Fault::SlowLoad) {
+        progress.with_shard_hook(Box::new(|_| {
+            std::thread::sleep(common::fault::SLOW_LOAD_PER_SHARD);
+        }))
+    } else {
+        progress
+    })
 }
 
 /// Says where the forward pass runs; a hybrid plan is a warning (part of it on the CPU).

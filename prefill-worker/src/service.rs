@@ -191,7 +191,7 @@ impl PrefillWorker {
                     };
                 }
             }
-            Some(Fault::ReorderBatch | Fault::StallEngine) | None => {}
+            Some(Fault::ReorderBatch | Fault::StallEngine | Fault::SlowLoad) | None => {}
         }
     }
 

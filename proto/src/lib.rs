@@ -3,12 +3,14 @@
 //!
 //! The `.proto` sources in `pdserve/v1/` are the documentation of every field; this crate
 //! compiles them (protox, no system protoc) and adds the few helpers every peer needs:
-//! the error-kind mapping to gRPC codes ([`error`]), layout comparison ([`layout`]) and the
-//! credentials every internal call carries ([`auth`]).
+//! the error-kind mapping to gRPC codes ([`error`]), layout comparison ([`layout`]), reading a
+//! model load's progress ([`progress`]) and the credentials every internal call carries
+//! ([`auth`]).
 
 pub mod auth;
 pub mod error;
 pub mod layout;
+pub mod progress;
 
 /// Generated messages, clients and servers of package `pdserve.v1`.
 #[allow(

@@ -184,6 +184,7 @@ all_messages!(
     TokenBatch,
     // worker.proto
     Load,
+    LoadProgress,
     WorkerInfo,
     InfoRequest,
     DrainRequest,

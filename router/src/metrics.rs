@@ -53,7 +53,8 @@ pub const INTER_TOKEN_LATENCY_SECONDS: &str = "pdserve_inter_token_latency_secon
 pub const QUEUED_REQUESTS: &str = "pdserve_queued_requests";
 /// Error answers and backend failures, by kind (counter; see [`ERROR_KINDS`]).
 pub const ERRORS_TOTAL: &str = "pdserve_errors_total";
-/// Workers known to this router, by role and state (ready, draining, unreachable) (gauge).
+/// Workers known to this router, by role and state (ready, starting, loading, draining,
+/// unreachable) (gauge).
 pub const WORKERS: &str = "pdserve_workers";
 /// Per worker (`role`, `worker` = its gRPC address), from its last report (gauges).
 pub const WORKER_RUNNING_REQUESTS: &str = "pdserve_worker_running_requests";

@@ -12,7 +12,7 @@ use std::{
 
 use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
-    Ack, DeregisterRequest, HeartbeatRequest, HeartbeatResponse, InfoRequest, Load,
+    Ack, DeregisterRequest, HeartbeatRequest, HeartbeatResponse, InfoRequest, Load, LoadProgress,
     RegisterRequest, RegisterResponse, Role, StateLayout, WorkerState, registry_server::Registry,
     worker_client::WorkerClient,
 };
@@ -49,6 +49,8 @@ pub struct Worker {
     pub state: Mutex<WorkerState>,
     /// Its last reported load.
     pub load: Mutex<Load>,
+    /// How far its model load is, from its last `Info` (listed while it is loading).
+    pub load_progress: Mutex<Option<LoadProgress>>,
     /// Requests this router has in flight on it (exact, unlike the polled load).
     pub in_flight: Arc<AtomicUsize>,
     /// Its state layout, from `Info`.
@@ -61,10 +63,12 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// `state` is what the router assumes until the worker's first `Info` answers.
     fn new(
         address: &str,
         id: String,
         dynamic: bool,
+        state: WorkerState,
         credentials: &Credentials,
     ) -> Result<Arc<Self>, String> {
         let channel = credentials
@@ -78,8 +82,9 @@ impl Worker {
             // Assumed alive until a poll says otherwise, so the first request after start does
             // not wait for a poll.
             alive: watch::Sender::new(true),
-            state: Mutex::new(WorkerState::Ready),
+            state: Mutex::new(state),
             load: Mutex::new(Load::default()),
+            load_progress: Mutex::new(None),
             in_flight: Arc::new(AtomicUsize::new(0)),
             layout: Mutex::new(None),
             transports: Mutex::new(Vec::new()),
@@ -92,20 +97,31 @@ impl Worker {
         *self.alive.borrow()
     }
 
-    /// Alive and not draining: it may take new requests.
+    /// Alive and ready (neither starting, loading its model nor draining): it may take new
+    /// requests.
     pub fn takes_requests(&self) -> bool {
-        self.is_alive() && *lock(&self.state) != WorkerState::Draining
+        self.is_alive() && *lock(&self.state) == WorkerState::Ready
     }
 
-    /// `ready`, `draining`, `starting` or `unreachable`, for listings and metrics.
+    /// Alive and past loading (ready or draining).
+    fn is_up(&self) -> bool {
+        self.is_alive()
+            && matches!(
+                *lock(&self.state),
+                WorkerState::Ready | WorkerState::Draining
+            )
+    }
+
+    /// `ready`, `draining`, `starting`, `loading` or `unreachable`, for listings and metrics.
     pub fn state_label(&self) -> &'static str {
         if !self.is_alive() {
             return "unreachable";
         }
         match *lock(&self.state) {
             WorkerState::Draining => "draining",
-            WorkerState::Starting => "starting",
-            _ => "ready",
+            WorkerState::Starting | WorkerState::Unspecified => "starting",
+            WorkerState::Loading => "loading",
+            WorkerState::Ready => "ready",
         }
     }
 
@@ -130,6 +146,7 @@ impl Worker {
                     Ok(Ok(info)) => {
                         let info = info.into_inner();
                         *lock(&w.load) = info.load.unwrap_or_default();
+                        *lock(&w.load_progress) = info.load_progress;
                         if let Ok(state) = WorkerState::try_from(info.state) {
                             *lock(&w.state) = state;
                         }
@@ -190,9 +207,11 @@ impl Pool {
         addresses: &[String],
         credentials: &Credentials,
     ) -> Result<Self, String> {
+        // Starting until the first poll answers: a static worker may still be loading its
+        // model, and a request must never reach a worker that is.
         let workers = addresses
             .iter()
-            .map(|a| Worker::new(a, a.clone(), false, credentials))
+            .map(|a| Worker::new(a, a.clone(), false, WorkerState::Starting, credentials))
             .collect::<Result<Vec<_>, String>>()?;
         for w in &workers {
             w.monitor();
@@ -212,8 +231,9 @@ impl Pool {
             .clone()
     }
 
-    /// Adds or refreshes a registered worker (by id; a new address replaces the old entry).
-    fn register(&self, id: &str, address: &str) -> Result<(), String> {
+    /// Adds or refreshes a registered worker (by id; a new address replaces the old entry) in
+    /// the `state` it registered with.
+    fn register(&self, id: &str, address: &str, state: WorkerState) -> Result<(), String> {
         let mut workers = self
             .workers
             .write()
@@ -226,7 +246,7 @@ impl Pool {
             return Ok(());
         }
         workers.retain(|w| !(w.dynamic && *lock(&w.id) == id) && w.address != address);
-        let worker = Worker::new(address, id.to_owned(), true, &self.credentials)?;
+        let worker = Worker::new(address, id.to_owned(), true, state, &self.credentials)?;
         worker.monitor();
         workers.push(worker);
         tracing::info!(role = self.role, worker = id, address, "worker registered");
@@ -325,13 +345,22 @@ impl Pool {
                 }
             }
         };
-        chosen
-            .cloned()
-            .ok_or_else(|| BackendError::Unavailable(format!("no live {} worker", self.role)))
+        chosen.cloned().ok_or_else(|| {
+            let loading = all.iter().filter(|w| w.state_label() == "loading").count();
+            BackendError::Unavailable(if loading > 0 {
+                format!(
+                    "no ready {} worker ({loading} still loading the model)",
+                    self.role
+                )
+            } else {
+                format!("no live {} worker", self.role)
+            })
+        })
     }
 
+    /// Some worker is alive and has its model loaded (ready or draining).
     pub fn any_alive(&self) -> bool {
-        self.snapshot().iter().any(|w| w.is_alive())
+        self.snapshot().iter().any(|w| w.is_up())
     }
 }
 
@@ -382,6 +411,10 @@ impl Workers {
             .flat_map(|(role, pool)| {
                 pool.snapshot().into_iter().map(move |w| {
                     let load = *lock(&w.load);
+                    // Only while loading: a ready worker's listing shows its load instead.
+                    let loading = (w.state_label() == "loading")
+                        .then(|| *lock(&w.load_progress))
+                        .flatten();
                     WorkerListing {
                         id: lock(&w.id).clone(),
                         role,
@@ -396,6 +429,14 @@ impl Workers {
                         pages_used: load.pages_used,
                         pages_cached: load.pages_cached,
                         pages_total: load.pages_total,
+                        load_progress: loading.map(|p| LoadProgressListing {
+                            bytes_done: p.bytes_done,
+                            bytes_total: p.bytes_total,
+                            shards_done: p.shards_done,
+                            shards_total: p.shards_total,
+                            elapsed_ms: p.elapsed_ms,
+                            done: p.done,
+                        }),
                     }
                 })
             })
@@ -420,6 +461,21 @@ pub struct WorkerListing {
     pub pages_used: u64,
     pub pages_cached: u64,
     pub pages_total: u64,
+    /// How far a loading worker's model load is (absent once loaded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_progress: Option<LoadProgressListing>,
+}
+
+/// A loading worker's progress in `GET /workers`: `WorkerInfo.load_progress` as it came.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LoadProgressListing {
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub shards_done: u32,
+    pub shards_total: u32,
+    pub elapsed_ms: u64,
+    /// Every tensor is checked (the worker may still be starting its engine).
+    pub done: bool,
 }
 
 /// The `Registry` gRPC service over [`Workers`].
@@ -446,7 +502,10 @@ impl Registry for RegistryService {
                 "worker_id and address are required",
             ));
         }
-        pool.register(&info.worker_id, &info.address)
+        // A worker registers while it loads its model; it gets requests once it reports
+        // READY (in a heartbeat or an `Info` poll). A state it did not say is not READY.
+        let state = WorkerState::try_from(info.state).unwrap_or(WorkerState::Starting);
+        pool.register(&info.worker_id, &info.address, state)
             .map_err(Status::invalid_argument)?;
         Ok(Response::new(RegisterResponse {
             heartbeat_interval_ms: HEARTBEAT_MS,
@@ -472,5 +531,68 @@ impl Registry for RegistryService {
         let id = request.into_inner().worker_id;
         let _ = self.0.prefill.deregister(&id) || self.0.decode.deregister(&id);
         Ok(Response::new(Ack {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use super::*;
+
+    /// Only a ready worker is picked: one starting (static, not polled yet), loading its
+    /// model or draining never gets a request, under every policy.
+    #[tokio::test]
+    async fn only_ready_workers_are_picked() {
+        // A current-thread runtime: the monitor task cannot run (and change the worker)
+        // between the steps below, which never await.
+        let pool = Pool::new("decode", &["127.0.0.1:9".to_owned()], &Credentials::none()).unwrap();
+        let worker = pool.snapshot()[0].clone();
+        let policies = [
+            Policy::RoundRobin,
+            Policy::LeastLoaded,
+            Policy::PowerOfTwo,
+            Policy::PrefixAffinity,
+        ];
+        let picked = |pool: &Pool| {
+            policies
+                .iter()
+                .map(|&p| pool.pick(p, None, Some("127.0.0.1:9"), 0).is_ok())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(worker.state_label(), "starting");
+        assert!(!pool.any_alive());
+        assert_eq!(picked(&pool), [false; 4]);
+        *lock(&worker.state) = WorkerState::Loading;
+        assert_eq!(worker.state_label(), "loading");
+        assert_eq!(picked(&pool), [false; 4]);
+        assert!(
+            !pool.any_alive(),
+            "a loading worker does not make the router ready"
+        );
+        *lock(&worker.state) = WorkerState::Ready;
+        assert_eq!(picked(&pool), [true; 4]);
+        assert!(pool.any_alive());
+        *lock(&worker.state) = WorkerState::Draining;
+        assert_eq!(picked(&pool), [false; 4]);
+    }
+
+    /// A worker registering while it loads is listed as loading and gets nothing until a
+    /// heartbeat says it is ready.
+    #[tokio::test]
+    async fn a_worker_registered_while_loading_waits_for_ready() {
+        let pool = Pool::new("prefill", &[], &Credentials::none()).unwrap();
+        pool.register("prefill-1", "127.0.0.1:9", WorkerState::Loading)
+            .unwrap();
+        assert_eq!(pool.snapshot()[0].state_label(), "loading");
+        match pool.pick(Policy::RoundRobin, None, None, 0) {
+            Err(BackendError::Unavailable(message)) => assert_eq!(
+                message,
+                "no ready prefill worker (1 still loading the model)"
+            ),
+            other => panic!("picked a loading worker: {other:?}"),
+        }
+        assert!(pool.heartbeat("prefill-1", Some(WorkerState::Ready), None));
+        assert!(pool.pick(Policy::RoundRobin, None, None, 0).is_ok());
     }
 }

@@ -86,6 +86,16 @@ impl Model {
         Ok(Self::new(config, weights))
     }
 
+    /// [`Self::load`], reporting how far the weights check is in `progress`.
+    pub fn load_with_progress(
+        dir: &Path,
+        progress: &std::sync::Arc<weights::LoadProgress>,
+    ) -> Result<Self, LoadError> {
+        let config = ModelConfig::from_dir(dir)?;
+        let weights = weights::load_with_progress(dir, &config, progress)?;
+        Ok(Self::new(config, weights))
+    }
+
     pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
         let (main_rope, compress_rope) = Rope::tables(&config);
         Self {

@@ -14,7 +14,7 @@ use crate::workers::{WorkerListing, Workers};
 type PerWorker = (&'static str, &'static str, fn(&WorkerListing) -> u64);
 
 const ROLES: [&str; 2] = ["prefill", "decode"];
-const STATES: [&str; 4] = ["ready", "starting", "draining", "unreachable"];
+const STATES: [&str; 5] = ["ready", "starting", "loading", "draining", "unreachable"];
 
 pub(super) fn render(out: &mut String, workers: &Workers, model: Option<&str>) {
     let listing = workers.listing();
