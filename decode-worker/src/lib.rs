@@ -18,7 +18,7 @@ use common::{
 };
 pub use config::{Cli, DecodeConfig};
 use engine::{scheduler::EngineConfig, weights::LoadProgress};
-use kv_transfer::tcp::StateTransferService;
+use kv_transfer::sink::StateTransferService;
 use proto::v1::{
     Role, WorkerState, decode_server::DecodeServer, state_transfer_server::StateTransferServer,
 };

@@ -22,7 +22,7 @@ use engine::{
 use futures::future::BoxFuture;
 use kv_transfer::{
     handshake,
-    tcp::StateSink,
+    sink::StateSink,
     ucx::{Exporter, Region},
 };
 use proto::v1::{

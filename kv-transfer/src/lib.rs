@@ -3,14 +3,15 @@
 //!
 //! - [`handshake`]: layout comparison (model fingerprint, page size, every region) and transport
 //!   negotiation; a mismatch is an error naming every difference.
+//! - [`sink`]: the decode side of every transport: [`sink::StateSink`] (what the decode worker
+//!   does with received state) and the `StateTransfer` gRPC service over it.
 //! - [`tcp`]: the plain-TCP transport: the prefill side streams `PageWrite` frames to the
-//!   decode side's `StateTransfer` service, which applies them through a [`tcp::StateSink`].
-//!
+//!   decode side's `StateTransfer` service, which applies them through its sink.
 //! - [`ucx`]: one-sided puts into the decode worker's registered page pool, flushed before the
 //!   commit.
 //! - `nccl` (cargo feature `nccl`): `ncclSend`/`ncclRecv` between the workers' GPUs through
 //!   device staging buffers, one communicator per worker pair; the decode side applies the
-//!   bytes through its [`tcp::StateSink`] before it confirms a transfer.
+//!   bytes through its [`sink::StateSink`] before it confirms a transfer.
 //! - [`stream`]: one request's state moved piece by piece, in order, while its prompt is
 //!   still being computed (over UCX, NCCL or TCP).
 
@@ -18,6 +19,7 @@ pub mod checksum;
 pub mod handshake;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod sink;
 pub mod stream;
 pub mod tcp;
 pub mod ucx;

@@ -3,7 +3,7 @@
 //! The engines keep their pages in host memory, and NCCL moves device memory, so both sides
 //! stage the bytes through a device buffer: the prefill side copies a transfer's pieces to its
 //! GPU and sends them; the decode side receives them on its GPU, copies them back to the host
-//! and applies them through the same [`StateSink::write`] path (and checks) as TCP frames.
+//! and applies them through the same [`crate::sink::StateSink::write`] path (and checks) as TCP frames.
 //!
 //! One two-rank communicator per (prefill worker, decode worker) pair carries every transfer
 //! between them: rank 0 is the prefill side ([`NcclSender`]), rank 1 the decode side
@@ -51,7 +51,7 @@ use proto::v1::{
 use tokio::sync::oneshot;
 use tonic::Status;
 
-use crate::{TransferError, tcp::StateSink};
+use crate::TransferError;
 
 /// Longest wait for the peer in any one step: joining the communicator, one transfer's bytes,
 /// the answer to an announcement, an announcement the decode side is missing.
@@ -765,12 +765,18 @@ impl NcclReceiver {
     }
 
     /// `NcclExpect`: receives the announced transfer (in sequence order on its communicator)
-    /// and applies its pieces through `sink`, as TCP frames; answers once they are in place.
-    pub async fn expect<S: StateSink + ?Sized>(
+    /// and applies its pieces through `write` (the service passes its sink's
+    /// [`crate::sink::StateSink::write`], so they get the TCP frames' checks); answers once they
+    /// are in place.
+    pub async fn expect<W, F>(
         &self,
-        sink: &S,
+        write: W,
         request: NcclExpectRequest,
-    ) -> Result<NcclExpectReply, Status> {
+    ) -> Result<NcclExpectReply, Status>
+    where
+        W: Fn(PageWrite) -> F,
+        F: std::future::Future<Output = Result<u64, Status>>,
+    {
         let peer_name = request.prefill_worker_id.clone();
         let failed = |message: String| TransferError::Failed {
             peer: peer_name.clone(),
@@ -827,7 +833,7 @@ impl NcclReceiver {
                 data: data.get(at..end).map(<[u8]>::to_vec).unwrap_or_default(),
             };
             at = end;
-            bytes += sink.write(frame).await?;
+            bytes += write(frame).await?;
         }
         Ok(NcclExpectReply { bytes })
     }

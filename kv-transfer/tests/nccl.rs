@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::future::BoxFuture;
 use kv_transfer::{
     nccl::{self, NcclReceiver, NcclSender, Segment},
+    sink::{StateSink, StateTransferService},
     stream::{Piece, StateStream},
-    tcp::{StateSink, StateTransferService},
 };
 use proto::auth::Credentials;
 use proto::v1::{

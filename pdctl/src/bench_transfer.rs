@@ -15,7 +15,7 @@ use std::{
 
 use futures::future::BoxFuture;
 use kv_transfer::{
-    tcp::{StateSink, StateTransferService},
+    sink::{StateSink, StateTransferService},
     ucx::{Exporter, Put, Putter, Region},
 };
 use prost::Message;
