@@ -3,7 +3,8 @@
 //! The engines keep their pages in host memory, and NCCL moves device memory, so both sides
 //! stage the bytes through a device buffer: the prefill side copies a transfer's pieces to its
 //! GPU and sends them; the decode side receives them on its GPU, copies them back to the host
-//! and applies them through the same [`crate::sink::StateSink::write`] path (and checks) as TCP frames.
+//! and applies them through the same [`crate::sink::StateSink::write`] path (and checks) as
+//! TCP frames.
 //!
 //! One two-rank communicator per (prefill worker, decode worker) pair carries every transfer
 //! between them: rank 0 is the prefill side ([`NcclSender`]), rank 1 the decode side
