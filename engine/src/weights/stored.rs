@@ -470,18 +470,21 @@ mod tests {
             &crate::config::ModelConfig::from_dir(dir.path()).unwrap(),
         )
         .unwrap();
-        let mut sum = 0u64;
-        for layer in 0..2 {
-            let l = stored.fp4_layer(layer).unwrap();
-            for e in
-                l.w1.experts
-                    .iter()
-                    .chain(&l.w2.experts)
-                    .chain(&l.w3.experts)
-            {
-                sum += e.packed.iter().map(|&b| u64::from(b)).sum::<u64>();
-            }
-        }
+        // Reads every packed byte of the first two layers' experts.
+        let checksum = || -> u64 {
+            (0..2)
+                .map(|layer| {
+                    let l = stored.fp4_layer(layer).unwrap();
+                    [&l.w1, &l.w2, &l.w3]
+                        .iter()
+                        .flat_map(|stack| &stack.experts)
+                        .flat_map(|e| e.packed)
+                        .map(|&b| u64::from(b))
+                        .sum::<u64>()
+                })
+                .sum()
+        };
+        let sum = checksum();
         let before = resident_under(dir.path());
         assert!(
             before > 64 * 1024,
@@ -490,18 +493,6 @@ mod tests {
         stored.release_resident().unwrap();
         let after = resident_under(dir.path());
         assert!(after < before / 4, "{before} -> {after} bytes resident");
-        let mut again = 0u64;
-        for layer in 0..2 {
-            let l = stored.fp4_layer(layer).unwrap();
-            for e in
-                l.w1.experts
-                    .iter()
-                    .chain(&l.w2.experts)
-                    .chain(&l.w3.experts)
-            {
-                again += e.packed.iter().map(|&b| u64::from(b)).sum::<u64>();
-            }
-        }
-        assert_eq!(sum, again);
+        assert_eq!(sum, checksum());
     }
 }
