@@ -285,9 +285,7 @@ fn block_avx2<S: RowSource, const R: usize, const V: usize>(
     vs: &[&[f32]; BLOCK_VECTORS],
     n: usize,
 ) -> Block {
-    use std::arch::x86_64::{
-        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
-    };
+    use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps};
     let chunks = n / LANES;
     let mut acc: [[__m256; V]; R] = [[_mm256_setzero_ps(); V]; R];
     let mut x: [__m256; V] = [_mm256_setzero_ps(); V];
@@ -308,13 +306,36 @@ fn block_avx2<S: RowSource, const R: usize, const V: usize>(
     let mut out = [[0.0f32; BLOCK_VECTORS]; BLOCK_ROWS];
     for r in 0..R {
         for v in 0..V {
-            let mut lanes = [0.0f32; LANES];
-            // SAFETY: `lanes` holds exactly 8 f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][v]) };
-            out[r][v] = finish::<S>(lanes, ws[r], vs[v], chunks * LANES);
+            out[r][v] = finish_avx2::<S>(acc[r][v], ws[r], vs[v], chunks * LANES);
         }
     }
     out
+}
+
+/// [`finish`] in registers: the same additions in the same order (lanes `k` and `k + 4`, then
+/// `k` and `k + 2`, then 0 and 1, the scalar tail last), so the same bits, without a trip of
+/// the lanes through memory.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn finish_avx2<S: RowSource>(
+    acc: std::arch::x86_64::__m256,
+    a: S::Row<'_>,
+    b: &[f32],
+    from: usize,
+) -> f32 {
+    use std::arch::x86_64::{
+        _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehdup_ps, _mm_movehl_ps,
+        _mm256_castps256_ps128, _mm256_extractf128_ps,
+    };
+    let mut tail = 0.0f32;
+    for (i, bi) in b.iter().enumerate().skip(from) {
+        tail = S::get(a, i).mul_add(*bi, tail);
+    }
+    let quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    let one = _mm_add_ss(pair, _mm_movehdup_ps(pair));
+    _mm_cvtss_f32(one) + tail
 }
 
 #[cfg(test)]
@@ -361,7 +382,7 @@ mod tests {
     fn blocks_and_kernels_agree_bit_for_bit() {
         for n in [0usize, 1, 5, 8, 13, 64, 67, 300] {
             let rows: Vec<Vec<f32>> = (0..7).map(|r| vector(n, r as f32 * 0.3)).collect();
-            let xs: Vec<Vec<f32>> = (0..5).map(|v| vector(n, 10.0 + v as f32)).collect();
+            let xs: Vec<Vec<f32>> = (0..7).map(|v| vector(n, 10.0 + v as f32)).collect();
             let reference = |r: usize, v: usize| {
                 let one = F32Rows {
                     rows: |_| rows[r].as_slice(),
