@@ -163,15 +163,13 @@ pub fn load<C: ServiceConfig>(
     }
 
     let origin_of = |key: &str| merged.origins.get(key).cloned().unwrap_or(Origin::Default);
-    let config: C =
-        serde_path_to_error::deserialize(Value::Object(merged.value.clone())).map_err(|e| {
-            let key = e.path().to_string();
-            ConfigError::InvalidType {
-                origin: origin_of(&key),
-                message: e.into_inner().to_string(),
-                key,
-            }
-        })?;
+    let config: C = deserialize(&merged.value, &defaults).map_err(|(key, message)| {
+        ConfigError::InvalidType {
+            origin: origin_of(&key),
+            message,
+            key,
+        }
+    })?;
     config.validate().map_err(|invalid| {
         let path: Vec<String> = invalid.key.split('.').map(str::to_owned).collect();
         let value = lookup(&merged.value, &path).map_or_else(|| "?".to_owned(), Value::to_string);
@@ -321,6 +319,57 @@ fn env_settings(defaults: &Map<String, Value>) -> BTreeMap<String, Vec<String>> 
     out
 }
 
+/// The merged table as `C`, or the key whose value does not fit and why. serde names the key
+/// itself except inside a `#[serde(flatten)]` part (a table several services share), where its
+/// path is lost: then the key is found by putting each changed value alone over the defaults.
+fn deserialize<C: ServiceConfig>(
+    merged: &Map<String, Value>,
+    defaults: &Map<String, Value>,
+) -> Result<C, (String, String)> {
+    let error = match serde_path_to_error::deserialize::<_, C>(Value::Object(merged.clone())) {
+        Ok(config) => return Ok(config),
+        Err(e) => e,
+    };
+    let named = |e: &serde_path_to_error::Error<serde_json::Error>| {
+        let path = e.path().to_string();
+        (path != "." && path != "?").then_some(path)
+    };
+    if let Some(path) = named(&error) {
+        return Err((path, error.into_inner().to_string()));
+    }
+    let mut changed = Vec::new();
+    changed_leaves(merged, defaults, &mut Vec::new(), &mut changed);
+    for (path, value) in changed {
+        let mut trial = defaults.clone();
+        set(&mut trial, &path, value);
+        if let Err(e) = serde_path_to_error::deserialize::<_, C>(Value::Object(trial)) {
+            let key = named(&e).unwrap_or_else(|| path.join("."));
+            return Err((key, e.into_inner().to_string()));
+        }
+    }
+    Err((".".to_owned(), error.into_inner().to_string()))
+}
+
+/// The paths (into nested tables) where `merged` differs from `defaults`, with their values.
+fn changed_leaves(
+    merged: &Map<String, Value>,
+    defaults: &Map<String, Value>,
+    prefix: &mut Vec<String>,
+    out: &mut Vec<(Vec<String>, Value)>,
+) {
+    for (key, value) in merged {
+        prefix.push(key.clone());
+        match (value, defaults.get(key)) {
+            (Value::Object(inner), Some(Value::Object(default))) => {
+                changed_leaves(inner, default, prefix, out);
+            }
+            (value, default) if default != Some(value) => out.push((prefix.clone(), value.clone())),
+            _ => {}
+        }
+        prefix.pop();
+    }
+}
+
 /// Environment values are strings; give them the type the default has. A value that does not
 /// parse stays a string so that deserialization reports the key with the expected type.
 fn coerce_env<C: ServiceConfig>(
@@ -363,9 +412,9 @@ fn coerce_env<C: ServiceConfig>(
             Ok(parsed) if !parsed.is_string() => {
                 let mut trial = current.clone();
                 set(&mut trial, path, parsed.clone());
-                let fits = serde_path_to_error::deserialize::<_, C>(Value::Object(trial))
+                let fits = deserialize::<C>(&trial, current)
                     .err()
-                    .is_none_or(|e| e.path().to_string() != path.join("."));
+                    .is_none_or(|(key, _)| key != path.join("."));
                 if fits { parsed } else { text }
             }
             _ => text,

@@ -96,6 +96,21 @@ impl std::fmt::Debug for DecodeWorker {
     }
 }
 
+impl worker_core::RoleWorker for DecodeWorker {
+    /// The transports this worker offers (after start-up checks).
+    fn transports(&self) -> &[TransportKind] {
+        &self.transports
+    }
+
+    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
+    /// thread still running then races UCX's global teardown).
+    fn stop_transports(&self) {
+        if let Some(ucx) = &self.ucx {
+            ucx.stop();
+        }
+    }
+}
+
 impl DecodeWorker {
     /// The worker over `engine`, offering `transports`. Offering UCX registers the engine's
     /// page and slot pools for remote writes; if UCX cannot start here the worker offers the
@@ -170,14 +185,6 @@ impl DecodeWorker {
         self
     }
 
-    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
-    /// thread still running then races UCX's global teardown).
-    pub fn stop_transports(&self) {
-        if let Some(ucx) = &self.ucx {
-            ucx.stop();
-        }
-    }
-
     /// The token to stream for engine request `id`: under [`Fault::ReorderBatch`], the one
     /// streamed just before for a different request, if there was one.
     fn mix_up(&self, id: u64, token: GeneratedToken) -> GeneratedToken {
@@ -194,11 +201,6 @@ impl DecodeWorker {
         };
         *last = Some((id, token));
         out
-    }
-
-    /// The transports this worker offers (after start-up checks).
-    pub fn transports(&self) -> &[TransportKind] {
-        &self.transports
     }
 
     pub fn layout(&self) -> &StateLayout {
@@ -391,12 +393,12 @@ impl Decode for DecodeService {
         handshake::check_layouts(w.layout(), &theirs)
             .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
         // Only a transport this worker offers (NCCL may be compiled in but not started).
-        let transport = handshake::negotiate(&req.transports, w.transports()).ok_or_else(|| {
+        let transport = handshake::negotiate(&req.transports, &w.transports).ok_or_else(|| {
             w.err(
                 ErrorKind::InvalidArgument,
                 format!(
                     "no transport in common (this worker offers {:?})",
-                    w.transports()
+                    w.transports
                 ),
             )
         })?;

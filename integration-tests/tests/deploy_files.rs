@@ -358,12 +358,14 @@ fn load_role(role: Role, toml: Option<&Path>, env: Vec<(String, String)>, source
         Role::Prefill => {
             let c: PrefillConfig =
                 load(toml, env, &no_flags()).unwrap_or_else(|e| panic!("{source}: {e}"));
+            let c = c.worker;
             secret_unset(c.cluster_secret_file.as_ref());
             worker(c.advertise_address, c.grpc_listen, c.router, c.page_size)
         }
         Role::Decode => {
             let c: DecodeConfig =
                 load(toml, env, &no_flags()).unwrap_or_else(|e| panic!("{source}: {e}"));
+            let c = c.worker;
             secret_unset(c.cluster_secret_file.as_ref());
             worker(c.advertise_address, c.grpc_listen, c.router, c.page_size)
         }

@@ -26,12 +26,34 @@ impl BackendKind {
         }
     }
 
+    /// The configuration value naming this backend.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+        }
+    }
+
     /// Whether this build can run the backend at all.
     pub fn built_in(self) -> bool {
         match self {
             Self::Cpu => true,
             Self::Cuda => cfg!(feature = "cuda"),
         }
+    }
+}
+
+/// A backend is written in configuration as its name.
+impl serde::Serialize for BackendKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for BackendKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        Self::parse(&name).map_err(serde::de::Error::custom)
     }
 }
 
@@ -65,18 +87,17 @@ fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, Stri
     )
 }
 
-/// Loads the checkpoint at `dir` into an engine thread with the backend `backend` names
-/// (`"cpu"` or `"cuda"`), `hybrid` letting ops the backend does not run stay on the CPU. How
-/// far the weights check is shows in `progress` while this runs.
+/// Loads the checkpoint at `dir` into an engine thread on backend `kind`, `hybrid` letting ops
+/// the backend does not run stay on the CPU. How far the weights check is shows in `progress`
+/// while this runs.
 pub fn start_engine(
     dir: &Path,
     config: engine::scheduler::EngineConfig,
     thread_name: &str,
-    backend: &str,
+    kind: BackendKind,
     hybrid: bool,
     progress: &Arc<engine::weights::LoadProgress>,
 ) -> Result<engine::runner::LoadedEngine, String> {
-    let kind = BackendKind::parse(backend)?;
     engine::runner::start_with_backend(
         dir,
         config,

@@ -12,42 +12,54 @@ pub const SUPPORTED: &[TransportKind] = &[TransportKind::Ucx, TransportKind::Tcp
 pub const SUPPORTED: &[TransportKind] =
     &[TransportKind::Ucx, TransportKind::Nccl, TransportKind::Tcp];
 
-/// Transport names from a configuration (`ucx`, `tcp`, and `nccl` in builds with the `nccl`
-/// feature), in order; an unknown, repeated or missing name is an error.
-pub fn parse_transports(names: &[String]) -> Result<Vec<TransportKind>, String> {
-    let accepted = if cfg!(feature = "nccl") {
-        "ucx, nccl, tcp"
-    } else {
-        "ucx, tcp"
-    };
-    let mut out = Vec::new();
-    for name in names {
-        let kind = match name.as_str() {
-            "ucx" => TransportKind::Ucx,
-            "tcp" => TransportKind::Tcp,
-            "nccl" if cfg!(feature = "nccl") => TransportKind::Nccl,
-            "nccl" => {
-                return Err(
-                    "transport \"nccl\": this binary was built without NCCL (cargo feature \
-                     `nccl`)"
-                        .to_owned(),
-                );
-            }
-            other => {
-                return Err(format!(
-                    "unknown transport {other:?} (accepted: {accepted})"
-                ));
-            }
-        };
-        if out.contains(&kind) {
-            return Err(format!("transport {name:?} is listed twice"));
+/// A transport from its configuration name (`ucx`, `tcp`, and `nccl` in builds with the
+/// `nccl` feature).
+pub fn parse_transport(name: &str) -> Result<TransportKind, String> {
+    match name {
+        "ucx" => Ok(TransportKind::Ucx),
+        "tcp" => Ok(TransportKind::Tcp),
+        "nccl" if cfg!(feature = "nccl") => Ok(TransportKind::Nccl),
+        "nccl" => Err(
+            "transport \"nccl\": this binary was built without NCCL (cargo feature `nccl`)"
+                .to_owned(),
+        ),
+        other => {
+            let accepted = if cfg!(feature = "nccl") {
+                "ucx, nccl, tcp"
+            } else {
+                "ucx, tcp"
+            };
+            Err(format!(
+                "unknown transport {other:?} (accepted: {accepted})"
+            ))
         }
-        out.push(kind);
     }
-    if out.is_empty() {
+}
+
+/// The configuration name of a transport.
+pub fn transport_name(kind: TransportKind) -> &'static str {
+    match kind {
+        TransportKind::Ucx => "ucx",
+        TransportKind::Tcp => "tcp",
+        TransportKind::Nccl => "nccl",
+        TransportKind::Unspecified => "unspecified",
+    }
+}
+
+/// A configured list of transports in order of preference: at least one, none twice.
+pub fn check_transports(kinds: &[TransportKind]) -> Result<(), String> {
+    if kinds.is_empty() {
         return Err("at least one transport is required".to_owned());
     }
-    Ok(out)
+    for (i, kind) in kinds.iter().enumerate() {
+        if kinds[..i].contains(kind) {
+            return Err(format!(
+                "transport {:?} is listed twice",
+                transport_name(*kind)
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Ok when `theirs` describes exactly the bytes `ours` does; otherwise every difference.
@@ -84,22 +96,29 @@ mod tests {
         assert_eq!(negotiate(&[tcp, ucx], SUPPORTED), Some(TransportKind::Tcp));
         assert_eq!(negotiate(&[ucx], &[TransportKind::Tcp]), None);
         assert_eq!(negotiate(&[0, 99], SUPPORTED), None);
-        let names = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-        assert_eq!(
-            parse_transports(&names(&["tcp", "ucx"])),
-            Ok(vec![TransportKind::Tcp, TransportKind::Ucx])
-        );
-        assert!(parse_transports(&names(&["rdma"])).is_err());
-        let nccl = parse_transports(&names(&["nccl", "tcp"]));
+        assert_eq!(parse_transport("tcp"), Ok(TransportKind::Tcp));
+        assert_eq!(parse_transport("ucx"), Ok(TransportKind::Ucx));
+        for kind in SUPPORTED {
+            assert_eq!(parse_transport(transport_name(*kind)), Ok(*kind));
+        }
+        assert!(parse_transport("rdma").is_err_and(|e| e.contains("unknown transport")));
+        let nccl = parse_transport("nccl");
         if cfg!(feature = "nccl") {
-            assert_eq!(nccl, Ok(vec![TransportKind::Nccl, TransportKind::Tcp]));
+            assert_eq!(nccl, Ok(TransportKind::Nccl));
             assert_eq!(SUPPORTED.len(), 3);
         } else {
             assert!(nccl.is_err_and(|e| e.contains("built without NCCL")));
             assert!(!SUPPORTED.contains(&TransportKind::Nccl));
         }
-        assert!(parse_transports(&names(&["tcp", "tcp"])).is_err());
-        assert!(parse_transports(&[]).is_err());
+        assert_eq!(
+            check_transports(&[TransportKind::Tcp, TransportKind::Ucx]),
+            Ok(())
+        );
+        assert!(
+            check_transports(&[TransportKind::Tcp, TransportKind::Tcp])
+                .is_err_and(|e| e.contains("listed twice"))
+        );
+        assert!(check_transports(&[]).is_err());
     }
 
     #[test]

@@ -1,162 +1,57 @@
 //! The prefill worker: serves `pdserve.v1.Prefill`, runs engine prefill and writes the prompt
-//! state into decode reservations. Without a configured model it serves identity (`Worker`)
-//! and gRPC health only.
+//! state into decode reservations. Start-up, loading, registration and draining are
+//! worker-core's; this crate holds the prefill service and its settings. Without a configured
+//! model it serves identity (`Worker`) and gRPC health only.
 
 pub mod config;
 pub mod service;
 
-use std::{
-    sync::{Arc, OnceLock},
-    time::Duration,
-};
+use std::sync::Arc;
 
-use common::{
-    pending::Pending,
-    worker_info::ProgressSource,
-    worker_server::{ListenOptions, ServeError, WorkerServer, load_on_thread},
-};
+use common::{pending::Pending, worker_server::ServeError};
 pub use config::{Cli, PrefillConfig};
-use engine::{scheduler::EngineConfig, weights::LoadProgress};
-use proto::v1::{Role, WorkerState, prefill_server::PrefillServer};
+use proto::v1::{Role, prefill_server::PrefillServer};
 use service::{PrefillService, PrefillWorker};
+use worker_core::{Loaded, RoleSpec};
 
-/// How often the worker refreshes the load it reports in `Info`.
-const LOAD_EVERY: Duration = Duration::from_millis(100);
+/// The prefill role, for the shared start-up.
+pub const ROLE: RoleSpec = RoleSpec {
+    role: Role::Prefill,
+    name: "prefill",
+    engine_thread: "pdserve-prefill",
+    services: &[proto::service_names::PREFILL],
+};
 
-/// Binds the prefill worker's listener.
-pub async fn bind(config: &PrefillConfig) -> Result<WorkerServer, ServeError> {
-    WorkerServer::bind(
-        Role::Prefill,
-        ListenOptions {
-            key: "grpc_listen",
-            listen: config.grpc_listen,
-            advertise: config.advertise_address.clone(),
-            grace: Duration::from_millis(config.shutdown_grace_ms),
-            security: common::cluster_auth::Security::load(
-                config.cluster_secret_file.as_deref(),
-                &config.tls,
-            )
-            .map_err(|e| ServeError::Startup(format!("{}: {}", e.key, e.reason)))?,
-        },
-    )
-    .await
-}
-
-/// The engine settings of a worker configuration.
-pub fn engine_config(config: &PrefillConfig) -> EngineConfig {
-    EngineConfig {
-        page_size: config.page_size as usize,
-        num_pages: config.engine_num_pages,
-        max_running: config.max_running as usize,
-        max_batch_tokens: config.max_batch_tokens as usize,
-        ..EngineConfig::default()
-    }
-}
-
-/// Runs the worker as a process until SIGTERM/SIGINT. With a model, the worker answers health
-/// and `Worker.Info` (state LOADING, with the load's progress) and registers with its router
-/// while the model loads on its own thread; the Prefill service answers only once it is loaded.
+/// Runs the worker as a process until SIGTERM/SIGINT (see [`worker_core::run`]); the Prefill
+/// service answers once the model is loaded.
 pub async fn run(
     config: PrefillConfig,
     signal: common::shutdown::ShutdownSignal,
 ) -> Result<(), ServeError> {
-    let server = bind(&config).await?;
-    let Some(dir) = config.model_dir.clone() else {
-        return server
-            .run_until_signal("prefill", |routes| routes, &[], signal)
-            .await;
-    };
-    let fault = common::fault::Fault::for_worker("prefill").map_err(ServeError::Startup)?;
-    let transports = kv_transfer::handshake::parse_transports(&config.transports)
-        .map_err(ServeError::Startup)?;
-    // Only a worker with a model joins a router: it is the only kind that serves requests.
-    let server = server.register_with(config.router.clone());
-    let handle = server.handle().clone();
-    let progress = load_progress(fault);
-    let source = Arc::clone(&progress);
-    handle.set_progress_source(ProgressSource(Arc::new(move || source.snapshot())));
-    handle.set_state(WorkerState::Loading).await;
-    let credentials = server.credentials();
     let pending = Pending::new();
     let slot = pending.clone();
-    let worker_slot: Arc<OnceLock<Arc<PrefillWorker>>> = Arc::default();
-    let loaded_worker = Arc::clone(&worker_slot);
-    let (engine, stream_state) = (engine_config(&config), config.stream_state);
-    let (backend, hybrid) = (config.backend.clone(), config.hybrid);
-    let loaded = async move {
-        let shown = dir.display().to_string();
-        let loaded = load_on_thread("pdserve-load", move || {
-            kernels::backend::start_engine(
-                &dir,
-                engine,
-                "pdserve-prefill",
-                &backend,
-                hybrid,
-                &progress,
-            )
-        })
-        .await
-        .map_err(|e| ServeError::Startup(format!("model_dir {shown}: {e}")))?;
-        log_backend_plan(loaded.backend_plan.as_ref());
-        let info = handle.snapshot().await;
-        let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
-        let runner = loaded.runner.clone();
-        let worker = Arc::new(
-            PrefillWorker::new(
-                loaded,
-                info.worker_id,
-                transports,
-                stream_state,
-                credentials,
-            )
-            .with_fault(fault)
-            .with_draining(handle.draining()),
-        );
-        handle
-            .set_model(fingerprint, layout, worker.transports())
-            .await;
-        let reporter = handle.clone();
-        tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
-            let reporter = reporter.clone();
-            async move { reporter.set_load(load).await }
-        }));
-        slot.set(PrefillServer::new(PrefillService(Arc::clone(&worker))));
-        let _ = loaded_worker.set(worker);
-        Ok(())
-    };
-    let served = server
-        .run_after_load(
-            "prefill",
-            |routes| routes.add_service(pending),
-            &[proto::service_names::PREFILL],
-            loaded,
-            signal,
-        )
-        .await;
-    if let Some(worker) = worker_slot.get() {
-        worker.stop_transports();
-    }
-    served
-}
-
-/// Where the model load counts its progress; under the `slow-load` fault it pauses after each
-/// shard, so tests can watch the loading state.
-fn load_progress(fault: Option<common::fault::Fault>) -> Arc<LoadProgress> {
-    let progress = LoadProgress::new();
-    Arc::new(if fault == Some(common::fault::Fault::SlowLoad) {
-        progress.with_shard_hook(Box::new(|_| {
-            std::thread::sleep(common::fault::SLOW_LOAD_PER_SHARD);
-        }))
-    } else {
-        progress
-    })
-}
-
-/// Says where the forward pass runs; a hybrid plan is a warning (part of it on the CPU).
-fn log_backend_plan(plan: Option<&engine::backend::BackendPlan>) {
-    match plan {
-        None => tracing::info!("compute backend: cpu (reference forward pass)"),
-        Some(plan) if plan.is_hybrid() => tracing::warn!(%plan, "compute backend in hybrid mode"),
-        Some(plan) => tracing::info!(%plan, "compute backend"),
-    }
+    let stream_state = config.stream_state;
+    let routes = |routes: tonic::service::Routes| routes.add_service(pending);
+    worker_core::run(
+        &config.worker,
+        ROLE,
+        signal,
+        routes,
+        |loaded: Loaded| async move {
+            let worker = Arc::new(
+                PrefillWorker::new(
+                    loaded.engine,
+                    loaded.worker_id,
+                    loaded.transports,
+                    stream_state,
+                    loaded.credentials,
+                )
+                .with_fault(loaded.fault)
+                .with_draining(loaded.draining),
+            );
+            slot.set(PrefillServer::new(PrefillService(Arc::clone(&worker))));
+            Ok(worker)
+        },
+    )
+    .await
 }

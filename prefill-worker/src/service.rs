@@ -62,6 +62,21 @@ impl std::fmt::Debug for PrefillWorker {
     }
 }
 
+impl worker_core::RoleWorker for PrefillWorker {
+    /// The transports this worker offers (after start-up checks).
+    fn transports(&self) -> &[TransportKind] {
+        &self.transports
+    }
+
+    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
+    /// thread still running then races UCX's global teardown).
+    fn stop_transports(&self) {
+        if let Some(ucx) = &self.ucx {
+            ucx.stop();
+        }
+    }
+}
+
 /// Cancels the engine request when the RPC is dropped before it finished.
 struct CancelOnDrop {
     runner: Runner,
@@ -158,14 +173,6 @@ impl PrefillWorker {
         self
     }
 
-    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
-    /// thread still running then races UCX's global teardown).
-    pub fn stop_transports(&self) {
-        if let Some(ucx) = &self.ucx {
-            ucx.stop();
-        }
-    }
-
     /// Applies the injected fault, if any, to pieces about to be sent for a prompt of
     /// `prompt_len` tokens.
     fn corrupt(&self, pieces: &mut Vec<Piece>, prompt_len: usize) {
@@ -193,11 +200,6 @@ impl PrefillWorker {
             }
             Some(Fault::ReorderBatch | Fault::StallEngine | Fault::SlowLoad) | None => {}
         }
-    }
-
-    /// The transports this worker offers (after start-up checks).
-    pub fn transports(&self) -> &[TransportKind] {
-        &self.transports
     }
 
     fn err(&self, kind: ErrorKind, message: impl Into<String>) -> Status {

@@ -261,3 +261,76 @@ fn host_port_checks() {
         assert!(check_host_port("k", bad).is_err(), "{bad}");
     }
 }
+
+/// Settings several services share, flattened into each one's table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+struct Shared {
+    pages: u32,
+    router: Option<String>,
+    tls: Tls,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            pages: 16,
+            router: None,
+            tls: Tls::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+struct WithShared {
+    #[serde(flatten)]
+    shared: Shared,
+    stream: bool,
+}
+
+impl ServiceConfig for WithShared {
+    const ROLE: &'static str = "with-shared";
+    fn validate(&self) -> Result<(), Invalid> {
+        Ok(())
+    }
+}
+
+/// Inside a flattened part serde loses the key; the error still names it and its origin.
+#[test]
+fn flattened_settings_name_key_and_origin() {
+    let file = toml_file("stream = true\npages = 3\n[tls]\nenabled = true\n");
+    let loaded = load::<WithShared>(Some(file.path()), no_env(), &Cli::default()).unwrap();
+    assert_eq!((loaded.shared.pages, loaded.stream), (3, true));
+    assert!(loaded.shared.tls.enabled);
+
+    let file = toml_file("pages = \"many\"\n");
+    let err = load::<WithShared>(Some(file.path()), no_env(), &Cli::default()).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.starts_with("`pages` from file "), "{msg}");
+    assert!(msg.contains("invalid type"), "{msg}");
+
+    let file = toml_file("[tls]\nenabled = 3\n");
+    let err = load::<WithShared>(Some(file.path()), no_env(), &Cli::default()).unwrap_err();
+    assert!(
+        err.to_string().starts_with("`tls.enabled` from file "),
+        "{err}"
+    );
+
+    let err =
+        load::<WithShared>(None, env(&[("PDSERVE_STREAM", "maybe")]), &Cli::default()).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("`stream` from env PDSERVE_STREAM"),
+        "{err}"
+    );
+
+    let file = toml_file("pagez = 3\n");
+    let err = load::<WithShared>(Some(file.path()), no_env(), &Cli::default()).unwrap_err();
+    assert!(err.to_string().contains("unknown key `pagez`"), "{err}");
+
+    // An optional setting from the environment whose JSON reading does not fit stays text.
+    let loaded =
+        load::<WithShared>(None, env(&[("PDSERVE_ROUTER", "123")]), &Cli::default()).unwrap();
+    assert_eq!(loaded.shared.router.as_deref(), Some("123"));
+}

@@ -1,0 +1,11 @@
+//! What pdserve's two worker roles share, written once: the settings every worker has
+//! ([`settings::WorkerSettings`], which each role's settings embed, and the matching
+//! [`settings::WorkerFlags`]), and a worker process's life ([`start::run`]: bind, load the
+//! model while reporting progress, register, serve the role's gRPC services, drain, stop).
+//! The roles (`prefill-worker`, `decode-worker`) hold only their services and their own keys.
+
+pub mod settings;
+pub mod start;
+
+pub use settings::{Transport, WorkerFlags, WorkerSettings};
+pub use start::{Loaded, RoleSpec, RoleWorker, bind, run};

@@ -1,0 +1,254 @@
+//! The settings every worker has, whatever its role: listening, identity, the model and its
+//! pool, the router it registers with, transports, backend and security. A role's settings
+//! embed [`WorkerSettings`] flattened (the TOML table, `PDSERVE_*` names and flags stay flat)
+//! and add their own keys; [`WorkerFlags`] is the matching command line.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use common::config::{Invalid, check_advertise, check_host_port, check_range};
+use engine::scheduler::EngineConfig;
+use kernels::backend::BackendKind;
+use proto::v1::TransportKind;
+use serde::{Deserialize, Serialize};
+
+/// A state transport, written in configuration as its name (`ucx`, `tcp`, `nccl`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transport(pub TransportKind);
+
+impl Serialize for Transport {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(kv_transfer::handshake::transport_name(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Transport {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        kv_transfer::handshake::parse_transport(&name)
+            .map(Self)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Settings shared by both worker roles (validated by [`WorkerSettings::validate`]). Each
+/// role's defaults start from [`WorkerSettings::listening_on`] its own port, and
+/// `common::config::load` fills every key from them and refuses unknown keys (no
+/// `deny_unknown_fields` here: serde does not allow it beside `flatten`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerSettings {
+    /// Where the gRPC server (the role's service, Worker, health) listens. Port 0 picks a free
+    /// port.
+    pub grpc_listen: SocketAddr,
+    /// host:port that routers and the other role's workers use to reach this worker.
+    /// Default: the bound listen address.
+    pub advertise_address: Option<String>,
+    /// Milliseconds in-flight calls may take to finish after SIGTERM.
+    pub shutdown_grace_ms: u64,
+    /// Checkpoint folder (`config.json`, weights). Unset: the worker serves only identity and
+    /// health, and its role's calls fail with UNAVAILABLE.
+    pub model_dir: Option<PathBuf>,
+    /// Tokens per state page. Prefill and decode workers must agree (the layout handshake
+    /// refuses to pair them otherwise).
+    pub page_size: u32,
+    /// Pages in the worker's pool.
+    pub engine_num_pages: u32,
+    /// Requests in the engine at once (also its state slots).
+    pub max_running: u32,
+    /// Tokens per forward step.
+    pub max_batch_tokens: u32,
+    /// host:port of a router's gRPC server to register with (and heartbeat to). Unset: the
+    /// worker is listed statically in the router's configuration.
+    pub router: Option<String>,
+    /// State transports this worker offers, in order of preference: `ucx` (one-sided puts into
+    /// registered memory), `tcp` (page frames over gRPC), `nccl` (GPU to GPU; builds with the
+    /// `nccl` feature). A pair uses the first transport of the prefill worker's list that the
+    /// decode worker also offers.
+    pub transports: Vec<Transport>,
+    /// Compute backend: `cpu` (the reference forward pass) or `cuda` (builds with the `cuda`
+    /// feature; the routed experts on the GPU in their FP4 form). A backend that does not run
+    /// every op of the forward pass on its device refuses to start unless `hybrid` is set.
+    pub backend: BackendKind,
+    /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
+    /// partial backend is an error, so a slow half-CPU deployment is always a choice.
+    pub hybrid: bool,
+    /// File holding the cluster's shared secret (a line of 32+ visible characters, not
+    /// readable by other users; further lines are secrets also accepted, for rotation). Every
+    /// internal gRPC call carries it and calls without it are refused; all roles of a cluster
+    /// must name the same secret. Unset: no authentication.
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Mutual TLS between the cluster's processes (`[tls]`: `cert_file`, `key_file`,
+    /// `ca_file`, optional `server_name`); unset: plain connections.
+    pub tls: common::internal_tls::TlsSettings,
+}
+
+impl WorkerSettings {
+    /// The built-in settings of a worker listening on `port` of loopback by default.
+    pub fn listening_on(port: u16) -> Self {
+        Self {
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], port)),
+            advertise_address: None,
+            shutdown_grace_ms: 30_000,
+            model_dir: None,
+            page_size: 64,
+            engine_num_pages: 1024,
+            max_running: 32,
+            max_batch_tokens: 512,
+            router: None,
+            transports: vec![Transport(TransportKind::Ucx), Transport(TransportKind::Tcp)],
+            backend: BackendKind::Cpu,
+            hybrid: false,
+            cluster_secret_file: None,
+            tls: common::internal_tls::TlsSettings::default(),
+        }
+    }
+
+    /// Range and cross-field checks of the shared keys (run once, after all layers).
+    pub fn validate(&self) -> Result<(), Invalid> {
+        check_advertise("advertise_address", self.advertise_address.as_deref())?;
+        let page_size = u64::from(self.page_size);
+        if !page_size.is_power_of_two() || !(4..=4096).contains(&page_size) {
+            return Err(Invalid::new(
+                "page_size",
+                "must be a power of two between 4 and 4096",
+            ));
+        }
+        check_range(
+            "engine_num_pages",
+            u64::from(self.engine_num_pages),
+            1,
+            1 << 24,
+        )?;
+        check_range("max_running", u64::from(self.max_running), 1, 4096)?;
+        check_range(
+            "max_batch_tokens",
+            u64::from(self.max_batch_tokens),
+            1,
+            1 << 20,
+        )?;
+        kv_transfer::handshake::check_transports(&self.transport_kinds())
+            .map_err(|e| Invalid::new("transports", e))?;
+        if !self.backend.built_in() {
+            return Err(Invalid::new(
+                "backend",
+                "this binary was built without the CUDA backend (cargo feature `cuda`)",
+            ));
+        }
+        common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
+        if let Some(router) = &self.router {
+            check_host_port("router", router)?;
+        }
+        check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)
+    }
+
+    /// The transports offered, in order of preference.
+    pub fn transport_kinds(&self) -> Vec<TransportKind> {
+        self.transports.iter().map(|t| t.0).collect()
+    }
+
+    /// The engine settings of this worker.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            page_size: self.page_size as usize,
+            num_pages: self.engine_num_pages,
+            max_running: self.max_running as usize,
+            max_batch_tokens: self.max_batch_tokens as usize,
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// The command line of the shared settings; every flag overrides the setting of the same name.
+#[derive(Debug, Default, clap::Args, Serialize)]
+pub struct WorkerFlags {
+    /// gRPC listen address (default 127.0.0.1:8101 for prefill, 127.0.0.1:8201 for decode;
+    /// port 0: any free port).
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_listen: Option<SocketAddr>,
+    /// host:port other processes use to reach this worker.
+    #[arg(long, value_name = "HOST:PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_address: Option<String>,
+    /// Milliseconds in-flight calls may take after SIGTERM.
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_grace_ms: Option<u64>,
+    /// Checkpoint folder served by this worker.
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_dir: Option<PathBuf>,
+    /// Tokens per state page (must match the other role's workers).
+    #[arg(long, value_name = "TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<u32>,
+    /// Pages in the worker's pool.
+    #[arg(long, value_name = "PAGES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_num_pages: Option<u32>,
+    /// Requests in the engine at once.
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<u32>,
+    /// Tokens per forward step.
+    #[arg(long, value_name = "TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<u32>,
+    /// Register with the router at this gRPC host:port.
+    #[arg(long, value_name = "HOST:PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router: Option<String>,
+    /// A state transport to offer (ucx, tcp), in order of preference; repeat for several.
+    #[arg(long = "transport", value_name = "NAME")]
+    #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
+    pub transports: Vec<String>,
+    /// Compute backend: cpu or cuda.
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Let ops the backend does not run fall back to the CPU.
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<bool>,
+    /// File holding the cluster's shared secret (all roles must use the same).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    #[serde(skip_serializing_if = "common::internal_tls::TlsFlags::is_empty")]
+    pub tls: common::internal_tls::TlsFlags,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_typed_choices_read_their_names() {
+        let settings = WorkerSettings::listening_on(0);
+        assert!(settings.validate().is_ok());
+        let json = serde_json::to_value(&settings).unwrap();
+        assert_eq!(json["backend"], "cpu");
+        assert_eq!(json["transports"], serde_json::json!(["ucx", "tcp"]));
+        let back: WorkerSettings = serde_json::from_value(json).unwrap();
+        assert_eq!(back, settings);
+        let bad = serde_json::json!({ "backend": "gpu" });
+        let err = serde_json::from_value::<WorkerSettings>(bad).unwrap_err();
+        assert!(err.to_string().contains("expected cpu or cuda"), "{err}");
+        let bad = serde_json::json!({ "transports": ["rdma"] });
+        let err = serde_json::from_value::<WorkerSettings>(bad).unwrap_err();
+        assert!(err.to_string().contains("unknown transport"), "{err}");
+    }
+
+    #[test]
+    fn shared_checks_name_their_key() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.page_size = 48;
+        assert_eq!(settings.validate().unwrap_err().key, "page_size");
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.transports = vec![Transport(TransportKind::Tcp); 2];
+        assert_eq!(settings.validate().unwrap_err().key, "transports");
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.transports.clear();
+        assert_eq!(settings.validate().unwrap_err().key, "transports");
+    }
+}

@@ -1,0 +1,181 @@
+//! A worker process's life, the same for both roles: bind, load the model on its own thread
+//! while answering health and `Worker.Info` (state LOADING, with the load's progress) and
+//! registering with the router, then serve the role's services until a signal, and stop the
+//! transports before the process exits.
+
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use common::{
+    fault::Fault,
+    shutdown::ShutdownSignal,
+    worker_info::{DrainingFlag, ProgressSource},
+    worker_server::{ListenOptions, ServeError, WorkerServer, load_on_thread},
+};
+use engine::{runner::LoadedEngine, weights::LoadProgress};
+use proto::{
+    auth::Credentials,
+    v1::{Role, TransportKind, WorkerState},
+};
+use tonic::service::Routes;
+
+use crate::settings::WorkerSettings;
+
+/// How often the worker refreshes the load it reports in `Info`.
+const LOAD_EVERY: Duration = Duration::from_millis(100);
+
+/// What a role is, for the shared start-up.
+#[derive(Debug, Clone, Copy)]
+pub struct RoleSpec {
+    pub role: Role,
+    /// Short name in logs, the readiness line and fault selection (`prefill`, `decode`).
+    pub name: &'static str,
+    /// Name of the engine's thread (and of the process in its logs).
+    pub engine_thread: &'static str,
+    /// The role's gRPC service names (health reports them once the model is loaded).
+    pub services: &'static [&'static str],
+}
+
+/// What a role builds its worker from, once the model is loaded.
+#[derive(Debug)]
+pub struct Loaded {
+    pub engine: LoadedEngine,
+    pub worker_id: String,
+    /// host:port peers dial to reach this worker.
+    pub address: String,
+    /// The configured transports, in order of preference.
+    pub transports: Vec<TransportKind>,
+    /// A deliberate corruption selected by the environment (tests only).
+    pub fault: Option<Fault>,
+    /// Set when the worker drains: the role refuses new requests.
+    pub draining: DrainingFlag,
+    /// What this worker's own calls to other processes carry.
+    pub credentials: Credentials,
+}
+
+/// A role's worker, as the shared start-up sees it.
+pub trait RoleWorker: Send + Sync + 'static {
+    /// The transports it offers (those that could not start here are dropped).
+    fn transports(&self) -> &[TransportKind];
+    /// Ends its transport threads (at shutdown, before UCX's global teardown).
+    fn stop_transports(&self);
+}
+
+/// Binds the worker's listener with its security settings.
+pub async fn bind(settings: &WorkerSettings, role: Role) -> Result<WorkerServer, ServeError> {
+    WorkerServer::bind(
+        role,
+        ListenOptions {
+            key: "grpc_listen",
+            listen: settings.grpc_listen,
+            advertise: settings.advertise_address.clone(),
+            grace: Duration::from_millis(settings.shutdown_grace_ms),
+            security: common::cluster_auth::Security::load(
+                settings.cluster_secret_file.as_deref(),
+                &settings.tls,
+            )
+            .map_err(|e| ServeError::Startup(format!("{}: {}", e.key, e.reason)))?,
+        },
+    )
+    .await
+}
+
+/// Runs a worker until SIGTERM/SIGINT. Without a model it serves identity and health only.
+/// With one, `build` makes the role's worker from the loaded engine (and fills the services
+/// `routes` added); those services answer once it returns.
+pub async fn run<W, Build, Built>(
+    settings: &WorkerSettings,
+    spec: RoleSpec,
+    signal: ShutdownSignal,
+    routes: impl FnOnce(Routes) -> Routes,
+    build: Build,
+) -> Result<(), ServeError>
+where
+    W: RoleWorker,
+    Build: FnOnce(Loaded) -> Built,
+    Built: Future<Output = Result<Arc<W>, ServeError>>,
+{
+    let server = bind(settings, spec.role).await?;
+    let Some(dir) = settings.model_dir.clone() else {
+        return server
+            .run_until_signal(spec.name, |routes| routes, &[], signal)
+            .await;
+    };
+    let fault = Fault::for_worker(spec.name).map_err(ServeError::Startup)?;
+    // Only a worker with a model joins a router: it is the only kind that serves requests.
+    let server = server.register_with(settings.router.clone());
+    let handle = server.handle().clone();
+    let credentials = server.credentials();
+    let progress = load_progress(fault);
+    let source = Arc::clone(&progress);
+    handle.set_progress_source(ProgressSource(Arc::new(move || source.snapshot())));
+    handle.set_state(WorkerState::Loading).await;
+    let worker_slot: Arc<OnceLock<Arc<W>>> = Arc::default();
+    let loaded_worker = Arc::clone(&worker_slot);
+    let (engine, backend, hybrid) = (settings.engine_config(), settings.backend, settings.hybrid);
+    let transports = settings.transport_kinds();
+    let loaded = async move {
+        let shown = dir.display().to_string();
+        let thread = spec.engine_thread;
+        let loaded = load_on_thread("pdserve-load", move || {
+            kernels::backend::start_engine(&dir, engine, thread, backend, hybrid, &progress)
+        })
+        .await
+        .map_err(|e| ServeError::Startup(format!("model_dir {shown}: {e}")))?;
+        log_backend_plan(loaded.backend_plan.as_ref());
+        let info = handle.snapshot().await;
+        let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
+        let runner = loaded.runner.clone();
+        let worker = build(Loaded {
+            engine: loaded,
+            worker_id: info.worker_id,
+            address: info.address,
+            transports,
+            fault,
+            draining: handle.draining(),
+            credentials,
+        })
+        .await?;
+        handle
+            .set_model(fingerprint, layout, worker.transports())
+            .await;
+        let reporter = handle.clone();
+        tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
+            let reporter = reporter.clone();
+            async move { reporter.set_load(load).await }
+        }));
+        let _ = loaded_worker.set(worker);
+        Ok(())
+    };
+    let served = server
+        .run_after_load(spec.name, routes, spec.services, loaded, signal)
+        .await;
+    if let Some(worker) = worker_slot.get() {
+        worker.stop_transports();
+    }
+    served
+}
+
+/// Where the model load counts its progress; under the `slow-load` fault it pauses after each
+/// shard, so tests can watch the loading state.
+fn load_progress(fault: Option<Fault>) -> Arc<LoadProgress> {
+    let progress = LoadProgress::new();
+    Arc::new(if fault == Some(Fault::SlowLoad) {
+        progress.with_shard_hook(Box::new(|_| {
+            std::thread::sleep(common::fault::SLOW_LOAD_PER_SHARD);
+        }))
+    } else {
+        progress
+    })
+}
+
+/// Says where the forward pass runs; a hybrid plan is a warning (part of it on the CPU).
+fn log_backend_plan(plan: Option<&engine::backend::BackendPlan>) {
+    match plan {
+        None => tracing::info!("compute backend: cpu (reference forward pass)"),
+        Some(plan) if plan.is_hybrid() => tracing::warn!(%plan, "compute backend in hybrid mode"),
+        Some(plan) => tracing::info!(%plan, "compute backend"),
+    }
+}
