@@ -4,6 +4,7 @@
 //! Wire types do not live here (see the `proto` crate).
 
 pub mod assets;
+pub mod binary_check;
 pub mod cli;
 pub mod cluster_auth;
 pub mod config;

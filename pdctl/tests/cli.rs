@@ -1,25 +1,7 @@
 //! `pdctl --help` and `--version` work (and `cargo test` builds the binary for the
 //! integration tests).
 
-use std::process::Command;
-
 #[test]
 fn help_and_version() {
-    let help = Command::new(env!("CARGO_BIN_EXE_pdctl"))
-        .arg("--help")
-        .output()
-        .unwrap();
-    assert!(help.status.success());
-    let text = String::from_utf8(help.stdout).unwrap();
-    assert!(text.contains("Usage: pdctl"), "{text}");
-    let version = Command::new(env!("CARGO_BIN_EXE_pdctl"))
-        .arg("--version")
-        .output()
-        .unwrap();
-    assert!(version.status.success());
-    assert!(
-        String::from_utf8(version.stdout)
-            .unwrap()
-            .starts_with("pdctl ")
-    );
+    common::binary_check::help_and_version(env!("CARGO_BIN_EXE_pdctl"), "pdctl");
 }
