@@ -18,9 +18,6 @@ use crate::{
     served::Served,
 };
 
-/// `reasoning_effort` values DeepSeek-V4 accepts (`none` turns thinking off).
-pub const ACCEPTED_EFFORTS: [&str; 4] = ["none", "low", "high", "max"];
-
 /// Sampling settings the official converter validates and drops, or does not know; the
 /// router passes them to the backend itself.
 #[derive(Debug, Clone, Default)]
@@ -185,8 +182,8 @@ fn check_effort(
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(effort)) => {
             let mapped = effort_map.get(effort).unwrap_or(effort).clone();
-            if !ACCEPTED_EFFORTS.contains(&mapped.as_str()) {
-                let mut accepted: Vec<&str> = ACCEPTED_EFFORTS.to_vec();
+            if !crate::config::ACCEPTED_EFFORTS.contains(&mapped.as_str()) {
+                let mut accepted: Vec<&str> = crate::config::ACCEPTED_EFFORTS.to_vec();
                 accepted.extend(effort_map.keys().map(String::as_str));
                 return Err(ApiError::param(
                     name.clone(),

@@ -552,7 +552,7 @@ pub async fn respond(
         Ok(tokens) => tokens,
         Err(e) => {
             let e = chat::backend_error(e);
-            tracker.failed(&e);
+            tracker.failed(e.parts().0);
             return Err(e);
         }
     };

@@ -6,6 +6,10 @@ use clap::Parser;
 use common::config::{Invalid, ServiceConfig, check_host_port, check_range};
 use serde::{Deserialize, Serialize};
 
+/// `reasoning_effort` values DeepSeek-V4 accepts (`none` turns thinking off); the targets
+/// `effort_aliases` may map to.
+pub const ACCEPTED_EFFORTS: [&str; 4] = ["none", "low", "high", "max"];
+
 /// Validated settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -156,12 +160,12 @@ impl RouterConfig {
                 ));
             };
             let (from, to) = (from.trim(), to.trim());
-            if from.is_empty() || !crate::chat::ACCEPTED_EFFORTS.contains(&to) {
+            if from.is_empty() || !ACCEPTED_EFFORTS.contains(&to) {
                 return Err(Invalid::new(
                     "reasoning_effort_map",
                     format!(
                         "{entry:?}: the target must be one of {}",
-                        crate::chat::ACCEPTED_EFFORTS.join(", ")
+                        ACCEPTED_EFFORTS.join(", ")
                     ),
                 ));
             }

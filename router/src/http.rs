@@ -209,7 +209,7 @@ where
     let result = match prepared {
         Ok((prepared, served)) => protocol::respond::<P>(prepared, served, tracker).await,
         Err(e) => {
-            tracker.failed(&e);
+            tracker.failed(e.parts().0);
             Err(e)
         }
     };
@@ -229,7 +229,7 @@ async fn legacy_completions(
     match prepared {
         Ok((prepared, served)) => completions::respond(prepared, served, tracker).await,
         Err(e) => {
-            tracker.failed(&e);
+            tracker.failed(e.parts().0);
             Err(e)
         }
     }

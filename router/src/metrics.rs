@@ -20,7 +20,7 @@ mod histogram;
 
 use histogram::Histogram;
 
-use crate::{api_error::ApiError, backend::BackendEvent, workers::Workers};
+use crate::{backend::BackendEvent, workers::Workers};
 
 /// Requests by endpoint and outcome (counter).
 pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
@@ -96,7 +96,7 @@ pub const ALL: [&str; 23] = [
 ];
 
 /// Values of the `kind` label of [`ERRORS_TOTAL`]: one per kind of error answer
-/// ([`ApiError::metric_kind`]), and `backend_failed` for a request the backend failed after
+/// (`ApiError::metric_kind`), and `backend_failed` for a request the backend failed after
 /// admitting it (worker lost, transfer failed, ...). The kinds are not exclusive: a
 /// non-streaming request that fails in the backend is also answered with an error of its own
 /// kind, while a stream that already began ends with an error event.
@@ -174,9 +174,9 @@ impl Outcome {
         }
     }
 
-    /// The outcome of an error answer.
-    pub fn of(error: &ApiError) -> Self {
-        if error.parts().0.is_server_error() {
+    /// The outcome of an error answer with HTTP `status`.
+    pub fn of_error(status: axum::http::StatusCode) -> Self {
+        if status.is_server_error() {
             Self::ServerError
         } else {
             Self::ClientError
@@ -474,8 +474,9 @@ impl Tracker {
         self.outcome.get_or_insert(Outcome::Success);
     }
 
-    pub fn failed(&mut self, error: &ApiError) {
-        self.outcome.get_or_insert(Outcome::of(error));
+    /// The request was answered with an error of HTTP `status`.
+    pub fn failed(&mut self, status: axum::http::StatusCode) {
+        self.outcome.get_or_insert(Outcome::of_error(status));
     }
 
     pub fn server_error(&mut self) {

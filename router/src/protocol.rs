@@ -292,7 +292,7 @@ where
         Ok(tokens) => crate::metrics::track(tokens, tracker),
         Err(e) => {
             let e = backend_error(e);
-            tracker.failed(&e);
+            tracker.failed(e.parts().0);
             return Err(e);
         }
     };
