@@ -4,7 +4,7 @@
 
 use deepseek_recipe::openai::ChatCompletionRequest;
 use libfuzzer_sys::fuzz_target;
-use router::chat;
+use router::api::chat;
 
 fuzz_target!(|body: &[u8]| {
     let Ok(mut obj) = chat::parse_object(body) else {

@@ -1,5 +1,5 @@
 //! Errors of the router process. HTTP API errors and their status mapping are in
-//! [`crate::api_error`].
+//! [`crate::api::error`].
 
 use common::{ConfigError, cli::ExitStatus};
 

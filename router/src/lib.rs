@@ -1,22 +1,19 @@
 //! The router: OpenAI-compatible HTTP API (chat completions, completions, Anthropic messages,
 //! responses, models, tokenize/detokenize, health, metrics, worker listing) on DeepSeek's
 //! official encoder and parser; the worker registry (`Registry` gRPC service, static lists,
-//! health polling) and routing policies; the two-leg prefill/decode backend ([`pd`]), or an
-//! in-process engine for development.
+//! health polling) and routing policies; the two-leg prefill/decode backend ([`backend::pd`]),
+//! or an in-process engine for development. [`api`] holds the protocols, [`backend`] what
+//! generates.
 
-pub mod api_error;
+pub mod api;
 pub mod backend;
-pub mod chat;
-pub mod completions;
 pub mod config;
 pub mod error;
-pub mod http;
-pub mod key_limit;
 pub mod metrics;
-pub mod pd;
-pub mod protocol;
 pub mod served;
-pub mod workers;
+
+use api::http;
+use backend::workers;
 
 use std::{
     future::{Future, IntoFuture},

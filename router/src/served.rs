@@ -82,7 +82,7 @@ impl Served {
     pub fn load_pd(
         config: &RouterConfig,
         dir: &Path,
-        workers: Arc<crate::workers::Workers>,
+        workers: Arc<crate::backend::workers::Workers>,
     ) -> Result<Self, String> {
         let tokenizer_path = dir.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tokenizer_path)
@@ -91,7 +91,7 @@ impl Served {
             .map_err(|e| format!("{}: {e}", dir.display()))?;
         let limit = u32::try_from(model.max_position_embeddings).unwrap_or(u32::MAX);
         let max_model_len = config.max_model_len.map_or(limit, |l| l.min(limit));
-        let backend = crate::pd::PdBackend::new(config, workers);
+        let backend = crate::backend::pd::PdBackend::new(config, workers);
         let mut served = Self::new(
             config,
             tokenizer,

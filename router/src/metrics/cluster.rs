@@ -8,7 +8,7 @@ use super::{
     BUILD_INFO, MODEL_INFO, WORKER_PAGES_CACHED, WORKER_PAGES_TOTAL, WORKER_PAGES_USED,
     WORKER_QUEUED_REQUESTS, WORKER_RESERVATIONS, WORKER_RUNNING_REQUESTS, WORKERS,
 };
-use crate::workers::{WorkerListing, Workers};
+use crate::backend::workers::{WorkerListing, Workers};
 
 /// A per-worker gauge: name, help, and its value in a listing row.
 type PerWorker = (&'static str, &'static str, fn(&WorkerListing) -> u64);

@@ -25,9 +25,9 @@ use tokio::sync::{mpsc, watch};
 
 use crate::{
     RouterConfig,
+    backend::workers::{InFlight, Worker, Workers, lock},
     backend::{Backend, BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream},
     config::Policy,
-    workers::{InFlight, Worker, Workers, lock},
 };
 
 /// Milliseconds a reservation may wait for its commit.

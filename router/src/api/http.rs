@@ -24,13 +24,14 @@ use deepseek_recipe_encoding::PromptEncoding;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-pub use crate::api_error::{ErrorBody, ErrorObject};
+pub use crate::api::error::{ErrorBody, ErrorObject};
 use crate::{
-    api_error::ApiError,
-    api_error::ErrorStyle,
-    chat, completions,
+    api::{
+        chat, completions,
+        error::{ApiError, ErrorStyle},
+        protocol::{self, Protocol},
+    },
     metrics::{self, Endpoint, Tracker},
-    protocol::{self, Protocol},
     served::Served,
 };
 
@@ -45,15 +46,18 @@ pub struct AppState {
     pub effort_map: BTreeMap<String, String>,
     pub max_body_bytes: u64,
     /// Prefill and decode workers (static and registered).
-    pub workers: Arc<crate::workers::Workers>,
+    pub workers: Arc<crate::backend::workers::Workers>,
     /// Whether decode workers verify transferred state against the prefill's checksums.
     pub transfer_checksums: bool,
     /// Requests in flight per API key, when bounded.
-    pub key_limits: Option<Arc<crate::key_limit::KeyLimits>>,
+    pub key_limits: Option<Arc<crate::api::key_limit::KeyLimits>>,
 }
 
 impl AppState {
-    pub fn new(config: &crate::RouterConfig, workers: Arc<crate::workers::Workers>) -> Self {
+    pub fn new(
+        config: &crate::RouterConfig,
+        workers: Arc<crate::backend::workers::Workers>,
+    ) -> Self {
         Self {
             workers,
             served: OnceLock::new(),
@@ -63,7 +67,7 @@ impl AppState {
             max_body_bytes: config.max_body_bytes,
             transfer_checksums: config.transfer_checksums,
             key_limits: (config.max_concurrent_per_key > 0)
-                .then(|| crate::key_limit::KeyLimits::new(config.max_concurrent_per_key)),
+                .then(|| crate::api::key_limit::KeyLimits::new(config.max_concurrent_per_key)),
         }
     }
 
@@ -150,7 +154,7 @@ async fn auth(State(state): Shared, request: Request, next: Next) -> Response {
         return ApiError::TooManyRequests(limits.limit()).into_styled_response(style);
     };
     let (parts, body) = next.run(request).await.into_parts();
-    Response::from_parts(parts, crate::key_limit::hold(body, slot))
+    Response::from_parts(parts, crate::api::key_limit::hold(body, slot))
 }
 
 /// `GET /workers`: every prefill and decode worker with its liveness and load.
@@ -174,7 +178,7 @@ async fn ready(State(state): Shared) -> Response {
     let (status, ..) = not_ready.parts();
     (
         status,
-        axum::Json(not_ready.body_json(crate::api_error::ErrorStyle::OpenAi)),
+        axum::Json(not_ready.body_json(crate::api::error::ErrorStyle::OpenAi)),
     )
         .into_response()
 }

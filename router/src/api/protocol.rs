@@ -23,12 +23,12 @@ use futures::StreamExt;
 use serde_json::{Map, Value, json};
 
 use crate::{
-    api_error::{ApiError, ErrorStyle},
-    backend::BackendRequest,
-    chat::{
+    api::chat::{
         self, Extras, Failure, backend_error, check_common, check_sampling, deserialize, in_range,
         inference_stream, integer, parse_object,
     },
+    api::error::{ApiError, ErrorStyle},
+    backend::BackendRequest,
     metrics::{Endpoint, Tracker},
     served::Served,
 };

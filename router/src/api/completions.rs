@@ -15,9 +15,9 @@ use serde_json::{Map, Value, json};
 use tokenizers::Tokenizer;
 
 use crate::{
-    api_error::ApiError,
+    api::chat::{self, Extras},
+    api::error::ApiError,
     backend::{BackendEvent, BackendRequest, TokenStream},
-    chat::{self, Extras},
     metrics::Tracker,
     served::Served,
 };

@@ -1,7 +1,7 @@
 //! Request checks shared by the conversation APIs (the parameters DeepSeek's official
 //! converter passes through, drops or does not know), and the adapter from backend token batches
 //! to the stream processor's inference chunks. The protocols themselves are in
-//! [`crate::protocol`].
+//! [`crate::api::protocol`].
 
 use std::{collections::VecDeque, sync::Arc};
 
@@ -13,7 +13,7 @@ use futures::{Stream, StreamExt};
 use serde_json::{Map, Value, json};
 
 use crate::{
-    api_error::ApiError,
+    api::error::ApiError,
     backend::{BackendError, BackendEvent, GeneratedToken},
     served::Served,
 };
