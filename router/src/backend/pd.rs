@@ -12,21 +12,26 @@ use std::{
 
 use engine::{
     paged::prefix::{BlockKey, block_keys},
-    sampling::FinishReason,
-    wire::{self, token_from_proto},
+    wire,
 };
 use futures::future::BoxFuture;
 use proto::v1::{
-    CancelRequest, ErrorKind, GenerateRequest, InfoRequest, PrefillRequest, RequestId,
-    ReserveRequest, StateLayout, TokenBatch, TransportKind, decode_client::DecodeClient,
-    prefill_client::PrefillClient, worker_client::WorkerClient,
+    ErrorKind, GenerateRequest, InfoRequest, PrefillRequest, RequestId, ReserveRequest,
+    StateLayout, TransportKind, decode_client::DecodeClient, prefill_client::PrefillClient,
+    worker_client::WorkerClient,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
+
+mod forward;
+mod legs;
+
+use forward::forward;
+use legs::Legs;
 
 use crate::{
     RouterConfig,
     backend::workers::{InFlight, Worker, Workers, lock},
-    backend::{Backend, BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream},
+    backend::{Backend, BackendError, BackendRequest, TokenStream},
     config::Policy,
 };
 
@@ -90,6 +95,21 @@ fn status_error(what: &str, status: &tonic::Status) -> BackendError {
 struct Failed {
     error: BackendError,
     retry: bool,
+}
+
+impl Failed {
+    /// A failure another prefill worker may get past.
+    fn retry(error: BackendError) -> Self {
+        Self { error, retry: true }
+    }
+
+    /// A failure that ends the request.
+    fn final_(error: BackendError) -> Self {
+        Self {
+            error,
+            retry: false,
+        }
+    }
 }
 
 impl PdBackend {
@@ -169,7 +189,9 @@ impl PdBackend {
         result
     }
 
-    /// One try: reserve on a decode worker, open its stream, prefill on `prefill`.
+    /// One try, in named steps: reserve pages on a decode worker, open its stream, prefill on
+    /// `prefill`, then forward the decode stream. From the reservation on, both legs are held
+    /// by one guard ([`Legs`]) that cancels them on every exit before the stream is handed out.
     async fn attempt(
         &self,
         request: &BackendRequest,
@@ -177,106 +199,30 @@ impl PdBackend {
         attempt: u32,
         prefill: &Arc<Worker>,
     ) -> Result<TokenStream, Failed> {
-        let fail = |error: BackendError| Failed {
-            error,
-            retry: false,
-        };
-        let layout = self
-            .prefill_layout(prefill)
-            .await
-            .map_err(|error| Failed { error, retry: true })?;
         let request_id = RequestId {
             id: id.to_owned(),
             attempt,
         };
-        let reserve = ReserveRequest {
-            request_id: Some(request_id.clone()),
-            prompt_tokens: u32::try_from(request.prompt.len()).unwrap_or(u32::MAX),
-            max_new_tokens: request.stop.max_tokens,
-            lease_ms: LEASE_MS,
-            queue_timeout_ms: u32::try_from(self.queue_timeout.as_millis()).unwrap_or(u32::MAX),
-            prefill_layout: Some(layout),
-            // The prefill worker's preference; TCP until its first `Info` says more.
-            transports: {
-                let offered = lock(&prefill.transports).clone();
-                if offered.is_empty() {
-                    vec![TransportKind::Tcp.into()]
-                } else {
-                    offered
-                }
-            },
-        };
-        // A decode worker that is full or unreachable: try one other; when every one is full,
-        // wait for room (requests finish all the time) up to the queue timeout.
-        let queued = crate::metrics::Queued::enter();
-        let queued_until = Instant::now() + self.queue_timeout;
-        let mut backoff = Duration::from_millis(5);
-        let (decode, result) = loop {
-            let mut decode = self
-                .workers
-                .decode
-                .pick(self.decode_policy, None, None, 0)
-                .map_err(fail)?;
-            let mut result = DecodeClient::new(decode.channel.clone())
-                .reserve(reserve.clone())
-                .await;
-            let kind_of = |r: &Result<_, tonic::Status>| {
-                r.as_ref().err().map(|status| {
-                    ErrorKind::try_from(proto::error::from_status(status).kind)
-                        .unwrap_or(ErrorKind::Internal)
-                })
-            };
-            if matches!(
-                kind_of(&result),
-                Some(ErrorKind::Overloaded | ErrorKind::Unavailable)
-            ) && let Ok(other) =
-                self.workers
-                    .decode
-                    .pick(self.decode_policy, Some(&decode), None, 0)
-            {
-                decode = other;
-                result = DecodeClient::new(decode.channel.clone())
-                    .reserve(reserve.clone())
-                    .await;
-            }
-            let full = kind_of(&result) == Some(ErrorKind::Overloaded);
-            if !full || Instant::now() + backoff > queued_until {
-                break (decode, result);
-            }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_millis(100));
-        };
-        drop(queued);
-        let mut decode_client = DecodeClient::new(decode.channel.clone());
+        let reserve = self
+            .reservation(request, &request_id, prefill)
+            .await
+            .map_err(Failed::retry)?;
+        let (decode, reserved) = self.reserve(&reserve).await?;
+        let mut legs = Legs::new(&decode, prefill, &request_id);
         let decode_guard = InFlight::new(&decode);
-        let reserved = result
-            .map_err(|s| fail(status_error("decode worker", &s)))?
-            .into_inner();
         let transport = reserved.destination.as_ref().map_or(0, |d| d.transport);
         let destination = reserved.destination.ok_or_else(|| {
-            fail(BackendError::Unavailable(
+            Failed::final_(BackendError::Unavailable(
                 "the decode worker returned no destination".to_owned(),
             ))
         })?;
-        let sampling = wire::sampling_to_proto(&request.sampling);
-        let stop = wire::stop_to_proto(&request.stop);
-        let cancel_both = {
-            let (d, p) = (decode.channel.clone(), prefill.channel.clone());
-            let id = request_id.clone();
-            move |reason: &str| {
-                let (d, p, id, reason) = (d.clone(), p.clone(), id.clone(), reason.to_owned());
-                tokio::spawn(async move {
-                    let req = CancelRequest {
-                        request_id: Some(id),
-                        reason,
-                    };
-                    let _ = DecodeClient::new(d).cancel(req.clone()).await;
-                    let _ = PrefillClient::new(p).cancel(req).await;
-                });
-            }
-        };
+        let (sampling, stop) = (
+            wire::sampling_to_proto(&request.sampling),
+            wire::stop_to_proto(&request.stop),
+        );
         // The decode stream first: it waits for the commit the prefill sends.
-        let stream = match decode_client
+        legs.on_failure("decode stream refused");
+        let stream = DecodeClient::new(decode.channel.clone())
             .generate(GenerateRequest {
                 reservation_id: destination.reservation_id.clone(),
                 request_id: Some(request_id.clone()),
@@ -286,40 +232,24 @@ impl PdBackend {
                 deadline_ms: 0,
             })
             .await
-        {
-            Ok(s) => s.into_inner(),
-            Err(s) => {
-                cancel_both("decode stream refused");
-                return Err(fail(status_error("decode worker", &s)));
-            }
-        };
-        let prefill_guard = InFlight::new(prefill);
-        let prefilled = PrefillClient::new(prefill.channel.clone())
-            .prefill(PrefillRequest {
-                request_id: Some(request_id.clone()),
-                prompt_token_ids: request.prompt.clone(),
-                sampling: Some(sampling),
-                stop: Some(stop),
-                destination: Some(destination),
-                decode_address: decode.address.clone(),
-                checksums: self.checksums,
-                deadline_ms: 0,
-            })
-            .await;
-        drop(prefill_guard);
-        let prefilled = match prefilled {
-            Ok(r) => r.into_inner(),
-            Err(s) => {
-                cancel_both("prefill failed");
-                let kind = ErrorKind::try_from(proto::error::from_status(&s).kind)
-                    .unwrap_or(ErrorKind::Internal);
-                return Err(Failed {
-                    error: status_error("prefill worker", &s),
-                    // The request itself is fine and nothing was streamed yet.
-                    retry: !matches!(kind, ErrorKind::InvalidArgument | ErrorKind::Cancelled),
-                });
-            }
-        };
+            .map_err(|s| Failed::final_(status_error("decode worker", &s)))?
+            .into_inner();
+        legs.on_failure("prefill failed");
+        let prefilled = self
+            .prefill(
+                prefill,
+                PrefillRequest {
+                    request_id: Some(request_id),
+                    prompt_token_ids: request.prompt.clone(),
+                    sampling: Some(sampling),
+                    stop: Some(stop),
+                    destination: Some(destination),
+                    decode_address: decode.address.clone(),
+                    checksums: self.checksums,
+                    deadline_ms: 0,
+                },
+            )
+            .await?;
         let cached = prefilled
             .usage
             .map_or(0, |u| u.cached_prompt_tokens as usize);
@@ -336,96 +266,112 @@ impl PdBackend {
             let _guard = decode_guard;
             forward(stream, tx, cached, alive).await;
         });
+        // Handed out: from here the stream cancels both legs if it is dropped before its end.
+        let cancel = legs.hand_over();
         Ok(TokenStream::new(rx, move || {
             forward.abort();
-            cancel_both("client went away");
+            cancel("client went away");
         }))
     }
-}
 
-/// Decode's token batches as backend events; a stream that breaks or ends without a finish is
-/// a failure, never a short answer.
-async fn forward(
-    mut stream: tonic::Streaming<TokenBatch>,
-    tx: mpsc::UnboundedSender<BackendEvent>,
-    cached_tokens: usize,
-    mut alive: watch::Receiver<bool>,
-) {
-    loop {
-        let message = tokio::select! {
-            message = stream.message() => message,
-            // A worker that stops answering polls fails its requests now rather than leaving
-            // them hanging on a connection that may never close.
-            dead = async { alive.wait_for(|a| !*a).await.is_ok() } => {
-                if dead {
-                    let _ = tx.send(BackendEvent::Failed(
-                        "the decode worker stopped answering".to_owned(),
-                    ));
-                    return;
+    /// Step 1: what to reserve on a decode worker for `request` from `prefill` (its layout and
+    /// its transports in order of preference).
+    async fn reservation(
+        &self,
+        request: &BackendRequest,
+        request_id: &RequestId,
+        prefill: &Worker,
+    ) -> Result<ReserveRequest, BackendError> {
+        let layout = self.prefill_layout(prefill).await?;
+        Ok(ReserveRequest {
+            request_id: Some(request_id.clone()),
+            prompt_tokens: u32::try_from(request.prompt.len()).unwrap_or(u32::MAX),
+            max_new_tokens: request.stop.max_tokens,
+            lease_ms: LEASE_MS,
+            queue_timeout_ms: u32::try_from(self.queue_timeout.as_millis()).unwrap_or(u32::MAX),
+            prefill_layout: Some(layout),
+            // The prefill worker's preference; TCP until its first `Info` says more.
+            transports: {
+                let offered = lock(&prefill.transports).clone();
+                if offered.is_empty() {
+                    vec![TransportKind::Tcp.into()]
+                } else {
+                    offered
                 }
-                stream.message().await
-            }
+            },
+        })
+    }
+
+    /// Step 2: pages on a decode worker. One that is full or unreachable: try one other; when
+    /// every one is full, wait for room (requests finish all the time) up to the queue timeout.
+    async fn reserve(
+        &self,
+        reserve: &ReserveRequest,
+    ) -> Result<(Arc<Worker>, proto::v1::ReserveResponse), Failed> {
+        let queued = crate::metrics::Queued::enter();
+        let queued_until = Instant::now() + self.queue_timeout;
+        let mut backoff = Duration::from_millis(5);
+        let pool = &self.workers.decode;
+        let kind_of = |r: &Result<_, tonic::Status>| {
+            r.as_ref().err().map(|status| {
+                ErrorKind::try_from(proto::error::from_status(status).kind)
+                    .unwrap_or(ErrorKind::Internal)
+            })
         };
-        let batch = match message {
-            Ok(Some(batch)) => batch,
-            Ok(None) => {
-                let _ = tx.send(BackendEvent::Failed(
-                    "the decode stream ended without a finish".to_owned(),
-                ));
-                return;
+        let (decode, result) = loop {
+            let mut decode = pool
+                .pick(self.decode_policy, None, None, 0)
+                .map_err(Failed::final_)?;
+            let mut result = DecodeClient::new(decode.channel.clone())
+                .reserve(reserve.clone())
+                .await;
+            if matches!(
+                kind_of(&result),
+                Some(ErrorKind::Overloaded | ErrorKind::Unavailable)
+            ) && let Ok(other) = pool.pick(self.decode_policy, Some(&decode), None, 0)
+            {
+                decode = other;
+                result = DecodeClient::new(decode.channel.clone())
+                    .reserve(reserve.clone())
+                    .await;
             }
-            Err(status) => {
-                let info = proto::error::from_status(&status);
-                let _ = tx.send(BackendEvent::Failed(format!(
-                    "decode worker: {}",
-                    info.message
-                )));
-                return;
+            let full = kind_of(&result) == Some(ErrorKind::Overloaded);
+            if !full || Instant::now() + backoff > queued_until {
+                break (decode, result);
             }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(100));
         };
-        if !batch.tokens.is_empty() {
-            let tokens = batch
-                .tokens
-                .iter()
-                .map(|t| {
-                    let s = token_from_proto(t);
-                    GeneratedToken {
-                        id: s.token,
-                        logprob: s.logprob,
-                        top_logprobs: s.top_logprobs,
-                    }
+        drop(queued);
+        let reserved = result
+            .map_err(|s| Failed::final_(status_error("decode worker", &s)))?
+            .into_inner();
+        Ok((decode, reserved))
+    }
+
+    /// Step 4: the prompt on `prefill`, its state written into the reservation and committed.
+    /// A failure may be retried on another prefill worker unless the request itself is at
+    /// fault (nothing was streamed yet).
+    async fn prefill(
+        &self,
+        prefill: &Arc<Worker>,
+        request: PrefillRequest,
+    ) -> Result<proto::v1::PrefillResponse, Failed> {
+        let _in_flight = InFlight::new(prefill);
+        match PrefillClient::new(prefill.channel.clone())
+            .prefill(request)
+            .await
+        {
+            Ok(response) => Ok(response.into_inner()),
+            Err(s) => {
+                let kind = ErrorKind::try_from(proto::error::from_status(&s).kind)
+                    .unwrap_or(ErrorKind::Internal);
+                Err(Failed {
+                    error: status_error("prefill worker", &s),
+                    retry: !matches!(kind, ErrorKind::InvalidArgument | ErrorKind::Cancelled),
                 })
-                .collect();
-            if tx.send(BackendEvent::Tokens(tokens)).is_err() {
-                return;
             }
         }
-        let reason = proto::v1::FinishReason::try_from(batch.finish_reason)
-            .unwrap_or(proto::v1::FinishReason::Error);
-        let end = match reason {
-            proto::v1::FinishReason::Unspecified => continue,
-            proto::v1::FinishReason::Stop | proto::v1::FinishReason::Length => {
-                let mut usage = wire::usage_from_proto(&batch.usage.unwrap_or_default());
-                usage.cached_tokens = cached_tokens;
-                BackendEvent::Finished {
-                    reason: if reason == proto::v1::FinishReason::Stop {
-                        FinishReason::Stop
-                    } else {
-                        FinishReason::Length
-                    },
-                    usage,
-                }
-            }
-            proto::v1::FinishReason::Cancelled => {
-                BackendEvent::Failed("the request was cancelled on the decode worker".to_owned())
-            }
-            proto::v1::FinishReason::Error => BackendEvent::Failed(format!(
-                "decode worker: {}",
-                batch.error.map(|e| e.message).unwrap_or_default()
-            )),
-        };
-        let _ = tx.send(end);
-        return;
     }
 }
 
