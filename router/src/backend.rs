@@ -22,6 +22,7 @@ use engine::{
     scheduler::Usage,
 };
 use futures::{Stream, future::BoxFuture};
+use proto::v1::ErrorKind;
 use tokio::sync::mpsc;
 
 /// A request to generate from token ids.
@@ -47,18 +48,56 @@ pub struct GeneratedToken {
 pub enum BackendEvent {
     Tokens(Vec<GeneratedToken>),
     Finished { reason: FinishReason, usage: Usage },
-    Failed(String),
+    Failed(BackendError),
 }
 
-/// Why a backend refuses a request.
+/// Why a backend refused or failed a request: the kind of failure, as the worker that failed
+/// reported it (carried across gRPC as `proto::v1::ErrorKind`) or as the router classified it,
+/// and a one-line message. `crate::api::error` maps each kind to one HTTP status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BackendError {
+#[error("{message}")]
+pub struct BackendError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl BackendError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
     /// The request itself is invalid (parameters, size); a client error.
-    #[error("{0}")]
-    Invalid(String),
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidArgument, message)
+    }
+
     /// The backend cannot serve now.
-    #[error("backend unavailable: {0}")]
-    Unavailable(String),
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unavailable, message)
+    }
+
+    /// A failure inside the backend.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+
+    /// The structured error a worker (`what`) reported, kind kept; an unclassified one is
+    /// internal.
+    pub fn from_info(what: &str, info: &proto::v1::ErrorInfo) -> Self {
+        let kind = match ErrorKind::try_from(info.kind) {
+            Ok(ErrorKind::Unspecified) | Err(_) => ErrorKind::Internal,
+            Ok(kind) => kind,
+        };
+        Self::new(kind, format!("{what}: {}", info.message))
+    }
+
+    /// The error of a failed call to a worker (`what`).
+    pub fn from_status(what: &str, status: &tonic::Status) -> Self {
+        Self::from_info(what, &proto::error::from_status(status))
+    }
 }
 
 /// The token stream of one request. Dropping it before the end cancels the request.

@@ -90,7 +90,10 @@ async fn generates_deterministically_and_cancels_on_drop() {
     bad.sampling.temperature = 9.0;
     assert!(matches!(
         backend.submit(bad).await,
-        Err(BackendError::Invalid(_))
+        Err(BackendError {
+            kind: proto::v1::ErrorKind::InvalidArgument,
+            ..
+        })
     ));
 
     // A long request: take one batch, drop the stream, the engine returns to idle.

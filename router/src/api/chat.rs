@@ -369,10 +369,7 @@ pub fn deserialize<T: serde::de::DeserializeOwned>(obj: Map<String, Value>) -> R
 
 /// Maps a backend refusal.
 pub fn backend_error(e: BackendError) -> ApiError {
-    match e {
-        BackendError::Invalid(m) => ApiError::InvalidRequest(m),
-        BackendError::Unavailable(m) => ApiError::Unavailable(m),
-    }
+    ApiError::from(e)
 }
 
 struct Adapter<S> {
@@ -386,15 +383,15 @@ struct Adapter<S> {
 
 /// Set when the backend fails or its stream ends without a finish: the response must then be
 /// an error, never the truncated text as if it were complete.
-pub type Failure = Arc<std::sync::Mutex<Option<String>>>;
+pub type Failure = Arc<std::sync::Mutex<Option<BackendError>>>;
 
-fn record(failure: &Failure, message: String) {
+fn record(failure: &Failure, error: BackendError) {
     if let Ok(mut slot) = failure.lock() {
-        slot.get_or_insert(message);
+        slot.get_or_insert(error);
     }
 }
 
-pub fn failed(failure: &Failure) -> Option<String> {
+pub fn failed(failure: &Failure) -> Option<BackendError> {
     failure.lock().ok().and_then(|slot| slot.clone())
 }
 
@@ -480,7 +477,9 @@ pub fn inference_stream(
                 None => {
                     record(
                         &st.failure,
-                        "the backend stream ended before the request finished".into(),
+                        BackendError::internal(
+                            "the backend stream ended before the request finished",
+                        ),
                     );
                     st.ended = true;
                 }
@@ -510,7 +509,7 @@ mod failure_tests {
         }
     }
 
-    async fn drive(events: Vec<BackendEvent>) -> (Vec<InferenceChunk>, Option<String>) {
+    async fn drive(events: Vec<BackendEvent>) -> (Vec<InferenceChunk>, Option<BackendError>) {
         let (tx, rx) = mpsc::unbounded_channel();
         for e in events {
             tx.send(e).unwrap();
@@ -532,10 +531,10 @@ mod failure_tests {
     async fn backend_failure_is_recorded_not_hidden() {
         let (chunks, failure) = drive(vec![
             BackendEvent::Tokens(vec![token(5), token(6)]),
-            BackendEvent::Failed("worker died".into()),
+            BackendEvent::Failed(BackendError::unavailable("worker died")),
         ])
         .await;
-        assert_eq!(failure.as_deref(), Some("worker died"));
+        assert_eq!(failure, Some(BackendError::unavailable("worker died")));
         assert!(
             !chunks
                 .iter()
@@ -547,7 +546,7 @@ mod failure_tests {
     #[tokio::test]
     async fn stream_ending_without_finish_is_a_failure() {
         let (_, failure) = drive(vec![BackendEvent::Tokens(vec![token(5)])]).await;
-        assert!(failure.is_some_and(|m| m.contains("ended before")));
+        assert!(failure.is_some_and(|e| e.message.contains("ended before")));
     }
 
     #[tokio::test]

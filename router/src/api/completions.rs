@@ -399,7 +399,7 @@ pub enum Piece {
         reason: &'static str,
         completion_tokens: usize,
     },
-    Failed(String),
+    Failed(ApiError),
 }
 
 struct Run {
@@ -431,12 +431,12 @@ impl Run {
         self.end();
     }
 
-    fn fail(&mut self, message: String) {
-        tracing::error!(error = %message, "completion failed");
+    fn fail(&mut self, error: ApiError) {
+        tracing::error!(%error, "completion failed");
         if let Some(tracker) = self.tracker.as_mut() {
             tracker.server_error();
         }
-        self.out.push_back(Piece::Failed(message));
+        self.out.push_back(Piece::Failed(error));
         self.end();
     }
 
@@ -483,7 +483,7 @@ pub fn pieces(
                     match run.release(&ids, false) {
                         Ok(true) => run.finish("stop"),
                         Ok(false) => {}
-                        Err(e) => run.fail(e),
+                        Err(e) => run.fail(ApiError::Internal(e)),
                     }
                 }
                 Some(BackendEvent::Finished { reason, .. }) => {
@@ -493,11 +493,13 @@ pub fn pieces(
                     };
                     match run.release(&ids, true) {
                         Ok(_) => run.finish(reason),
-                        Err(e) => run.fail(e),
+                        Err(e) => run.fail(ApiError::Internal(e)),
                     }
                 }
-                Some(BackendEvent::Failed(error)) => run.fail(error),
-                None => run.fail("the backend stream ended before the request finished".into()),
+                Some(BackendEvent::Failed(error)) => run.fail(ApiError::from(error)),
+                None => run.fail(ApiError::Internal(
+                    "the backend stream ended before the request finished".into(),
+                )),
             }
         }
     })
@@ -589,7 +591,7 @@ pub async fn respond(
                     out
                 }
                 // A failed request ends with an error event and no `[DONE]`.
-                Piece::Failed(message) => vec![error_json(&ApiError::Internal(message))],
+                Piece::Failed(error) => vec![error_json(&error)],
             };
             futures::stream::iter(
                 data.into_iter()
@@ -611,7 +613,7 @@ pub async fn respond(
                 body["usage"] = usage(prompt_len, completion_tokens);
                 return Ok(axum::Json(body).into_response());
             }
-            Piece::Failed(message) => return Err(ApiError::Internal(message)),
+            Piece::Failed(error) => return Err(error),
         }
     }
     Err(ApiError::Internal(
@@ -624,6 +626,7 @@ mod tests {
     use tokenizers::{models::bpe::BPE, pre_tokenizers::byte_level::ByteLevel};
 
     use super::*;
+    use crate::backend::BackendError;
 
     /// A byte-level tokenizer with one token per byte: multi-byte characters always span
     /// several tokens.
@@ -773,14 +776,24 @@ mod tests {
     #[tokio::test]
     async fn backend_failure_ends_with_failed_not_finish() {
         let pieces = drive(
-            vec![tokens("abc"), BackendEvent::Failed("boom".into())],
+            vec![
+                tokens("abc"),
+                BackendEvent::Failed(BackendError::unavailable("boom")),
+            ],
             &[],
         )
         .await;
-        assert_eq!(pieces.last(), Some(&Piece::Failed("boom".into())));
+        assert_eq!(
+            pieces.last(),
+            Some(&Piece::Failed(ApiError::from(BackendError::unavailable(
+                "boom"
+            ))))
+        );
         assert!(!pieces.iter().any(|p| matches!(p, Piece::Finish { .. })));
         let pieces = drive(vec![tokens("abc")], &[]).await;
-        assert!(matches!(pieces.last(), Some(Piece::Failed(m)) if m.contains("ended before")));
+        assert!(
+            matches!(pieces.last(), Some(Piece::Failed(e)) if e.to_string().contains("ended before"))
+        );
     }
 
     #[tokio::test]

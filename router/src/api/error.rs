@@ -6,7 +6,10 @@ use axum::{
     http::StatusCode,
     response::{IntoResponse, Response},
 };
+use proto::v1::ErrorKind;
 use serde::Serialize;
+
+use crate::backend::BackendError;
 
 /// OpenAI error body: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Serialize)]
@@ -57,9 +60,18 @@ pub enum ApiError {
     /// No backend can serve now.
     #[error("{0}")]
     Unavailable(String),
-    /// A failure inside the router or backend.
+    /// A failure inside the router.
     #[error("{0}")]
     Internal(String),
+    /// The backend refused or failed the request; its kind decides the status.
+    #[error("{0}")]
+    Backend(BackendError),
+}
+
+impl From<BackendError> for ApiError {
+    fn from(error: BackendError) -> Self {
+        Self::Backend(error)
+    }
 }
 
 impl ApiError {
@@ -113,6 +125,7 @@ impl ApiError {
                 None,
                 Some("internal_error"),
             ),
+            Self::Backend(e) => backend_parts(e.kind),
         }
     }
 
@@ -131,6 +144,11 @@ impl ApiError {
             Self::NotFound(_) => "not_found",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",
+            Self::Backend(e) => match backend_parts(e.kind).0 {
+                StatusCode::BAD_REQUEST => "invalid_request",
+                StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+                _ => "internal",
+            },
         }
     }
 
@@ -145,6 +163,86 @@ impl ApiError {
                 code: code.map(str::to_owned),
             },
         }
+    }
+}
+
+/// HTTP status, OpenAI `type`, `param` and `code` of a backend failure of `kind`: the one place
+/// a worker's error kind becomes what the client sees. Retryable conditions (no capacity, no
+/// worker, cancelled by a draining worker, a lost reservation, processes of the cluster that
+/// refuse to pair or to authenticate each other) are 503; an expired deadline 504; a failed
+/// state transfer 502; the request's own fault 400; anything else inside a worker 500.
+fn backend_parts(
+    kind: ErrorKind,
+) -> (
+    StatusCode,
+    &'static str,
+    Option<&'static str>,
+    Option<&'static str>,
+) {
+    const UNAVAILABLE: &str = "service_unavailable_error";
+    match kind {
+        ErrorKind::InvalidArgument => (
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            None,
+            Some("invalid_request_error"),
+        ),
+        ErrorKind::Overloaded => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            None,
+            Some("overloaded"),
+        ),
+        ErrorKind::Unavailable => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            None,
+            Some("service_unavailable"),
+        ),
+        ErrorKind::Cancelled => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            None,
+            Some("cancelled"),
+        ),
+        ErrorKind::DeadlineExceeded => (
+            StatusCode::GATEWAY_TIMEOUT,
+            "timeout_error",
+            None,
+            Some("timeout"),
+        ),
+        ErrorKind::TransferFailed => (
+            StatusCode::BAD_GATEWAY,
+            "internal_error",
+            None,
+            Some("state_transfer_failed"),
+        ),
+        // The cluster cannot serve as configured, or lost the reservation: not the client's
+        // fault, and another try (after the operator's fix) may succeed.
+        ErrorKind::NotFound => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            None,
+            Some("reservation_expired"),
+        ),
+        ErrorKind::LayoutMismatch => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            None,
+            Some("layout_mismatch"),
+        ),
+        ErrorKind::Unauthenticated => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            UNAVAILABLE,
+            None,
+            Some("internal_authentication_failed"),
+        ),
+        ErrorKind::Internal | ErrorKind::Unspecified => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            None,
+            Some("internal_error"),
+        ),
     }
 }
 
@@ -200,6 +298,114 @@ impl IntoResponse for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every kind a worker can report, as the client sees it: the kind survives the gRPC
+    /// status (and a stream's final error), maps to its status, OpenAI `type` and `code`, and
+    /// the body carries the worker's one-line message and nothing else of the worker's.
+    #[test]
+    fn every_worker_error_kind_reaches_the_client_with_its_status() {
+        use axum::http::StatusCode as S;
+        let expected = [
+            (
+                ErrorKind::InvalidArgument,
+                S::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_request_error",
+            ),
+            (
+                ErrorKind::Overloaded,
+                S::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "overloaded",
+            ),
+            (
+                ErrorKind::Unavailable,
+                S::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "service_unavailable",
+            ),
+            (
+                ErrorKind::Cancelled,
+                S::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "cancelled",
+            ),
+            (
+                ErrorKind::DeadlineExceeded,
+                S::GATEWAY_TIMEOUT,
+                "timeout_error",
+                "timeout",
+            ),
+            (
+                ErrorKind::NotFound,
+                S::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "reservation_expired",
+            ),
+            (
+                ErrorKind::LayoutMismatch,
+                S::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "layout_mismatch",
+            ),
+            (
+                ErrorKind::TransferFailed,
+                S::BAD_GATEWAY,
+                "internal_error",
+                "state_transfer_failed",
+            ),
+            (
+                ErrorKind::Unauthenticated,
+                S::SERVICE_UNAVAILABLE,
+                "service_unavailable_error",
+                "internal_authentication_failed",
+            ),
+            (
+                ErrorKind::Internal,
+                S::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "internal_error",
+            ),
+            (
+                ErrorKind::Unspecified,
+                S::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "internal_error",
+            ),
+        ];
+        for (kind, status, kind_name, code) in expected {
+            let info = proto::v1::ErrorInfo {
+                kind: kind.into(),
+                message: "out of pages (12 free, 40 needed)".to_owned(),
+                worker_id: "decode-7f3a".to_owned(),
+            };
+            let from_call =
+                BackendError::from_status("decode worker", &proto::error::to_status(&info));
+            let from_stream = BackendError::from_info("decode worker", &info);
+            assert_eq!(from_call, from_stream, "{kind:?}");
+            let error = ApiError::from(from_call);
+            let (got_status, got_kind, param, got_code) = error.parts();
+            assert_eq!(
+                (got_status, got_kind, param, got_code),
+                (status, kind_name, None, Some(code)),
+                "{kind:?}"
+            );
+            assert!(
+                crate::metrics::ERROR_KINDS.contains(&error.metric_kind()),
+                "{kind:?}"
+            );
+            let body = error.body_json(ErrorStyle::OpenAi);
+            assert_eq!(
+                body["error"]["message"],
+                "decode worker: out of pages (12 free, 40 needed)"
+            );
+            assert_eq!(body["error"]["type"], kind_name);
+            assert_eq!(body["error"]["code"], code);
+            assert!(!body.to_string().contains("decode-7f3a"), "{body}");
+            let anthropic = error.body_json(ErrorStyle::Anthropic);
+            assert_eq!(anthropic["type"], "error");
+        }
+    }
 
     #[test]
     fn every_error_has_a_metric_kind() {

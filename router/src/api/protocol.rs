@@ -336,7 +336,7 @@ where
             .chain(futures::stream::iter(
                 std::iter::from_fn(move || {
                     Some(match chat::failed(&tail_failure) {
-                        Some(message) => Some(error_event::<P>(&ApiError::Internal(message))),
+                        Some(error) => Some(error_event::<P>(&ApiError::from(error))),
                         None => <P::Response as ProtocolResponse>::sse_done_data()
                             .map(|data| SseEvent::default().data(data)),
                     })
@@ -354,8 +354,8 @@ where
         let chunk = item.map_err(|e| ApiError::Internal(e.to_string()))?;
         response.accumulate(chunk);
     }
-    if let Some(message) = chat::failed(&failure) {
-        return Err(ApiError::Internal(message));
+    if let Some(error) = chat::failed(&failure) {
+        return Err(ApiError::from(error));
     }
     Ok(axum::Json(response).into_response())
 }

@@ -79,7 +79,7 @@ impl Backend for LocalBackend {
                 sampling: request.sampling,
                 stop: request.stop,
             };
-            let gone = || BackendError::Unavailable("the engine thread stopped".to_owned());
+            let gone = || BackendError::unavailable("the engine thread stopped");
             self.commands
                 .send(Command::Submit {
                     request,
@@ -94,7 +94,7 @@ impl Backend for LocalBackend {
             });
             match reply_rx.await {
                 Ok(Ok(())) => Ok(stream),
-                Ok(Err(message)) => Err(BackendError::Invalid(message)),
+                Ok(Err(message)) => Err(BackendError::invalid(message)),
                 Err(_) => Err(gone()),
             }
         })
@@ -155,14 +155,16 @@ fn engine_loop(mut engine: Engine, commands: &std_mpsc::Receiver<Command>) {
                 Event::Finished { id, reason, usage } => {
                     ends.push((id, BackendEvent::Finished { reason, usage }));
                 }
-                Event::Failed { id, error } => ends.push((id, BackendEvent::Failed(error))),
+                Event::Failed { id, error } => {
+                    ends.push((id, BackendEvent::Failed(BackendError::internal(error))));
+                }
                 Event::Cancelled { id } => {
                     streams.remove(&id);
                 }
                 // This backend never queues prefill-only requests.
                 Event::Prefilled { id, .. } | Event::StatePart { id, .. } => ends.push((
                     id,
-                    BackendEvent::Failed("unexpected prefill handoff".to_owned()),
+                    BackendEvent::Failed(BackendError::internal("unexpected prefill handoff")),
                 )),
             }
         }

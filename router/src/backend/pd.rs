@@ -82,14 +82,6 @@ pub struct PdBackend {
     queue_timeout: Duration,
 }
 
-fn status_error(what: &str, status: &tonic::Status) -> BackendError {
-    let info = proto::error::from_status(status);
-    match ErrorKind::try_from(info.kind).unwrap_or(ErrorKind::Internal) {
-        ErrorKind::InvalidArgument => BackendError::Invalid(info.message),
-        _ => BackendError::Unavailable(format!("{what}: {}", info.message)),
-    }
-}
-
 /// A failed attempt, and whether another prefill worker may be tried (the prefill leg failed
 /// for a reason other than the request itself, before any token was streamed).
 struct Failed {
@@ -148,10 +140,10 @@ impl PdBackend {
         let info = WorkerClient::new(worker.channel.clone())
             .info(InfoRequest {})
             .await
-            .map_err(|s| status_error("prefill worker", &s))?
+            .map_err(|s| BackendError::from_status("prefill worker", &s))?
             .into_inner();
         let layout = info.layout.ok_or_else(|| {
-            BackendError::Unavailable("the prefill worker serves no model".to_owned())
+            BackendError::unavailable("the prefill worker serves no model".to_owned())
         })?;
         *lock(&worker.layout) = Some(layout.clone());
         *lock(&worker.transports) = info.transports;
@@ -212,7 +204,7 @@ impl PdBackend {
         let decode_guard = InFlight::new(&decode);
         let transport = reserved.destination.as_ref().map_or(0, |d| d.transport);
         let destination = reserved.destination.ok_or_else(|| {
-            Failed::final_(BackendError::Unavailable(
+            Failed::final_(BackendError::unavailable(
                 "the decode worker returned no destination".to_owned(),
             ))
         })?;
@@ -232,7 +224,7 @@ impl PdBackend {
                 deadline_ms: 0,
             })
             .await
-            .map_err(|s| Failed::final_(status_error("decode worker", &s)))?
+            .map_err(|s| Failed::final_(BackendError::from_status("decode worker", &s)))?
             .into_inner();
         legs.on_failure("prefill failed");
         let prefilled = self
@@ -344,7 +336,7 @@ impl PdBackend {
         };
         drop(queued);
         let reserved = result
-            .map_err(|s| Failed::final_(status_error("decode worker", &s)))?
+            .map_err(|s| Failed::final_(BackendError::from_status("decode worker", &s)))?
             .into_inner();
         Ok((decode, reserved))
     }
@@ -367,7 +359,7 @@ impl PdBackend {
                 let kind = ErrorKind::try_from(proto::error::from_status(&s).kind)
                     .unwrap_or(ErrorKind::Internal);
                 Err(Failed {
-                    error: status_error("prefill worker", &s),
+                    error: BackendError::from_status("prefill worker", &s),
                     retry: !matches!(kind, ErrorKind::InvalidArgument | ErrorKind::Cancelled),
                 })
             }

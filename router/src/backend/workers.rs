@@ -347,7 +347,7 @@ impl Pool {
         };
         chosen.cloned().ok_or_else(|| {
             let loading = all.iter().filter(|w| w.state_label() == "loading").count();
-            BackendError::Unavailable(if loading > 0 {
+            BackendError::unavailable(if loading > 0 {
                 format!(
                     "no ready {} worker ({loading} still loading the model)",
                     self.role
@@ -586,8 +586,8 @@ mod tests {
             .unwrap();
         assert_eq!(pool.snapshot()[0].state_label(), "loading");
         match pool.pick(Policy::RoundRobin, None, None, 0) {
-            Err(BackendError::Unavailable(message)) => assert_eq!(
-                message,
+            Err(e) if e.kind == proto::v1::ErrorKind::Unavailable => assert_eq!(
+                e.message,
                 "no ready prefill worker (1 still loading the model)"
             ),
             other => panic!("picked a loading worker: {other:?}"),

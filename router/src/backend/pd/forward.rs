@@ -7,7 +7,7 @@ use engine::{
 use proto::v1::TokenBatch;
 use tokio::sync::{mpsc, watch};
 
-use crate::backend::{BackendEvent, GeneratedToken};
+use crate::backend::{BackendError, BackendEvent, GeneratedToken};
 
 /// Decode's token batches as backend events; a stream that breaks or ends without a finish is
 /// a failure, never a short answer.
@@ -24,9 +24,9 @@ pub(super) async fn forward(
             // them hanging on a connection that may never close.
             dead = async { alive.wait_for(|a| !*a).await.is_ok() } => {
                 if dead {
-                    let _ = tx.send(BackendEvent::Failed(
-                        "the decode worker stopped answering".to_owned(),
-                    ));
+                    let _ = tx.send(BackendEvent::Failed(BackendError::unavailable(
+                        "the decode worker stopped answering",
+                    )));
                     return;
                 }
                 stream.message().await
@@ -35,16 +35,15 @@ pub(super) async fn forward(
         let batch = match message {
             Ok(Some(batch)) => batch,
             Ok(None) => {
-                let _ = tx.send(BackendEvent::Failed(
-                    "the decode stream ended without a finish".to_owned(),
-                ));
+                let _ = tx.send(BackendEvent::Failed(BackendError::unavailable(
+                    "the decode stream ended without a finish",
+                )));
                 return;
             }
             Err(status) => {
-                let info = proto::error::from_status(&status);
-                let _ = tx.send(BackendEvent::Failed(format!(
-                    "decode worker: {}",
-                    info.message
+                let _ = tx.send(BackendEvent::Failed(BackendError::from_status(
+                    "decode worker",
+                    &status,
                 )));
                 return;
             }
@@ -82,12 +81,13 @@ pub(super) async fn forward(
                     usage,
                 }
             }
-            proto::v1::FinishReason::Cancelled => {
-                BackendEvent::Failed("the request was cancelled on the decode worker".to_owned())
-            }
-            proto::v1::FinishReason::Error => BackendEvent::Failed(format!(
-                "decode worker: {}",
-                batch.error.map(|e| e.message).unwrap_or_default()
+            proto::v1::FinishReason::Cancelled => BackendEvent::Failed(BackendError::new(
+                proto::v1::ErrorKind::Cancelled,
+                "the request was cancelled on the decode worker",
+            )),
+            proto::v1::FinishReason::Error => BackendEvent::Failed(BackendError::from_info(
+                "decode worker",
+                &batch.error.unwrap_or_default(),
             )),
         };
         let _ = tx.send(end);
