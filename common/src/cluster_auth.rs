@@ -43,7 +43,7 @@ pub fn read_secret(path: &Path) -> Result<ClusterSecret, Invalid> {
         }
     }
     let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
-    ClusterSecret::from_lines(&text).map_err(invalid)
+    ClusterSecret::from_lines(&text).map_err(|e| invalid(e.to_string()))
 }
 
 /// The secret a process uses, if `cluster_secret_file` is set.

@@ -30,6 +30,14 @@ pub enum Fault {
 /// two shards).
 pub const SLOW_LOAD_PER_SHARD: std::time::Duration = std::time::Duration::from_millis(2500);
 
+/// Why `PDSERVE_INJECT_FAULT` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FaultError {
+    /// The name is none of [`Fault::ALL`]'s.
+    #[error("{}: unknown fault {name:?} (known: {})", env::INJECT_FAULT, Fault::names().join(", "))]
+    Unknown { name: String },
+}
+
 impl Fault {
     /// Every fault with its name.
     pub const ALL: [(&'static str, Fault); 6] = [
@@ -42,7 +50,7 @@ impl Fault {
     ];
 
     /// The fault named by `PDSERVE_INJECT_FAULT`, if any; an unknown name is an error.
-    pub fn from_env() -> Result<Option<Fault>, String> {
+    pub fn from_env() -> Result<Option<Fault>, FaultError> {
         match std::env::var(env::INJECT_FAULT) {
             Err(_) => Ok(None),
             Ok(name) if name.is_empty() => Ok(None),
@@ -51,23 +59,23 @@ impl Fault {
     }
 
     /// The fault called `name`.
-    pub fn parse(name: &str) -> Result<Fault, String> {
+    pub fn parse(name: &str) -> Result<Fault, FaultError> {
         Self::ALL
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, f)| *f)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
-                format!(
-                    "{}: unknown fault {name:?} (known: {})",
-                    env::INJECT_FAULT,
-                    names.join(", ")
-                )
+            .ok_or_else(|| FaultError::Unknown {
+                name: name.to_owned(),
             })
     }
 
+    /// The names of every fault, in [`Self::ALL`]'s order.
+    fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(|(n, _)| *n).collect()
+    }
+
     /// [`Self::from_env`] for a worker starting up: logs the fault loudly.
-    pub fn for_worker(role: &str) -> Result<Option<Fault>, String> {
+    pub fn for_worker(role: &str) -> Result<Option<Fault>, FaultError> {
         let fault = Self::from_env()?;
         if let Some(f) = fault {
             tracing::warn!(
@@ -90,6 +98,16 @@ mod tests {
             assert_eq!(Fault::parse(name), Ok(fault));
         }
         let e = Fault::parse("flip").unwrap_err();
-        assert!(e.contains("drop-slot"), "{e}");
+        assert_eq!(
+            e,
+            FaultError::Unknown {
+                name: "flip".to_owned()
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "PDSERVE_INJECT_FAULT: unknown fault \"flip\" (known: flip-page-byte, drop-slot, \
+             swap-pages, reorder-batch, stall-engine, slow-load)"
+        );
     }
 }

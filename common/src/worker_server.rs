@@ -319,9 +319,9 @@ impl WorkerServer {
 /// Runs `load` on its own OS thread (checking a large checkpoint takes minutes of CPU) and
 /// resolves with its result. Not `spawn_blocking`: a runtime waits for its blocking tasks when
 /// it shuts down, and a worker told to stop mid-load must not wait for the load.
-pub async fn load_on_thread<T: Send + 'static>(
+pub async fn load_on_thread<T: Send + 'static, E: std::fmt::Display + Send + 'static>(
     name: &str,
-    load: impl FnOnce() -> Result<T, String> + Send + 'static,
+    load: impl FnOnce() -> Result<T, E> + Send + 'static,
 ) -> Result<T, ServeError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
@@ -331,7 +331,7 @@ pub async fn load_on_thread<T: Send + 'static>(
         })?;
     rx.await
         .map_err(|_| ServeError::Startup("the model loading thread panicked".to_owned()))?
-        .map_err(ServeError::Startup)
+        .map_err(|e| ServeError::Startup(e.to_string()))
 }
 
 /// How often a loading worker's progress is put in its systemd status.

@@ -116,6 +116,23 @@ impl LinearId {
     }
 }
 
+/// What a device reports when one of its ops fails: its own words (a driver, launch or copy
+/// error, or inputs it cannot take), or that it does not implement the op.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    #[error("not implemented")]
+    NotImplemented,
+    #[error("{0}")]
+    Device(String),
+}
+
+impl DeviceError {
+    /// A device failure, in the device's words.
+    pub fn device(message: impl std::fmt::Display) -> Self {
+        Self::Device(message.to_string())
+    }
+}
+
 /// A failure inside a backend, or a backend that cannot serve this model as configured.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BackendError {
@@ -125,6 +142,9 @@ pub enum BackendError {
          on the CPU (slow), or use the cpu backend"
     )]
     Incomplete { backend: String, ops: String },
+    /// The backend cannot start here (no driver or device, or not in this build).
+    #[error("{backend} backend: {reason}")]
+    Unavailable { backend: String, reason: String },
     /// The device failed or returned something unusable.
     #[error("{backend} backend, {op}: {message}")]
     Failed {
@@ -171,15 +191,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn runs(&self, op: Op) -> bool;
 
     /// One full SwiGLU expert output (`hidden_size` values) per pair, in pair order.
-    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
         let _ = batch;
-        Err("not implemented".to_owned())
+        Err(DeviceError::NotImplemented)
     }
 
     /// The logits (`vocab_size` values) of each final hidden state (after the final norm).
-    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
         let _ = hidden;
-        Err("not implemented".to_owned())
+        Err(DeviceError::NotImplemented)
     }
 
     /// Rows `rows` of attention linear `which` of layer `layer` times each of `xs`.
@@ -189,21 +209,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
         which: LinearId,
         rows: Range<usize>,
         xs: &[&[f32]],
-    ) -> Result<Vec<Vec<f32>>, String> {
+    ) -> Result<Vec<Vec<f32>>, DeviceError> {
         let _ = (layer, which, rows, xs);
-        Err("not implemented".to_owned())
+        Err(DeviceError::NotImplemented)
     }
 
     /// The shared expert of layer `layer` for every input (`hidden_size` values each).
-    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
         let _ = (layer, xs);
-        Err("not implemented".to_owned())
+        Err(DeviceError::NotImplemented)
     }
 
     /// The attention core: one `heads * head_dim` output per token.
-    fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+    fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
         let _ = batch;
-        Err("not implemented".to_owned())
+        Err(DeviceError::NotImplemented)
     }
 }
 
@@ -341,7 +361,7 @@ impl Attached {
     fn checked(
         &self,
         op: Op,
-        out: Result<Vec<Vec<f32>>, String>,
+        out: Result<Vec<Vec<f32>>, DeviceError>,
         count: usize,
         width: usize,
         item: &str,
@@ -351,7 +371,7 @@ impl Attached {
             op: op.name(),
             message,
         };
-        let out = out.map_err(failed)?;
+        let out = out.map_err(|e| failed(e.to_string()))?;
         if out.len() != count {
             return Err(failed(format!("{} outputs for {count} inputs", out.len())));
         }
@@ -464,7 +484,7 @@ mod tests {
         fn runs(&self, _: Op) -> bool {
             true
         }
-        fn routed_experts(&self, _: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+        fn routed_experts(&self, _: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
             Ok(self.0.clone())
         }
     }

@@ -143,23 +143,42 @@ pub struct LoadedEngine {
     pub backend_plan: Option<crate::backend::BackendPlan>,
 }
 
+/// Why an engine did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The checkpoint did not load (or its fingerprint could not be computed).
+    #[error(transparent)]
+    Load(#[from] crate::weights::LoadError),
+    /// The compute backend could not start, or cannot serve this model as configured.
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    /// The engine refused its configuration.
+    #[error(transparent)]
+    Engine(#[from] crate::scheduler::EngineError),
+    /// The engine thread could not be started.
+    #[error("cannot start the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
 /// Loads the checkpoint at `dir`, computes its fingerprint, builds the engine and starts its
 /// thread (all on the CPU reference).
 pub fn start_from_dir(
     dir: &std::path::Path,
     config: crate::scheduler::EngineConfig,
     thread_name: &str,
-) -> Result<LoadedEngine, String> {
+) -> Result<LoadedEngine, StartError> {
     let progress = std::sync::Arc::new(crate::weights::LoadProgress::new());
     start_with_backend(dir, config, thread_name, &|_, _| Ok(None), false, &progress)
 }
 
 /// Opens a compute backend for a loaded model (`None`: the CPU reference only).
-pub type OpenBackend<'a> =
-    &'a dyn Fn(
-        &std::path::Path,
-        &crate::config::ModelConfig,
-    ) -> Result<Option<std::sync::Arc<dyn crate::backend::Backend>>, String>;
+pub type OpenBackend<'a> = &'a dyn Fn(
+    &std::path::Path,
+    &crate::config::ModelConfig,
+) -> Result<
+    Option<std::sync::Arc<dyn crate::backend::Backend>>,
+    crate::backend::BackendError,
+>;
 
 /// [`start_from_dir`] with the backend `open` returns attached to the model; a backend that
 /// does not run every op is refused unless `hybrid` (see `engine::backend`). How far the
@@ -172,23 +191,18 @@ pub fn start_with_backend(
     open: OpenBackend<'_>,
     hybrid: bool,
     progress: &std::sync::Arc<crate::weights::LoadProgress>,
-) -> Result<LoadedEngine, String> {
-    let fingerprint = crate::weights::fingerprint(dir).map_err(|e| e.to_string())?;
-    let mut model =
-        crate::model::Model::load_with_progress(dir, progress).map_err(|e| e.to_string())?;
+) -> Result<LoadedEngine, StartError> {
+    let fingerprint = crate::weights::fingerprint(dir)?;
+    let mut model = crate::model::Model::load_with_progress(dir, progress)?;
     let backend_plan = match open(dir, &model.config)? {
-        Some(backend) => Some(
-            model
-                .attach_backend(backend, hybrid)
-                .map_err(|e| e.to_string())?,
-        ),
+        Some(backend) => Some(model.attach_backend(backend, hybrid)?),
         None => None,
     };
     let eos_token_ids = model.config.eos_token_ids.clone();
     let vocab_size = model.config.vocab_size;
-    let engine = Engine::new(model, config, &fingerprint).map_err(|e| e.to_string())?;
+    let engine = Engine::new(model, config, &fingerprint)?;
     let layout = engine.store().layout.to_proto();
-    let runner = Runner::start(engine, thread_name).map_err(|e| e.to_string())?;
+    let runner = Runner::start(engine, thread_name)?;
     Ok(LoadedEngine {
         runner,
         layout,

@@ -110,6 +110,21 @@ pub enum Event {
     },
 }
 
+/// Why one request failed inside a step: it ends with [`Event::Failed`] and its pages are
+/// released; the other requests of the step go on.
+#[derive(Debug, Clone, thiserror::Error)]
+enum StepError {
+    /// Its pages could not be read or written.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// Its next token could not be sampled (e.g. non-finite logits).
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// The forward pass of the step failed (for every request in it).
+    #[error("{0}")]
+    Forward(String),
+}
+
 /// Why a request is refused or the engine cannot be built.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -341,7 +356,7 @@ impl Engine {
         for &(i, _, _) in &plan {
             states.push(self.store.gather(&self.running[i].seq));
         }
-        let mut failed: Vec<(usize, String)> = Vec::new();
+        let mut failed: Vec<(usize, StepError)> = Vec::new();
         let mut ok_states = Vec::new();
         for ((i, range, logits), state) in plan.iter().zip(states) {
             match state {
@@ -353,7 +368,7 @@ impl Engine {
                     }
                     ok_states.push((*i, range.clone(), *logits, s));
                 }
-                Err(e) => failed.push((*i, e.to_string())),
+                Err(e) => failed.push((*i, e.into())),
             }
         }
         // Prefill-only requests stream their state: (batch index, running index, range).
@@ -370,7 +385,7 @@ impl Engine {
                     emit(part);
                 }
                 Ok(None) => {}
-                Err(e) => failed.push((*i, e.to_string())),
+                Err(e) => failed.push((*i, e.into())),
             }
         }
         let result = {
@@ -391,7 +406,7 @@ impl Engine {
                             emit(part);
                         }
                         Ok(None) => {}
-                        Err(e) => failed.push((*i, e.to_string())),
+                        Err(e) => failed.push((*i, e.into())),
                     }
                 }
             };
@@ -411,7 +426,8 @@ impl Engine {
             }
             Err(e) => {
                 let e: ForwardError = e;
-                failed.extend(ok_states.iter().map(|(i, ..)| (*i, e.to_string())));
+                let e = StepError::Forward(e.to_string());
+                failed.extend(ok_states.iter().map(|(i, ..)| (*i, e.clone())));
             }
         }
         failed.sort_by_key(|(i, _)| *i);
@@ -431,21 +447,15 @@ impl Engine {
         state: &crate::model::SequenceState,
         logits: Option<Vec<f32>>,
         events: &mut Vec<Event>,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let r = &mut self.running[i];
-        self.store
-            .scatter(&mut r.seq, state)
-            .map_err(|e: PoolError| e.to_string())?;
-        self.store
-            .offer_inner_blocks(&r.seq, state, &r.tokens)
-            .map_err(|e| e.to_string())?;
-        self.store
-            .offer_block(&r.seq, &r.tokens)
-            .map_err(|e| e.to_string())?;
+        self.store.scatter(&mut r.seq, state)?;
+        self.store.offer_inner_blocks(&r.seq, state, &r.tokens)?;
+        self.store.offer_block(&r.seq, &r.tokens)?;
         let Some(logits) = logits else {
             return Ok(());
         };
-        let sampled = r.sampler.sample(&logits).map_err(|e| e.to_string())?;
+        let sampled = r.sampler.sample(&logits)?;
         r.tokens.push(sampled.token);
         let index = r.tokens.len() - r.prompt_len - 1;
         events.push(Event::Token {
@@ -454,7 +464,7 @@ impl Engine {
             sampled,
         });
         if r.handoff {
-            let event = handoff::export(&self.store, r).map_err(|e| e.to_string())?;
+            let event = handoff::export(&self.store, r)?;
             events.push(event);
             return Ok(());
         }
@@ -473,7 +483,7 @@ impl Engine {
     }
 
     /// Releases finished and failed requests.
-    fn retire(&mut self, events: &mut Vec<Event>, failed: Vec<(usize, String)>) {
+    fn retire(&mut self, events: &mut Vec<Event>, failed: Vec<(usize, StepError)>) {
         let finished: Vec<u64> = events
             .iter()
             .filter_map(|e| match e {
@@ -483,7 +493,7 @@ impl Engine {
             .collect();
         let failed_ids: Vec<(u64, String)> = failed
             .into_iter()
-            .map(|(i, e)| (self.running[i].id, e))
+            .map(|(i, e)| (self.running[i].id, e.to_string()))
             .collect();
         let mut keep = Vec::with_capacity(self.running.len());
         for r in std::mem::take(&mut self.running) {

@@ -10,7 +10,7 @@ use std::sync::{
 };
 
 use engine::{
-    backend::{AttendBatch, Backend, BackendError, ExpertBatch, LinearId, Op},
+    backend::{AttendBatch, Backend, BackendError, DeviceError, ExpertBatch, LinearId, Op},
     config::ExpertFormat,
     model::{ForwardError, Logits, Model},
     sampling::{SamplingParams, StopConditions},
@@ -87,7 +87,7 @@ impl Backend for ReferenceOps {
         which: LinearId,
         rows: std::ops::Range<usize>,
         xs: &[&[f32]],
-    ) -> Result<Vec<Vec<f32>>, String> {
+    ) -> Result<Vec<Vec<f32>>, DeviceError> {
         self.linear_calls.fetch_add(1, Ordering::Relaxed);
         let a = &self.attn[layer];
         let compressor = a.compressor.as_ref();
@@ -105,11 +105,11 @@ impl Backend for ReferenceOps {
             LinearId::IndexerQB => indexer.map(|i| &i.wq_b),
             LinearId::IndexerWeights => indexer.map(|i| &i.weights_proj),
         }
-        .ok_or_else(|| format!("layer {layer} has no {which:?}"))?;
+        .ok_or_else(|| DeviceError::device(format!("layer {layer} has no {which:?}")))?;
         Ok(m.apply_rows_many(rows.start, rows.len(), xs))
     }
 
-    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
         let shared = &self.moe[layer].shared;
         Ok(xs
             .iter()
@@ -117,12 +117,12 @@ impl Backend for ReferenceOps {
             .collect())
     }
 
-    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
         self.heads_seen.fetch_add(hidden.len(), Ordering::Relaxed);
         Ok(self.head.apply_many(hidden))
     }
 
-    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
         self.pairs_seen
             .fetch_add(batch.pairs.len(), Ordering::Relaxed);
         let experts = &self.moe[batch.layer].experts;
@@ -210,7 +210,7 @@ impl Backend for ReferenceAttend {
         op == Op::AttentionCore
     }
 
-    fn attend(&self, b: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+    fn attend(&self, b: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
         self.tokens_seen
             .fetch_add(b.queries.len(), Ordering::Relaxed);
         let hd = b.head_dim;

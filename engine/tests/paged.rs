@@ -257,12 +257,12 @@ fn attention_row_offsets_address_the_gathered_rows() {
             let err = store
                 .attention_row_offsets(&seq, l, first, &[last + 1])
                 .unwrap_err();
-            assert!(err.contains("not closed"), "{err}");
+            assert!(err.to_string().contains("not closed"), "{err}");
         } else {
             let err = store
                 .attention_row_offsets(&seq, l, first, &[0])
                 .unwrap_err();
-            assert!(err.contains("no compressed rows"), "{err}");
+            assert!(err.to_string().contains("no compressed rows"), "{err}");
         }
     }
     assert!(compressed_layers > 0);

@@ -5,7 +5,10 @@
 
 use std::{path::Path, sync::Arc};
 
-use engine::{backend::Backend, config::ModelConfig};
+use engine::{
+    backend::{Backend, BackendError},
+    config::ModelConfig,
+};
 
 /// A compute backend a worker can be configured with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,11 +21,11 @@ pub enum BackendKind {
 
 impl BackendKind {
     /// Parses a configuration value.
-    pub fn parse(value: &str) -> Result<Self, String> {
+    pub fn parse(value: &str) -> Result<Self, UnknownBackend> {
         match value {
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda),
-            other => Err(format!("unknown backend {other:?} (expected cpu or cuda)")),
+            other => Err(UnknownBackend(other.to_owned())),
         }
     }
 
@@ -43,6 +46,11 @@ impl BackendKind {
     }
 }
 
+/// A configuration named a backend that does not exist.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend {0:?} (expected cpu or cuda)")]
+pub struct UnknownBackend(pub String);
+
 /// A backend is written in configuration as its name.
 impl serde::Serialize for BackendKind {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
@@ -62,29 +70,35 @@ pub fn open(
     kind: BackendKind,
     dir: &Path,
     config: &ModelConfig,
-) -> Result<Option<Arc<dyn Backend>>, String> {
+) -> Result<Option<Arc<dyn Backend>>, BackendError> {
     match kind {
         BackendKind::Cpu => Ok(None),
         BackendKind::Cuda => open_cuda(dir, config),
     }
 }
 
+/// The CUDA backend cannot start here, for `reason`.
+fn cuda_unavailable(reason: impl std::fmt::Display) -> BackendError {
+    BackendError::Unavailable {
+        backend: "cuda".to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
 #[cfg(feature = "cuda")]
-fn open_cuda(dir: &Path, config: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, String> {
+fn open_cuda(dir: &Path, config: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, BackendError> {
     match crate::cuda::CudaBackend::load(dir, config) {
         Ok(Some(backend)) => Ok(Some(Arc::new(backend))),
-        Ok(None) => Err("backend = cuda, but no CUDA driver or device is present".to_owned()),
-        Err(e) => Err(format!("backend = cuda: {e}")),
+        Ok(None) => Err(cuda_unavailable("no CUDA driver or device is present")),
+        Err(e) => Err(cuda_unavailable(e)),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, String> {
-    Err(
-        "backend = cuda, but this binary was built without the CUDA backend (cargo feature \
-         `cuda`)"
-            .to_owned(),
-    )
+fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, BackendError> {
+    Err(cuda_unavailable(
+        "this binary was built without the CUDA backend (cargo feature `cuda`)",
+    ))
 }
 
 /// Loads the checkpoint at `dir` into an engine thread on backend `kind`, `hybrid` letting ops
@@ -97,7 +111,7 @@ pub fn start_engine(
     kind: BackendKind,
     hybrid: bool,
     progress: &Arc<engine::weights::LoadProgress>,
-) -> Result<engine::runner::LoadedEngine, String> {
+) -> Result<engine::runner::LoadedEngine, engine::runner::StartError> {
     engine::runner::start_with_backend(
         dir,
         config,
@@ -117,7 +131,7 @@ mod tests {
         assert_eq!(BackendKind::parse("cpu"), Ok(BackendKind::Cpu));
         assert_eq!(BackendKind::parse("cuda"), Ok(BackendKind::Cuda));
         let err = BackendKind::parse("CUDA").unwrap_err();
-        assert!(err.contains("expected cpu or cuda"), "{err}");
+        assert!(err.to_string().contains("expected cpu or cuda"), "{err}");
         assert!(BackendKind::Cpu.built_in());
         assert_eq!(BackendKind::Cuda.built_in(), cfg!(feature = "cuda"));
     }
@@ -132,7 +146,11 @@ mod tests {
             return;
         }
         let err = open(BackendKind::Cuda, &dir, &config).unwrap_err();
-        assert!(err.starts_with("backend = cuda"), "{err}");
+        assert!(
+            matches!(&err, BackendError::Unavailable { backend, .. } if backend == "cuda"),
+            "{err}"
+        );
+        assert!(err.to_string().starts_with("cuda backend: "), "{err}");
         assert!(open(BackendKind::Cpu, &dir, &config).unwrap().is_none());
     }
 }

@@ -6,6 +6,17 @@
 
 use engine::backend::AttendBatch;
 
+/// Inputs a composition cannot take (their shapes or indices), in words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ShapeError(pub String);
+
+impl From<String> for ShapeError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}
+
 /// A projection of an expert: gate `w1` `[inter, hidden]`, down `w2` `[hidden, inter]`, up
 /// `w3` `[inter, hidden]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,7 +161,7 @@ pub struct PackedAttend {
 }
 
 /// Packs an attention-core batch for the decode-attention kernel, checking every index.
-pub fn pack_attend(b: &AttendBatch<'_>) -> Result<PackedAttend, String> {
+pub fn pack_attend(b: &AttendBatch<'_>) -> Result<PackedAttend, ShapeError> {
     let width = b.heads * b.head_dim;
     if b.keys.len() != b.queries.len()
         || b.sinks.len() != b.heads
@@ -158,13 +169,13 @@ pub fn pack_attend(b: &AttendBatch<'_>) -> Result<PackedAttend, String> {
         || b.rows.iter().any(|r| r.len() != b.head_dim)
         || b.keys.iter().flatten().any(|&k| k >= b.rows.len())
     {
-        return Err(format!(
+        return Err(ShapeError(format!(
             "attention: {} tokens, {} rows of {}, {} heads",
             b.queries.len(),
             b.rows.len(),
             b.head_dim,
             b.heads
-        ));
+        )));
     }
     let row_bytes = 4 * b.head_dim;
     let pool = b
@@ -176,9 +187,11 @@ pub fn pack_attend(b: &AttendBatch<'_>) -> Result<PackedAttend, String> {
     let mut starts = vec![0i64];
     for keys in b.keys {
         for &k in keys {
-            offsets.push(i64::try_from(k * row_bytes).map_err(|_| format!("row {k}"))?);
+            offsets.push(i64::try_from(k * row_bytes).map_err(|_| ShapeError(format!("row {k}")))?);
         }
-        starts.push(i64::try_from(offsets.len()).map_err(|_| "too many keys".to_owned())?);
+        starts.push(
+            i64::try_from(offsets.len()).map_err(|_| ShapeError("too many keys".to_owned()))?,
+        );
     }
     Ok(PackedAttend {
         pool,
@@ -218,23 +231,23 @@ pub struct CpuOps<'a> {
 }
 
 impl Ops for CpuOps<'_> {
-    type Error = String;
+    type Error = ShapeError;
     type Buf = Vec<f32>;
     type Idx = Vec<i32>;
 
-    fn put(&self, values: &[f32]) -> Result<Vec<f32>, String> {
+    fn put(&self, values: &[f32]) -> Result<Vec<f32>, ShapeError> {
         Ok(values.to_vec())
     }
 
-    fn put_idx(&self, values: &[i32]) -> Result<Vec<i32>, String> {
+    fn put_idx(&self, values: &[i32]) -> Result<Vec<i32>, ShapeError> {
         Ok(values.to_vec())
     }
 
-    fn poisoned(&self, len: usize) -> Result<Vec<f32>, String> {
+    fn poisoned(&self, len: usize) -> Result<Vec<f32>, ShapeError> {
         Ok(vec![f32::NAN; len])
     }
 
-    fn get(&self, buf: &Vec<f32>) -> Result<Vec<f32>, String> {
+    fn get(&self, buf: &Vec<f32>) -> Result<Vec<f32>, ShapeError> {
         Ok(buf.clone())
     }
 
@@ -246,7 +259,7 @@ impl Ops for CpuOps<'_> {
         expert: &Vec<i32>,
         pairs: usize,
         y: &mut Vec<f32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ShapeError> {
         let (stack, rows, cols) = match proj {
             Proj::Gate => (self.gate, self.dims.inter, self.dims.hidden),
             Proj::Up => (self.up, self.dims.inter, self.dims.hidden),
@@ -256,7 +269,7 @@ impl Ops for CpuOps<'_> {
             |v: &[i32]| -> Vec<usize> { v[..pairs].iter().map(|&i| i as usize).collect() };
         let out =
             crate::cpu::grouped_gemv(stack, x, &as_usize(token), &as_usize(expert), rows, cols)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| ShapeError(e.to_string()))?;
         y[..out.len()].copy_from_slice(&out);
         Ok(())
     }
@@ -267,7 +280,7 @@ impl Ops for CpuOps<'_> {
         x: &Vec<f32>,
         vectors: usize,
         y: &mut Vec<f32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ShapeError> {
         let (w, rows, cols) = match proj {
             Proj::Gate => (self.shared.0, self.dims.inter, self.dims.hidden),
             Proj::Down => (self.shared.1, self.dims.hidden, self.dims.inter),
@@ -294,7 +307,7 @@ impl Ops for CpuOps<'_> {
         n: usize,
         limit: f32,
         out: &mut Vec<f32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ShapeError> {
         out[..n].copy_from_slice(&crate::cpu::swiglu_clamp(&gate[..n], &up[..n], limit));
         Ok(())
     }
@@ -399,9 +412,9 @@ mod tests {
                 }
                 assert!(routed_experts(&ops, dims, &xs, &[]).unwrap().is_empty());
                 let err = routed_experts(&ops, dims, &xs, &[(4, 0)]).unwrap_err();
-                assert!(err.contains("token 4"), "{err}");
+                assert!(err.0.contains("token 4"), "{err}");
                 let err = routed_experts(&ops, dims, &xs, &[(0, last + 1)]).unwrap_err();
-                assert!(err.contains("experts"), "{err}");
+                assert!(err.0.contains("experts"), "{err}");
             }
         }
     }

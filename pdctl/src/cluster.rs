@@ -53,7 +53,7 @@ impl LocalSecret {
             let _ = write!(hex, "{b:02x}");
             hex
         });
-        let secret = ClusterSecret::new(&hex).map_err(PdctlError::Model)?;
+        let secret = ClusterSecret::new(&hex).map_err(|e| PdctlError::Model(e.to_string()))?;
         let mut file = tempfile::Builder::new()
             .prefix("pdserve-cluster-")
             .suffix(".secret")

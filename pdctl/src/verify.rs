@@ -10,9 +10,11 @@ use serde_json::{Value, json};
 use crate::PdctlError;
 
 mod answer;
+mod error;
 mod reference;
 
 use answer::{Answer, Client};
+use error::VerifyError;
 
 /// Arguments of `pdctl verify`.
 #[derive(Debug, Clone, clap::Args)]
@@ -48,17 +50,17 @@ struct Check {
 }
 
 impl Check {
-    fn new(name: &'static str, result: Result<String, String>) -> Self {
+    fn new(name: &'static str, result: Result<String, VerifyError>) -> Self {
         match result {
             Ok(detail) => Self {
                 name,
                 ok: Some(true),
                 detail,
             },
-            Err(detail) => Self {
+            Err(e) => Self {
                 name,
                 ok: Some(false),
-                detail,
+                detail: e.to_string(),
             },
         }
     }
@@ -112,9 +114,9 @@ fn chat_body(model: &str, text: &str, max_tokens: u32) -> Value {
 pub async fn run(args: &VerifyArgs) -> Result<(), PdctlError> {
     let client = Client::connect(args.url, args.api_key.clone())
         .await
-        .map_err(|reason| PdctlError::Unhealthy {
+        .map_err(|e| PdctlError::Unhealthy {
             what: format!("router {}", args.url),
-            reason,
+            reason: e.to_string(),
         })?;
     let mut checks = Vec::new();
     let n = args.max_tokens;
@@ -186,27 +188,29 @@ pub async fn run(args: &VerifyArgs) -> Result<(), PdctlError> {
 }
 
 /// The same greedy request three times gives the same answer.
-async fn determinism(client: &Client, n: u32) -> Result<String, String> {
+async fn determinism(client: &Client, n: u32) -> Result<String, VerifyError> {
     let body = chat_body(client.model(), &prompt_text(1, 12), n);
     let first = client.chat(&body).await?;
     for round in 2..=3 {
         let again = client.chat(&body).await?;
         if let Some(diff) = first.difference(&again) {
-            return Err(format!("run {round} differs from run 1: {diff}"));
+            return Err(VerifyError::Mismatch(format!(
+                "run {round} differs from run 1: {diff}"
+            )));
         }
     }
     Ok(format!("3 runs, {} tokens each, identical", first.tokens()))
 }
 
 /// Streaming gives exactly the non-streamed answer.
-async fn stream_equals(client: &Client, n: u32) -> Result<String, String> {
+async fn stream_equals(client: &Client, n: u32) -> Result<String, VerifyError> {
     let mut compared = 0;
     for (seed, words) in [(2, 3), (3, 40)] {
         let body = chat_body(client.model(), &prompt_text(seed, words), n);
         let whole = client.chat(&body).await?;
         let streamed = client.chat_stream(&body).await?;
         if let Some(diff) = whole.difference(&streamed) {
-            return Err(format!("prompt {seed}: {diff}"));
+            return Err(VerifyError::Mismatch(format!("prompt {seed}: {diff}")));
         }
         compared += whole.tokens();
     }
@@ -214,7 +218,7 @@ async fn stream_equals(client: &Client, n: u32) -> Result<String, String> {
 }
 
 /// Distinct prompts sent at once each equal their answer alone.
-async fn concurrency(client: &Client, k: u32, n: u32) -> Result<String, String> {
+async fn concurrency(client: &Client, k: u32, n: u32) -> Result<String, VerifyError> {
     let bodies: Vec<Value> = (0..k)
         .map(|i| {
             let words = 3 + (i as usize * 17) % 60;
@@ -240,28 +244,32 @@ async fn concurrency(client: &Client, k: u32, n: u32) -> Result<String, String> 
     if mismatched.is_empty() {
         Ok(format!("{k} prompts at once equal their solo answers"))
     } else {
-        Err(format!(
+        Err(VerifyError::Mismatch(format!(
             "{} of {k} differ: {}",
             mismatched.len(),
             mismatched.join("; ")
-        ))
+        )))
     }
 }
 
 /// Prompts past the sliding window, several compression blocks and the indexer's top-k:
 /// repeat and stream agree, and the prompt really is long.
-async fn long_prompts(client: &Client, n: u32) -> Result<String, String> {
+async fn long_prompts(client: &Client, n: u32) -> Result<String, VerifyError> {
     let mut lengths = Vec::new();
     for (seed, words) in [(7, 300), (8, 700)] {
         let body = chat_body(client.model(), &prompt_text(seed, words), n);
         let whole = client.chat(&body).await?;
         let streamed = client.chat_stream(&body).await?;
         if let Some(diff) = whole.difference(&streamed) {
-            return Err(format!("{words} words: stream differs: {diff}"));
+            return Err(VerifyError::Mismatch(format!(
+                "{words} words: stream differs: {diff}"
+            )));
         }
         let again = client.chat(&body).await?;
         if let Some(diff) = whole.difference(&again) {
-            return Err(format!("{words} words: repeat differs: {diff}"));
+            return Err(VerifyError::Mismatch(format!(
+                "{words} words: repeat differs: {diff}"
+            )));
         }
         lengths.push(whole.prompt_tokens);
     }
@@ -271,7 +279,7 @@ async fn long_prompts(client: &Client, n: u32) -> Result<String, String> {
 }
 
 /// Decode workers verify transferred state (the router's `transfer_checksums`).
-async fn checksums(client: &Client) -> Result<Option<String>, String> {
+async fn checksums(client: &Client) -> Result<Option<String>, VerifyError> {
     let listing = client.get_json("/workers").await?;
     let workers = listing["workers"].as_array().map_or(0, Vec::len);
     if workers == 0 {
@@ -281,15 +289,15 @@ async fn checksums(client: &Client) -> Result<Option<String>, String> {
         Some(true) => Ok(Some(format!(
             "on: decode workers verify every page ({workers} workers)"
         ))),
-        Some(false) => Err("off: set transfer_checksums = true in the router".to_owned()),
-        None => Err("the router does not report transfer_checksums".to_owned()),
+        Some(false) => Err(VerifyError::ChecksumsOff),
+        None => Err(VerifyError::ChecksumsUnreported),
     }
 }
 
 /// A conversation with tools, a past tool call and its result, and past reasoning, answered in
 /// thinking mode with a fixed seed: accepted, rendered, and answered identically streamed and
 /// not (reasoning, content and tool calls).
-async fn tools(client: &Client, n: u32) -> Result<String, String> {
+async fn tools(client: &Client, n: u32) -> Result<String, VerifyError> {
     let body = json!({
         "model": client.model(),
         "tools": [{"type": "function", "function": {
@@ -314,7 +322,7 @@ async fn tools(client: &Client, n: u32) -> Result<String, String> {
     let whole = client.chat(&body).await?;
     let streamed = client.chat_stream(&body).await?;
     if let Some(diff) = whole.difference(&streamed) {
-        return Err(format!("stream differs: {diff}"));
+        return Err(VerifyError::Mismatch(format!("stream differs: {diff}")));
     }
     let rendered = client
         .post_json(
@@ -325,10 +333,10 @@ async fn tools(client: &Client, n: u32) -> Result<String, String> {
         .await?;
     let count = rendered["count"].as_u64().unwrap_or(0);
     if count != whole.prompt_tokens {
-        return Err(format!(
+        return Err(VerifyError::Mismatch(format!(
             "/tokenize renders {count} tokens but the answer counted {}",
             whole.prompt_tokens
-        ));
+        )));
     }
     Ok(format!(
         "{count} prompt tokens, stream identical, /tokenize agrees"
@@ -336,16 +344,16 @@ async fn tools(client: &Client, n: u32) -> Result<String, String> {
 }
 
 /// A malformed request gets a 400 with an OpenAI error object, and the router still serves.
-async fn bad_input(client: &Client) -> Result<String, String> {
+async fn bad_input(client: &Client) -> Result<String, VerifyError> {
     let (status, body) = client
         .post_raw("/v1/chat/completions", b"{\"messages\": [".to_vec())
         .await?;
     let error: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if status != 400 || !error["error"]["message"].is_string() {
-        return Err(format!(
-            "truncated JSON got HTTP {status}: {}",
-            String::from_utf8_lossy(&body)
-        ));
+        return Err(VerifyError::BadInputAccepted {
+            status,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        });
     }
     let body = chat_body(client.model(), "Still there?", 2);
     let answer: Answer = client.chat(&body).await?;

@@ -29,6 +29,40 @@ pub const MIN_SECRET_CHARS: usize = 32;
 /// Longest secret accepted (it travels as a header on every call).
 pub const MAX_SECRET_CHARS: usize = 1024;
 
+/// Why a secret (or a secret file) is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    /// Fewer than [`MIN_SECRET_CHARS`] or more than [`MAX_SECRET_CHARS`] characters.
+    #[error(
+        "the secret has {chars} characters; it must have {MIN_SECRET_CHARS} to \
+         {MAX_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
+    )]
+    Length { chars: usize },
+    /// A character (1-based `position`) that is not visible ASCII, or a space.
+    #[error(
+        "the secret must be visible ASCII characters without spaces; character {position} is not"
+    )]
+    NotVisible { position: usize },
+    /// A secret file with no secret in it.
+    #[error("no secret in the file")]
+    Empty,
+    /// A secret file's line (1-based) holds a bad secret.
+    #[error("line {line}: {source}")]
+    Line {
+        line: usize,
+        source: Box<SecretError>,
+    },
+}
+
+impl SecretError {
+    fn on_line(self, line: usize) -> Self {
+        Self::Line {
+            line,
+            source: Box::new(self),
+        }
+    }
+}
+
 /// The cluster's shared secret: the one this process presents, and any further ones it also
 /// accepts (during a rotation, when processes with the old and the new secret must still talk).
 /// Its `Debug` form never shows a value.
@@ -41,7 +75,7 @@ pub struct ClusterSecret {
 impl ClusterSecret {
     /// Checks the secret's shape: `MIN_SECRET_CHARS..=MAX_SECRET_CHARS` visible ASCII
     /// characters (no spaces), so it fits a header unchanged.
-    pub fn new(secret: &str) -> Result<Self, String> {
+    pub fn new(secret: &str) -> Result<Self, SecretError> {
         Ok(Self {
             presented: checked(secret)?,
             also_accepted: Arc::from(Vec::new()),
@@ -50,16 +84,16 @@ impl ClusterSecret {
 
     /// One secret per line: the first is presented, every one is accepted. Blank lines and a
     /// final newline are ignored.
-    pub fn from_lines(text: &str) -> Result<Self, String> {
+    pub fn from_lines(text: &str) -> Result<Self, SecretError> {
         let mut lines = text
             .lines()
             .map(|l| l.strip_suffix('\r').unwrap_or(l))
             .enumerate()
             .filter(|(_, l)| !l.is_empty());
-        let (_, first) = lines.next().ok_or("no secret in the file")?;
-        let presented = checked(first).map_err(|e| format!("line 1: {e}"))?;
+        let (_, first) = lines.next().ok_or(SecretError::Empty)?;
+        let presented = checked(first).map_err(|e| e.on_line(1))?;
         let also_accepted = lines
-            .map(|(i, l)| checked(l).map_err(|e| format!("line {}: {e}", i + 1)))
+            .map(|(i, l)| checked(l).map_err(|e| e.on_line(i + 1)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             presented,
@@ -88,19 +122,13 @@ impl ClusterSecret {
     }
 }
 
-fn checked(secret: &str) -> Result<Arc<str>, String> {
+fn checked(secret: &str) -> Result<Arc<str>, SecretError> {
     let chars = secret.len();
     if !(MIN_SECRET_CHARS..=MAX_SECRET_CHARS).contains(&chars) {
-        return Err(format!(
-            "the secret has {chars} characters; it must have {MIN_SECRET_CHARS} to \
-             {MAX_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
-        ));
+        return Err(SecretError::Length { chars });
     }
     if let Some(bad) = secret.bytes().position(|b| !b.is_ascii_graphic()) {
-        return Err(format!(
-            "the secret must be visible ASCII characters without spaces; character {} is not",
-            bad + 1
-        ));
+        return Err(SecretError::NotVisible { position: bad + 1 });
     }
     Ok(Arc::from(secret))
 }
@@ -235,17 +263,17 @@ mod tests {
     #[test]
     fn secret_shape_is_checked() {
         assert!(ClusterSecret::new(SECRET).is_ok());
-        assert!(
-            ClusterSecret::new(&SECRET[1..])
-                .unwrap_err()
-                .contains("31 characters")
+        let short = ClusterSecret::new(&SECRET[1..]).unwrap_err();
+        assert_eq!(short, SecretError::Length { chars: 31 });
+        assert_eq!(
+            short.to_string(),
+            "the secret has 31 characters; it must have 32 to 1024 (e.g. `openssl rand -hex 32`)"
         );
         assert!(ClusterSecret::new(&"x".repeat(MAX_SECRET_CHARS + 1)).is_err());
         let spaced = format!("{} {}", &SECRET[..16], &SECRET[16..]);
-        assert!(
-            ClusterSecret::new(&spaced)
-                .unwrap_err()
-                .contains("character 17")
+        assert_eq!(
+            ClusterSecret::new(&spaced).unwrap_err().to_string(),
+            "the secret must be visible ASCII characters without spaces; character 17 is not"
         );
         assert!(ClusterSecret::new(&format!("{SECRET}é")).is_err());
     }
@@ -283,13 +311,16 @@ mod tests {
             .as_bytes()
             .to_vec();
         assert_eq!(header, format!("Bearer {SECRET}").into_bytes());
+        let empty = ClusterSecret::from_lines("\n\n").unwrap_err();
+        assert_eq!(empty, SecretError::Empty);
+        assert_eq!(empty.to_string(), "no secret in the file");
+        let bad = ClusterSecret::from_lines(&format!("{SECRET}\nshort\n"))
+            .unwrap_err()
+            .to_string();
         assert!(
-            ClusterSecret::from_lines("\n\n")
-                .unwrap_err()
-                .contains("no secret")
+            bad.starts_with("line 2: the secret has 5 characters"),
+            "{bad}"
         );
-        let bad = ClusterSecret::from_lines(&format!("{SECRET}\nshort\n")).unwrap_err();
-        assert!(bad.starts_with("line 2:"), "{bad}");
     }
 
     #[test]

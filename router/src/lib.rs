@@ -80,7 +80,7 @@ impl BoundRouter {
             &self.config.decode_workers,
             &security.credentials(),
         )
-        .map_err(RouterError::Startup)?;
+        .map_err(|e| RouterError::Startup(e.to_string()))?;
         let state = Arc::new(http::AppState::new(&self.config, Arc::clone(&workers)));
         if let Some(dir) = self.config.model_dir.clone() {
             let config = self.config.clone();
@@ -99,7 +99,7 @@ impl BoundRouter {
                     }
                     Err(e) => {
                         tracing::error!(error = %e, "model failed to load");
-                        let _ = loading.load_error.set(e);
+                        let _ = loading.load_error.set(e.to_string());
                     }
                 }
             });

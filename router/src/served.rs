@@ -1,11 +1,14 @@
 //! The served model: its names, tokenizer, the official DeepSeek-V4 prompt encoding, context
 //! limit and the backend that generates for it.
 
-use std::{path::Path, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 use deepseek_recipe::request::{ConversionOptions, ModelVersion};
 use deepseek_recipe_encoding::{PromptTokenizer, dsv4::DeepseekV4Encoding};
-use engine::{model::Model, scheduler::EngineConfig};
+use engine::{config::ConfigError, model::Model, scheduler::EngineConfig, weights::LoadError};
 use tokenizers::Tokenizer;
 
 use crate::{
@@ -15,6 +18,26 @@ use crate::{
 
 /// `system_fingerprint` reported by the in-process backend.
 pub const LOCAL_FINGERPRINT: &str = "pdserve-local";
+
+/// Why the served model cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ServedError {
+    /// `tokenizer.json` is missing or unreadable.
+    #[error("{}: {source}", path.display())]
+    Tokenizer {
+        path: PathBuf,
+        source: tokenizers::Error,
+    },
+    /// The checkpoint (config and weights) does not load.
+    #[error("{}: {source}", dir.display())]
+    Model { dir: PathBuf, source: LoadError },
+    /// The checkpoint's config does not load (disaggregated: the router reads no weights).
+    #[error("{}: {source}", dir.display())]
+    Config { dir: PathBuf, source: ConfigError },
+    /// The in-process engine does not start.
+    #[error("engine: {0}")]
+    Engine(#[source] std::io::Error),
+}
 
 /// Everything a request needs about the served model.
 pub struct Served {
@@ -47,11 +70,12 @@ impl std::fmt::Debug for Served {
 
 impl Served {
     /// Loads the checkpoint at `dir`, its tokenizer, and starts the in-process engine.
-    pub fn load_local(config: &RouterConfig, dir: &Path) -> Result<Self, String> {
-        let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| format!("{}: {e}", tokenizer_path.display()))?;
-        let model = Model::load(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    pub fn load_local(config: &RouterConfig, dir: &Path) -> Result<Self, ServedError> {
+        let tokenizer = load_tokenizer(dir)?;
+        let model = Model::load(dir).map_err(|source| ServedError::Model {
+            dir: dir.to_owned(),
+            source,
+        })?;
         let engine_config = EngineConfig {
             num_pages: config.engine_num_pages,
             ..EngineConfig::default()
@@ -66,7 +90,7 @@ impl Served {
         let vocab_size = model.config.vocab_size;
         let eos_token_ids = model.config.eos_token_ids.clone();
         let backend = LocalBackend::start(model, engine_config, LOCAL_FINGERPRINT)
-            .map_err(|e| format!("engine: {e}"))?;
+            .map_err(ServedError::Engine)?;
         Ok(Self::new(
             config,
             tokenizer,
@@ -83,12 +107,13 @@ impl Served {
         config: &RouterConfig,
         dir: &Path,
         workers: Arc<crate::backend::workers::Workers>,
-    ) -> Result<Self, String> {
-        let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| format!("{}: {e}", tokenizer_path.display()))?;
-        let model = engine::config::ModelConfig::from_dir(dir)
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+    ) -> Result<Self, ServedError> {
+        let tokenizer = load_tokenizer(dir)?;
+        let model =
+            engine::config::ModelConfig::from_dir(dir).map_err(|source| ServedError::Config {
+                dir: dir.to_owned(),
+                source,
+            })?;
         let limit = u32::try_from(model.max_position_embeddings).unwrap_or(u32::MAX);
         let max_model_len = config.max_model_len.map_or(limit, |l| l.min(limit));
         let backend = crate::backend::pd::PdBackend::new(config, workers);
@@ -150,4 +175,10 @@ impl Served {
     pub fn accepts(&self, model: &str) -> bool {
         self.names.iter().any(|n| n == model)
     }
+}
+
+/// The tokenizer in `dir` (`tokenizer.json`).
+fn load_tokenizer(dir: &Path) -> Result<Tokenizer, ServedError> {
+    let path = dir.join("tokenizer.json");
+    Tokenizer::from_file(&path).map_err(|source| ServedError::Tokenizer { path, source })
 }

@@ -103,7 +103,7 @@ where
             .run_until_signal(spec.name, |routes| routes, &[], signal)
             .await;
     };
-    let fault = Fault::for_worker(spec.name).map_err(ServeError::Startup)?;
+    let fault = Fault::for_worker(spec.name).map_err(|e| ServeError::Startup(e.to_string()))?;
     // Only a worker with a model joins a router: it is the only kind that serves requests.
     let server = server.register_with(settings.router.clone());
     let handle = server.handle().clone();

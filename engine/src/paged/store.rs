@@ -16,6 +16,27 @@ use crate::{
 };
 
 /// One sequence's handle: its page table, its slot and how many tokens are stored.
+/// Why rows of a stored sequence cannot be addressed in the pool.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RowAddressError {
+    #[error("no layer {0}")]
+    NoLayer(usize),
+    #[error("layer {layer} {kind:?} rows are not f32")]
+    NotF32 { layer: usize, kind: RegionKind },
+    #[error("page {0} of the sequence is not reserved")]
+    NotReserved(usize),
+    #[error("layer {layer} has no {kind:?} region")]
+    NoRegion { layer: usize, kind: RegionKind },
+    #[error("layer {0} has no compressed rows")]
+    NotCompressed(usize),
+    #[error("compressed row {row} of layer {layer} is not closed at length {len}")]
+    NotClosed {
+        row: usize,
+        layer: usize,
+        len: usize,
+    },
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PagedSeq {
     /// Page `i` holds tokens `[i*page_size, (i+1)*page_size)`.
@@ -297,28 +318,34 @@ impl PagedStore {
         layer: usize,
         window_from: usize,
         compressed: &[usize],
-    ) -> Result<Vec<u64>, String> {
+    ) -> Result<Vec<u64>, RowAddressError> {
         let spec = self
             .config
             .layers
             .get(layer)
-            .ok_or_else(|| format!("no layer {layer}"))?;
+            .ok_or(RowAddressError::NoLayer(layer))?;
         let page_bytes = self.layout.page_bytes as u64;
         let ps = self.layout.page_size;
-        let at = |region: &Region, page: usize, row: usize| -> Result<u64, String> {
+        let at = |region: &Region, page: usize, row: usize| -> Result<u64, RowAddressError> {
             if region.format != super::layout::RowFormat::F32 {
-                return Err(format!("layer {layer} {:?} rows are not f32", region.kind));
+                return Err(RowAddressError::NotF32 {
+                    layer,
+                    kind: region.kind,
+                });
             }
             let id = *seq
                 .pages
                 .get(page)
-                .ok_or_else(|| format!("page {page} of the sequence is not reserved"))?;
+                .ok_or(RowAddressError::NotReserved(page))?;
             Ok(u64::from(id) * page_bytes + region.row_range(row).start as u64)
         };
         let mut out = Vec::with_capacity(seq.len.saturating_sub(window_from) + compressed.len());
         let window = self
             .region(layer, RegionKind::WindowKv)
-            .ok_or_else(|| format!("layer {layer} has no window rows"))?;
+            .ok_or(RowAddressError::NoRegion {
+                layer,
+                kind: RegionKind::WindowKv,
+            })?;
         for pos in window_from..seq.len {
             out.push(at(window, pos / ps, pos % ps)?);
         }
@@ -326,18 +353,19 @@ impl PagedStore {
             let kind = match spec.attention {
                 Attention::Csa { .. } => RegionKind::CsaKv,
                 Attention::Hca { .. } => RegionKind::HcaKv,
-                Attention::Sliding => return Err(format!("layer {layer} has no compressed rows")),
+                Attention::Sliding => return Err(RowAddressError::NotCompressed(layer)),
             };
             let ratio = spec.attention.ratio();
             let region = self
                 .region(layer, kind)
-                .ok_or_else(|| format!("layer {layer} has no {kind:?} region"))?;
+                .ok_or(RowAddressError::NoRegion { layer, kind })?;
             for &w in compressed {
                 if (w + 1) * ratio > seq.len {
-                    return Err(format!(
-                        "compressed row {w} of layer {layer} is not closed at length {}",
-                        seq.len
-                    ));
+                    return Err(RowAddressError::NotClosed {
+                        row: w,
+                        layer,
+                        len: seq.len,
+                    });
                 }
                 let (page, row) = self.compressed_slot(ratio, w);
                 out.push(at(region, page, row)?);

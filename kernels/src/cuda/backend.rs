@@ -13,7 +13,7 @@ use std::{collections::BTreeMap, ops::Range, path::Path};
 
 use cudarc::driver::CudaSlice;
 use engine::{
-    backend::{AttendBatch, Backend, ExpertBatch, LinearId, Op},
+    backend::{AttendBatch, Backend, DeviceError, ExpertBatch, LinearId, Op},
     config::{ExpertFormat, ModelConfig},
     weights::stored::{Fp4Stack, StoredLinear, StoredWeights},
 };
@@ -299,7 +299,7 @@ const MAX_SPLITS: usize = 32;
 
 impl CudaBackend {
     fn attend_on_device(&self, b: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, KernelError> {
-        let packed = compose::pack_attend(&b).map_err(KernelError::Shape)?;
+        let packed = compose::pack_attend(&b).map_err(|e| KernelError::Shape(e.0))?;
         let tokens = b.queries.len();
         if tokens == 0 {
             return Ok(Vec::new());
@@ -502,26 +502,26 @@ impl Backend for CudaBackend {
         which: LinearId,
         rows: Range<usize>,
         xs: &[&[f32]],
-    ) -> Result<Vec<Vec<f32>>, String> {
+    ) -> Result<Vec<Vec<f32>>, DeviceError> {
         self.linear_on_device(layer, which, rows, xs)
-            .map_err(|e| e.to_string())
+            .map_err(DeviceError::device)
     }
 
-    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
-        let ops = self.layer_ops(batch.layer).map_err(|e| e.to_string())?;
-        compose::routed_experts(&ops, ops.dims, batch.xs, batch.pairs).map_err(|e| e.to_string())
+    fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let ops = self.layer_ops(batch.layer).map_err(DeviceError::device)?;
+        compose::routed_experts(&ops, ops.dims, batch.xs, batch.pairs).map_err(DeviceError::device)
     }
 
-    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
-        self.logits_of(hidden).map_err(|e| e.to_string())
+    fn output_head(&self, hidden: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        self.logits_of(hidden).map_err(DeviceError::device)
     }
 
-    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
-        let ops = self.layer_ops(layer).map_err(|e| e.to_string())?;
-        compose::shared_expert(&ops, ops.dims, xs).map_err(|e| e.to_string())
+    fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let ops = self.layer_ops(layer).map_err(DeviceError::device)?;
+        compose::shared_expert(&ops, ops.dims, xs).map_err(DeviceError::device)
     }
 
-    fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
-        self.attend_on_device(batch).map_err(|e| e.to_string())
+    fn attend(&self, batch: AttendBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
+        self.attend_on_device(batch).map_err(DeviceError::device)
     }
 }

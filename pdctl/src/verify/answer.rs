@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use serde_json::Value;
 
-use super::REQUEST_TIMEOUT;
+use super::{REQUEST_TIMEOUT, error::VerifyError};
 
 /// A router and the model it serves.
 #[derive(Debug, Clone)]
@@ -72,7 +72,7 @@ impl Answer {
 
 impl Client {
     /// Connects to the router at `addr`: it must be ready and serve a model.
-    pub async fn connect(addr: SocketAddr, api_key: Option<String>) -> Result<Self, String> {
+    pub async fn connect(addr: SocketAddr, api_key: Option<String>) -> Result<Self, VerifyError> {
         let mut client = Self {
             addr,
             bearer: api_key.map(|k| format!("Bearer {k}")),
@@ -80,16 +80,16 @@ impl Client {
         };
         let (status, body) = client.request("GET", "/health/ready", None).await?;
         if status != 200 {
-            return Err(format!(
-                "not ready: HTTP {status}: {}",
-                String::from_utf8_lossy(&body)
-            ));
+            return Err(VerifyError::NotReady {
+                status,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            });
         }
         let models = client.get_json("/v1/models").await?;
-        models["data"][0]["id"]
-            .as_str()
-            .ok_or_else(|| format!("/v1/models lists no model: {models}"))?
-            .clone_into(&mut client.model);
+        let Some(id) = models["data"][0]["id"].as_str() else {
+            return Err(VerifyError::NoModel { listing: models });
+        };
+        id.clone_into(&mut client.model);
         Ok(client)
     }
 
@@ -99,10 +99,10 @@ impl Client {
 
     async fn request(
         &self,
-        method: &str,
+        method: &'static str,
         path: &str,
         body: Option<Vec<u8>>,
-    ) -> Result<(u16, Vec<u8>), String> {
+    ) -> Result<(u16, Vec<u8>), VerifyError> {
         let headers: Vec<(&str, &str)> = self
             .bearer
             .as_deref()
@@ -117,26 +117,30 @@ impl Client {
             REQUEST_TIMEOUT,
         )
         .await
-        .map_err(|e| format!("{method} {path}: {e}"))?;
+        .map_err(|source| VerifyError::Request {
+            method,
+            path: path.to_owned(),
+            source,
+        })?;
         Ok((response.status, response.body.to_vec()))
     }
 
-    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>), String> {
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>), VerifyError> {
         self.request("POST", path, Some(body)).await
     }
 
-    pub async fn get_json(&self, path: &str) -> Result<Value, String> {
+    pub async fn get_json(&self, path: &str) -> Result<Value, VerifyError> {
         let (status, body) = self.request("GET", path, None).await?;
         json_ok(path, status, &body)
     }
 
-    pub async fn post_json(&self, path: &str, body: &Value) -> Result<Value, String> {
+    pub async fn post_json(&self, path: &str, body: &Value) -> Result<Value, VerifyError> {
         let (status, bytes) = self.post_raw(path, body.to_string().into_bytes()).await?;
         json_ok(path, status, &bytes)
     }
 
     /// A non-streamed chat completion.
-    pub async fn chat(&self, body: &Value) -> Result<Answer, String> {
+    pub async fn chat(&self, body: &Value) -> Result<Answer, VerifyError> {
         let mut body = body.clone();
         body["stream"] = Value::Bool(false);
         let v = self.post_json("/v1/chat/completions", &body).await?;
@@ -161,7 +165,7 @@ impl Client {
 
     /// A streamed chat completion, reassembled; an error event, or a stream that ends without
     /// `[DONE]`, is an error.
-    pub async fn chat_stream(&self, body: &Value) -> Result<Answer, String> {
+    pub async fn chat_stream(&self, body: &Value) -> Result<Answer, VerifyError> {
         let mut body = body.clone();
         body["stream"] = Value::Bool(true);
         body["stream_options"] = serde_json::json!({"include_usage": true});
@@ -169,12 +173,12 @@ impl Client {
             .post_raw("/v1/chat/completions", body.to_string().into_bytes())
             .await?;
         if status != 200 {
-            return Err(format!(
-                "stream: HTTP {status}: {}",
-                String::from_utf8_lossy(&bytes)
-            ));
+            return Err(VerifyError::StreamHttp {
+                status,
+                body: String::from_utf8_lossy(&bytes).into_owned(),
+            });
         }
-        let text = String::from_utf8(bytes).map_err(|_| "stream: not UTF-8".to_owned())?;
+        let text = String::from_utf8(bytes).map_err(|_| VerifyError::StreamNotUtf8)?;
         let mut answer = Answer {
             content: String::new(),
             reasoning: String::new(),
@@ -194,9 +198,14 @@ impl Client {
                 continue;
             }
             let chunk: Value =
-                serde_json::from_str(data).map_err(|e| format!("stream event {data:?}: {e}"))?;
+                serde_json::from_str(data).map_err(|source| VerifyError::StreamEvent {
+                    data: data.to_owned(),
+                    source,
+                })?;
             if chunk.get("error").is_some() {
-                return Err(format!("stream error event: {data}"));
+                return Err(VerifyError::StreamErrorEvent {
+                    data: data.to_owned(),
+                });
             }
             if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
                 answer.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
@@ -221,7 +230,7 @@ impl Client {
             }
         }
         if !done {
-            return Err("the stream ended without [DONE]".to_owned());
+            return Err(VerifyError::StreamUnterminated);
         }
         // Streamed tool calls arrive as deltas; compare them by their assembled arguments.
         answer.tool_calls = merge_tool_call_deltas(&answer.tool_calls);
@@ -229,12 +238,19 @@ impl Client {
     }
 }
 
-fn json_ok(path: &str, status: u16, body: &[u8]) -> Result<Value, String> {
-    let text = String::from_utf8_lossy(body);
+fn json_ok(path: &str, status: u16, body: &[u8]) -> Result<Value, VerifyError> {
     if status != 200 {
-        return Err(format!("{path}: HTTP {status}: {text}"));
+        return Err(VerifyError::Http {
+            path: path.to_owned(),
+            status,
+            body: String::from_utf8_lossy(body).into_owned(),
+        });
     }
-    serde_json::from_slice(body).map_err(|e| format!("{path}: not JSON ({e}): {text}"))
+    serde_json::from_slice(body).map_err(|source| VerifyError::Json {
+        path: path.to_owned(),
+        source,
+        body: String::from_utf8_lossy(body).into_owned(),
+    })
 }
 
 /// Logprobs of the reasoning tokens, then of the content tokens.

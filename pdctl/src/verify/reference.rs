@@ -11,7 +11,7 @@ use engine::{
 };
 use serde_json::json;
 
-use super::{answer::Client, chat_body, prompt_text};
+use super::{answer::Client, chat_body, error::VerifyError, prompt_text};
 
 /// Prompts: short, past the sliding window, and long enough for several compression blocks
 /// and the indexer's top-k.
@@ -24,7 +24,7 @@ struct Local {
 }
 
 /// Compares the cluster with the local engine; `Ok` describes what was compared.
-pub(super) async fn compare(client: &Client, dir: &Path, n: u32) -> Result<String, String> {
+pub(super) async fn compare(client: &Client, dir: &Path, n: u32) -> Result<String, VerifyError> {
     let mut prompts = Vec::new();
     for (seed, words) in PROMPTS {
         let body = chat_body(client.model(), &prompt_text(seed, words), n);
@@ -37,27 +37,29 @@ pub(super) async fn compare(client: &Client, dir: &Path, n: u32) -> Result<Strin
             .await?;
         let ids: Vec<u32> = rendered["tokens"]
             .as_array()
-            .ok_or_else(|| format!("/tokenize gave no tokens: {rendered}"))?
+            .ok_or_else(|| VerifyError::NoTokens {
+                reply: rendered.clone(),
+            })?
             .iter()
             .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
             .collect::<Option<_>>()
-            .ok_or_else(|| "/tokenize gave a non-integer token".to_owned())?;
+            .ok_or(VerifyError::NonIntegerToken)?;
         prompts.push((body, ids));
     }
     let dir = dir.to_path_buf();
     let inputs: Vec<Vec<u32>> = prompts.iter().map(|(_, ids)| ids.clone()).collect();
     let local = tokio::task::spawn_blocking(move || run_local(&dir, &inputs, n))
         .await
-        .map_err(|e| format!("local engine: {e}"))??;
+        .map_err(VerifyError::EngineTask)??;
     let mut compared = 0usize;
     for ((body, ids), want) in prompts.iter().zip(local) {
         let got = client.chat(body).await?;
         if got.prompt_tokens != ids.len() as u64 {
-            return Err(format!(
+            return Err(VerifyError::Mismatch(format!(
                 "prompt of {} tokens counted as {} by the cluster",
                 ids.len(),
                 got.prompt_tokens
-            ));
+            )));
         }
         // The router prints each f32 logprob exactly (shortest round-trip form).
         let cluster: Vec<f32> = got.logprobs.iter().map(|(_, l)| *l as f32).collect();
@@ -66,21 +68,21 @@ pub(super) async fn compare(client: &Client, dir: &Path, n: u32) -> Result<Strin
             .zip(&want.logprobs)
             .position(|(a, b)| a.to_bits() != b.to_bits())
         {
-            return Err(format!(
+            return Err(VerifyError::Mismatch(format!(
                 "prompt of {} tokens: token {i} has logprob {} in the cluster, {} in the \
                  single-process engine",
                 ids.len(),
                 cluster[i],
                 want.logprobs[i]
-            ));
+            )));
         }
         if cluster.len() != want.logprobs.len() {
-            return Err(format!(
+            return Err(VerifyError::Mismatch(format!(
                 "prompt of {} tokens: the cluster generated {} tokens, the engine {}",
                 ids.len(),
                 cluster.len(),
                 want.logprobs.len()
-            ));
+            )));
         }
         let finish = match want.finish {
             Some(FinishReason::Length) => "length",
@@ -88,11 +90,11 @@ pub(super) async fn compare(client: &Client, dir: &Path, n: u32) -> Result<Strin
             None => "",
         };
         if got.finish != finish {
-            return Err(format!(
+            return Err(VerifyError::Mismatch(format!(
                 "prompt of {} tokens: finish {:?} vs the engine's {finish:?}",
                 ids.len(),
                 got.finish
-            ));
+            )));
         }
         compared += cluster.len();
     }
@@ -103,29 +105,29 @@ pub(super) async fn compare(client: &Client, dir: &Path, n: u32) -> Result<Strin
 }
 
 /// Greedy generation of every prompt in one engine (answers do not depend on the batch).
-fn run_local(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Result<Vec<Local>, String> {
-    let model = Model::load(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+fn run_local(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Result<Vec<Local>, VerifyError> {
+    let model = Model::load(dir).map_err(|source| VerifyError::ModelLoad {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
     let eos = model.config.eos_token_ids.clone();
-    let mut engine =
-        Engine::new(model, EngineConfig::default(), "verify").map_err(|e| e.to_string())?;
+    let mut engine = Engine::new(model, EngineConfig::default(), "verify")?;
     for (id, prompt) in prompts.iter().enumerate() {
-        engine
-            .add(GenerationRequest {
-                id: id as u64,
-                prompt: prompt.clone(),
-                sampling: SamplingParams {
-                    logprobs: true,
-                    ..SamplingParams::default()
-                },
-                stop: StopConditions {
-                    max_tokens: n,
-                    min_tokens: 0,
-                    stop_token_ids: Vec::new(),
-                    ignore_eos: false,
-                    eos_token_ids: eos.clone(),
-                },
-            })
-            .map_err(|e| e.to_string())?;
+        engine.add(GenerationRequest {
+            id: id as u64,
+            prompt: prompt.clone(),
+            sampling: SamplingParams {
+                logprobs: true,
+                ..SamplingParams::default()
+            },
+            stop: StopConditions {
+                max_tokens: n,
+                min_tokens: 0,
+                stop_token_ids: Vec::new(),
+                ignore_eos: false,
+                eos_token_ids: eos.clone(),
+            },
+        })?;
     }
     let mut out: Vec<Local> = (0..prompts.len())
         .map(|_| Local {
@@ -141,7 +143,7 @@ fn run_local(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Result<Vec<Local>, Str
                     .push(sampled.logprob.unwrap_or(f32::NAN));
             }
             Event::Finished { id, reason, .. } => out[id as usize].finish = Some(reason),
-            Event::Failed { error, .. } => return Err(format!("local engine: {error}")),
+            Event::Failed { error, .. } => return Err(VerifyError::EngineFailed(error)),
             _ => {}
         }
     }

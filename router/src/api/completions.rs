@@ -271,6 +271,11 @@ pub struct Detokenizer {
     sent: usize,
 }
 
+/// The tokenizer failed to decode the generated ids (its message as it gave it).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DetokenizeError(#[source] tokenizers::Error);
+
 /// What [`Detokenizer::push`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Released {
@@ -292,15 +297,15 @@ impl Detokenizer {
         }
     }
 
-    fn decode(&self, ids: &[u32]) -> Result<String, String> {
+    fn decode(&self, ids: &[u32]) -> Result<String, DetokenizeError> {
         if ids.is_empty() {
             return Ok(String::new());
         }
-        self.tokenizer.decode(ids, false).map_err(|e| e.to_string())
+        self.tokenizer.decode(ids, false).map_err(DetokenizeError)
     }
 
     /// Extends `text` with the newly complete text (all of it with `last`).
-    fn advance(&mut self, last: bool) -> Result<(), String> {
+    fn advance(&mut self, last: bool) -> Result<(), DetokenizeError> {
         if self.read == self.ids.len() {
             return Ok(());
         }
@@ -320,7 +325,7 @@ impl Detokenizer {
 
     /// Adds tokens; returns the text that is now final. With `last`, everything left is
     /// released (a trailing U+FFFD included: the tokens really end mid-character).
-    pub fn push(&mut self, ids: &[u32], last: bool) -> Result<Released, String> {
+    pub fn push(&mut self, ids: &[u32], last: bool) -> Result<Released, DetokenizeError> {
         self.ids.extend_from_slice(ids);
         self.advance(last)?;
         let full = &self.text;
@@ -412,7 +417,7 @@ struct Run {
 }
 
 impl Run {
-    fn release(&mut self, ids: &[u32], last: bool) -> Result<bool, String> {
+    fn release(&mut self, ids: &[u32], last: bool) -> Result<bool, DetokenizeError> {
         let released = self.detok.push(ids, last)?;
         if !released.text.is_empty() {
             self.out.push_back(Piece::Text(released.text));
@@ -483,7 +488,7 @@ pub fn pieces(
                     match run.release(&ids, false) {
                         Ok(true) => run.finish("stop"),
                         Ok(false) => {}
-                        Err(e) => run.fail(ApiError::Internal(e)),
+                        Err(e) => run.fail(ApiError::Internal(e.to_string())),
                     }
                 }
                 Some(BackendEvent::Finished { reason, .. }) => {
@@ -493,7 +498,7 @@ pub fn pieces(
                     };
                     match run.release(&ids, true) {
                         Ok(_) => run.finish(reason),
-                        Err(e) => run.fail(ApiError::Internal(e)),
+                        Err(e) => run.fail(ApiError::Internal(e.to_string())),
                     }
                 }
                 Some(BackendEvent::Failed(error)) => run.fail(ApiError::from(error)),

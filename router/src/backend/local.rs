@@ -8,7 +8,7 @@ use std::sync::{
 
 use engine::{
     model::Model,
-    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
+    scheduler::{Engine, EngineConfig, EngineError, Event, GenerationRequest},
 };
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
@@ -29,7 +29,8 @@ enum Command {
     Submit {
         request: GenerationRequest,
         events: mpsc::UnboundedSender<BackendEvent>,
-        reply: oneshot::Sender<Result<(), String>>,
+        /// Whether the engine took the request (or why it refused it).
+        reply: oneshot::Sender<Result<(), EngineError>>,
     },
     Cancel(u64),
     Stats(oneshot::Sender<EngineStats>),
@@ -94,7 +95,7 @@ impl Backend for LocalBackend {
             });
             match reply_rx.await {
                 Ok(Ok(())) => Ok(stream),
-                Ok(Err(message)) => Err(BackendError::invalid(message)),
+                Ok(Err(refused)) => Err(BackendError::invalid(refused.to_string())),
                 Err(_) => Err(gone()),
             }
         })
@@ -206,7 +207,7 @@ fn handle(
                     }
                 }
                 Err(e) => {
-                    let _ = reply.send(Err(e.to_string()));
+                    let _ = reply.send(Err(e));
                 }
             }
         }

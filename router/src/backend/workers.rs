@@ -31,6 +31,17 @@ pub const HEARTBEAT_MS: u32 = 500;
 /// A registered worker whose last heartbeat is older than this is dropped.
 pub const EXPIRY_MS: u32 = 2000;
 
+/// Why a worker cannot be added to the registry.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// Its address makes no endpoint (not host:port, or the TLS settings do not apply).
+    #[error("worker address {address}: {source}")]
+    Address {
+        address: String,
+        source: tonic::transport::Error,
+    },
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -70,11 +81,14 @@ impl Worker {
         dynamic: bool,
         state: WorkerState,
         credentials: &Credentials,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, RegistryError> {
         let channel = credentials
             .endpoint(address)
             .map(|e| credentials.channel(e.connect_timeout(POLL_TIMEOUT).connect_lazy()))
-            .map_err(|e| format!("worker address {address}: {e}"))?;
+            .map_err(|source| RegistryError::Address {
+                address: address.to_owned(),
+                source,
+            })?;
         Ok(Arc::new(Self {
             id: Mutex::new(id),
             address: address.to_owned(),
@@ -206,13 +220,13 @@ impl Pool {
         role: &'static str,
         addresses: &[String],
         credentials: &Credentials,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, RegistryError> {
         // Starting until the first poll answers: a static worker may still be loading its
         // model, and a request must never reach a worker that is.
         let workers = addresses
             .iter()
             .map(|a| Worker::new(a, a.clone(), false, WorkerState::Starting, credentials))
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, _>>()?;
         for w in &workers {
             w.monitor();
         }
@@ -233,7 +247,7 @@ impl Pool {
 
     /// Adds or refreshes a registered worker (by id; a new address replaces the old entry) in
     /// the `state` it registered with.
-    fn register(&self, id: &str, address: &str, state: WorkerState) -> Result<(), String> {
+    fn register(&self, id: &str, address: &str, state: WorkerState) -> Result<(), RegistryError> {
         let mut workers = self
             .workers
             .write()
@@ -378,7 +392,7 @@ impl Workers {
         prefill: &[String],
         decode: &[String],
         credentials: &Credentials,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, RegistryError> {
         let workers = Arc::new(Self {
             prefill: Pool::new("prefill", prefill, credentials)?,
             decode: Pool::new("decode", decode, credentials)?,
@@ -506,7 +520,7 @@ impl Registry for RegistryService {
         // READY (in a heartbeat or an `Info` poll). A state it did not say is not READY.
         let state = WorkerState::try_from(info.state).unwrap_or(WorkerState::Starting);
         pool.register(&info.worker_id, &info.address, state)
-            .map_err(Status::invalid_argument)?;
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok(Response::new(RegisterResponse {
             heartbeat_interval_ms: HEARTBEAT_MS,
             expiry_ms: EXPIRY_MS,
@@ -594,5 +608,22 @@ mod tests {
         }
         assert!(pool.heartbeat("prefill-1", Some(WorkerState::Ready), None));
         assert!(pool.pick(Policy::RoundRobin, None, None, 0).is_ok());
+    }
+
+    /// A registration whose address makes no endpoint is refused, naming the address.
+    #[tokio::test]
+    async fn a_bad_address_is_refused() {
+        let pool = Pool::new("prefill", &[], &Credentials::none()).unwrap();
+        let e = pool
+            .register("prefill-1", "not an address", WorkerState::Loading)
+            .unwrap_err();
+        assert!(
+            matches!(&e, RegistryError::Address { address, .. } if address == "not an address")
+        );
+        assert!(
+            e.to_string().starts_with("worker address not an address: "),
+            "{e}"
+        );
+        assert!(pool.snapshot().is_empty());
     }
 }
