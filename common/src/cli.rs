@@ -3,6 +3,15 @@
 
 use std::{fmt, future::Future, process::ExitCode};
 
+/// `--config FILE` (env `PDSERVE_CONFIG`): the TOML layer of a service's settings, the same
+/// flag for every service.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ConfigFileArg {
+    /// TOML configuration file.
+    #[arg(long = "config", env = crate::env::CONFIG, value_name = "FILE")]
+    pub path: Option<std::path::PathBuf>,
+}
+
 /// Exit status for configuration errors (bad key, type, value, port in use).
 pub const EXIT_CONFIG: u8 = 2;
 /// Exit status for failures while running.

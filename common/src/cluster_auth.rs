@@ -18,6 +18,18 @@ use tonic::codegen::{BoxFuture, http};
 
 use crate::config::Invalid;
 
+/// Command-line flags of the cluster's security settings (`cluster_secret_file` and `[tls]`),
+/// the same for every service.
+#[derive(Debug, Clone, Default, clap::Args, serde::Serialize)]
+pub struct SecurityFlags {
+    /// File holding the cluster's shared secret (all roles must use the same).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_secret_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    #[serde(skip_serializing_if = "crate::internal_tls::TlsFlags::is_empty")]
+    pub tls: crate::internal_tls::TlsFlags,
+}
 /// Configuration key of the secret file, the same in every role.
 pub const KEY: &str = "cluster_secret_file";
 

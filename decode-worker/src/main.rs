@@ -9,7 +9,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     common::cli::run_service::<DecodeConfig, _, _, _>(
         "pdserve-decode",
-        cli.config.as_deref(),
+        cli.config.path.as_deref(),
         &cli,
         decode_worker::run,
     )

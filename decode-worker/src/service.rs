@@ -12,6 +12,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use worker_core::transports::start_offered;
 
 use common::fault::Fault;
 use engine::{
@@ -121,39 +122,25 @@ impl DecodeWorker {
         address: String,
         mut transports: Vec<TransportKind>,
     ) -> Self {
-        let mut ucx = None;
-        if transports.contains(&TransportKind::Ucx) {
-            let regions = engine
+        let regions = if transports.contains(&TransportKind::Ucx) {
+            engine
                 .runner
                 .call(|engine, _| engine.state_memory())
                 .await
-                .map(|m| m.map(|(base, length)| Region { base, length }).to_vec());
-            match regions.map(Exporter::start) {
-                Ok(Ok(exporter)) => ucx = Some(exporter),
-                Ok(Err(e)) => tracing::warn!(error = %e, "UCX unavailable; not offering it"),
-                Err(_) => tracing::warn!("the engine stopped; not offering UCX"),
-            }
-            if ucx.is_none() {
-                transports.retain(|t| *t != TransportKind::Ucx);
-            }
-        }
-        #[cfg(feature = "nccl")]
-        let nccl = if transports.contains(&TransportKind::Nccl) {
-            // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
-            kv_transfer::nccl::NcclReceiver::start(worker_id.clone(), 0)
-                .inspect_err(|e| {
-                    tracing::warn!(error = %e, "NCCL unavailable; not offering it");
-                    transports.retain(|t| *t != TransportKind::Nccl);
-                })
-                .ok()
+                .map(|m| m.map(|(base, length)| Region { base, length }).to_vec())
         } else {
-            None
+            Ok(Vec::new())
         };
-        #[cfg(not(feature = "nccl"))]
-        if transports.contains(&TransportKind::Nccl) {
-            tracing::warn!("this worker was built without NCCL; not offering it");
-            transports.retain(|t| *t != TransportKind::Nccl);
-        }
+        let ucx = start_offered(&mut transports, TransportKind::Ucx, || match regions {
+            Ok(regions) => Exporter::start(regions).map_err(|e| e.to_string()),
+            Err(_) => Err("the engine stopped".to_owned()),
+        });
+        // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
+        #[cfg(feature = "nccl")]
+        let nccl = start_offered(&mut transports, TransportKind::Nccl, || {
+            kv_transfer::nccl::NcclReceiver::start(worker_id.clone(), 0)
+        });
+        worker_core::transports::without_unbuilt_nccl(&mut transports, cfg!(feature = "nccl"));
         Self {
             engine,
             worker_id,

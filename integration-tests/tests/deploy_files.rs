@@ -641,3 +641,19 @@ fn dashboard_alerts_and_docs_use_exported_metric_names() {
         bad.join("\n")
     );
 }
+
+/// Every role's built-in settings are valid, and the annotated example of each in
+/// deploy/config/ loads and changes keys it shows.
+#[test]
+fn example_configs_load_and_change_their_defaults() {
+    fn check<C: ServiceConfig + PartialEq + std::fmt::Debug>(file: &str) {
+        assert!(C::default().validate().is_ok(), "{file}: defaults");
+        let path = deploy_dir().join("config").join(file);
+        let loaded: C =
+            load(Some(&path), Vec::new(), &no_flags()).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_ne!(loaded, C::default(), "{file}");
+    }
+    check::<RouterConfig>("router.toml");
+    check::<PrefillConfig>("prefill.toml");
+    check::<DecodeConfig>("decode.toml");
+}

@@ -12,26 +12,44 @@ pub const SUPPORTED: &[TransportKind] = &[TransportKind::Ucx, TransportKind::Tcp
 pub const SUPPORTED: &[TransportKind] =
     &[TransportKind::Ucx, TransportKind::Nccl, TransportKind::Tcp];
 
+/// A configured transport or list of transports that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportConfigError {
+    /// Not the name of any transport; `accepted` lists this build's names.
+    #[error("unknown transport {name:?} (accepted: {accepted})")]
+    UnknownTransport {
+        name: String,
+        accepted: &'static str,
+    },
+    /// `nccl` in a build without the `nccl` feature.
+    #[error("transport \"nccl\": this binary was built without NCCL (cargo feature `nccl`)")]
+    NotBuilt,
+    /// An empty list of transports.
+    #[error("at least one transport is required")]
+    Empty,
+    /// A transport (its configuration name) listed more than once.
+    #[error("transport {0:?} is listed twice")]
+    Repeated(&'static str),
+}
+
 /// A transport from its configuration name (`ucx`, `tcp`, and `nccl` in builds with the
 /// `nccl` feature).
-pub fn parse_transport(name: &str) -> Result<TransportKind, String> {
+pub fn parse_transport(name: &str) -> Result<TransportKind, TransportConfigError> {
     match name {
         "ucx" => Ok(TransportKind::Ucx),
         "tcp" => Ok(TransportKind::Tcp),
         "nccl" if cfg!(feature = "nccl") => Ok(TransportKind::Nccl),
-        "nccl" => Err(
-            "transport \"nccl\": this binary was built without NCCL (cargo feature `nccl`)"
-                .to_owned(),
-        ),
+        "nccl" => Err(TransportConfigError::NotBuilt),
         other => {
             let accepted = if cfg!(feature = "nccl") {
                 "ucx, nccl, tcp"
             } else {
                 "ucx, tcp"
             };
-            Err(format!(
-                "unknown transport {other:?} (accepted: {accepted})"
-            ))
+            Err(TransportConfigError::UnknownTransport {
+                name: other.to_owned(),
+                accepted,
+            })
         }
     }
 }
@@ -47,16 +65,13 @@ pub fn transport_name(kind: TransportKind) -> &'static str {
 }
 
 /// A configured list of transports in order of preference: at least one, none twice.
-pub fn check_transports(kinds: &[TransportKind]) -> Result<(), String> {
+pub fn check_transports(kinds: &[TransportKind]) -> Result<(), TransportConfigError> {
     if kinds.is_empty() {
-        return Err("at least one transport is required".to_owned());
+        return Err(TransportConfigError::Empty);
     }
     for (i, kind) in kinds.iter().enumerate() {
         if kinds[..i].contains(kind) {
-            return Err(format!(
-                "transport {:?} is listed twice",
-                transport_name(*kind)
-            ));
+            return Err(TransportConfigError::Repeated(transport_name(*kind)));
         }
     }
     Ok(())
@@ -101,24 +116,38 @@ mod tests {
         for kind in SUPPORTED {
             assert_eq!(parse_transport(transport_name(*kind)), Ok(*kind));
         }
-        assert!(parse_transport("rdma").is_err_and(|e| e.contains("unknown transport")));
+        let rdma = parse_transport("rdma");
+        assert!(
+            matches!(&rdma, Err(TransportConfigError::UnknownTransport { name, .. }) if name == "rdma"),
+            "{rdma:?}"
+        );
+        assert!(rdma.is_err_and(|e| {
+            e.to_string()
+                .starts_with("unknown transport \"rdma\" (accepted: ucx, ")
+        }));
         let nccl = parse_transport("nccl");
         if cfg!(feature = "nccl") {
             assert_eq!(nccl, Ok(TransportKind::Nccl));
             assert_eq!(SUPPORTED.len(), 3);
         } else {
-            assert!(nccl.is_err_and(|e| e.contains("built without NCCL")));
+            assert_eq!(nccl, Err(TransportConfigError::NotBuilt));
+            assert!(
+                TransportConfigError::NotBuilt
+                    .to_string()
+                    .contains("built without NCCL")
+            );
             assert!(!SUPPORTED.contains(&TransportKind::Nccl));
         }
         assert_eq!(
             check_transports(&[TransportKind::Tcp, TransportKind::Ucx]),
             Ok(())
         );
-        assert!(
-            check_transports(&[TransportKind::Tcp, TransportKind::Tcp])
-                .is_err_and(|e| e.contains("listed twice"))
-        );
-        assert!(check_transports(&[]).is_err());
+        let twice = check_transports(&[TransportKind::Tcp, TransportKind::Tcp]);
+        assert_eq!(twice, Err(TransportConfigError::Repeated("tcp")));
+        assert!(twice.is_err_and(|e| e.to_string() == "transport \"tcp\" is listed twice"));
+        let empty = check_transports(&[]);
+        assert_eq!(empty, Err(TransportConfigError::Empty));
+        assert!(empty.is_err_and(|e| e.to_string() == "at least one transport is required"));
     }
 
     #[test]

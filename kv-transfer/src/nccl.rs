@@ -41,8 +41,8 @@ use std::{
 };
 
 use cudarc::{
-    driver::{CudaContext, CudaSlice, CudaStream},
-    nccl::{Comm, Id},
+    driver::{CudaContext, CudaSlice, CudaStream, DriverError},
+    nccl::{Comm, Id, result::NcclError},
 };
 use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
@@ -177,6 +177,54 @@ fn id_from_bytes(bytes: &[u8]) -> Option<Id> {
     Some(Id::uninit(bytes.map(|b| c_char::from_ne_bytes([b]))))
 }
 
+/// Why a pair's thread could not join or move a transfer (a [`TransferError::Failed`]
+/// message for the caller).
+#[derive(Debug, Clone, thiserror::Error)]
+enum LinkError {
+    /// A CUDA or NCCL call failed: `call` names it (with what it was for), `message` says why.
+    #[error("{call}: {message}")]
+    Cuda { call: String, message: String },
+    /// The pair was marked broken or closed while this step waited.
+    #[error("the NCCL connection was closed")]
+    Closed,
+    /// The peer did not finish its side of a transfer within [`TIMEOUT`].
+    #[error("the peer did not complete the transfer within {TIMEOUT:?} (gone?)")]
+    Timeout,
+    /// The prefill side's thread got transfer `seq` while `next` was due.
+    #[error("transfer {seq} queued out of order ({next} next)")]
+    OutOfOrder { seq: u64, next: u64 },
+    /// The decode side's pair was replaced by a newer one or shut down.
+    #[error("the NCCL connection was replaced or closed")]
+    Replaced,
+    /// The decode side's queue of announcements closed.
+    #[error("the NCCL connection closed")]
+    Disconnected,
+    /// A later transfer waited [`TIMEOUT`] for this one's announcement.
+    #[error("transfer {0} was not announced within {TIMEOUT:?}")]
+    NotAnnounced(u64),
+    /// The same transfer was announced twice.
+    #[error("transfer {0} announced twice")]
+    AnnouncedTwice(u64),
+}
+
+impl LinkError {
+    /// The error of a failed CUDA driver call.
+    fn cuda(call: impl Into<String>) -> impl FnOnce(DriverError) -> Self {
+        move |e| Self::Cuda {
+            call: call.into(),
+            message: e.to_string(),
+        }
+    }
+
+    /// The error of a failed NCCL call.
+    fn nccl(call: &'static str) -> impl FnOnce(NcclError) -> Self {
+        move |e| Self::Cuda {
+            call: call.to_owned(),
+            message: format!("{:?}", e.0),
+        }
+    }
+}
+
 /// One side of a pair's communicator, owned by the pair's thread (communicators must not be
 /// used from two threads at once). Fields drop in order: the communicator is aborted before
 /// the buffer it may still be using is freed.
@@ -188,13 +236,14 @@ struct Link {
 
 impl Link {
     /// Joins the communicator `id` as `rank` (blocks until the other rank joined too).
-    fn join(device: usize, rank: i32, id: Id) -> Result<Self, String> {
-        let ctx = CudaContext::new(device).map_err(|e| format!("CUDA device {device}: {e}"))?;
+    fn join(device: usize, rank: i32, id: Id) -> Result<Self, LinkError> {
+        let ctx =
+            CudaContext::new(device).map_err(LinkError::cuda(format!("CUDA device {device}")))?;
         // A stream of its own: NCCL's kernels on the legacy default stream would serialise
         // with every other pair's work on this device.
-        let stream = ctx.new_stream().map_err(|e| format!("CUDA stream: {e}"))?;
+        let stream = ctx.new_stream().map_err(LinkError::cuda("CUDA stream"))?;
         let comm = Comm::from_rank(Arc::clone(&stream), rank as usize, RANKS, id)
-            .map_err(|e| format!("ncclCommInitRank: {:?}", e.0))?;
+            .map_err(LinkError::nccl("ncclCommInitRank"))?;
         let mut link = Self {
             comm,
             buffer: None,
@@ -217,45 +266,43 @@ impl Link {
         buffer: &'a mut Option<CudaSlice<u8>>,
         stream: &Arc<CudaStream>,
         len: usize,
-    ) -> Result<&'a mut CudaSlice<u8>, String> {
-        if buffer.as_ref().is_none_or(|b| b.len() < len) {
+    ) -> Result<&'a mut CudaSlice<u8>, LinkError> {
+        if buffer.as_ref().is_some_and(|b| b.len() < len) {
             // Free the old buffer before allocating the larger one.
             *buffer = None;
-            *buffer = Some(
+        }
+        match buffer {
+            Some(b) => Ok(b),
+            None => Ok(buffer.insert(
                 stream
                     .alloc_zeros::<u8>(len)
-                    .map_err(|e| format!("device buffer of {len} bytes: {e}"))?,
-            );
+                    .map_err(LinkError::cuda(format!("device buffer of {len} bytes")))?,
+            )),
         }
-        buffer.as_mut().ok_or_else(|| "no device buffer".to_owned())
     }
 
     /// Waits until the work queued on `stream` so far completed, the deadline passed or
     /// `abort` was set.
-    fn wait(stream: &CudaStream, deadline: Instant, abort: &AtomicBool) -> Result<(), String> {
+    fn wait(stream: &CudaStream, deadline: Instant, abort: &AtomicBool) -> Result<(), LinkError> {
         let event = stream
             .record_event(None)
-            .map_err(|e| format!("CUDA event: {e}"))?;
+            .map_err(LinkError::cuda("CUDA event"))?;
         loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(format!("CUDA: {e}")),
+            if event.try_is_complete().map_err(LinkError::cuda("CUDA"))? {
+                return Ok(());
             }
             if abort.load(Ordering::Acquire) {
-                return Err("the NCCL connection was closed".to_owned());
+                return Err(LinkError::Closed);
             }
             if Instant::now() > deadline {
-                return Err(format!(
-                    "the peer did not complete the transfer within {TIMEOUT:?} (gone?)"
-                ));
+                return Err(LinkError::Timeout);
             }
             std::thread::sleep(POLL);
         }
     }
 
     /// Sends `pieces`, concatenated, to the decode rank; returns once they left.
-    fn send(&mut self, pieces: &[Vec<u8>], abort: &AtomicBool) -> Result<(), String> {
+    fn send(&mut self, pieces: &[Vec<u8>], abort: &AtomicBool) -> Result<(), LinkError> {
         let total: usize = pieces.iter().map(Vec::len).sum();
         if total == 0 {
             // The decode side skips empty transfers too.
@@ -270,17 +317,17 @@ impl Link {
                     piece.as_slice(),
                     &mut buffer.slice_mut(at..at + piece.len()),
                 )
-                .map_err(|e| format!("copy to the device: {e}"))?;
+                .map_err(LinkError::cuda("copy to the device"))?;
             at += piece.len();
         }
         self.comm
             .send(&buffer.slice(0..total), DECODE_RANK)
-            .map_err(|e| format!("ncclSend: {:?}", e.0))?;
+            .map_err(LinkError::nccl("ncclSend"))?;
         Self::wait(&self.stream, deadline, abort)
     }
 
     /// Receives `total` bytes from the prefill rank into host memory.
-    fn recv(&mut self, total: usize, abort: &AtomicBool) -> Result<Vec<u8>, String> {
+    fn recv(&mut self, total: usize, abort: &AtomicBool) -> Result<Vec<u8>, LinkError> {
         if total == 0 {
             return Ok(Vec::new());
         }
@@ -288,17 +335,15 @@ impl Link {
         let buffer = Self::staging(&mut self.buffer, &self.stream, total)?;
         self.comm
             .recv(&mut buffer.slice_mut(0..total), PREFILL_RANK)
-            .map_err(|e| format!("ncclRecv: {:?}", e.0))?;
+            .map_err(LinkError::nccl("ncclRecv"))?;
         // Bounded wait before the copy: a copy queued behind a receive that never completes
         // would block this thread without a timeout.
         Self::wait(&self.stream, deadline, abort)?;
         let mut host = vec![0u8; total];
         self.stream
             .memcpy_dtoh(&buffer.slice(0..total), host.as_mut_slice())
-            .map_err(|e| format!("copy from the device: {e}"))?;
-        self.stream
-            .synchronize()
-            .map_err(|e| format!("CUDA: {e}"))?;
+            .map_err(LinkError::cuda("copy from the device"))?;
+        self.stream.synchronize().map_err(LinkError::cuda("CUDA"))?;
         Ok(host)
     }
 }
@@ -310,7 +355,7 @@ fn spawn_pair<F>(
     device: usize,
     rank: i32,
     id: Id,
-    ready: oneshot::Sender<Result<(), String>>,
+    ready: oneshot::Sender<Result<(), LinkError>>,
     work: F,
 ) -> Result<(), TransferError>
 where
@@ -339,7 +384,7 @@ where
 struct SendJob {
     seq: u64,
     pieces: Vec<Vec<u8>>,
-    done: oneshot::Sender<Result<(), String>>,
+    done: oneshot::Sender<Result<(), LinkError>>,
 }
 
 /// The next sequence number and the thread's queue, locked together so that jobs reach the
@@ -495,10 +540,10 @@ impl NcclSender {
             result = &mut sent => {
                 match result {
                     Ok(Ok(())) => {}
-                    Ok(Err(message)) => {
+                    Ok(Err(e)) => {
                         // The thread already marked the pair broken.
                         rpc.abort();
-                        return Err(failed(message));
+                        return Err(failed(e.to_string()));
                     }
                     Err(_) => {
                         rpc.abort();
@@ -524,7 +569,7 @@ impl NcclSender {
                 let answer = answer(joined);
                 match tokio::time::timeout(GRACE, &mut sent).await {
                     Ok(Ok(Ok(()))) => answer,
-                    Ok(Ok(Err(message))) => Err(answer.err().unwrap_or_else(|| failed(message))),
+                    Ok(Ok(Err(e))) => Err(answer.err().unwrap_or_else(|| failed(e.to_string()))),
                     Ok(Err(_)) | Err(_) => {
                         peer.break_off();
                         Err(answer.err().unwrap_or_else(|| {
@@ -606,7 +651,7 @@ impl NcclSender {
                 proto::error::from_status(&status).message
             )),
             (_, Err(_)) => Err(format!("NcclConnect: no answer within {TIMEOUT:?}")),
-            (Ok(Ok(Err(e))), _) => Err(e),
+            (Ok(Ok(Err(e))), _) => Err(e.to_string()),
             (Ok(Err(_)), _) => Err("the NCCL thread stopped".to_owned()),
             (Err(_), _) => Err(format!("joining the communicator took over {TIMEOUT:?}")),
         };
@@ -630,12 +675,9 @@ fn send_thread(mut link: Link, jobs: &mpsc::Receiver<SendJob>, broken: &AtomicBo
     let mut next = 0u64;
     while let Ok(job) = jobs.recv() {
         let result = if broken.load(Ordering::Acquire) {
-            Err("the NCCL connection was closed".to_owned())
+            Err(LinkError::Closed)
         } else if job.seq != next {
-            Err(format!(
-                "transfer {} queued out of order ({next} next)",
-                job.seq
-            ))
+            Err(LinkError::OutOfOrder { seq: job.seq, next })
         } else {
             link.send(&job.pieces, broken)
         };
@@ -657,7 +699,7 @@ fn send_thread(mut link: Link, jobs: &mpsc::Receiver<SendJob>, broken: &AtomicBo
 struct Expectation {
     seq: u64,
     total: usize,
-    reply: oneshot::Sender<Result<Vec<u8>, String>>,
+    reply: oneshot::Sender<Result<Vec<u8>, LinkError>>,
 }
 
 /// An open communicator with one prefill worker.
@@ -746,7 +788,7 @@ impl NcclReceiver {
         );
         let result = match tokio::time::timeout(TIMEOUT, joined).await {
             Ok(Ok(Ok(()))) => return Ok(()),
-            Ok(Ok(Err(e))) => e,
+            Ok(Ok(Err(e))) => e.to_string(),
             Ok(Err(_)) => "the NCCL thread stopped".to_owned(),
             Err(_) => format!("joining the communicator took over {TIMEOUT:?}"),
         };
@@ -820,7 +862,7 @@ impl NcclReceiver {
         let data = received
             .await
             .map_err(|_| self.status(&failed("the NCCL connection closed".to_owned())))?
-            .map_err(|message| self.status(&failed(message)))?;
+            .map_err(|e| self.status(&failed(e.to_string())))?;
         let mut bytes = 0u64;
         let mut at = 0usize;
         for piece in request.pieces {
@@ -850,7 +892,7 @@ fn recv_thread(mut link: Link, expectations: &mpsc::Receiver<Expectation>, close
     let mut gap_since: Option<Instant> = None;
     let end = loop {
         if closed.load(Ordering::Acquire) {
-            break "the NCCL connection was replaced or closed".to_owned();
+            break LinkError::Replaced;
         }
         if let Some(e) = pending.remove(&next) {
             gap_since = None;
@@ -866,7 +908,7 @@ fn recv_thread(mut link: Link, expectations: &mpsc::Receiver<Expectation>, close
         let message = if pending.is_empty() {
             match expectations.recv() {
                 Ok(m) => m,
-                Err(_) => break "the NCCL connection closed".to_owned(),
+                Err(_) => break LinkError::Disconnected,
             }
         } else {
             // NCCL delivers the bytes in send order: nothing later can be received before
@@ -876,15 +918,13 @@ fn recv_thread(mut link: Link, expectations: &mpsc::Receiver<Expectation>, close
             match expectations.recv_timeout(left) {
                 Ok(m) => m,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    break format!("transfer {next} was not announced within {TIMEOUT:?}");
+                    break LinkError::NotAnnounced(next);
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    break "the NCCL connection closed".to_owned();
-                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break LinkError::Disconnected,
             }
         };
         if message.seq < next || pending.contains_key(&message.seq) {
-            let error = format!("transfer {} announced twice", message.seq);
+            let error = LinkError::AnnouncedTwice(message.seq);
             let _ = message.reply.send(Err(error.clone()));
             break error;
         }
@@ -966,6 +1006,50 @@ mod tests {
                 e.to_string().contains("not present") || e.to_string().contains("device"),
                 "{e}"
             ),
+        }
+    }
+
+    #[test]
+    fn link_errors_read_as_the_messages_callers_see() {
+        let cases = [
+            (
+                LinkError::Cuda {
+                    call: "device buffer of 8 bytes".into(),
+                    message: "out of memory".into(),
+                },
+                "device buffer of 8 bytes: out of memory".to_owned(),
+            ),
+            (
+                LinkError::Closed,
+                "the NCCL connection was closed".to_owned(),
+            ),
+            (
+                LinkError::Timeout,
+                format!("the peer did not complete the transfer within {TIMEOUT:?} (gone?)"),
+            ),
+            (
+                LinkError::OutOfOrder { seq: 3, next: 1 },
+                "transfer 3 queued out of order (1 next)".to_owned(),
+            ),
+            (
+                LinkError::Replaced,
+                "the NCCL connection was replaced or closed".to_owned(),
+            ),
+            (
+                LinkError::Disconnected,
+                "the NCCL connection closed".to_owned(),
+            ),
+            (
+                LinkError::NotAnnounced(4),
+                format!("transfer 4 was not announced within {TIMEOUT:?}"),
+            ),
+            (
+                LinkError::AnnouncedTwice(5),
+                "transfer 5 announced twice".to_owned(),
+            ),
+        ];
+        for (error, text) in cases {
+            assert_eq!(error.to_string(), text);
         }
     }
 

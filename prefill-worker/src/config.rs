@@ -1,8 +1,6 @@
 //! Settings of the prefill worker: the shared worker settings (worker-core) plus how it sends
 //! the prompt state. Layering: defaults < `--config` TOML < `PDSERVE_*` env < flags.
 
-use std::path::PathBuf;
-
 use clap::Parser;
 use common::config::{Invalid, ServiceConfig};
 use serde::{Deserialize, Serialize};
@@ -45,10 +43,9 @@ impl ServiceConfig for PrefillConfig {
 #[derive(Debug, Parser, Serialize)]
 #[command(name = "pdserve-prefill", version, about = "pdserve prefill worker", long_about = None)]
 pub struct Cli {
-    /// TOML configuration file.
-    #[arg(long, env = common::env::CONFIG, value_name = "FILE")]
+    #[command(flatten)]
     #[serde(skip)]
-    pub config: Option<PathBuf>,
+    pub config: common::cli::ConfigFileArg,
     #[command(flatten)]
     #[serde(flatten)]
     pub worker: WorkerFlags,
@@ -56,31 +53,4 @@ pub struct Cli {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_state: Option<bool>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Serialize)]
-    struct NoFlags {}
-
-    #[test]
-    fn defaults_are_valid() {
-        assert!(PrefillConfig::default().validate().is_ok());
-        assert_eq!(
-            PrefillConfig::default().worker.grpc_listen.port(),
-            DEFAULT_PORT
-        );
-    }
-
-    /// The annotated example in deploy/ loads and changes every key it shows.
-    #[test]
-    fn deploy_example_loads() {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/prefill.toml");
-        let loaded: PrefillConfig =
-            common::config::load(Some(&path), Vec::new(), &NoFlags {}).unwrap();
-        assert_ne!(loaded, PrefillConfig::default());
-    }
 }

@@ -9,7 +9,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     common::cli::run_service::<PrefillConfig, _, _, _>(
         "pdserve-prefill",
-        cli.config.as_deref(),
+        cli.config.path.as_deref(),
         &cli,
         prefill_worker::run,
     )

@@ -11,6 +11,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use worker_core::transports::start_offered;
 
 use common::fault::Fault;
 use engine::{
@@ -116,33 +117,13 @@ impl PrefillWorker {
         stream_state: bool,
         credentials: Credentials,
     ) -> Self {
-        let mut ucx = None;
-        if transports.contains(&TransportKind::Ucx) {
-            match Putter::start() {
-                Ok(putter) => ucx = Some(putter),
-                Err(e) => {
-                    tracing::warn!(error = %e, "UCX unavailable; not offering it");
-                    transports.retain(|t| *t != TransportKind::Ucx);
-                }
-            }
-        }
+        let ucx = start_offered(&mut transports, TransportKind::Ucx, Putter::start);
+        // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
         #[cfg(feature = "nccl")]
-        let nccl = if transports.contains(&TransportKind::Nccl) {
-            // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
+        let nccl = start_offered(&mut transports, TransportKind::Nccl, || {
             kv_transfer::nccl::NcclSender::start(worker_id.clone(), 0, credentials.clone())
-                .inspect_err(|e| {
-                    tracing::warn!(error = %e, "NCCL unavailable; not offering it");
-                    transports.retain(|t| *t != TransportKind::Nccl);
-                })
-                .ok()
-        } else {
-            None
-        };
-        #[cfg(not(feature = "nccl"))]
-        if transports.contains(&TransportKind::Nccl) {
-            tracing::warn!("this worker was built without NCCL; not offering it");
-            transports.retain(|t| *t != TransportKind::Nccl);
-        }
+        });
+        worker_core::transports::without_unbuilt_nccl(&mut transports, cfg!(feature = "nccl"));
         Self {
             engine,
             worker_id,

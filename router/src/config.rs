@@ -241,10 +241,9 @@ impl ServiceConfig for RouterConfig {
 #[derive(Debug, Parser, Serialize)]
 #[command(name = "pdserve-router", version, about = "pdserve router: OpenAI-compatible HTTP API over prefill and decode workers", long_about = None)]
 pub struct Cli {
-    /// TOML configuration file.
-    #[arg(long, env = common::env::CONFIG, value_name = "FILE")]
+    #[command(flatten)]
     #[serde(skip)]
-    pub config: Option<PathBuf>,
+    pub config: common::cli::ConfigFileArg,
     /// HTTP listen address, e.g. 0.0.0.0:8000 (port 0: any free port).
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -293,13 +292,9 @@ pub struct Cli {
     #[arg(long = "api-key", value_name = "KEY")]
     #[serde(rename = "api_keys", skip_serializing_if = "Vec::is_empty")]
     pub api_keys: Vec<String>,
-    /// File holding the cluster's shared secret (all roles must use the same).
-    #[arg(long, value_name = "FILE")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cluster_secret_file: Option<PathBuf>,
     #[command(flatten)]
-    #[serde(skip_serializing_if = "common::internal_tls::TlsFlags::is_empty")]
-    pub tls: common::internal_tls::TlsFlags,
+    #[serde(flatten)]
+    pub security: common::cluster_auth::SecurityFlags,
     /// Requests one API key may have in flight (0: no limit).
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -340,27 +335,4 @@ pub struct Cli {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub transfer_checksums: Option<bool>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Serialize)]
-    struct NoFlags {}
-
-    #[test]
-    fn defaults_are_valid() {
-        assert!(RouterConfig::default().validate().is_ok());
-    }
-
-    /// The annotated example in deploy/ loads and changes every key it shows.
-    #[test]
-    fn deploy_example_loads() {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/router.toml");
-        let loaded: RouterConfig =
-            common::config::load(Some(&path), Vec::new(), &NoFlags {}).unwrap();
-        assert_ne!(loaded, RouterConfig::default());
-    }
 }

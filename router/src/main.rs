@@ -9,7 +9,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     common::cli::run_service::<RouterConfig, _, _, _>(
         "pdserve-router",
-        cli.config.as_deref(),
+        cli.config.path.as_deref(),
         &cli,
         router::run,
     )

@@ -2,10 +2,12 @@
 //! ([`settings::WorkerSettings`], which each role's settings embed, and the matching
 //! [`settings::WorkerFlags`]), and a worker process's life ([`start::run`]: bind, load the
 //! model while reporting progress, register, serve the role's gRPC services, drain, stop).
-//! The roles (`prefill-worker`, `decode-worker`) hold only their services and their own keys.
+//! The roles (`prefill-worker`, `decode-worker`) hold only their services and their own keys;
+//! [`transports`] starts the transport endpoints they offer.
 
 pub mod settings;
 pub mod start;
+pub mod transports;
 
 pub use settings::{Transport, WorkerFlags, WorkerSettings};
 pub use start::{Loaded, RoleSpec, RoleWorker, bind, run};

@@ -126,7 +126,7 @@ impl WorkerSettings {
             1 << 20,
         )?;
         kv_transfer::handshake::check_transports(&self.transport_kinds())
-            .map_err(|e| Invalid::new("transports", e))?;
+            .map_err(|e| Invalid::new("transports", e.to_string()))?;
         if !self.backend.built_in() {
             return Err(Invalid::new(
                 "backend",
@@ -209,13 +209,9 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<bool>,
-    /// File holding the cluster's shared secret (all roles must use the same).
-    #[arg(long, value_name = "FILE")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cluster_secret_file: Option<PathBuf>,
     #[command(flatten)]
-    #[serde(skip_serializing_if = "common::internal_tls::TlsFlags::is_empty")]
-    pub tls: common::internal_tls::TlsFlags,
+    #[serde(flatten)]
+    pub security: common::cluster_auth::SecurityFlags,
 }
 
 #[cfg(test)]
