@@ -18,7 +18,6 @@ use common::fault::Fault;
 use engine::{
     runner::{LoadedEngine, Runner},
     scheduler::{EngineError, Event, GenerationRequest, HandoffError},
-    wire,
 };
 use futures::future::BoxFuture;
 use kv_transfer::{
@@ -235,8 +234,8 @@ impl DecodeWorker {
         let Some((engine_id, prompt_len, (first, seed), (request, reply))) = ready else {
             return;
         };
-        let sampling = wire::sampling_from_proto(&request.sampling.unwrap_or_default());
-        let stop = wire::stop_from_proto(
+        let sampling = proto::request::sampling_from_wire(&request.sampling.unwrap_or_default());
+        let stop = proto::request::stop_from_wire(
             &request.stop.unwrap_or_default(),
             &self.engine.eos_token_ids,
         );
@@ -654,7 +653,7 @@ async fn feed(
         };
         let last = match event {
             Some(Event::Token { sampled, .. }) => {
-                pending.push(w.mix_up(engine_id, wire::token_to_proto(&sampled)));
+                pending.push(w.mix_up(engine_id, proto::request::token_to_wire(&sampled)));
                 // Send what has accumulated whenever the engine is ahead of nobody.
                 if events.is_empty()
                     && tx
@@ -668,8 +667,8 @@ async fn feed(
                 continue;
             }
             Some(Event::Finished { reason, usage, .. }) => TokenBatch {
-                finish_reason: wire::finish_to_proto(reason).into(),
-                usage: Some(wire::usage_to_proto(&usage)),
+                finish_reason: proto::request::finish_to_wire(reason).into(),
+                usage: Some(proto::request::usage_to_wire(&usage)),
                 ..batch(std::mem::take(&mut pending))
             },
             Some(Event::Failed { error, .. }) => TokenBatch {

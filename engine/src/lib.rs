@@ -18,4 +18,3 @@ pub mod schema;
 pub mod synth;
 pub mod tensor;
 pub mod weights;
-pub mod wire;

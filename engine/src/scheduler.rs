@@ -57,13 +57,8 @@ pub struct GenerationRequest {
     pub stop: StopConditions,
 }
 
-/// Token accounting of a finished request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub cached_tokens: usize,
-    pub completion_tokens: usize,
-}
+/// Token accounting of a finished request (defined with the request vocabulary in `proto`).
+pub use proto::request::Usage;
 
 /// What a step produced.
 #[derive(Debug, Clone, PartialEq)]

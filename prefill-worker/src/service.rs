@@ -17,7 +17,6 @@ use common::fault::Fault;
 use engine::{
     runner::{LoadedEngine, Runner},
     scheduler::{Event, GenerationRequest, PromptState},
-    wire,
 };
 use kv_transfer::{
     TransferError, handshake,
@@ -321,8 +320,8 @@ impl Prefill for PrefillService {
         let generation = GenerationRequest {
             id: engine_id,
             prompt: req.prompt_token_ids.clone(),
-            sampling: wire::sampling_from_proto(&req.sampling.clone().unwrap_or_default()),
-            stop: wire::stop_from_proto(
+            sampling: proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default()),
+            stop: proto::request::stop_from_wire(
                 &req.stop.clone().unwrap_or_default(),
                 &w.engine.eos_token_ids,
             ),
@@ -380,7 +379,7 @@ impl Prefill for PrefillService {
                 .done
                 .saturating_duration_since(forward_end)
                 .as_nanos();
-            let first_token = wire::token_to_proto(&prefilled.first);
+            let first_token = proto::request::token_to_wire(&prefilled.first);
             let channel = w
                 .credentials
                 .endpoint(&req.decode_address)

@@ -4,13 +4,14 @@
 //! The `.proto` sources in `pdserve/v1/` are the documentation of every field; this crate
 //! compiles them (protox, no system protoc) and adds the few helpers every peer needs:
 //! the error-kind mapping to gRPC codes ([`error`]), layout comparison ([`layout`]), reading a
-//! model load's progress ([`progress`]) and the credentials every internal call carries
-//! ([`auth`]).
+//! model load's progress ([`progress`]), the credentials every internal call carries
+//! ([`auth`]), and the request vocabulary with its wire conversions ([`request`]).
 
 pub mod auth;
 pub mod error;
 pub mod layout;
 pub mod progress;
+pub mod request;
 
 /// Generated messages, clients and servers of package `pdserve.v1`.
 #[allow(

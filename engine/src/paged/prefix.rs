@@ -7,28 +7,9 @@
 
 use std::collections::HashMap;
 
-use sha2::{Digest, Sha256};
+pub use proto::request::{BlockKey, block_keys};
 
 use crate::pool::{PageId, PagePool, PoolError};
-
-/// Chained block key: hash of the previous key and the block's tokens.
-pub type BlockKey = [u8; 32];
-
-/// Keys of the full blocks of `tokens`.
-pub fn block_keys(tokens: &[u32], page_size: usize) -> Vec<BlockKey> {
-    let mut keys = Vec::with_capacity(tokens.len() / page_size);
-    let mut prev: BlockKey = [0; 32];
-    for block in tokens.chunks_exact(page_size) {
-        let mut h = Sha256::new();
-        h.update(prev);
-        for t in block {
-            h.update(t.to_le_bytes());
-        }
-        prev = h.finalize().into();
-        keys.push(prev);
-    }
-    keys
-}
 
 #[derive(Debug)]
 struct Block {

@@ -10,11 +10,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use engine::{
-    paged::prefix::{BlockKey, block_keys},
-    wire,
-};
 use futures::future::BoxFuture;
+use proto::request::{BlockKey, block_keys};
 use proto::v1::{
     ErrorKind, GenerateRequest, InfoRequest, PrefillRequest, RequestId, ReserveRequest,
     StateLayout, TransportKind, decode_client::DecodeClient, prefill_client::PrefillClient,
@@ -209,8 +206,8 @@ impl PdBackend {
             ))
         })?;
         let (sampling, stop) = (
-            wire::sampling_to_proto(&request.sampling),
-            wire::stop_to_proto(&request.stop),
+            proto::request::sampling_to_wire(&request.sampling),
+            proto::request::stop_to_wire(&request.stop),
         );
         // The decode stream first: it waits for the commit the prefill sends.
         legs.on_failure("decode stream refused");

@@ -1,10 +1,9 @@
 //! The decode leg's token stream, as backend events.
 
-use engine::{
-    sampling::FinishReason,
-    wire::{self, token_from_proto},
+use proto::{
+    request::{FinishReason, token_from_wire},
+    v1::TokenBatch,
 };
-use proto::v1::TokenBatch;
 use tokio::sync::{mpsc, watch};
 
 use crate::backend::{BackendError, BackendEvent, GeneratedToken};
@@ -53,7 +52,7 @@ pub(super) async fn forward(
                 .tokens
                 .iter()
                 .map(|t| {
-                    let s = token_from_proto(t);
+                    let s = token_from_wire(t);
                     GeneratedToken {
                         id: s.token,
                         logprob: s.logprob,
@@ -70,7 +69,7 @@ pub(super) async fn forward(
         let end = match reason {
             proto::v1::FinishReason::Unspecified => continue,
             proto::v1::FinishReason::Stop | proto::v1::FinishReason::Length => {
-                let mut usage = wire::usage_from_proto(&batch.usage.unwrap_or_default());
+                let mut usage = proto::request::usage_from_wire(&batch.usage.unwrap_or_default());
                 usage.cached_tokens = cached_tokens;
                 BackendEvent::Finished {
                     reason: if reason == proto::v1::FinishReason::Stop {
