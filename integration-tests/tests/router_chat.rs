@@ -291,3 +291,74 @@ fn chat_stop_strings_cut_output_in_stream_and_non_stream() {
     assert_eq!(content, prefix);
     assert_eq!(finish.as_deref(), Some("stop"));
 }
+
+/// vLLM's stop extras are honoured, not accepted and dropped: `ignore_eos` runs to
+/// `max_tokens` through eos tokens, `stop_token_ids` end the request at once, `min_tokens` holds
+/// eos back; bad values are refused naming the parameter.
+#[test]
+fn chat_ignore_eos_stop_token_ids_and_min_tokens_are_honoured() {
+    const EOS: u32 = 1;
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    // A token that decodes to text on its own (a word, not a piece of a UTF-8 sequence).
+    let word = post(
+        addr,
+        "/tokenize",
+        &json!({"prompt": " hello", "add_special_tokens": false}),
+    )
+    .json();
+    let other = word["tokens"][0].as_u64().unwrap();
+    let ask = |extra: Value| {
+        let mut body = json!({
+            "model": "deepseek-v4-flash",
+            "messages": [{"role": "user", "content": "Count."}],
+            "thinking": {"type": "disabled"},
+            "temperature": 0.0,
+            "max_tokens": 40,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(addr, "/v1/chat/completions", &body)
+    };
+    let usage_and_finish = |r: &HttpResponse| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        (
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+            text(&v["choices"][0]["finish_reason"]),
+        )
+    };
+    let eos_always = json!({ EOS.to_string(): 100 });
+    // Every token is eos: without ignore_eos the first one ends the request (chat usage does
+    // not count the eos that ended it).
+    let r = ask(json!({"logit_bias": eos_always}));
+    let (at_once, finish) = usage_and_finish(&r);
+    assert_eq!(finish, "stop");
+    assert!(at_once <= 1, "{at_once}");
+    let r = ask(json!({"logit_bias": eos_always, "ignore_eos": true}));
+    assert_eq!(usage_and_finish(&r), (40, "length".to_owned()));
+    // min_tokens masks eos until that many tokens exist.
+    let r = ask(json!({"logit_bias": eos_always, "min_tokens": 5}));
+    assert_eq!(usage_and_finish(&r), (at_once + 5, "stop".to_owned()));
+    // A listed stop id ends the request as eos does.
+    let other_always = json!({ other.to_string(): 100 });
+    let r = ask(json!({"logit_bias": other_always}));
+    assert_eq!(usage_and_finish(&r), (40, "length".to_owned()));
+    let r = ask(json!({"logit_bias": other_always, "stop_token_ids": [other]}));
+    let (stopped, finish) = usage_and_finish(&r);
+    assert_eq!(finish, "stop");
+    assert!(stopped <= 1, "{stopped}");
+
+    for (extra, param) in [
+        (json!({"ignore_eos": "yes"}), "ignore_eos"),
+        (json!({"stop_token_ids": [-1]}), "stop_token_ids"),
+        (json!({"stop_token_ids": 7}), "stop_token_ids"),
+        (json!({"min_tokens": 41}), "min_tokens"),
+        (json!({"min_tokens": -1}), "min_tokens"),
+    ] {
+        let r = ask(extra.clone());
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{extra}");
+    }
+}

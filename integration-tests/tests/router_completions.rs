@@ -215,3 +215,45 @@ fn completions_without_model_is_unavailable() {
     );
     expect_error(&r, 503, None);
 }
+
+/// `ignore_eos`, `stop_token_ids` and `min_tokens` reach the engine from /v1/completions too.
+#[test]
+fn completions_honour_the_stop_extras() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let ask = |extra: Value| {
+        let mut body = json!({
+            "model": "deepseek-v4-flash",
+            "prompt": "The quick brown fox",
+            "temperature": 0.0,
+            "max_tokens": 12,
+            "logit_bias": {"1": 100},
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = post(addr, PATH, &body);
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+        let v = r.json();
+        (
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+            v["choices"][0]["finish_reason"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        )
+    };
+    assert_eq!(ask(json!({})), (1, "stop".to_owned()));
+    assert_eq!(ask(json!({"ignore_eos": true})), (12, "length".to_owned()));
+    assert_eq!(ask(json!({"min_tokens": 3})), (4, "stop".to_owned()));
+    assert_eq!(
+        ask(json!({"logit_bias": {"300": 100}, "stop_token_ids": [300]})),
+        (1, "stop".to_owned())
+    );
+    let r = post(
+        addr,
+        PATH,
+        &json!({"model": "deepseek-v4-flash", "prompt": "x", "min_tokens": 17}),
+    );
+    expect_error(&r, 400, Some("min_tokens"));
+}

@@ -29,6 +29,11 @@ pub struct Extras {
     pub frequency_penalty: f32,
     /// (token id, bias) pairs; ids are checked against the vocabulary by the backend.
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's stop extras: the least number of tokens before a stop or eos may end the
+    /// request, ids that end it besides eos, and whether eos is ignored.
+    pub min_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
 }
 
 impl Extras {
@@ -237,14 +242,52 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
     let min_p = in_range(obj, "min_p", 0.0, 1.0, false)?;
     let top_k = integer(obj, "top_k", -1, i64::from(u32::MAX))?;
     let logit_bias = logit_bias(obj)?;
+    let min_tokens = integer(obj, "min_tokens", 0, i64::from(u32::MAX))?;
+    let ignore_eos = match obj.get("ignore_eos") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::param(
+                "ignore_eos",
+                "`ignore_eos` must be a boolean",
+            ));
+        }
+    };
     Ok(Extras {
         logit_bias,
+        min_tokens: min_tokens.map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+        stop_token_ids: token_ids(obj, "stop_token_ids")?,
+        ignore_eos,
         top_k: top_k.map_or(0, |k| u32::try_from(k).unwrap_or(0)),
         min_p: min_p.unwrap_or(0.0) as f32,
         repetition_penalty: repetition.unwrap_or(1.0) as f32,
         presence_penalty: presence.unwrap_or(0.0) as f32,
         frequency_penalty: frequency.unwrap_or(0.0) as f32,
     })
+}
+
+/// A list of token ids (`stop_token_ids`): non-negative integers below 2^32.
+fn token_ids(obj: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError> {
+    let items = match obj.get(key) {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            return Err(ApiError::param(
+                key,
+                format!("`{key}` must be an array of token ids"),
+            ));
+        }
+    };
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| {
+                    ApiError::param(key, format!("`{key}` holds {v}, which is not a token id"))
+                })
+        })
+        .collect()
 }
 
 /// Chat Completions' `tool_choice`: a function it names must be one of `tools`.
@@ -379,6 +422,8 @@ struct Adapter<S> {
     logprobs: bool,
     ended: bool,
     failure: Failure,
+    /// The model's eos ids (counted, not decoded, when generated mid-output).
+    eos_token_ids: Vec<u32>,
 }
 
 /// Set when the backend fails or its stream ends without a finish: the response must then be
@@ -396,20 +441,33 @@ pub fn failed(failure: &Failure) -> Option<BackendError> {
 }
 
 impl<S> Adapter<S> {
-    fn chunk(&self, tokens: &[GeneratedToken]) -> InferenceChunk {
-        let logprobs = self.logprobs.then(|| {
-            tokens
-                .iter()
-                .map(|t| InferenceTokenLogprob {
-                    logprob: t.logprob.unwrap_or(0.0),
-                    top_logprobs: t.top_logprobs.clone(),
-                })
-                .collect()
-        });
-        InferenceChunk::Tokens {
-            token_ids: tokens.iter().map(|t| t.id).collect(),
-            logprobs,
+    /// The chunks of `tokens`. An eos id inside the output (generated under `ignore_eos`) is
+    /// counted but not decoded: the stream processor would read it as the end of the text.
+    fn chunks(&self, tokens: &[GeneratedToken]) -> Vec<InferenceChunk> {
+        let is_eos = |t: &GeneratedToken| self.eos_token_ids.contains(&t.id);
+        let mut out = Vec::new();
+        for run in tokens.chunk_by(|a, b| is_eos(a) == is_eos(b)) {
+            if run.first().is_some_and(is_eos) {
+                out.push(InferenceChunk::Text {
+                    content: String::new(),
+                    token_count: run.len(),
+                });
+                continue;
+            }
+            let logprobs = self.logprobs.then(|| {
+                run.iter()
+                    .map(|t| InferenceTokenLogprob {
+                        logprob: t.logprob.unwrap_or(0.0),
+                        top_logprobs: t.top_logprobs.clone(),
+                    })
+                    .collect()
+            });
+            out.push(InferenceChunk::Tokens {
+                token_ids: run.iter().map(|t| t.id).collect(),
+                logprobs,
+            });
         }
+        out
     }
 }
 
@@ -421,6 +479,7 @@ pub fn inference_stream(
     fingerprint: String,
     logprobs: bool,
     failure: Failure,
+    eos_token_ids: Vec<u32>,
 ) -> impl Stream<Item = InferenceChunk> + Send + 'static {
     let ready = InferenceChunk::Ready {
         system_fingerprint: Some(fingerprint),
@@ -436,6 +495,7 @@ pub fn inference_stream(
         logprobs,
         ended: false,
         failure,
+        eos_token_ids,
     };
     futures::stream::unfold(state, |mut st| async move {
         loop {
@@ -450,17 +510,15 @@ pub fn inference_stream(
                     let mut all: Vec<GeneratedToken> = st.held.take().into_iter().collect();
                     all.extend(batch);
                     st.held = all.pop();
-                    if !all.is_empty() {
-                        let chunk = st.chunk(&all);
-                        st.out.push_back(chunk);
-                    }
+                    let chunks = st.chunks(&all);
+                    st.out.extend(chunks);
                 }
                 Some(BackendEvent::Finished { reason, .. }) => {
                     let finish_reason = match reason {
                         FinishReason::Length => {
                             if let Some(last) = st.held.take() {
-                                let chunk = st.chunk(&[last]);
-                                st.out.push_back(chunk);
+                                let chunks = st.chunks(&[last]);
+                                st.out.extend(chunks);
                             }
                             InferenceFinishReason::Length
                         }
@@ -522,6 +580,7 @@ mod failure_tests {
             "fp".into(),
             false,
             Arc::clone(&failure),
+            vec![1],
         );
         let chunks: Vec<InferenceChunk> = stream.collect().await;
         (chunks, failed(&failure))

@@ -36,6 +36,10 @@ pub struct Prepared {
     pub stream: bool,
     pub include_usage: bool,
     pub sampling: SamplingParams,
+    /// `min_tokens`, `stop_token_ids` and `ignore_eos`.
+    pub min_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
 }
 
 fn prompt_ids(obj: &Map<String, Value>, served: &Served) -> Result<Vec<u32>, ApiError> {
@@ -147,6 +151,9 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         presence_penalty,
         frequency_penalty,
         logit_bias,
+        min_tokens,
+        stop_token_ids,
+        ignore_eos,
     } = chat::check_sampling(&mut obj)?;
     let number = |key: &str| obj.get(key).and_then(Value::as_f64);
     let temperature = number("temperature").unwrap_or(1.0) as f32;
@@ -230,12 +237,16 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         Some(m) => m,
         None => DEFAULT_MAX_TOKENS.min(room),
     };
+    check_min_tokens(min_tokens, max_tokens)?;
     Ok(Prepared {
         prompt,
         max_tokens,
         stop,
         stream,
         include_usage,
+        min_tokens,
+        stop_token_ids,
+        ignore_eos,
         sampling: SamplingParams {
             temperature,
             top_p,
@@ -528,6 +539,18 @@ fn error_json(e: &ApiError) -> String {
     serde_json::to_string(&e.body()).unwrap_or_default()
 }
 
+/// `min_tokens` may not exceed the `max_tokens` the request ends up with (its own or the
+/// default).
+pub fn check_min_tokens(min_tokens: u32, max_tokens: u32) -> Result<(), ApiError> {
+    if min_tokens > max_tokens {
+        return Err(ApiError::param(
+            "min_tokens",
+            format!("`min_tokens` = {min_tokens} exceeds `max_tokens` = {max_tokens}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Runs a prepared request and answers it (JSON or SSE).
 pub async fn respond(
     prepared: Prepared,
@@ -541,6 +564,9 @@ pub async fn respond(
         stream,
         include_usage,
         sampling,
+        min_tokens,
+        stop_token_ids,
+        ignore_eos,
     } = prepared;
     let prompt_len = prompt.len();
     let request = BackendRequest {
@@ -548,9 +574,9 @@ pub async fn respond(
         sampling,
         stop: StopConditions {
             max_tokens,
-            min_tokens: 0,
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
+            min_tokens,
+            stop_token_ids,
+            ignore_eos,
             eos_token_ids: served.eos_token_ids.clone(),
         },
     };

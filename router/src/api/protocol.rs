@@ -225,6 +225,7 @@ pub fn prepare<P: Protocol>(
     } else {
         max_tokens.min(served.default_max_tokens)
     };
+    crate::api::completions::check_min_tokens(extras.min_tokens, max_tokens)?;
     Ok(Prepared {
         converted,
         prompt,
@@ -263,9 +264,9 @@ pub fn backend_request(prepared: &Prepared, served: &Served) -> BackendRequest {
         },
         stop: StopConditions {
             max_tokens: prepared.max_tokens,
-            min_tokens: 0,
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
+            min_tokens: prepared.extras.min_tokens,
+            stop_token_ids: prepared.extras.stop_token_ids.clone(),
+            ignore_eos: prepared.extras.ignore_eos,
             eos_token_ids: served.eos_token_ids.clone(),
         },
     }
@@ -315,6 +316,7 @@ where
         served.fingerprint.clone(),
         logprobs,
         Arc::clone(&failure),
+        served.eos_token_ids.clone(),
     );
     let chunks = processor.into_protocol_stream(inference);
     if stream {
