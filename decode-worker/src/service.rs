@@ -12,7 +12,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
-use worker_core::transports::start_offered;
+use worker_core::transports::{Offered, start_offered};
 
 use common::fault::Fault;
 use engine::{
@@ -71,10 +71,8 @@ pub struct DecodeWorker {
     address: String,
     next_id: AtomicU64,
     reservations: Mutex<HashMap<String, Reservation>>,
-    /// Transports offered, in order of preference.
-    transports: Vec<TransportKind>,
-    /// The registered pool memory, when UCX is offered.
-    ucx: Option<Exporter>,
+    /// Transports offered, in order of preference, and the UCX endpoint.
+    offered: Offered<Exporter>,
     /// The NCCL receiver, when NCCL is offered.
     #[cfg(feature = "nccl")]
     nccl: Option<kv_transfer::nccl::NcclReceiver>,
@@ -97,17 +95,9 @@ impl std::fmt::Debug for DecodeWorker {
 }
 
 impl worker_core::RoleWorker for DecodeWorker {
-    /// The transports this worker offers (after start-up checks).
-    fn transports(&self) -> &[TransportKind] {
-        &self.transports
-    }
-
-    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
-    /// thread still running then races UCX's global teardown).
-    fn stop_transports(&self) {
-        if let Some(ucx) = &self.ucx {
-            ucx.stop();
-        }
+    type Ucx = Exporter;
+    fn offered(&self) -> &Offered<Exporter> {
+        &self.offered
     }
 }
 
@@ -146,8 +136,10 @@ impl DecodeWorker {
             address,
             next_id: AtomicU64::new(1),
             reservations: Mutex::new(HashMap::new()),
-            transports,
-            ucx,
+            offered: Offered {
+                kinds: transports,
+                ucx,
+            },
             #[cfg(feature = "nccl")]
             nccl,
             admission: crate::admission::Admission::default(),
@@ -379,15 +371,16 @@ impl Decode for DecodeService {
         handshake::check_layouts(w.layout(), &theirs)
             .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
         // Only a transport this worker offers (NCCL may be compiled in but not started).
-        let transport = handshake::negotiate(&req.transports, &w.transports).ok_or_else(|| {
-            w.err(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "no transport in common (this worker offers {:?})",
-                    w.transports
-                ),
-            )
-        })?;
+        let transport =
+            handshake::negotiate(&req.transports, &w.offered.kinds).ok_or_else(|| {
+                w.err(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "no transport in common (this worker offers {:?})",
+                        w.offered.kinds
+                    ),
+                )
+            })?;
         let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
         let (prompt, max_new) = (req.prompt_tokens as usize, req.max_new_tokens as usize);
         // A full worker: wait in line (first come, first served) as long as the caller allows.
@@ -439,7 +432,7 @@ impl Decode for DecodeService {
                 page: u64::from(reservation.slot.0),
                 offset_bytes: reservation.slot.1,
             }),
-            target: Some(match (transport, &w.ucx) {
+            target: Some(match (transport, &w.offered.ucx) {
                 (TransportKind::Ucx, Some(ucx)) => Target::Ucx(ucx.target().clone()),
                 #[cfg(feature = "nccl")]
                 (TransportKind::Nccl, _) if w.nccl.is_some() => {
@@ -704,7 +697,7 @@ impl StateSink for DecodeWorker {
         Box::pin(async move {
             handshake::check_layouts(self.layout(), &hello.layout.unwrap_or_default())
                 .map_err(|e| proto::error::to_status(&e.info(&self.worker_id)))?;
-            let transport = handshake::negotiate(&hello.transports, &self.transports)
+            let transport = handshake::negotiate(&hello.transports, &self.offered.kinds)
                 .unwrap_or(TransportKind::Unspecified);
             Ok(TransferHelloReply {
                 worker_id: self.worker_id.clone(),

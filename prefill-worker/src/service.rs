@@ -11,7 +11,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
-use worker_core::transports::start_offered;
+use worker_core::transports::{Offered, start_offered};
 
 use common::fault::Fault;
 use engine::{
@@ -37,10 +37,8 @@ pub struct PrefillWorker {
     next_id: AtomicU64,
     /// Engine ids of running prefills, by (request id, attempt).
     running: Mutex<HashMap<(String, u32), u64>>,
-    /// Transports offered, in order of preference.
-    transports: Vec<TransportKind>,
-    /// The UCX initiator, when UCX is offered.
-    ucx: Option<Putter>,
+    /// Transports offered, in order of preference, and the UCX endpoint.
+    offered: Offered<Putter>,
     /// The NCCL sender, when NCCL is offered.
     #[cfg(feature = "nccl")]
     nccl: Option<kv_transfer::nccl::NcclSender>,
@@ -63,17 +61,9 @@ impl std::fmt::Debug for PrefillWorker {
 }
 
 impl worker_core::RoleWorker for PrefillWorker {
-    /// The transports this worker offers (after start-up checks).
-    fn transports(&self) -> &[TransportKind] {
-        &self.transports
-    }
-
-    /// Ends the UCX thread and waits for it (at shutdown, before the process exits: a UCX
-    /// thread still running then races UCX's global teardown).
-    fn stop_transports(&self) {
-        if let Some(ucx) = &self.ucx {
-            ucx.stop();
-        }
+    type Ucx = Putter;
+    fn offered(&self) -> &Offered<Putter> {
+        &self.offered
     }
 }
 
@@ -128,8 +118,10 @@ impl PrefillWorker {
             worker_id,
             next_id: AtomicU64::new(1),
             running: Mutex::new(HashMap::new()),
-            transports,
-            ucx,
+            offered: Offered {
+                kinds: transports,
+                ucx,
+            },
             #[cfg(feature = "nccl")]
             nccl,
             stream_state,
@@ -332,17 +324,17 @@ impl Prefill for PrefillService {
             let opened = StateStream::open(
                 &destination,
                 &request_id,
-                &w.transports,
+                &w.offered.kinds,
                 &w.credentials,
-                w.ucx.as_ref(),
+                w.offered.ucx.as_ref(),
             );
             #[cfg(feature = "nccl")]
             let opened = StateStream::open_with_nccl(
                 &destination,
                 &request_id,
-                &w.transports,
+                &w.offered.kinds,
                 &w.credentials,
-                w.ucx.as_ref(),
+                w.offered.ucx.as_ref(),
                 w.nccl.as_ref(),
             );
             let stream = opened.map_err(transfer_error)?;

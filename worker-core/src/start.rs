@@ -57,10 +57,10 @@ pub struct Loaded {
 
 /// A role's worker, as the shared start-up sees it.
 pub trait RoleWorker: Send + Sync + 'static {
-    /// The transports it offers (those that could not start here are dropped).
-    fn transports(&self) -> &[TransportKind];
-    /// Ends its transport threads (at shutdown, before UCX's global teardown).
-    fn stop_transports(&self);
+    /// Its UCX endpoint (exporting pages on decode, putting into them on prefill).
+    type Ucx: crate::transports::Endpoint;
+    /// The transports it offers and their endpoints.
+    fn offered(&self) -> &crate::transports::Offered<Self::Ucx>;
 }
 
 /// Binds the worker's listener with its security settings.
@@ -139,7 +139,7 @@ where
         })
         .await?;
         handle
-            .set_model(fingerprint, layout, worker.transports())
+            .set_model(fingerprint, layout, &worker.offered().kinds)
             .await;
         let reporter = handle.clone();
         tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
@@ -153,7 +153,7 @@ where
         .run_after_load(spec.name, routes, spec.services, loaded, signal)
         .await;
     if let Some(worker) = worker_slot.get() {
-        worker.stop_transports();
+        worker.offered().stop();
     }
     served
 }

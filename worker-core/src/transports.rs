@@ -4,7 +4,43 @@
 
 use std::fmt::Display;
 
+use kv_transfer::ucx::{Exporter, Putter};
 use proto::v1::TransportKind;
+
+/// A transport endpoint with a thread of its own, which must end before the process exits (a
+/// UCX thread still running then races UCX's global teardown).
+pub trait Endpoint: Send + Sync + 'static {
+    fn stop(&self);
+}
+
+impl Endpoint for Exporter {
+    fn stop(&self) {
+        Exporter::stop(self);
+    }
+}
+
+impl Endpoint for Putter {
+    fn stop(&self) {
+        Putter::stop(self);
+    }
+}
+
+/// What a worker offers its peers: its transports in order of preference (those that could not
+/// start here dropped), and the UCX endpoint behind one of them.
+#[derive(Debug)]
+pub struct Offered<U> {
+    pub kinds: Vec<TransportKind>,
+    pub ucx: Option<U>,
+}
+
+impl<U: Endpoint> Offered<U> {
+    /// Ends the endpoints' threads (at shutdown).
+    pub fn stop(&self) {
+        if let Some(ucx) = &self.ucx {
+            ucx.stop();
+        }
+    }
+}
 
 /// Starts the endpoint of `kind` with `start` when `offered` lists it; when it cannot start,
 /// drops `kind` from `offered` and returns `None`.
