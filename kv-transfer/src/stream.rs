@@ -59,58 +59,46 @@ pub struct StateStream {
     task: JoinHandle<Result<StreamReport, TransferError>>,
 }
 
-/// This side's initiators of the transports that need one.
-struct Initiators<'a> {
+/// This side's initiators of the transports that need one: the credentials of gRPC calls to
+/// the decode side (TCP), the UCX putter, and (builds with `nccl`) the NCCL sender.
+#[derive(Debug, Clone, Copy)]
+pub struct Initiators<'a> {
     credentials: &'a Credentials,
     ucx: Option<&'a Putter>,
     #[cfg(feature = "nccl")]
     nccl: Option<&'a NcclSender>,
 }
 
+impl<'a> Initiators<'a> {
+    pub fn new(credentials: &'a Credentials, ucx: Option<&'a Putter>) -> Self {
+        Self {
+            credentials,
+            ucx,
+            #[cfg(feature = "nccl")]
+            nccl: None,
+        }
+    }
+
+    /// With this side's NCCL sender, for descriptors that name NCCL.
+    #[cfg(feature = "nccl")]
+    #[must_use]
+    pub fn with_nccl(mut self, nccl: Option<&'a NcclSender>) -> Self {
+        self.nccl = nccl;
+        self
+    }
+}
+
 impl StateStream {
     /// Starts moving pieces into `destination` with its transport, if `offered` includes it
-    /// (UCX also needs this side's initiator). gRPC calls to the decode side carry
-    /// `credentials`.
+    /// and this side has its initiator. The one way to open a state stream, whatever the
+    /// transport.
     pub fn open(
         destination: &TransferDescriptor,
         request_id: &RequestId,
         offered: &[TransportKind],
-        credentials: &Credentials,
-        ucx: Option<&Putter>,
+        initiators: &Initiators<'_>,
     ) -> Result<Self, TransferError> {
-        Self::start(
-            destination,
-            request_id,
-            offered,
-            &Initiators {
-                credentials,
-                ucx,
-                #[cfg(feature = "nccl")]
-                nccl: None,
-            },
-        )
-    }
-
-    /// [`Self::open`], with this side's NCCL sender for descriptors that name NCCL.
-    #[cfg(feature = "nccl")]
-    pub fn open_with_nccl(
-        destination: &TransferDescriptor,
-        request_id: &RequestId,
-        offered: &[TransportKind],
-        credentials: &Credentials,
-        ucx: Option<&Putter>,
-        nccl: Option<&NcclSender>,
-    ) -> Result<Self, TransferError> {
-        Self::start(
-            destination,
-            request_id,
-            offered,
-            &Initiators {
-                credentials,
-                ucx,
-                nccl,
-            },
-        )
+        Self::start(destination, request_id, offered, initiators)
     }
 
     fn start(

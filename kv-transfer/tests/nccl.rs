@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use kv_transfer::{
     nccl::{self, NcclReceiver, NcclSender, Segment},
     sink::{StateSink, StateTransferService},
-    stream::{Piece, StateStream},
+    stream::{Initiators, Piece, StateStream},
 };
 use proto::auth::Credentials;
 use proto::v1::{
@@ -141,13 +141,12 @@ async fn pages_cross_between_two_gpus() {
     };
     let page = |i: usize| bytes(PAGE, i as u32);
     let slot = bytes(SLOT, 99);
-    let stream = StateStream::open_with_nccl(
+    let credentials = Credentials::none();
+    let stream = StateStream::open(
         &descriptor,
         &request,
         &[TransportKind::Nccl],
-        &Credentials::none(),
-        None,
-        Some(&sender),
+        &Initiators::new(&credentials, None).with_nccl(Some(&sender)),
     )
     .unwrap();
     stream

@@ -20,7 +20,7 @@ use engine::{
 };
 use kv_transfer::{
     TransferError, handshake,
-    stream::{Piece, StateStream},
+    stream::{Initiators, Piece, StateStream},
     ucx::Putter,
 };
 use proto::auth::Credentials;
@@ -320,23 +320,11 @@ impl Prefill for PrefillService {
         };
         let work = async {
             let transfer_error = |e: TransferError| proto::error::to_status(&e.info(&w.worker_id));
-            #[cfg(not(feature = "nccl"))]
-            let opened = StateStream::open(
-                &destination,
-                &request_id,
-                &w.offered.kinds,
-                &w.credentials,
-                w.offered.ucx.as_ref(),
-            );
+            let initiators = Initiators::new(&w.credentials, w.offered.ucx.as_ref());
             #[cfg(feature = "nccl")]
-            let opened = StateStream::open_with_nccl(
-                &destination,
-                &request_id,
-                &w.offered.kinds,
-                &w.credentials,
-                w.offered.ucx.as_ref(),
-                w.nccl.as_ref(),
-            );
+            let initiators = initiators.with_nccl(w.nccl.as_ref());
+            let opened =
+                StateStream::open(&destination, &request_id, &w.offered.kinds, &initiators);
             let stream = opened.map_err(transfer_error)?;
             let computed = w.compute(generation, &stream).await;
             let forward_end = Instant::now();
