@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod completions;
 pub mod error;
+pub mod fields;
 pub mod http;
 pub mod key_limit;
 pub mod protocol;

@@ -50,6 +50,9 @@ pub trait Protocol: ProtocolRequest + serde::de::DeserializeOwned {
     const MAX_TOKENS: &'static str;
     /// Where the request names a reasoning effort (a path of object keys).
     const EFFORT: &'static [&'static str];
+    /// Every field of the request and what is done with it (`None`: not checked field by
+    /// field yet).
+    const FIELDS: Option<&'static [crate::api::fields::Field]>;
 
     /// Checks the parameters the converter passes through, drops or does not know (ranges,
     /// required fields) and returns the settings the router hands the backend itself.
@@ -67,6 +70,7 @@ impl Protocol for ChatCompletionRequest {
     const INPUT: &'static str = "messages";
     const MAX_TOKENS: &'static str = "max_tokens";
     const EFFORT: &'static [&'static str] = &["reasoning_effort"];
+    const FIELDS: Option<&'static [crate::api::fields::Field]> = Some(crate::api::fields::CHAT);
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         require_non_empty_array(obj, Self::INPUT)?;
@@ -87,6 +91,7 @@ impl Protocol for MessagesRequest {
     const INPUT: &'static str = "messages";
     const MAX_TOKENS: &'static str = "max_tokens";
     const EFFORT: &'static [&'static str] = &["output_config", "effort"];
+    const FIELDS: Option<&'static [crate::api::fields::Field]> = None;
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         require_non_empty_array(obj, Self::INPUT)?;
@@ -121,6 +126,7 @@ impl Protocol for ResponsesRequest {
     const INPUT: &'static str = "input";
     const MAX_TOKENS: &'static str = "max_output_tokens";
     const EFFORT: &'static [&'static str] = &["reasoning", "effort"];
+    const FIELDS: Option<&'static [crate::api::fields::Field]> = None;
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         match obj.get("input") {
@@ -195,6 +201,9 @@ pub fn prepare<P: Protocol>(
     effort_map: &BTreeMap<String, String>,
 ) -> Result<Prepared, ApiError> {
     let mut obj = parse_object(body)?;
+    if let Some(fields) = P::FIELDS {
+        crate::api::fields::check(&obj, fields)?;
+    }
     check_common(&mut obj, served, effort_map, P::EFFORT)?;
     let extras = P::check(&mut obj)?;
     let requested_max = obj.get(P::MAX_TOKENS).is_some_and(|v| !v.is_null());
