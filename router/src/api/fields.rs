@@ -113,7 +113,13 @@ pub const CHAT: &[Field] = &[
     f("logprobs", Honoured),
     f("top_logprobs", Honoured),
     f("tools", Honoured),
-    f("tool_choice", Honoured),
+    f(
+        "tool_choice",
+        OnlyAt(
+            &[r#""auto""#, r#""none""#, r#""required""#],
+            "naming one function is not enforced yet",
+        ),
+    ),
     f("parallel_tool_calls", Honoured),
     f("reasoning_effort", Honoured),
     f("thinking", Honoured),
