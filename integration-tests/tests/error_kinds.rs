@@ -37,7 +37,9 @@ fn clean(message: &str, prompt: &str) {
     }
 }
 
-/// LAYOUT_MISMATCH from the decode worker's handshake: 503 `layout_mismatch`.
+/// LAYOUT_MISMATCH from the decode worker's handshake: 503 `layout_mismatch`. The decode
+/// worker pages by 16 tokens, the prefill worker by 64: the handshake refuses, and the client
+/// gets an error naming the difference, not an answer.
 #[test]
 fn layout_mismatch_is_503_layout_mismatch() {
     let decode = worker("pdserve-decode", &["--page-size", "16"]);
@@ -60,6 +62,7 @@ fn layout_mismatch_is_503_layout_mismatch() {
         (503, "service_unavailable_error", "layout_mismatch"),
         "{message}"
     );
+    assert!(message.contains("page_size_tokens"), "{message}");
     let prompt = body["messages"][0]["content"].as_str().unwrap();
     clean(&message, prompt);
 }

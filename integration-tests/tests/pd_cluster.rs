@@ -118,33 +118,6 @@ fn concurrent_mixed_requests_each_equal_their_solo_answer() {
 }
 
 #[test]
-fn mismatched_layouts_refuse_to_pair_with_a_clear_error() {
-    // The decode worker pages by 16 tokens, the prefill worker by 64: the handshake must
-    // refuse, and the client gets an error naming the difference, not an answer.
-    let decode = worker("pdserve-decode", &["--page-size", "16"]);
-    let prefill = worker("pdserve-prefill", &["--page-size", "64"]);
-    let router = start_router(
-        &[
-            "--model-dir",
-            &model_arg(),
-            "--decode-worker",
-            &decode.addr("grpc").to_string(),
-            "--prefill-worker",
-            &prefill.addr("grpc").to_string(),
-        ],
-        true,
-    );
-    let r = post(
-        router.addr("http"),
-        "/v1/chat/completions",
-        &chat(5, 1, 0.0, 3),
-    );
-    assert_eq!(r.status, 503, "{}", r.body);
-    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
-    assert!(message.contains("page_size_tokens"), "{message}");
-}
-
-#[test]
 fn client_disconnect_cancels_both_legs_and_frees_pages() {
     let cluster = cluster(1, 1);
     let router = cluster.router.addr("http");
