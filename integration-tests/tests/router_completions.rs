@@ -245,6 +245,14 @@ fn completions_honour_the_stop_extras() {
     };
     assert_eq!(ask(json!({})), (1, "stop".to_owned()));
     assert_eq!(ask(json!({"ignore_eos": true})), (12, "length".to_owned()));
+    // The eos tokens generated under ignore_eos are special: counted, not printed.
+    let r = post(
+        addr,
+        PATH,
+        &json!({"model": "deepseek-v4-flash", "prompt": "The quick brown fox",
+            "temperature": 0.0, "max_tokens": 5, "logit_bias": {"1": 100}, "ignore_eos": true}),
+    );
+    assert_eq!(r.json()["choices"][0]["text"], "", "{}", r.body);
     assert_eq!(ask(json!({"min_tokens": 3})), (4, "stop".to_owned()));
     assert_eq!(
         ask(json!({"logit_bias": {"300": 100}, "stop_token_ids": [300]})),

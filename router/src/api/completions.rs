@@ -309,11 +309,13 @@ impl Detokenizer {
         }
     }
 
+    /// The text of `ids`, special tokens (eos under `ignore_eos`, markers) left out, as vLLM's
+    /// default `skip_special_tokens` does.
     fn decode(&self, ids: &[u32]) -> Result<String, DetokenizeError> {
         if ids.is_empty() {
             return Ok(String::new());
         }
-        self.tokenizer.decode(ids, false).map_err(DetokenizeError)
+        self.tokenizer.decode(ids, true).map_err(DetokenizeError)
     }
 
     /// Extends `text` with the newly complete text (all of it with `last`).
