@@ -410,11 +410,6 @@ pub fn deserialize<T: serde::de::DeserializeOwned>(obj: Map<String, Value>) -> R
     })
 }
 
-/// Maps a backend refusal.
-pub fn backend_error(e: BackendError) -> ApiError {
-    ApiError::from(e)
-}
-
 struct Adapter<S> {
     tokens: S,
     out: VecDeque<InferenceChunk>,

@@ -587,7 +587,7 @@ pub async fn respond(
     let tokens = match served.backend.submit(request).await {
         Ok(tokens) => tokens,
         Err(e) => {
-            let e = chat::backend_error(e);
+            let e = ApiError::from(e);
             tracker.failed(e.parts().0);
             return Err(e);
         }

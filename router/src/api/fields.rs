@@ -95,12 +95,10 @@ const VLLM_SHARED: &[Field] = &[
     f("vllm_xargs", Refused(NOT_SERVED)),
 ];
 
-/// `POST /v1/chat/completions`: OpenAI's fields, then the chat-only vLLM extras.
-pub const CHAT: &[Field] = &[
-    f("messages", Honoured),
+/// Fields both endpoints take, with the same meaning.
+const OPENAI_SHARED: &[Field] = &[
     f("model", Honoured),
     f("max_tokens", Honoured),
-    f("max_completion_tokens", Honoured),
     f("temperature", Honoured),
     f("top_p", Honoured),
     f("seed", Honoured),
@@ -110,6 +108,19 @@ pub const CHAT: &[Field] = &[
     f("presence_penalty", Honoured),
     f("frequency_penalty", Honoured),
     f("logit_bias", Honoured),
+    f("n", OnlyAt(&["1"], NO_N)),
+    f("user", Metadata),
+    f("echo", OnlyAt(&["false"], NO_PROMPT_LOGPROBS)),
+    f(
+        "response_format",
+        OnlyAt(&[r#"{"type":"text"}"#], STRUCTURED),
+    ),
+];
+
+/// `POST /v1/chat/completions`: its own OpenAI fields, then the chat-only vLLM extras.
+pub const CHAT: &[Field] = &[
+    f("messages", Honoured),
+    f("max_completion_tokens", Honoured),
     f("logprobs", Honoured),
     f("top_logprobs", Honoured),
     f("tools", Honoured),
@@ -123,12 +134,6 @@ pub const CHAT: &[Field] = &[
     f("parallel_tool_calls", Honoured),
     f("reasoning_effort", Honoured),
     f("thinking", Honoured),
-    f("n", OnlyAt(&["1"], NO_N)),
-    f(
-        "response_format",
-        OnlyAt(&[r#"{"type":"text"}"#], STRUCTURED),
-    ),
-    f("user", Metadata),
     f("metadata", Metadata),
     f("safety_identifier", Metadata),
     f("prompt_cache_key", Metadata),
@@ -160,47 +165,28 @@ pub const CHAT: &[Field] = &[
     f("add_special_tokens", OnlyAt(&["false"], TEMPLATE)),
     f("documents", Refused(TEMPLATE)),
     f("mm_processor_kwargs", Refused(TEXT_ONLY)),
-    f("echo", OnlyAt(&["false"], NO_PROMPT_LOGPROBS)),
 ];
 
-/// `POST /v1/completions`: OpenAI's fields, then the completions-only vLLM extras.
+/// `POST /v1/completions`: its own OpenAI fields, then the completions-only vLLM extras.
 pub const COMPLETIONS: &[Field] = &[
-    f("model", Honoured),
     f("prompt", Honoured),
-    f("max_tokens", Honoured),
-    f("temperature", Honoured),
-    f("top_p", Honoured),
-    f("seed", Honoured),
-    f("stop", Honoured),
-    f("stream", Honoured),
-    f("stream_options", Honoured),
-    f("presence_penalty", Honoured),
-    f("frequency_penalty", Honoured),
-    f("logit_bias", Honoured),
-    f("n", OnlyAt(&["1"], NO_N)),
     f(
         "logprobs",
         Refused(
             "log-probabilities on /v1/completions are not implemented yet; use /v1/chat/completions",
         ),
     ),
-    f("echo", OnlyAt(&["false"], NO_PROMPT_LOGPROBS)),
     f(
         "suffix",
         Refused("insertion (`suffix`) is not supported by this model"),
     ),
-    f("user", Metadata),
     f("add_special_tokens", OnlyAt(&["true"], TEMPLATE)),
-    f(
-        "response_format",
-        OnlyAt(&[r#"{"type":"text"}"#], STRUCTURED),
-    ),
     f("prompt_embeds", Refused(NOT_SERVED)),
 ];
 
-/// The fields of an endpoint: its own table, then vLLM's shared extras.
+/// The fields of an endpoint: the shared OpenAI ones, its own table, then vLLM's shared extras.
 pub fn all(own: &'static [Field]) -> impl Iterator<Item = &'static Field> {
-    own.iter().chain(VLLM_SHARED)
+    OPENAI_SHARED.iter().chain(own).chain(VLLM_SHARED)
 }
 
 /// Refuses what `obj` carries that the endpoint does not honour: an unknown field with

@@ -24,7 +24,7 @@ use serde_json::{Map, Value, json};
 
 use crate::{
     api::chat::{
-        self, Extras, Failure, backend_error, check_common, check_sampling, deserialize, in_range,
+        self, Extras, Failure, check_common, check_sampling, deserialize, in_range,
         inference_stream, integer, parse_object,
     },
     api::error::{ApiError, ErrorStyle},
@@ -301,7 +301,7 @@ where
     let tokens = match served.backend.submit(request).await {
         Ok(tokens) => crate::metrics::track(tokens, tracker),
         Err(e) => {
-            let e = backend_error(e);
+            let e = ApiError::from(e);
             tracker.failed(e.parts().0);
             return Err(e);
         }
