@@ -232,7 +232,11 @@ impl DecodeWorker {
             &self.engine.eos_token_ids,
         );
         let prompt = request.prompt_token_ids;
-        let result = if prompt.len() == prompt_len {
+        let result = if let Err(e) = &sampling {
+            Err(self.err(ErrorKind::InvalidArgument, e.to_string()))
+        } else if prompt.len() == prompt_len
+            && let Ok(sampling) = sampling
+        {
             let req = GenerationRequest {
                 id: engine_id,
                 prompt,

@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod config;
 pub mod formats;
+pub mod grammar;
 pub mod model;
 pub mod paged;
 pub mod plan;

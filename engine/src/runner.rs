@@ -200,7 +200,12 @@ pub fn start_with_backend(
     };
     let eos_token_ids = model.config.eos_token_ids.clone();
     let vocab_size = model.config.vocab_size;
-    let engine = Engine::new(model, config, &fingerprint)?;
+    let mut engine = Engine::new(model, config, &fingerprint)?;
+    engine.set_token_table(crate::grammar::TokenTableSource::from_dir(
+        dir,
+        vocab_size,
+        &eos_token_ids,
+    ));
     let layout = engine.store().layout.to_proto();
     let runner = Runner::start(engine, thread_name)?;
     Ok(LoadedEngine {

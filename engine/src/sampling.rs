@@ -15,11 +15,13 @@
 //!    add `logit_bias`;
 //! 2. repetition penalty over prompt ∪ generated (`l > 0 → l / p`, else `l * p`);
 //! 3. frequency / presence penalties over generated tokens;
-//! 4. until `min_tokens` tokens exist, mask stop ids and (unless `ignore_eos`) eos ids, unless
-//!    that would leave nothing;
+//! 4. with an output constraint (structured outputs, [`crate::grammar`]), mask every token its
+//!    grammar does not allow; then, until `min_tokens` tokens exist, mask stop ids and (unless
+//!    `ignore_eos`) eos ids, unless that would leave nothing;
 //! 5. log-probabilities = log_softmax of these processed logits (before temperature);
 //! 6. greedy argmax at temperature 0, else temperature, top-k, top-p, min-p and one draw;
-//! 7. record the token.
+//! 7. record the token (and advance the constraint over it). A complete grammar ends the
+//!    request like a stop id, `ignore_eos` or not: nothing may follow it.
 //!
 //! A processed logit that overflows f32 (e.g. a huge logit divided by a tiny repetition penalty)
 //! saturates at ±`f32::MAX` instead of becoming infinite, so a token that was finite stays
@@ -34,11 +36,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use math::{SplitMix64, exp_nonpositive};
 
+use crate::grammar::{GrammarError, TokenConstraint};
+
 /// Most `top_logprobs` a request may ask for (the OpenAI limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// The request vocabulary is defined once, in `proto` (with its wire conversions).
-pub use proto::request::{FinishReason, Sampled, SamplingParams, StopConditions};
+pub use proto::request::{
+    FinishReason, Grammar, OutputConstraint, Sampled, SamplingParams, StopConditions,
+};
 
 /// Invalid parameters or inputs; nothing in this module panics instead.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -61,6 +67,8 @@ pub enum SamplingError {
     NoFiniteLogit,
     #[error("the request already finished ({0:?}); no further token may be sampled")]
     Finished(FinishReason),
+    #[error(transparent)]
+    Constraint(#[from] GrammarError),
 }
 
 fn out_of_range(
@@ -206,6 +214,8 @@ pub struct Sampler {
     /// Prompt ∪ generated, for the repetition penalty; left empty when the penalty is disabled
     /// so long prompts cost nothing.
     seen: BTreeSet<u32>,
+    /// The compiled grammar of `params.constraint`, when there is one.
+    constraint: Option<TokenConstraint>,
 }
 
 impl Sampler {
@@ -251,7 +261,16 @@ impl Sampler {
             generated: Vec::new(),
             counts: BTreeMap::new(),
             seen,
+            constraint: None,
         })
+    }
+
+    /// Applies a compiled output constraint from the next token on (call before any token
+    /// is sampled or resumed).
+    #[must_use]
+    pub fn constrained(mut self, constraint: TokenConstraint) -> Self {
+        self.constraint = Some(constraint);
+        self
     }
 
     /// The seed in use: `params.seed`, or the default seed the engine supplied.
@@ -269,6 +288,13 @@ impl Sampler {
     pub fn finish(&self) -> Option<FinishReason> {
         let &last = self.generated.last()?;
         let n = self.generated.len();
+        if self
+            .constraint
+            .as_ref()
+            .is_some_and(TokenConstraint::is_complete)
+        {
+            return Some(FinishReason::Stop);
+        }
         if n >= self.stop.min_tokens as usize && self.stop_set.binary_search(&last).is_ok() {
             return Some(FinishReason::Stop);
         }
@@ -293,6 +319,9 @@ impl Sampler {
             if let Some(reason) = self.finish() {
                 return Err(SamplingError::Finished(reason));
             }
+            if let Some(c) = self.constraint.as_mut() {
+                c.consume(token)?;
+            }
             let _ = self.rng.next_uniform();
             self.record(token);
         }
@@ -316,7 +345,11 @@ impl Sampler {
                 actual: logits.len(),
             });
         }
-        let processed = self.process(logits);
+        let mut processed = self.adjusted(logits);
+        if let Some(c) = self.constraint.as_mut() {
+            c.mask(&mut processed)?;
+        }
+        self.suppress_stops(&mut processed);
         // Ids fit in u32: `new` bounds the vocabulary at 2^32.
         let cands: Vec<(u32, f32)> = processed
             .iter()
@@ -338,6 +371,9 @@ impl Sampler {
             self.draw(cands, u)
         };
         let logprob = lse.map(|lse| logprob_of(processed.get(token as usize).copied(), lse));
+        if let Some(c) = self.constraint.as_mut() {
+            c.consume(token)?;
+        }
         self.record(token);
         Ok(Sampled {
             token,
@@ -346,8 +382,17 @@ impl Sampler {
         })
     }
 
-    /// Steps 1-4: the logits every later step sees. Masked tokens are -inf, all others finite.
+    /// Steps 1-4 without a constraint: the logits every later step sees. Masked tokens are
+    /// -inf, all others finite.
+    #[cfg(test)]
     fn process(&self, logits: &[f32]) -> Vec<f32> {
+        let mut out = self.adjusted(logits);
+        self.suppress_stops(&mut out);
+        out
+    }
+
+    /// Steps 1-3.
+    fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
         let mut out: Vec<f32> = logits
             .iter()
             .map(|&l| if l.is_finite() { l } else { f32::NEG_INFINITY })
@@ -373,6 +418,11 @@ impl Sampler {
                 adjust(token, &|l| l - (freq * count as f32 + pres));
             }
         }
+        out
+    }
+
+    /// Step 4's `min_tokens` part.
+    fn suppress_stops(&self, out: &mut [f32]) {
         if self.generated.len() < self.stop.min_tokens as usize && !self.stop_set.is_empty() {
             let other_remains = out
                 .iter()
@@ -386,7 +436,6 @@ impl Sampler {
                 }
             }
         }
-        out
     }
 
     /// Step 6 for temperature > 0: `cands` are the finite processed logits, `u` the step's

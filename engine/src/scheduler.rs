@@ -13,6 +13,7 @@ mod handoff;
 pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
 use crate::{
+    grammar::{GrammarError, TokenTableSource},
     model::{ForwardError, Logits, Model, Step},
     paged::{
         layout::{KvStorage, LayoutError, StateLayout},
@@ -125,6 +126,8 @@ enum StepError {
 pub enum EngineError {
     #[error("{0}")]
     Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
     #[error("{0}")]
     Layout(#[from] LayoutError),
     #[error("prompt is empty")]
@@ -169,6 +172,8 @@ pub struct Engine {
     running: Vec<Running>,
     /// Pages reserved for prompt state another worker writes ([`Engine::reserve`]).
     reserved: Vec<(u64, PagedSeq)>,
+    /// The token table output constraints compile against.
+    token_table: TokenTableSource,
 }
 
 impl Engine {
@@ -189,6 +194,31 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             reserved: Vec::new(),
+            token_table: TokenTableSource::none(),
+        })
+    }
+
+    /// Where output constraints get their token table (without one they are refused).
+    pub fn set_token_table(&mut self, source: TokenTableSource) {
+        self.token_table = source;
+    }
+
+    /// A sampler for `req`, with its output constraint compiled when it has one.
+    pub(crate) fn sampler(
+        &self,
+        sampling: SamplingParams,
+        stop: StopConditions,
+        prompt: &[u32],
+        seed: u64,
+    ) -> Result<Sampler, EngineError> {
+        let constraint = match &sampling.constraint {
+            Some(c) => Some(self.token_table.get()?.compile(c)?),
+            None => None,
+        };
+        let sampler = Sampler::new(sampling, stop, prompt, self.model.config.vocab_size, seed)?;
+        Ok(match constraint {
+            Some(c) => sampler.constrained(c),
+            None => sampler,
         })
     }
 
@@ -242,11 +272,10 @@ impl Engine {
                 total: self.store.pages().total(),
             });
         }
-        let sampler = Sampler::new(
+        let sampler = self.sampler(
             req.sampling.clone(),
             req.stop.clone(),
             &req.prompt,
-            self.model.config.vocab_size,
             default_seed(req.id),
         )?;
         self.waiting.push_back((req, sampler, handoff));

@@ -358,12 +358,12 @@ fn chat_ignore_eos_stop_token_ids_and_min_tokens_are_honoured() {
         (json!({"min_tokens": -1}), "min_tokens"),
         // Neither OpenAI's nor vLLM's: OpenAI's own answer, never a silent 200.
         (json!({"frobnicate_level": 3}), "frobnicate_level"),
-        // Known, but not enforced yet: refused rather than ignored.
+        // Known, but not supported: refused rather than ignored.
         (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"guided_whitespace_pattern": "[ ]*"}),
+            "guided_whitespace_pattern",
         ),
-        (json!({"guided_regex": "a+"}), "guided_regex"),
+        (json!({"structural_tag": {}}), "structural_tag"),
     ] {
         let r = ask(extra.clone());
         assert_eq!(r.status, 400, "{extra}: {}", r.body);

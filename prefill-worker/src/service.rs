@@ -301,6 +301,9 @@ impl Prefill for PrefillService {
             &destination.layout.clone().unwrap_or_default(),
         )
         .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
+        let sampling =
+            proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default())
+                .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?;
         let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
         let key = (request_id.id.clone(), request_id.attempt);
         w.running().insert(key.clone(), engine_id);
@@ -312,7 +315,7 @@ impl Prefill for PrefillService {
         let generation = GenerationRequest {
             id: engine_id,
             prompt: req.prompt_token_ids.clone(),
-            sampling: proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default()),
+            sampling,
             stop: proto::request::stop_from_wire(
                 &req.stop.clone().unwrap_or_default(),
                 &w.engine.eos_token_ids,

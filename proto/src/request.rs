@@ -34,6 +34,32 @@ pub struct SamplingParams {
     pub logprobs: bool,
     /// How many best alternatives to report when `logprobs` is set; [0, 20]. Ignored otherwise.
     pub top_logprobs: u32,
+    /// A grammar the output must follow; `None`: free text.
+    pub constraint: Option<OutputConstraint>,
+}
+
+/// A structured-output constraint: the grammar and where in the output it starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputConstraint {
+    pub grammar: Grammar,
+    /// The grammar applies from the token after this one (thinking mode: the end of the
+    /// reasoning section); `None`: from the first token.
+    pub start_after_token: Option<u32>,
+    /// JSON only: free whitespace between JSON tokens instead of the compact form.
+    pub whitespace_flexible: bool,
+}
+
+/// The grammar of an [`OutputConstraint`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Grammar {
+    /// A JSON Schema document, as JSON text.
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// A regular expression the whole output matches.
+    Regex(String),
+    /// A Lark grammar in llguidance's dialect.
+    Lark(String),
 }
 
 impl Default for SamplingParams {
@@ -50,6 +76,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             logprobs: false,
             top_logprobs: 0,
+            constraint: None,
         }
     }
 }
@@ -140,13 +167,55 @@ pub fn sampling_to_wire(p: &SamplingParams) -> v1::SamplingParams {
             }),
         top_logprobs: p.top_logprobs,
         return_logprobs: p.logprobs,
+        constraint: p.constraint.as_ref().map(constraint_to_wire),
     }
 }
 
-pub fn sampling_from_wire(p: &v1::SamplingParams) -> SamplingParams {
+fn constraint_to_wire(c: &OutputConstraint) -> v1::OutputConstraint {
+    use v1::output_constraint::Grammar as W;
+    v1::OutputConstraint {
+        grammar: Some(match &c.grammar {
+            Grammar::JsonSchema(s) => W::JsonSchema(s.clone()),
+            Grammar::JsonObject => W::JsonObject(true),
+            Grammar::Regex(s) => W::Regex(s.clone()),
+            Grammar::Lark(s) => W::Lark(s.clone()),
+        }),
+        start_after_token: c.start_after_token,
+        whitespace_flexible: c.whitespace_flexible,
+    }
+}
+
+/// A constraint without a grammar (or `json_object: false`) is malformed: `None`, which the
+/// worker refuses rather than generating free text.
+fn constraint_from_wire(c: &v1::OutputConstraint) -> Option<OutputConstraint> {
+    use v1::output_constraint::Grammar as W;
+    let grammar = match c.grammar.as_ref()? {
+        W::JsonSchema(s) => Grammar::JsonSchema(s.clone()),
+        W::JsonObject(true) => Grammar::JsonObject,
+        W::JsonObject(false) => return None,
+        W::Regex(s) => Grammar::Regex(s.clone()),
+        W::Lark(s) => Grammar::Lark(s.clone()),
+    };
+    Some(OutputConstraint {
+        grammar,
+        start_after_token: c.start_after_token,
+        whitespace_flexible: c.whitespace_flexible,
+    })
+}
+
+/// A wire `OutputConstraint` with no grammar: refused, never read as free text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the output constraint names no grammar")]
+pub struct MalformedConstraint;
+
+pub fn sampling_from_wire(p: &v1::SamplingParams) -> Result<SamplingParams, MalformedConstraint> {
     let mut logit_bias: Vec<(u32, f32)> = p.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
     logit_bias.sort_by_key(|&(t, _)| t);
-    SamplingParams {
+    let constraint = match &p.constraint {
+        None => None,
+        Some(c) => Some(constraint_from_wire(c).ok_or(MalformedConstraint)?),
+    };
+    Ok(SamplingParams {
         temperature: p.temperature,
         top_p: p.top_p,
         top_k: p.top_k,
@@ -158,7 +227,8 @@ pub fn sampling_from_wire(p: &v1::SamplingParams) -> SamplingParams {
         logit_bias,
         logprobs: p.return_logprobs,
         top_logprobs: p.top_logprobs,
-    }
+        constraint,
+    })
 }
 
 pub fn stop_to_wire(s: &StopConditions) -> v1::StopConditions {
@@ -247,8 +317,36 @@ mod tests {
             logit_bias: vec![(3, 1.0), (9, -2.0)],
             logprobs: true,
             top_logprobs: 4,
+            constraint: None,
         };
-        assert_eq!(sampling_from_wire(&sampling_to_wire(&p)), p);
+        assert_eq!(sampling_from_wire(&sampling_to_wire(&p)), Ok(p.clone()));
+        for grammar in [
+            Grammar::JsonSchema(r#"{"type":"integer"}"#.to_owned()),
+            Grammar::JsonObject,
+            Grammar::Regex("a+".to_owned()),
+            Grammar::Lark("start: \"x\"".to_owned()),
+        ] {
+            let constrained = SamplingParams {
+                constraint: Some(OutputConstraint {
+                    grammar,
+                    start_after_token: Some(7),
+                    whitespace_flexible: true,
+                }),
+                ..p.clone()
+            };
+            assert_eq!(
+                sampling_from_wire(&sampling_to_wire(&constrained)),
+                Ok(constrained)
+            );
+        }
+        let mut empty = sampling_to_wire(&p);
+        empty.constraint = Some(v1::OutputConstraint::default());
+        assert_eq!(sampling_from_wire(&empty), Err(MalformedConstraint));
+        empty.constraint = Some(v1::OutputConstraint {
+            grammar: Some(v1::output_constraint::Grammar::JsonObject(false)),
+            ..Default::default()
+        });
+        assert_eq!(sampling_from_wire(&empty), Err(MalformedConstraint));
         let s = StopConditions {
             max_tokens: 7,
             min_tokens: 2,

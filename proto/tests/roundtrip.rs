@@ -146,6 +146,7 @@ all_messages!(
     // common.proto
     RequestId,
     SamplingParams,
+    OutputConstraint,
     StopConditions,
     TokenLogprob,
     GeneratedToken,

@@ -11,3 +11,5 @@ pub mod fields;
 pub mod http;
 pub mod key_limit;
 pub mod protocol;
+pub mod structured;
+pub mod tool_grammar;

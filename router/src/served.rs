@@ -8,7 +8,10 @@ use std::{
 
 use deepseek_recipe::request::{ConversionOptions, ModelVersion};
 use deepseek_recipe_encoding::{PromptTokenizer, dsv4::DeepseekV4Encoding};
-use engine::{config::ConfigError, model::Model, scheduler::EngineConfig, weights::LoadError};
+use engine::{
+    config::ConfigError, grammar::TokenTableSource, model::Model, scheduler::EngineConfig,
+    weights::LoadError,
+};
 use tokenizers::Tokenizer;
 
 use crate::{
@@ -52,6 +55,10 @@ pub struct Served {
     pub vocab_size: usize,
     pub eos_token_ids: Vec<u32>,
     pub thinking_default: bool,
+    /// `</think>`: in thinking mode an output constraint starts after it.
+    pub think_end_token: Option<u32>,
+    /// `｜DSML｜`, the token that opens and closes V4's tool-call tags.
+    pub dsml_token: Option<u32>,
     /// Output-token limit of requests that set none.
     pub default_max_tokens: u32,
     pub backend: SharedBackend,
@@ -89,7 +96,8 @@ impl Served {
             .map_or(limit, |l| (l as usize).min(limit));
         let vocab_size = model.config.vocab_size;
         let eos_token_ids = model.config.eos_token_ids.clone();
-        let backend = LocalBackend::start(model, engine_config, LOCAL_FINGERPRINT)
+        let tokens = TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
+        let backend = LocalBackend::start(model, engine_config, LOCAL_FINGERPRINT, tokens)
             .map_err(ServedError::Engine)?;
         Ok(Self::new(
             config,
@@ -148,6 +156,8 @@ impl Served {
         Self {
             name: config.served_model_name.clone(),
             names,
+            think_end_token: tokenizer.token_to_id("</think>"),
+            dsml_token: tokenizer.token_to_id("｜DSML｜"),
             tokenizer: Arc::new(tokenizer),
             encoding,
             max_model_len,

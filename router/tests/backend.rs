@@ -32,7 +32,13 @@ fn backend() -> (tempfile::TempDir, LocalBackend, Vec<u32>) {
     };
     (
         dir,
-        LocalBackend::start(model, config, "test").unwrap(),
+        LocalBackend::start(
+            model,
+            config,
+            "test",
+            engine::grammar::TokenTableSource::none(),
+        )
+        .unwrap(),
         eos,
     )
 }

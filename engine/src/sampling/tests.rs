@@ -713,6 +713,7 @@ fn any_params(vocab: usize) -> impl Strategy<Value = SamplingParams> {
                     logit_bias: bias,
                     logprobs: lp,
                     top_logprobs: top,
+                    constraint: None,
                 }
             },
         )

@@ -12,7 +12,6 @@ use crate::{
     model::SequenceState,
     paged::store::{PagedSeq, PagedStore},
     pool::{PageId, PoolError},
-    sampling::Sampler,
 };
 
 /// A prompt's state in an engine's layout: the bytes of the pages holding the prompt (page
@@ -345,13 +344,7 @@ impl Engine {
         }
         let mut sampling = req.sampling.clone();
         sampling.seed = Some(seed);
-        let mut sampler = Sampler::new(
-            sampling,
-            req.stop.clone(),
-            &req.prompt,
-            self.model.config.vocab_size,
-            seed,
-        )?;
+        let mut sampler = self.sampler(sampling, req.stop.clone(), &req.prompt, seed)?;
         sampler.resume(&[first])?;
         let (id, mut seq) = self.reserved.swap_remove(i);
         seq.len = prompt_len;

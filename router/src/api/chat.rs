@@ -34,6 +34,8 @@ pub struct Extras {
     pub min_tokens: u32,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// vLLM's constraint extras (`guided_*`, `structured_outputs`) and the key that gave it.
+    pub guided: Option<(engine::sampling::Grammar, &'static str)>,
 }
 
 impl Extras {
@@ -253,7 +255,9 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
             ));
         }
     };
+    let guided = crate::api::structured::guided(obj)?;
     Ok(Extras {
+        guided,
         logit_bias,
         min_tokens: min_tokens.map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
         stop_token_ids: token_ids(obj, "stop_token_ids")?,
@@ -419,6 +423,9 @@ struct Adapter<S> {
     failure: Failure,
     /// The model's eos ids (counted, not decoded, when generated mid-output).
     eos_token_ids: Vec<u32>,
+    /// Eos and stop ids: a `Stop` request's last token is dropped when it is one of them. A
+    /// request whose grammar completed ends on a token of its output, which is kept.
+    stop_ids: Vec<u32>,
 }
 
 /// Set when the backend fails or its stream ends without a finish: the response must then be
@@ -466,8 +473,9 @@ impl<S> Adapter<S> {
     }
 }
 
-/// Backend events as the stream processor's inference chunks: a `Ready` first, and the token
-/// that ended a `Stop` request held back and dropped (the library's contract).
+/// Backend events as the stream processor's inference chunks: a `Ready` first, and the stop
+/// or eos id that ended a `Stop` request held back and dropped (the library's contract).
+/// `stop_ids` are the request's stop ids besides the model's eos ids.
 pub fn inference_stream(
     tokens: impl Stream<Item = BackendEvent> + Send + Unpin + 'static,
     prompt_tokens: usize,
@@ -475,7 +483,9 @@ pub fn inference_stream(
     logprobs: bool,
     failure: Failure,
     eos_token_ids: Vec<u32>,
+    stop_ids: &[u32],
 ) -> impl Stream<Item = InferenceChunk> + Send + 'static {
+    let stop_ids: Vec<u32> = eos_token_ids.iter().chain(stop_ids).copied().collect();
     let ready = InferenceChunk::Ready {
         system_fingerprint: Some(fingerprint),
         prompt_usage: PromptUsage {
@@ -491,6 +501,7 @@ pub fn inference_stream(
         ended: false,
         failure,
         eos_token_ids,
+        stop_ids,
     };
     futures::stream::unfold(state, |mut st| async move {
         loop {
@@ -517,7 +528,15 @@ pub fn inference_stream(
                             }
                             InferenceFinishReason::Length
                         }
-                        FinishReason::Stop => InferenceFinishReason::Stop,
+                        FinishReason::Stop => {
+                            if let Some(last) = st.held.take()
+                                && !st.stop_ids.contains(&last.id)
+                            {
+                                let chunks = st.chunks(&[last]);
+                                st.out.extend(chunks);
+                            }
+                            InferenceFinishReason::Stop
+                        }
                     };
                     st.out.push_back(InferenceChunk::Finish { finish_reason });
                     st.ended = true;
@@ -576,6 +595,7 @@ mod failure_tests {
             false,
             Arc::clone(&failure),
             vec![1],
+            &[],
         );
         let chunks: Vec<InferenceChunk> = stream.collect().await;
         (chunks, failed(&failure))

@@ -155,7 +155,10 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         min_tokens,
         stop_token_ids,
         ignore_eos,
+        guided,
     } = chat::check_sampling(&mut obj)?;
+    let format = crate::api::structured::completions_response_format(&obj)?;
+    let constraint = crate::api::structured::resolve(format, guided, None)?;
     let number = |key: &str| obj.get(key).and_then(Value::as_f64);
     let temperature = number("temperature").unwrap_or(1.0) as f32;
     let top_p = number("top_p").unwrap_or(1.0) as f32;
@@ -260,6 +263,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
             logit_bias,
             logprobs: false,
             top_logprobs: 0,
+            constraint,
         },
     })
 }
@@ -428,6 +432,9 @@ struct Run {
     held: Option<u32>,
     generated: usize,
     out: VecDeque<Piece>,
+    /// Eos and stop ids: a `Stop` request's last token is dropped only when it is one (a
+    /// completed grammar ends on a token of the output).
+    stop_ids: Vec<u32>,
 }
 
 impl Run {
@@ -471,8 +478,10 @@ pub fn pieces(
     tokens: TokenStream,
     tracker: Tracker,
     detok: Detokenizer,
+    stop_ids: Vec<u32>,
 ) -> impl Stream<Item = Piece> + Send + 'static {
     let run = Run {
+        stop_ids,
         tokens: Some(tokens),
         tracker: Some(tracker),
         detok,
@@ -506,9 +515,16 @@ pub fn pieces(
                     }
                 }
                 Some(BackendEvent::Finished { reason, .. }) => {
-                    let (ids, reason) = match reason {
+                    let (ids, reason): (Vec<u32>, _) = match reason {
                         FinishReason::Length => (run.held.take().into_iter().collect(), "length"),
-                        FinishReason::Stop => (Vec::new(), "stop"),
+                        FinishReason::Stop => (
+                            run.held
+                                .take()
+                                .filter(|t| !run.stop_ids.contains(t))
+                                .into_iter()
+                                .collect(),
+                            "stop",
+                        ),
                     };
                     match run.release(&ids, true) {
                         Ok(_) => run.finish(reason),
@@ -584,6 +600,13 @@ pub async fn respond(
         },
     };
     tracker.prompt(prompt_len);
+    let stop_ids: Vec<u32> = request
+        .stop
+        .eos_token_ids
+        .iter()
+        .chain(&request.stop.stop_token_ids)
+        .copied()
+        .collect();
     let tokens = match served.backend.submit(request).await {
         Ok(tokens) => tokens,
         Err(e) => {
@@ -593,7 +616,7 @@ pub async fn respond(
         }
     };
     let detok = Detokenizer::new(Arc::clone(&served.tokenizer), stop);
-    let pieces = pieces(tokens, tracker, detok);
+    let pieces = pieces(tokens, tracker, detok, stop_ids);
     let id = chat::new_id("cmpl");
     let created = now();
     let model = served.name.clone();
@@ -788,7 +811,9 @@ mod tests {
             stop.iter().map(|s| (*s).to_owned()).collect(),
         );
         let tracker = Tracker::new(crate::metrics::Endpoint::Completions);
-        pieces(TokenStream::new(rx, || {}), tracker, detok)
+        // `Z` stands for the eos id.
+        let eos = ids(&byte_tokenizer(), "Z");
+        pieces(TokenStream::new(rx, || {}), tracker, detok, eos)
             .collect()
             .await
     }
@@ -854,6 +879,20 @@ mod tests {
                 completion_tokens: 4
             })
         );
+        // A `Stop` whose last token is no stop id (a completed grammar) keeps it.
+        let stop = BackendEvent::Finished {
+            reason: FinishReason::Stop,
+            usage,
+        };
+        let pieces = drive(vec![tokens("abc"), stop], &[]).await;
+        let kept: String = pieces
+            .iter()
+            .filter_map(|p| match p {
+                Piece::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kept, "abc");
         let length = BackendEvent::Finished {
             reason: FinishReason::Length,
             usage,

@@ -35,7 +35,6 @@ const fn f(name: &'static str, how: Use) -> Field {
 
 use Use::{Honoured, Metadata, OnlyAt, Refused};
 
-const STRUCTURED: &str = "structured outputs are not enforced yet; refused rather than ignored";
 const NO_BEAM: &str = "beam search is not implemented";
 const NO_N: &str = "one choice per request (`n` > 1 is not implemented yet)";
 const NO_PROMPT_LOGPROBS: &str = "prompt log-probabilities are not implemented yet";
@@ -74,14 +73,26 @@ const VLLM_SHARED: &[Field] = &[
     f("prompt_logprobs", Refused(NO_PROMPT_LOGPROBS)),
     f("allowed_token_ids", Refused(TOKEN_FILTERS)),
     f("bad_words", Refused(TOKEN_FILTERS)),
-    f("guided_json", Refused(STRUCTURED)),
-    f("guided_regex", Refused(STRUCTURED)),
-    f("guided_choice", Refused(STRUCTURED)),
-    f("guided_grammar", Refused(STRUCTURED)),
-    f("guided_decoding_backend", Refused(STRUCTURED)),
-    f("guided_whitespace_pattern", Refused(STRUCTURED)),
-    f("structural_tag", Refused(STRUCTURED)),
-    f("structured_outputs", Refused(STRUCTURED)),
+    f("guided_json", Honoured),
+    f("guided_regex", Honoured),
+    f("guided_choice", Honoured),
+    f("guided_grammar", Honoured),
+    f(
+        "guided_decoding_backend",
+        OnlyAt(
+            &[r#""auto""#, r#""guidance""#, r#""llguidance""#],
+            "the grammar engine is llguidance",
+        ),
+    ),
+    f(
+        "guided_whitespace_pattern",
+        Refused("JSON is written compact; a whitespace pattern is not supported"),
+    ),
+    f(
+        "structural_tag",
+        Refused("structural tags are not supported; use a Lark grammar (`guided_grammar`)"),
+    ),
+    f("structured_outputs", Honoured),
     f("priority", OnlyAt(&["0"], "requests have no priorities")),
     f("request_id", Metadata),
     f("logits_processors", Refused(NOT_SERVED)),
@@ -111,10 +122,7 @@ const OPENAI_SHARED: &[Field] = &[
     f("n", OnlyAt(&["1"], NO_N)),
     f("user", Metadata),
     f("echo", OnlyAt(&["false"], NO_PROMPT_LOGPROBS)),
-    f(
-        "response_format",
-        OnlyAt(&[r#"{"type":"text"}"#], STRUCTURED),
-    ),
+    f("response_format", Honoured),
 ];
 
 /// `POST /v1/chat/completions`: its own OpenAI fields, then the chat-only vLLM extras.
@@ -124,13 +132,7 @@ pub const CHAT: &[Field] = &[
     f("logprobs", Honoured),
     f("top_logprobs", Honoured),
     f("tools", Honoured),
-    f(
-        "tool_choice",
-        OnlyAt(
-            &[r#""auto""#, r#""none""#, r#""required""#],
-            "naming one function is not enforced yet",
-        ),
-    ),
+    f("tool_choice", Honoured),
     f("parallel_tool_calls", Honoured),
     f("reasoning_effort", Honoured),
     f("thinking", Honoured),
@@ -272,14 +274,14 @@ mod tests {
             ),
             (json!({"n": 2}), "n", "not supported"),
             (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-                "structured outputs",
+                json!({"guided_decoding_backend": "xgrammar"}),
+                "guided_decoding_backend",
+                "llguidance",
             ),
             (
-                json!({"guided_json": {}}),
-                "guided_json",
-                "structured outputs",
+                json!({"structural_tag": {}}),
+                "structural_tag",
+                "Lark grammar",
             ),
             (json!({"audio": {"voice": "x"}}), "audio", "text only"),
             (json!({"store": true}), "store", "not stored"),

@@ -18,7 +18,7 @@ use deepseek_recipe::{
     stream::{ChunkGenerator, StreamProcessor},
 };
 use deepseek_recipe_encoding::PromptEncoding;
-use engine::sampling::{SamplingParams, StopConditions};
+use engine::sampling::{OutputConstraint, SamplingParams, StopConditions};
 use futures::StreamExt;
 use serde_json::{Map, Value, json};
 
@@ -28,6 +28,7 @@ use crate::{
         inference_stream, integer, parse_object,
     },
     api::error::{ApiError, ErrorStyle},
+    api::structured,
     backend::BackendRequest,
     metrics::{Endpoint, Tracker},
     served::Served,
@@ -192,6 +193,8 @@ pub struct Prepared {
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     pub extras: Extras,
+    /// The grammar the output must follow, if any (structured outputs).
+    pub constraint: Option<OutputConstraint>,
 }
 
 /// Everything from the body to the prompt token ids and the resolved output limit.
@@ -205,7 +208,14 @@ pub fn prepare<P: Protocol>(
         crate::api::fields::check(&obj, fields)?;
     }
     check_common(&mut obj, served, effort_map, P::EFFORT)?;
-    let extras = P::check(&mut obj)?;
+    let mut extras = P::check(&mut obj)?;
+    // Chat's `parallel_tool_calls: false` and Messages' `disable_parallel_tool_use: true`.
+    let parallel_tool_calls = obj.get("parallel_tool_calls") != Some(&Value::Bool(false))
+        && obj
+            .get("tool_choice")
+            .and_then(|c| c.get("disable_parallel_tool_use"))
+            != Some(&Value::Bool(true));
+    let written = structured::written_schema(&obj);
     let requested_max = obj.get(P::MAX_TOKENS).is_some_and(|v| !v.is_null());
     let request: P = deserialize(obj)?;
     let converted = request
@@ -235,11 +245,24 @@ pub fn prepare<P: Protocol>(
         max_tokens.min(served.default_max_tokens)
     };
     crate::api::completions::check_min_tokens(extras.min_tokens, max_tokens)?;
+    let from_request = structured::requested(
+        converted.inference_options.output_constraint.as_ref(),
+        written,
+        parallel_tool_calls,
+        served.dsml_token,
+    )?;
+    let start_after = if converted.conversation.thinking_mode {
+        served.think_end_token
+    } else {
+        None
+    };
+    let constraint = structured::resolve(from_request, extras.guided.take(), start_after)?;
     Ok(Prepared {
         converted,
         prompt,
         max_tokens,
         extras,
+        constraint,
     })
 }
 
@@ -270,6 +293,7 @@ pub fn backend_request(prepared: &Prepared, served: &Served) -> BackendRequest {
             logit_bias: prepared.extras.logit_bias.clone(),
             logprobs: opts.logprobs,
             top_logprobs: u32::from(opts.top_logprobs.unwrap_or(0)),
+            constraint: prepared.constraint.clone(),
         },
         stop: StopConditions {
             max_tokens: prepared.max_tokens,
@@ -297,6 +321,7 @@ where
     ChunkOf<P>: serde::Serialize + Send + 'static,
 {
     let request = backend_request(&prepared, &served);
+    let stop_ids = request.stop.stop_token_ids.clone();
     tracker.prompt(prepared.prompt.len());
     let tokens = match served.backend.submit(request).await {
         Ok(tokens) => crate::metrics::track(tokens, tracker),
@@ -326,6 +351,7 @@ where
         logprobs,
         Arc::clone(&failure),
         served.eos_token_ids.clone(),
+        &stop_ids,
     );
     let chunks = processor.into_protocol_stream(inference);
     if stream {

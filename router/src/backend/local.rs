@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use engine::{
+    grammar::TokenTableSource,
     model::Model,
     runner::Runner,
     scheduler::{Engine, EngineConfig, Event, GenerationRequest},
@@ -33,10 +34,16 @@ pub struct LocalBackend {
 }
 
 impl LocalBackend {
-    /// Starts the engine thread over `model`.
-    pub fn start(model: Model, config: EngineConfig, fingerprint: &str) -> std::io::Result<Self> {
-        let engine = Engine::new(model, config, fingerprint)
+    /// Starts the engine thread over `model`; output constraints compile against `tokens`.
+    pub fn start(
+        model: Model,
+        config: EngineConfig,
+        fingerprint: &str,
+        tokens: TokenTableSource,
+    ) -> std::io::Result<Self> {
+        let mut engine = Engine::new(model, config, fingerprint)
             .map_err(|e| std::io::Error::other(e.to_string()))?;
+        engine.set_token_table(tokens);
         Ok(Self {
             runner: Runner::start(engine, "pdserve-engine")?,
             next_id: AtomicU64::new(1),
