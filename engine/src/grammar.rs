@@ -217,6 +217,15 @@ impl TokenConstraint {
         let mut any = false;
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
             let bits = words.get(w).copied().unwrap_or(0);
+            // Most words are all forbidden or all allowed: one test each.
+            if bits == 0 {
+                chunk.fill(f32::NEG_INFINITY);
+                continue;
+            }
+            if bits == u32::MAX && chunk.len() == 32 {
+                any = true;
+                continue;
+            }
             for (b, l) in chunk.iter_mut().enumerate() {
                 if bits & (1 << b) == 0 {
                     *l = f32::NEG_INFINITY;

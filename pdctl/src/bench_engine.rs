@@ -1,6 +1,6 @@
 //! `pdctl bench-engine`: throughput of the CPU engine (prefill tokens/s, decode tokens/s at
 //! several batch sizes), bytes of request state per token per layer kind, the drift of FP8
-//! K=V storage against f32, and optionally `transformers` timed on the same checkpoint in the
+//! K=V storage against f32, the per-step cost of structured-output masks, and optionally `transformers` timed on the same checkpoint in the
 //! same run (the ratio is what the engine is judged by).
 
 use std::{path::PathBuf, process::Command, time::Instant};
@@ -45,6 +45,9 @@ pub struct BenchEngineArgs {
     /// Skip the FP8 K=V drift measurement.
     #[arg(long)]
     pub no_kv_drift: bool,
+    /// Masked decode steps per grammar in the structured-output cost measurement.
+    #[arg(long, default_value_t = 300)]
+    pub mask_steps: usize,
 }
 
 fn err(e: &dyn std::fmt::Display) -> PdctlError {
@@ -344,6 +347,27 @@ pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
         println!(
             "\nFP8 K=V storage vs f32 ({n} decode positions): mean KL {kl:.3e} nats, top-1 agreement {:.1}%",
             top1 * 100.0
+        );
+    }
+
+    let (table_ms, costs) = crate::bench_mask::measure(
+        &dir,
+        model.config.vocab_size,
+        &model.config.eos_token_ids,
+        args.mask_steps,
+    )?;
+    println!(
+        "\nstructured outputs: token table of {} tokens built in {table_ms:.0} ms (once per process)",
+        model.config.vocab_size
+    );
+    println!(
+        "{:<30} {:>10} {:>7} {:>10} {:>9} {:>9} {:>9}",
+        "grammar", "compile ms", "steps", "mask mean", "p50", "p99", "max"
+    );
+    for c in costs {
+        println!(
+            "{:<30} {:>10.2} {:>7} {:>8.1}us {:>7.1}us {:>7.1}us {:>7.1}us",
+            c.grammar, c.compile_ms, c.steps, c.mean_us, c.p50_us, c.p99_us, c.max_us
         );
     }
     Ok(())

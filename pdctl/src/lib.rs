@@ -5,6 +5,7 @@
 
 pub mod bench_engine;
 pub mod bench_hidden;
+pub mod bench_mask;
 pub mod bench_roofline;
 pub mod bench_transfer;
 pub mod cluster;
