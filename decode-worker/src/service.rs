@@ -34,6 +34,7 @@ use proto::v1::{
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// Leases are clamped to this range (milliseconds).
 const LEASE_MS: (u32, u32) = (100, 600_000);
@@ -366,6 +367,7 @@ impl Decode for DecodeService {
         if w.draining.is_set() {
             return Err(w.draining.refusal());
         }
+        let client_id = proto::request_id_of(&request).to_owned();
         let req = request.into_inner();
         let request_id = req
             .request_id
@@ -447,6 +449,13 @@ impl Decode for DecodeService {
                 }),
             }),
         };
+        tracing::info!(
+            request = %client_id,
+            internal = %request_id.id,
+            attempt = request_id.attempt,
+            pages = reservation.pages.len(),
+            "reserved pages for the prompt's state"
+        );
         w.lock().insert(
             reservation_id.clone(),
             Reservation {
@@ -533,6 +542,7 @@ impl Decode for DecodeService {
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let w = Arc::clone(&self.0);
+        let span = tracing::info_span!("request", id = %proto::request_id_of(&request));
         let req = request.into_inner();
         let engine_id = w.check(&req.reservation_id, req.request_id.as_ref())?;
         let reservation_id = req.reservation_id.clone();
@@ -550,7 +560,7 @@ impl Decode for DecodeService {
         }
         w.try_start(&reservation_id).await;
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(stream_tokens(w, engine_id, request_id, started_rx, tx));
+        tokio::spawn(stream_tokens(w, engine_id, request_id, started_rx, tx).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -691,6 +701,13 @@ async fn feed(
                 ..batch(std::mem::take(&mut pending))
             },
         };
+        tracing::info!(
+            internal = %request_id.as_ref().map_or("-", |r| r.id.as_str()),
+            finish = ?FinishReason::try_from(last.finish_reason).unwrap_or(FinishReason::Unspecified),
+            completion_tokens = last.usage.map_or(0, |u| u.completion_tokens),
+            error = last.error.as_ref().map_or("", |e| e.message.as_str()),
+            "generation ended"
+        );
         let _ = tx.send(Ok(last)).await;
         return;
     }

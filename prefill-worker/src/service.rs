@@ -11,6 +11,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tracing::Instrument;
 use worker_core::transports::{Offered, start_offered};
 
 use common::fault::Fault;
@@ -279,159 +280,184 @@ impl Prefill for PrefillService {
         &self,
         request: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
-        let w = &self.0;
-        if w.draining.is_set() {
-            return Err(w.draining.refusal());
-        }
-        let started = Instant::now();
-        let req = request.into_inner();
-        let request_id = req
-            .request_id
-            .clone()
-            .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "request_id is required"))?;
-        if req.prompt_token_ids.is_empty() {
-            return Err(w.err(ErrorKind::InvalidArgument, "the prompt is empty"));
-        }
-        let destination = req
-            .destination
-            .clone()
-            .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "destination is required"))?;
-        handshake::check_layouts(
-            &w.engine.layout,
-            &destination.layout.clone().unwrap_or_default(),
-        )
-        .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
-        let sampling =
-            proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default())
-                .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?;
-        let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
-        let key = (request_id.id.clone(), request_id.attempt);
-        w.running().insert(key.clone(), engine_id);
-        let mut guard = CancelOnDrop {
-            runner: w.engine.runner.clone(),
-            engine_id,
-            armed: true,
-        };
-        let generation = GenerationRequest {
-            id: engine_id,
-            prompt: req.prompt_token_ids.clone(),
-            sampling,
-            stop: proto::request::stop_from_wire(
-                &req.stop.clone().unwrap_or_default(),
-                &w.engine.eos_token_ids,
-            ),
-        };
-        let work = async {
-            let transfer_error = |e: TransferError| proto::error::to_status(&e.info(&w.worker_id));
-            let initiators = Initiators::new(&w.credentials, w.offered.ucx.as_ref());
-            #[cfg(feature = "nccl")]
-            let initiators = initiators.with_nccl(w.nccl.as_ref());
-            let opened =
-                StateStream::open(&destination, &request_id, &w.offered.kinds, &initiators);
-            let stream = opened.map_err(transfer_error)?;
-            let computed = w.compute(generation, &stream).await;
-            let forward_end = Instant::now();
-            let prefilled = match computed {
-                Ok(p) => p,
-                Err(status) => {
-                    let stopped = proto::error::from_status(&status).kind
-                        == i32::from(ErrorKind::TransferFailed);
-                    if stopped && let Err(e) = stream.finish(Vec::new()).await {
-                        // The transfer's own error says what went wrong.
-                        return Err(transfer_error(e));
-                    }
-                    return Err(status);
-                }
+        // Every line about this request carries the client's id.
+        let span = tracing::info_span!("request", id = %proto::request_id_of(&request));
+        async move {
+            let w = &self.0;
+            if w.draining.is_set() {
+                return Err(w.draining.refusal());
+            }
+            let started = Instant::now();
+            let req = request.into_inner();
+            let request_id = req
+                .request_id
+                .clone()
+                .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "request_id is required"))?;
+            if req.prompt_token_ids.is_empty() {
+                return Err(w.err(ErrorKind::InvalidArgument, "the prompt is empty"));
+            }
+            let destination = req
+                .destination
+                .clone()
+                .ok_or_else(|| w.err(ErrorKind::InvalidArgument, "destination is required"))?;
+            handshake::check_layouts(
+                &w.engine.layout,
+                &destination.layout.clone().unwrap_or_default(),
+            )
+            .map_err(|e| proto::error::to_status(&e.info(&w.worker_id)))?;
+            let sampling =
+                proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default())
+                    .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?;
+            let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
+            let key = (request_id.id.clone(), request_id.attempt);
+            w.running().insert(key.clone(), engine_id);
+            let mut guard = CancelOnDrop {
+                runner: w.engine.runner.clone(),
+                engine_id,
+                armed: true,
             };
-            let forward_ns = (forward_end - started).as_nanos();
-            let report = stream
-                .finish(if prefilled.slot_sent || w.fault == Some(Fault::DropSlot) {
-                    Vec::new()
-                } else {
-                    vec![Piece {
-                        page: None,
-                        offset: 0,
-                        data: prefilled.state.slot.clone(),
-                    }]
-                })
-                .await
-                .map_err(transfer_error)?;
-            let transferred = report.bytes;
-            let transfer_ns = report.busy.as_nanos();
-            let exposed_ns = report
-                .done
-                .saturating_duration_since(forward_end)
-                .as_nanos();
-            let first_token = proto::request::token_to_wire(&prefilled.first);
-            let channel = w
-                .credentials
-                .endpoint(&req.decode_address)
-                .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?
-                .connect()
-                .await
-                .map_err(|e| {
-                    w.err(
-                        ErrorKind::Unavailable,
-                        format!("decode worker {}: {e}", req.decode_address),
-                    )
-                })?;
-            let mut decode = DecodeClient::new(w.credentials.channel(channel));
-            decode
-                .commit(CommitRequest {
-                    reservation_id: destination.reservation_id.clone(),
-                    request_id: Some(request_id.clone()),
-                    first_token: Some(first_token.clone()),
-                    prompt_tokens: u32::try_from(req.prompt_token_ids.len()).unwrap_or(u32::MAX),
-                    seed: prefilled.seed,
-                    checksums: if req.checksums {
-                        kv_transfer::checksum::of_state(
-                            &destination,
-                            &prefilled.state.pages,
-                            &prefilled.state.slot,
-                        )
-                    } else {
+            let generation = GenerationRequest {
+                id: engine_id,
+                prompt: req.prompt_token_ids.clone(),
+                sampling,
+                stop: proto::request::stop_from_wire(
+                    &req.stop.clone().unwrap_or_default(),
+                    &w.engine.eos_token_ids,
+                ),
+            };
+            let work = async {
+                let transfer_error =
+                    |e: TransferError| proto::error::to_status(&e.info(&w.worker_id));
+                let initiators = Initiators::new(&w.credentials, w.offered.ucx.as_ref());
+                #[cfg(feature = "nccl")]
+                let initiators = initiators.with_nccl(w.nccl.as_ref());
+                let opened =
+                    StateStream::open(&destination, &request_id, &w.offered.kinds, &initiators);
+                let stream = opened.map_err(transfer_error)?;
+                let computed = w.compute(generation, &stream).await;
+                let forward_end = Instant::now();
+                let prefilled = match computed {
+                    Ok(p) => p,
+                    Err(status) => {
+                        let stopped = proto::error::from_status(&status).kind
+                            == i32::from(ErrorKind::TransferFailed);
+                        if stopped && let Err(e) = stream.finish(Vec::new()).await {
+                            // The transfer's own error says what went wrong.
+                            return Err(transfer_error(e));
+                        }
+                        return Err(status);
+                    }
+                };
+                let forward_ns = (forward_end - started).as_nanos();
+                let report = stream
+                    .finish(if prefilled.slot_sent || w.fault == Some(Fault::DropSlot) {
                         Vec::new()
-                    },
+                    } else {
+                        vec![Piece {
+                            page: None,
+                            offset: 0,
+                            data: prefilled.state.slot.clone(),
+                        }]
+                    })
+                    .await
+                    .map_err(transfer_error)?;
+                let transferred = report.bytes;
+                let transfer_ns = report.busy.as_nanos();
+                let exposed_ns = report
+                    .done
+                    .saturating_duration_since(forward_end)
+                    .as_nanos();
+                let first_token = proto::request::token_to_wire(&prefilled.first);
+                let channel = w
+                    .credentials
+                    .endpoint(&req.decode_address)
+                    .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?
+                    .connect()
+                    .await
+                    .map_err(|e| {
+                        w.err(
+                            ErrorKind::Unavailable,
+                            format!("decode worker {}: {e}", req.decode_address),
+                        )
+                    })?;
+                let mut decode = DecodeClient::new(w.credentials.channel(channel));
+                decode
+                    .commit(CommitRequest {
+                        reservation_id: destination.reservation_id.clone(),
+                        request_id: Some(request_id.clone()),
+                        first_token: Some(first_token.clone()),
+                        prompt_tokens: u32::try_from(req.prompt_token_ids.len())
+                            .unwrap_or(u32::MAX),
+                        seed: prefilled.seed,
+                        checksums: if req.checksums {
+                            kv_transfer::checksum::of_state(
+                                &destination,
+                                &prefilled.state.pages,
+                                &prefilled.state.slot,
+                            )
+                        } else {
+                            Vec::new()
+                        },
+                        transferred_bytes: transferred,
+                    })
+                    .await?;
+                let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+                Ok::<_, Status>(PrefillResponse {
+                    request_id: Some(request_id.clone()),
+                    first_token: Some(first_token),
+                    seed: prefilled.seed,
+                    usage: Some(Usage {
+                        prompt_tokens: n(req.prompt_token_ids.len()),
+                        cached_prompt_tokens: n(prefilled.cached_tokens),
+                        completion_tokens: 1,
+                    }),
                     transferred_bytes: transferred,
+                    timings: Some(Timings {
+                        forward_ns: u64::try_from(forward_ns).unwrap_or(u64::MAX),
+                        transfer_ns: u64::try_from(transfer_ns).unwrap_or(u64::MAX),
+                        exposed_transfer_ns: u64::try_from(exposed_ns).unwrap_or(u64::MAX),
+                        total_ns: u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                        ..Timings::default()
+                    }),
+                    worker_id: w.worker_id.clone(),
                 })
-                .await?;
-            let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
-            Ok::<_, Status>(PrefillResponse {
-                request_id: Some(request_id.clone()),
-                first_token: Some(first_token),
-                seed: prefilled.seed,
-                usage: Some(Usage {
-                    prompt_tokens: n(req.prompt_token_ids.len()),
-                    cached_prompt_tokens: n(prefilled.cached_tokens),
-                    completion_tokens: 1,
-                }),
-                transferred_bytes: transferred,
-                timings: Some(Timings {
-                    forward_ns: u64::try_from(forward_ns).unwrap_or(u64::MAX),
-                    transfer_ns: u64::try_from(transfer_ns).unwrap_or(u64::MAX),
-                    exposed_transfer_ns: u64::try_from(exposed_ns).unwrap_or(u64::MAX),
-                    total_ns: u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
-                    ..Timings::default()
-                }),
-                worker_id: w.worker_id.clone(),
-            })
-        };
-        let result = if req.deadline_ms > 0 {
-            tokio::time::timeout(Duration::from_millis(u64::from(req.deadline_ms)), work)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(w.err(
-                        ErrorKind::DeadlineExceeded,
-                        "prefill did not finish within its deadline",
-                    ))
-                })
-        } else {
-            work.await
-        };
-        w.running().remove(&key);
-        // The engine request has ended (state exported) unless this failed early.
-        guard.armed = result.is_err();
-        result.map(Response::new)
+            };
+            let result = if req.deadline_ms > 0 {
+                tokio::time::timeout(Duration::from_millis(u64::from(req.deadline_ms)), work)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(w.err(
+                            ErrorKind::DeadlineExceeded,
+                            "prefill did not finish within its deadline",
+                        ))
+                    })
+            } else {
+                work.await
+            };
+            w.running().remove(&key);
+            // The engine request has ended (state exported) unless this failed early.
+            guard.armed = result.is_err();
+            match &result {
+                Ok(r) => tracing::info!(
+                    internal = %request_id.id,
+                    attempt = request_id.attempt,
+                    prompt_tokens = req.prompt_token_ids.len(),
+                    cached = r.usage.map_or(0, |u| u.cached_prompt_tokens),
+                    transferred_bytes = r.transferred_bytes,
+                    ms = started.elapsed().as_millis(),
+                    "prefilled and handed over"
+                ),
+                Err(status) => tracing::warn!(
+                    internal = %request_id.id,
+                    attempt = request_id.attempt,
+                    error = %status.message(),
+                    "prefill failed"
+                ),
+            }
+            result.map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<Ack>, Status> {

@@ -28,6 +28,28 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/pdserve_v1_descriptor.bin"));
 
+/// gRPC metadata key of the client's request id (`X-Request-Id`), sent with every call the
+/// router makes for that request so the workers' log lines carry it.
+pub const REQUEST_ID_METADATA: &str = "x-request-id";
+
+/// The client's request id on a gRPC call, if it carries one.
+pub fn request_id_of<T>(request: &tonic::Request<T>) -> &str {
+    request
+        .metadata()
+        .get(REQUEST_ID_METADATA)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+}
+
+/// `message` as a gRPC request carrying the client's request id.
+pub fn with_request_id<T>(message: T, id: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Ok(value) = id.parse() {
+        request.metadata_mut().insert(REQUEST_ID_METADATA, value);
+    }
+    request
+}
+
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: v1::ProtocolVersion = v1::ProtocolVersion::V1;
 

@@ -11,5 +11,6 @@ pub mod fields;
 pub mod http;
 pub mod key_limit;
 pub mod protocol;
+pub mod request_id;
 pub mod structured;
 pub mod tool_grammar;

@@ -28,6 +28,8 @@ use tokio::sync::mpsc;
 /// A request to generate from token ids.
 #[derive(Debug, Clone)]
 pub struct BackendRequest {
+    /// The client's `X-Request-Id` (or the one minted for it): for the workers' logs.
+    pub request_id: String,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub stop: StopConditions,

@@ -45,6 +45,7 @@ fn backend() -> (tempfile::TempDir, LocalBackend, Vec<u32>) {
 
 fn request(max_tokens: u32, seed: u64, eos: &[u32]) -> BackendRequest {
     BackendRequest {
+        request_id: "test".to_owned(),
         prompt: vec![0, 128_803, 19_923, 128_804],
         sampling: SamplingParams {
             temperature: 1.0,

@@ -560,11 +560,6 @@ pub fn inference_stream(
     })
 }
 
-/// Response id of a new request.
-pub fn new_id(prefix: &str) -> String {
-    format!("{prefix}-{}", uuid::Uuid::now_v7().simple())
-}
-
 #[cfg(test)]
 mod failure_tests {
     use futures::StreamExt as _;

@@ -575,6 +575,7 @@ pub async fn respond(
     prepared: Prepared,
     served: Arc<Served>,
     mut tracker: Tracker,
+    request_id: &crate::api::request_id::RequestId,
 ) -> Result<Response, ApiError> {
     let Prepared {
         prompt,
@@ -589,6 +590,7 @@ pub async fn respond(
     } = prepared;
     let prompt_len = prompt.len();
     let request = BackendRequest {
+        request_id: request_id.as_str().to_owned(),
         prompt,
         sampling,
         stop: StopConditions {
@@ -617,7 +619,7 @@ pub async fn respond(
     };
     let detok = Detokenizer::new(Arc::clone(&served.tokenizer), stop);
     let pieces = pieces(tokens, tracker, detok, stop_ids);
-    let id = chat::new_id("cmpl");
+    let id = format!("cmpl-{}", request_id.as_str());
     let created = now();
     let model = served.name.clone();
     let chunk = move |text: &str, finish: Option<&str>| {

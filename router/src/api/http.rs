@@ -7,7 +7,7 @@ use std::{
 };
 
 use axum::{
-    Json, Router,
+    Extension, Json, Router,
     body::Bytes,
     extract::{Request, State, rejection::BytesRejection},
     http::{StatusCode, header},
@@ -30,6 +30,7 @@ use crate::{
         chat, completions,
         error::{ApiError, ErrorStyle},
         protocol::{self, Protocol},
+        request_id::{self, RequestId},
     },
     metrics::{self, Endpoint, Tracker},
     served::Served,
@@ -117,6 +118,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .merge(api)
         .fallback(|uri: axum::http::Uri| async move { ApiError::NotFound(uri.path().to_owned()) })
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn(request_id::assign))
         .with_state(state)
 }
 
@@ -199,6 +201,7 @@ async fn prometheus(State(state): Shared) -> Response {
 /// each.
 async fn conversation<P: Protocol>(
     State(state): Shared,
+    Extension(id): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response
 where
@@ -211,7 +214,7 @@ where
         Ok((prepared, served))
     });
     let result = match prepared {
-        Ok((prepared, served)) => protocol::respond::<P>(prepared, served, tracker).await,
+        Ok((prepared, served)) => protocol::respond::<P>(prepared, served, tracker, &id).await,
         Err(e) => {
             tracker.failed(e.parts().0);
             Err(e)
@@ -222,6 +225,7 @@ where
 
 async fn legacy_completions(
     State(state): Shared,
+    Extension(id): Extension<RequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let mut tracker = Tracker::new(Endpoint::Completions);
@@ -231,7 +235,7 @@ async fn legacy_completions(
         Ok((prepared, served))
     });
     match prepared {
-        Ok((prepared, served)) => completions::respond(prepared, served, tracker).await,
+        Ok((prepared, served)) => completions::respond(prepared, served, tracker, &id).await,
         Err(e) => {
             tracker.failed(e.parts().0);
             Err(e)

@@ -28,6 +28,7 @@ use crate::{
         inference_stream, integer, parse_object,
     },
     api::error::{ApiError, ErrorStyle},
+    api::request_id::RequestId,
     api::structured,
     backend::BackendRequest,
     metrics::{Endpoint, Tracker},
@@ -267,7 +268,11 @@ pub fn prepare<P: Protocol>(
 }
 
 /// The backend request of a prepared request.
-pub fn backend_request(prepared: &Prepared, served: &Served) -> BackendRequest {
+pub fn backend_request(
+    prepared: &Prepared,
+    served: &Served,
+    request_id: &RequestId,
+) -> BackendRequest {
     let opts = &prepared.converted.inference_options;
     let thinking = prepared.converted.conversation.thinking_mode;
     // As DeepSeek's API: penalties take no effect in thinking mode.
@@ -280,6 +285,7 @@ pub fn backend_request(prepared: &Prepared, served: &Served) -> BackendRequest {
         )
     };
     BackendRequest {
+        request_id: request_id.as_str().to_owned(),
         prompt: prepared.prompt.clone(),
         sampling: SamplingParams {
             temperature: opts.temperature.unwrap_or(1.0),
@@ -316,11 +322,12 @@ pub async fn respond<P: Protocol>(
     prepared: Prepared,
     served: Arc<Served>,
     mut tracker: Tracker,
+    request_id: &RequestId,
 ) -> Result<Response, ApiError>
 where
     ChunkOf<P>: serde::Serialize + Send + 'static,
 {
-    let request = backend_request(&prepared, &served);
+    let request = backend_request(&prepared, &served, request_id);
     let stop_ids = request.stop.stop_token_ids.clone();
     tracker.prompt(prepared.prompt.len());
     let tokens = match served.backend.submit(request).await {
@@ -336,7 +343,7 @@ where
         prompt,
         ..
     } = prepared;
-    let id = chat::new_id(P::ID_PREFIX);
+    let id = format!("{}-{}", P::ID_PREFIX, request_id.as_str());
     let generator = P::chunk_generator(&converted, id.clone(), served.name.clone());
     let parsing = converted.parsing_options.clone();
     let logprobs = converted.inference_options.logprobs;

@@ -196,7 +196,7 @@ impl PdBackend {
             .reservation(request, &request_id, prefill)
             .await
             .map_err(Failed::retry)?;
-        let (decode, reserved) = self.reserve(&reserve).await?;
+        let (decode, reserved) = self.reserve(&reserve, &request.request_id).await?;
         let mut legs = Legs::new(&decode, prefill, &request_id);
         let decode_guard = InFlight::new(&decode);
         let transport = reserved.destination.as_ref().map_or(0, |d| d.transport);
@@ -212,14 +212,17 @@ impl PdBackend {
         // The decode stream first: it waits for the commit the prefill sends.
         legs.on_failure("decode stream refused");
         let stream = DecodeClient::new(decode.channel.clone())
-            .generate(GenerateRequest {
-                reservation_id: destination.reservation_id.clone(),
-                request_id: Some(request_id.clone()),
-                sampling: Some(sampling.clone()),
-                stop: Some(stop.clone()),
-                prompt_token_ids: request.prompt.clone(),
-                deadline_ms: 0,
-            })
+            .generate(proto::with_request_id(
+                GenerateRequest {
+                    reservation_id: destination.reservation_id.clone(),
+                    request_id: Some(request_id.clone()),
+                    sampling: Some(sampling.clone()),
+                    stop: Some(stop.clone()),
+                    prompt_token_ids: request.prompt.clone(),
+                    deadline_ms: 0,
+                },
+                &request.request_id,
+            ))
             .await
             .map_err(|s| Failed::final_(BackendError::from_status("decode worker", &s)))?
             .into_inner();
@@ -227,6 +230,7 @@ impl PdBackend {
         let prefilled = self
             .prefill(
                 prefill,
+                &request.request_id,
                 PrefillRequest {
                     request_id: Some(request_id),
                     prompt_token_ids: request.prompt.clone(),
@@ -296,6 +300,7 @@ impl PdBackend {
     async fn reserve(
         &self,
         reserve: &ReserveRequest,
+        client_id: &str,
     ) -> Result<(Arc<Worker>, proto::v1::ReserveResponse), Failed> {
         let queued = crate::metrics::Queued::enter();
         let queued_until = Instant::now() + self.queue_timeout;
@@ -312,7 +317,7 @@ impl PdBackend {
                 .pick(self.decode_policy, None, None, 0)
                 .map_err(Failed::final_)?;
             let mut result = DecodeClient::new(decode.channel.clone())
-                .reserve(reserve.clone())
+                .reserve(proto::with_request_id(reserve.clone(), client_id))
                 .await;
             if matches!(
                 kind_of(&result),
@@ -321,7 +326,7 @@ impl PdBackend {
             {
                 decode = other;
                 result = DecodeClient::new(decode.channel.clone())
-                    .reserve(reserve.clone())
+                    .reserve(proto::with_request_id(reserve.clone(), client_id))
                     .await;
             }
             let full = kind_of(&result) == Some(ErrorKind::Overloaded);
@@ -344,11 +349,12 @@ impl PdBackend {
     async fn prefill(
         &self,
         prefill: &Arc<Worker>,
+        client_id: &str,
         request: PrefillRequest,
     ) -> Result<proto::v1::PrefillResponse, Failed> {
         let _in_flight = InFlight::new(prefill);
         match PrefillClient::new(prefill.channel.clone())
-            .prefill(request)
+            .prefill(proto::with_request_id(request, client_id))
             .await
         {
             Ok(response) => Ok(response.into_inner()),
