@@ -44,3 +44,36 @@ def test_completions_stream_equals_non_stream(client: openai.OpenAI, official) -
 
     # Seeded: the same text again.
     assert client.completions.create(**body).choices[0].text == choice.text
+
+
+def test_completions_logprobs_have_openais_shape(client: openai.OpenAI) -> None:
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 12, "seed": 5, "logprobs": 3}
+    whole = client.completions.create(**body)
+    lp = whole.choices[0].logprobs
+    assert lp is not None
+    n = len(lp.tokens)
+    # Every generated token is listed except an eos that ended the request.
+    assert whole.usage.completion_tokens - 1 <= n <= whole.usage.completion_tokens
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(isinstance(t, str) for t in lp.tokens)
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    # The chosen token is at most as likely as the best alternative listed.
+    assert all(x <= max(top.values()) + 1e-6 for x, top in zip(lp.token_logprobs, lp.top_logprobs))
+    assert lp.text_offset[0] == 0
+    assert all(a <= b for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+
+    # Streaming lists the same tokens, chunk by chunk.
+    chunks = list(client.completions.create(**body, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
+def test_completions_echo_puts_the_prompt_first(client: openai.OpenAI) -> None:
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 6, "seed": 5}
+    plain = client.completions.create(**body).choices[0].text
+    echoed = client.completions.create(**body, echo=True).choices[0].text
+    assert echoed == PROMPT + plain
+    chunks = list(client.completions.create(**body, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + plain

@@ -17,7 +17,7 @@ use tokenizers::Tokenizer;
 use crate::{
     api::chat::{self, Extras},
     api::error::ApiError,
-    backend::{BackendEvent, BackendRequest, TokenStream},
+    backend::{BackendEvent, BackendRequest, GeneratedToken, TokenStream},
     metrics::Tracker,
     served::Served,
 };
@@ -40,6 +40,10 @@ pub struct Prepared {
     pub min_tokens: u32,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// `logprobs`: how many alternatives per token, when asked for.
+    pub logprobs: Option<u32>,
+    /// `echo`: the prompt's text, put before the completion.
+    pub echo: Option<String>,
 }
 
 fn prompt_ids(obj: &Map<String, Value>, served: &Served) -> Result<Vec<u32>, ApiError> {
@@ -181,8 +185,8 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
             ));
         }
     };
-    match obj.get("logprobs") {
-        None | Some(Value::Null) => {}
+    let logprobs = match obj.get("logprobs") {
+        None | Some(Value::Null) => None,
         Some(v) => {
             let n = v.as_i64().ok_or_else(|| {
                 ApiError::param("logprobs", "`logprobs` must be an integer in [0, 20]")
@@ -193,14 +197,16 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
                     format!("`logprobs` = {n} is out of range: accepted [0, 20]"),
                 ));
             }
-            return Err(ApiError::param(
-                "logprobs",
-                "`logprobs` is not supported on /v1/completions yet; use /v1/chat/completions",
-            ));
+            Some(u32::try_from(n).unwrap_or(0))
         }
-    }
-    if boolean(&obj, "echo")? == Some(true) {
-        return Err(ApiError::param("echo", "`echo` is not supported"));
+    };
+    let echo = boolean(&obj, "echo")? == Some(true);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::param(
+            "echo",
+            "`echo` with `logprobs` needs the prompt's log-probabilities, which are not \
+             implemented; use one of them",
+        ));
     }
     if obj.get("suffix").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::param("suffix", "`suffix` is not supported"));
@@ -212,6 +218,17 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
     }
     let stop = stop_strings(&obj)?;
     let prompt = prompt_ids(&obj, served)?;
+    let echo = if echo {
+        Some(match obj.get("prompt") {
+            Some(Value::String(s)) => s.clone(),
+            _ => served
+                .tokenizer
+                .decode(&prompt, false)
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+        })
+    } else {
+        None
+    };
     let requested = obj
         .get("max_tokens")
         .and_then(Value::as_u64)
@@ -261,10 +278,12 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
             frequency_penalty,
             repetition_penalty,
             logit_bias,
-            logprobs: false,
-            top_logprobs: 0,
+            logprobs: logprobs.is_some(),
+            top_logprobs: logprobs.unwrap_or(0),
             constraint,
         },
+        logprobs,
+        echo,
     })
 }
 
@@ -418,6 +437,9 @@ fn partial_suffix(text: &str, stop: &str) -> usize {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     Text(String),
+    /// The tokens (with their log-probabilities) of the text that follows (or, before the
+    /// finish, of tokens whose text is empty); only when `logprobs` was asked for.
+    Tokens(Vec<GeneratedToken>),
     Finish {
         reason: &'static str,
         completion_tokens: usize,
@@ -429,24 +451,62 @@ struct Run {
     tokens: Option<TokenStream>,
     tracker: Option<Tracker>,
     detok: Detokenizer,
-    held: Option<u32>,
+    held: Option<GeneratedToken>,
     generated: usize,
     out: VecDeque<Piece>,
+    /// `logprobs` asked for: tokens go through the detokenizer one by one, each listed with
+    /// the text it completes.
+    logprobs: bool,
+    /// Tokens released into the detokenizer whose text has not come out yet.
+    pending: Vec<GeneratedToken>,
     /// Eos and stop ids: a `Stop` request's last token is dropped only when it is one (a
     /// completed grammar ends on a token of the output).
     stop_ids: Vec<u32>,
 }
 
 impl Run {
-    fn release(&mut self, ids: &[u32], last: bool) -> Result<bool, DetokenizeError> {
+    fn release_ids(&mut self, ids: &[u32], last: bool) -> Result<bool, DetokenizeError> {
         let released = self.detok.push(ids, last)?;
         if !released.text.is_empty() {
+            if !self.pending.is_empty() {
+                self.out
+                    .push_back(Piece::Tokens(std::mem::take(&mut self.pending)));
+            }
             self.out.push_back(Piece::Text(released.text));
         }
         Ok(released.stopped)
     }
 
+    /// Releases `tokens` (one by one when their log-probabilities are listed, so each is
+    /// listed with its own text and none past a stop string); whether a stop string ended it.
+    fn release(
+        &mut self,
+        tokens: Vec<GeneratedToken>,
+        last: bool,
+    ) -> Result<bool, DetokenizeError> {
+        if !self.logprobs {
+            let ids: Vec<u32> = tokens.iter().map(|t| t.id).collect();
+            return self.release_ids(&ids, last);
+        }
+        let n = tokens.len();
+        for (i, token) in tokens.into_iter().enumerate() {
+            let id = token.id;
+            self.pending.push(token);
+            if self.release_ids(&[id], last && i + 1 == n)? {
+                return Ok(true);
+            }
+        }
+        if last && n == 0 {
+            return self.release_ids(&[], true);
+        }
+        Ok(false)
+    }
+
     fn finish(&mut self, reason: &'static str) {
+        if !self.pending.is_empty() {
+            self.out
+                .push_back(Piece::Tokens(std::mem::take(&mut self.pending)));
+        }
         if let Some(tracker) = self.tracker.as_mut() {
             tracker.succeeded();
         }
@@ -479,9 +539,12 @@ pub fn pieces(
     tracker: Tracker,
     detok: Detokenizer,
     stop_ids: Vec<u32>,
+    logprobs: bool,
 ) -> impl Stream<Item = Piece> + Send + 'static {
     let run = Run {
         stop_ids,
+        logprobs,
+        pending: Vec::new(),
         tokens: Some(tokens),
         tracker: Some(tracker),
         detok,
@@ -505,28 +568,28 @@ pub fn pieces(
                 Some(BackendEvent::Tokens(batch)) => {
                     run.generated += batch.len();
                     // The last token is held back: it is the eos that ends a `Stop` request.
-                    let mut ids: Vec<u32> = run.held.take().into_iter().collect();
-                    ids.extend(batch.iter().map(|t| t.id));
-                    run.held = ids.pop();
-                    match run.release(&ids, false) {
+                    let mut toks: Vec<GeneratedToken> = run.held.take().into_iter().collect();
+                    toks.extend(batch);
+                    run.held = toks.pop();
+                    match run.release(toks, false) {
                         Ok(true) => run.finish("stop"),
                         Ok(false) => {}
                         Err(e) => run.fail(ApiError::Internal(e.to_string())),
                     }
                 }
                 Some(BackendEvent::Finished { reason, .. }) => {
-                    let (ids, reason): (Vec<u32>, _) = match reason {
+                    let (toks, reason): (Vec<GeneratedToken>, _) = match reason {
                         FinishReason::Length => (run.held.take().into_iter().collect(), "length"),
                         FinishReason::Stop => (
                             run.held
                                 .take()
-                                .filter(|t| !run.stop_ids.contains(t))
+                                .filter(|t| !run.stop_ids.contains(&t.id))
                                 .into_iter()
                                 .collect(),
                             "stop",
                         ),
                     };
-                    match run.release(&ids, true) {
+                    match run.release(toks, true) {
                         Ok(_) => run.finish(reason),
                         Err(e) => run.fail(ApiError::Internal(e.to_string())),
                     }
@@ -558,6 +621,55 @@ fn error_json(e: &ApiError) -> String {
     serde_json::to_string(&e.body()).unwrap_or_default()
 }
 
+/// OpenAI's legacy `logprobs` object for consecutive tokens of one completion: each token's
+/// text (decoded alone), its log-probability, its best alternatives (text to log-probability)
+/// and the character offset where its text starts in the completion.
+struct TokenList {
+    tokenizer: Arc<Tokenizer>,
+    /// Characters of the completion's listed tokens so far.
+    offset: usize,
+}
+
+impl TokenList {
+    fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            tokenizer,
+            offset: 0,
+        }
+    }
+
+    fn text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    fn json(&mut self, tokens: &[GeneratedToken]) -> Value {
+        let mut texts = Vec::with_capacity(tokens.len());
+        let mut offsets = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            let text = self.text(t.id);
+            offsets.push(self.offset);
+            self.offset += text.chars().count();
+            texts.push(text);
+        }
+        let top: Vec<Value> = tokens
+            .iter()
+            .map(|t| {
+                let mut m = Map::new();
+                for &(id, lp) in &t.top_logprobs {
+                    m.entry(self.text(id)).or_insert(json!(lp));
+                }
+                Value::Object(m)
+            })
+            .collect();
+        json!({
+            "tokens": texts,
+            "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+            "top_logprobs": top,
+            "text_offset": offsets,
+        })
+    }
+}
+
 /// `min_tokens` may not exceed the `max_tokens` the request ends up with (its own or the
 /// default).
 pub fn check_min_tokens(min_tokens: u32, max_tokens: u32) -> Result<(), ApiError> {
@@ -587,6 +699,8 @@ pub async fn respond(
         min_tokens,
         stop_token_ids,
         ignore_eos,
+        logprobs,
+        echo,
     } = prepared;
     let prompt_len = prompt.len();
     let request = BackendRequest {
@@ -618,7 +732,7 @@ pub async fn respond(
         }
     };
     let detok = Detokenizer::new(Arc::clone(&served.tokenizer), stop);
-    let pieces = pieces(tokens, tracker, detok, stop_ids);
+    let pieces = pieces(tokens, tracker, detok, stop_ids, logprobs.is_some());
     let id = format!("cmpl-{}", request_id.as_str());
     let created = now();
     let model = served.name.clone();
@@ -631,15 +745,30 @@ pub async fn respond(
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
         })
     };
+    let mut listed = TokenList::new(Arc::clone(&served.tokenizer));
     if stream {
+        let first = echo
+            .map(|e| Ok::<_, Infallible>(SseEvent::default().data(chunk(&e, None).to_string())));
+        // Tokens are listed with the text that follows them (or with the finish).
+        let mut waiting: Vec<GeneratedToken> = Vec::new();
         let events = pieces.flat_map(move |piece| {
+            let mut with_tokens = |mut body: Value, waiting: &mut Vec<GeneratedToken>| {
+                if logprobs.is_some() {
+                    body["choices"][0]["logprobs"] = listed.json(&std::mem::take(waiting));
+                }
+                body.to_string()
+            };
             let data: Vec<String> = match piece {
-                Piece::Text(text) => vec![chunk(&text, None).to_string()],
+                Piece::Tokens(tokens) => {
+                    waiting.extend(tokens);
+                    Vec::new()
+                }
+                Piece::Text(text) => vec![with_tokens(chunk(&text, None), &mut waiting)],
                 Piece::Finish {
                     reason,
                     completion_tokens,
                 } => {
-                    let mut out = vec![chunk("", Some(reason)).to_string()];
+                    let mut out = vec![with_tokens(chunk("", Some(reason)), &mut waiting)];
                     if include_usage {
                         let mut last = chunk("", None);
                         last["choices"] = json!([]);
@@ -657,18 +786,24 @@ pub async fn respond(
                     .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
             )
         });
+        let events = futures::stream::iter(first).chain(events);
         return Ok(Sse::new(events).into_response());
     }
-    let mut text = String::new();
+    let mut text = echo.unwrap_or_default();
+    let mut all: Vec<GeneratedToken> = Vec::new();
     let mut pieces = std::pin::pin!(pieces);
     while let Some(piece) = pieces.next().await {
         match piece {
             Piece::Text(t) => text.push_str(&t),
+            Piece::Tokens(tokens) => all.extend(tokens),
             Piece::Finish {
                 reason,
                 completion_tokens,
             } => {
                 let mut body = chunk(&text, Some(reason));
+                if logprobs.is_some() {
+                    body["choices"][0]["logprobs"] = listed.json(&all);
+                }
                 body["usage"] = usage(prompt_len, completion_tokens);
                 return Ok(axum::Json(body).into_response());
             }
@@ -815,7 +950,7 @@ mod tests {
         let tracker = Tracker::new(crate::metrics::Endpoint::Completions);
         // `Z` stands for the eos id.
         let eos = ids(&byte_tokenizer(), "Z");
-        pieces(TokenStream::new(rx, || {}), tracker, detok, eos)
+        pieces(TokenStream::new(rx, || {}), tracker, detok, eos, false)
             .collect()
             .await
     }

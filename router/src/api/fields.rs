@@ -121,13 +121,16 @@ const OPENAI_SHARED: &[Field] = &[
     f("logit_bias", Honoured),
     f("n", OnlyAt(&["1"], NO_N)),
     f("user", Metadata),
-    f("echo", OnlyAt(&["false"], NO_PROMPT_LOGPROBS)),
     f("response_format", Honoured),
 ];
 
 /// `POST /v1/chat/completions`: its own OpenAI fields, then the chat-only vLLM extras.
 pub const CHAT: &[Field] = &[
     f("messages", Honoured),
+    f(
+        "echo",
+        OnlyAt(&["false"], "echoing the last message is not implemented"),
+    ),
     f("max_completion_tokens", Honoured),
     f("logprobs", Honoured),
     f("top_logprobs", Honoured),
@@ -172,12 +175,8 @@ pub const CHAT: &[Field] = &[
 /// `POST /v1/completions`: its own OpenAI fields, then the completions-only vLLM extras.
 pub const COMPLETIONS: &[Field] = &[
     f("prompt", Honoured),
-    f(
-        "logprobs",
-        Refused(
-            "log-probabilities on /v1/completions are not implemented yet; use /v1/chat/completions",
-        ),
-    ),
+    f("logprobs", Honoured),
+    f("echo", Honoured),
     f(
         "suffix",
         Refused("insertion (`suffix`) is not supported by this model"),
