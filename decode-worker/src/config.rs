@@ -45,3 +45,58 @@ pub struct Cli {
     #[serde(flatten)]
     pub worker: WorkerFlags,
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+    use worker_core::settings::KvCacheDtype;
+
+    use super::*;
+
+    fn load(args: &[&str], env: &[(&str, &str)]) -> DecodeConfig {
+        let cli =
+            Cli::try_parse_from(std::iter::once("pdserve-decode").chain(args.iter().copied()))
+                .expect("flags");
+        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+        common::config::load::<DecodeConfig>(None, env, &cli).expect("settings")
+    }
+
+    /// vLLM's spellings set the same settings as ours, from flags and from the environment.
+    #[test]
+    fn vllm_flag_spellings_are_the_same_settings() {
+        let defaults = load(&[], &[]);
+        assert_eq!(defaults.worker.kv_cache_dtype, KvCacheDtype::Auto);
+        assert!(defaults.worker.enable_prefix_caching);
+        let c = load(
+            &[
+                "--model",
+                "/m",
+                "--max-num-seqs",
+                "7",
+                "--kv-cache-dtype",
+                "fp8",
+                "--no-enable-prefix-caching",
+            ],
+            &[],
+        );
+        assert_eq!(
+            c.worker.model_dir.as_deref(),
+            Some(std::path::Path::new("/m"))
+        );
+        assert_eq!(c.worker.max_running, 7);
+        assert_eq!(c.worker.kv_cache_dtype, KvCacheDtype::Fp8);
+        assert!(!c.worker.enable_prefix_caching);
+        let engine = c.worker.engine_config();
+        assert_eq!(engine.kv, engine::paged::layout::KvStorage::Fp8);
+        assert!(!engine.prefix_cache);
+        // The later of the two prefix-caching flags wins; the environment sets it too.
+        let c = load(
+            &["--no-enable-prefix-caching", "--enable-prefix-caching"],
+            &[("PDSERVE_ENABLE_PREFIX_CACHING", "false")],
+        );
+        assert!(c.worker.enable_prefix_caching);
+        let c = load(&[], &[("PDSERVE_KV_CACHE_DTYPE", "fp8")]);
+        assert_eq!(c.worker.kv_cache_dtype, KvCacheDtype::Fp8);
+        assert!(Cli::try_parse_from(["pdserve-decode", "--kv-cache-dtype", "int4"]).is_err());
+    }
+}

@@ -269,7 +269,7 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_ms: Option<u64>,
     /// Checkpoint folder served by the in-process engine backend.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, visible_alias = "model", value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_dir: Option<PathBuf>,
     /// Model name the API reports and accepts.

@@ -46,6 +46,8 @@ pub enum ServedError {
 pub struct Served {
     /// The name responses report.
     pub name: String,
+    /// The checkpoint folder (`/v1/models` `root`, as vLLM reports the model path).
+    pub root: String,
     /// Every accepted request name (`name` first).
     pub names: Vec<String>,
     pub tokenizer: Arc<Tokenizer>,
@@ -155,6 +157,10 @@ impl Served {
         }
         Self {
             name: config.served_model_name.clone(),
+            root: config.model_dir.as_ref().map_or_else(
+                || config.served_model_name.clone(),
+                |d| d.display().to_string(),
+            ),
             names,
             think_end_token: tokenizer.token_to_id("</think>"),
             dsml_token: tokenizer.token_to_id("｜DSML｜"),

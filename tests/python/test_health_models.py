@@ -14,11 +14,14 @@ def test_health(router) -> None:
     assert router.get("/no/such/route").status == 404
 
 
-def test_models_lists_served_name(client: openai.OpenAI, max_model_len: int) -> None:
+def test_models_lists_served_name(
+    client: openai.OpenAI, max_model_len: int, model_dir
+) -> None:
     models = list(client.models.list())
     ids = [m.id for m in models]
     assert ids[0] == SERVED_NAME, ids
     for m in models:
         assert m.object == "model"
-        assert (m.model_extra or {}).get("root") == SERVED_NAME
+        # As vLLM: `root` is the model folder.
+        assert (m.model_extra or {}).get("root") == str(model_dir)
     assert max_model_len >= 1024

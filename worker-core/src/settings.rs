@@ -6,7 +6,7 @@
 use std::{net::SocketAddr, path::PathBuf};
 
 use common::config::{Invalid, check_advertise, check_host_port, check_range};
-use engine::scheduler::EngineConfig;
+use engine::{paged::layout::KvStorage, scheduler::EngineConfig};
 use kernels::backend::BackendKind;
 use proto::v1::TransportKind;
 use serde::{Deserialize, Serialize};
@@ -27,6 +27,53 @@ impl<'de> Deserialize<'de> for Transport {
         kv_transfer::handshake::parse_transport(&name)
             .map(Self)
             .map_err(serde::de::Error::custom)
+    }
+}
+
+/// How a worker stores the attention K=V rows of requests (vLLM's `--kv-cache-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheDtype {
+    /// The exact form, f32 (what `auto` means here: the reference arithmetic).
+    Auto,
+    F32,
+    /// DeepSeek's per-token FP8 rows (lossy, 3.6x smaller; `pdctl bench-engine` prints the
+    /// drift against f32).
+    Fp8,
+}
+
+impl KvCacheDtype {
+    pub fn storage(self) -> KvStorage {
+        match self {
+            Self::Auto | Self::F32 => KvStorage::F32,
+            Self::Fp8 => KvStorage::Fp8,
+        }
+    }
+}
+
+/// `--enable-prefix-caching` / `--no-enable-prefix-caching` (vLLM's spellings), as the one
+/// setting `enable_prefix_caching`.
+#[derive(Debug, Default, clap::Args)]
+pub struct PrefixCachingFlags {
+    /// Reuse the state of prompt blocks already computed (the default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Compute every prompt in full.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+}
+
+impl Serialize for PrefixCachingFlags {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        // The later flag wins (clap's `overrides_with` clears the earlier one).
+        if self.no_enable_prefix_caching {
+            map.serialize_entry("enable_prefix_caching", &false)?;
+        } else if self.enable_prefix_caching {
+            map.serialize_entry("enable_prefix_caching", &true)?;
+        }
+        map.end()
     }
 }
 
@@ -56,6 +103,11 @@ pub struct WorkerSettings {
     pub max_running: u32,
     /// Tokens per forward step.
     pub max_batch_tokens: u32,
+    /// Storage of the attention K=V rows: `auto` (= `f32`, exact) or `fp8`. Prefill and decode
+    /// workers must agree (the layout handshake refuses to pair them otherwise).
+    pub kv_cache_dtype: KvCacheDtype,
+    /// Reuse the state of prompt blocks computed before (prefix cache).
+    pub enable_prefix_caching: bool,
     /// host:port of a router's gRPC server to register with (and heartbeat to). Unset: the
     /// worker is listed statically in the router's configuration.
     pub router: Option<String>,
@@ -93,6 +145,8 @@ impl WorkerSettings {
             engine_num_pages: 1024,
             max_running: 32,
             max_batch_tokens: 512,
+            kv_cache_dtype: KvCacheDtype::Auto,
+            enable_prefix_caching: true,
             router: None,
             transports: vec![Transport(TransportKind::Ucx), Transport(TransportKind::Tcp)],
             backend: BackendKind::Cpu,
@@ -152,7 +206,8 @@ impl WorkerSettings {
             num_pages: self.engine_num_pages,
             max_running: self.max_running as usize,
             max_batch_tokens: self.max_batch_tokens as usize,
-            ..EngineConfig::default()
+            kv: self.kv_cache_dtype.storage(),
+            prefix_cache: self.enable_prefix_caching,
         }
     }
 }
@@ -173,8 +228,8 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_ms: Option<u64>,
-    /// Checkpoint folder served by this worker.
-    #[arg(long, value_name = "DIR")]
+    /// Checkpoint folder served by this worker (`--model`: vLLM's spelling).
+    #[arg(long, visible_alias = "model", value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_dir: Option<PathBuf>,
     /// Tokens per state page (must match the other role's workers).
@@ -185,14 +240,21 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "PAGES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine_num_pages: Option<u32>,
-    /// Requests in the engine at once.
-    #[arg(long, value_name = "N")]
+    /// Requests in the engine at once (`--max-num-seqs`: vLLM's spelling).
+    #[arg(long, visible_alias = "max-num-seqs", value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_running: Option<u32>,
     /// Tokens per forward step.
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_tokens: Option<u32>,
+    /// Storage of the K=V rows: auto (= f32) or fp8.
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_dtype: Option<KvCacheDtype>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub prefix_caching: PrefixCachingFlags,
     /// Register with the router at this gRPC host:port.
     #[arg(long, value_name = "HOST:PORT")]
     #[serde(skip_serializing_if = "Option::is_none")]

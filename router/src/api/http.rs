@@ -254,7 +254,7 @@ async fn models(State(state): Shared) -> Result<Response, ApiError> {
                 "object": "model",
                 "created": 0,
                 "owned_by": "pdserve",
-                "root": served.name,
+                "root": served.root,
                 "parent": null,
                 "max_model_len": served.max_model_len,
             })
