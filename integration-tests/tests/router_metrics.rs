@@ -9,7 +9,17 @@ use serde_json::json;
 const T: Duration = Duration::from_secs(120);
 
 /// The documented metric names (router/src/metrics.rs, deploy/OPERATIONS.md) and their types.
-const DOCUMENTED: [(&str, &str); 23] = [
+const DOCUMENTED: [(&str, &str); 33] = [
+    ("vllm:num_requests_running", "gauge"),
+    ("vllm:num_requests_waiting", "gauge"),
+    ("vllm:prompt_tokens_total", "counter"),
+    ("vllm:generation_tokens_total", "counter"),
+    ("vllm:prefix_cache_queries_total", "counter"),
+    ("vllm:prefix_cache_hits_total", "counter"),
+    ("vllm:time_to_first_token_seconds", "histogram"),
+    ("vllm:inter_token_latency_seconds", "histogram"),
+    ("vllm:e2e_request_latency_seconds", "histogram"),
+    ("vllm:kv_cache_usage_perc", "gauge"),
     ("pdserve_requests_total", "counter"),
     ("pdserve_request_duration_seconds", "histogram"),
     ("pdserve_time_to_first_token_seconds", "histogram"),
@@ -162,7 +172,9 @@ fn router_metrics_after_chat_and_completion() {
     for (name, kind) in DOCUMENTED {
         assert_eq!(types.get(name).map(String::as_str), Some(kind), "{name}");
         assert!(
-            PER_WORKER.contains(&name) || samples.iter().any(|(n, ..)| n.starts_with(name)),
+            PER_WORKER.contains(&name)
+                || name == "vllm:kv_cache_usage_perc"
+                || samples.iter().any(|(n, ..)| n.starts_with(name)),
             "no sample of {name}"
         );
     }
@@ -322,4 +334,16 @@ fn cluster_metrics_report_every_worker() {
         assert!(used <= total, "{labels:?}: {used} > {total}");
     }
     assert!(value(&samples, "pdserve_queued_requests", &[]).abs() < f64::EPSILON);
+    // vLLM's names, from the same measurements.
+    let model = [("model_name", "deepseek-v4-flash")];
+    let usage = value(&samples, "vllm:kv_cache_usage_perc", &model);
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    assert!(value(&samples, "vllm:generation_tokens_total", &model) >= 1.0);
+    let prompt = value(&samples, "vllm:prompt_tokens_total", &model);
+    assert!(
+        (prompt - value(&samples, "pdserve_prompt_tokens_total", &[])).abs() < f64::EPSILON,
+        "{prompt}"
+    );
+    assert!(value(&samples, "vllm:prefix_cache_queries_total", &model) >= 30.0);
+    assert!(value(&samples, "vllm:e2e_request_latency_seconds_count", &model) >= 1.0);
 }

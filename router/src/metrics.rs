@@ -17,6 +17,7 @@ use futures::Stream;
 
 mod cluster;
 mod histogram;
+mod vllm;
 
 use histogram::Histogram;
 
@@ -208,6 +209,9 @@ struct Registry {
     /// Per transport (UCX, TCP, NCCL): transfers, bytes, busy and exposed nanoseconds.
     transfers: [[AtomicU64; 4]; 3],
     prefill_retries: AtomicU64,
+    /// Prompt tokens of finished requests, and of those the ones taken from a prefix cache.
+    cache_queries: AtomicU64,
+    cache_hits: AtomicU64,
 }
 
 /// The transports transfers are counted by (the `transport` label).
@@ -270,6 +274,8 @@ static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Registry {
     errors: Default::default(),
     transfers: Default::default(),
     prefill_retries: AtomicU64::new(0),
+    cache_queries: AtomicU64::new(0),
+    cache_hits: AtomicU64::new(0),
 });
 
 fn index(endpoint: Endpoint) -> usize {
@@ -415,6 +421,7 @@ pub fn render(workers: &Workers, model: Option<&str>) -> String {
         r.prefill_retries.load(Ordering::Relaxed)
     );
     cluster::render(&mut out, workers, model);
+    vllm::render(&mut out, workers, model);
     out
 }
 
@@ -522,7 +529,15 @@ impl<S: Stream<Item = BackendEvent> + Unpin> Stream for Tracked<S> {
             if let Some(tracker) = self.tracker.as_mut() {
                 match event {
                     Some(BackendEvent::Tokens(batch)) => tracker.generated(batch.len()),
-                    Some(BackendEvent::Finished { .. }) => tracker.succeeded(),
+                    Some(BackendEvent::Finished { usage, .. }) => {
+                        REGISTRY
+                            .cache_queries
+                            .fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
+                        REGISTRY
+                            .cache_hits
+                            .fetch_add(usage.cached_tokens as u64, Ordering::Relaxed);
+                        tracker.succeeded();
+                    }
                     Some(BackendEvent::Failed(_)) | None => {
                         error("backend_failed");
                         tracker.server_error();
@@ -562,5 +577,16 @@ mod tests {
             "pdserve_time_to_first_token_seconds_bucket{endpoint=\"completions\",le=\"+Inf\"}"
         ));
         assert!(text.contains("pdserve_request_duration_seconds_count{endpoint=\"completions\"}"));
+        // vLLM's names beside ours, with their own label; the pool fraction has a sample only
+        // where decode workers report a pool (none here).
+        for name in vllm::ALL {
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name}");
+        }
+        assert!(!text.contains("vllm:kv_cache_usage_perc{"));
+        assert!(
+            text.contains("vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"+Inf\"}")
+        );
+        assert!(text.contains("vllm:e2e_request_latency_seconds_count{model_name=\"m\"}"));
+        assert!(text.contains("vllm:prompt_tokens_total{model_name=\"m\"}"));
     }
 }

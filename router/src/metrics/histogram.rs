@@ -34,6 +34,28 @@ impl Histogram {
         self.sum += x * n as f64;
     }
 
+    /// The sum of histograms with the same buckets (`None` when there are none).
+    pub(super) fn merged<'a>(all: impl IntoIterator<Item = &'a Self>) -> Option<Self> {
+        let mut all = all.into_iter();
+        let first = all.next()?;
+        let mut out = Self {
+            bounds: first.bounds,
+            counts: first.counts.clone(),
+            sum: first.sum,
+        };
+        for h in all {
+            debug_assert_eq!(
+                h.bounds, out.bounds,
+                "merged histograms share their buckets"
+            );
+            for (o, c) in out.counts.iter_mut().zip(&h.counts) {
+                *o += c;
+            }
+            out.sum += h.sum;
+        }
+        Some(out)
+    }
+
     pub(super) fn render(&self, out: &mut String, name: &str, label: &str) {
         let mut cumulative = 0;
         for (i, count) in self.counts.iter().enumerate() {
