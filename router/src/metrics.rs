@@ -19,6 +19,9 @@ mod cluster;
 mod histogram;
 mod vllm;
 
+/// vLLM's metric names, exported beside pdserve's.
+pub use vllm::ALL as VLLM_ALL;
+
 use histogram::Histogram;
 
 use crate::{backend::BackendEvent, workers::Workers};
