@@ -77,3 +77,21 @@ def test_completions_echo_puts_the_prompt_first(client: openai.OpenAI) -> None:
     assert echoed == PROMPT + plain
     chunks = list(client.completions.create(**body, echo=True, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + plain
+
+
+def test_completions_return_token_ids(client: openai.OpenAI, official) -> None:
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 8, "seed": 3}
+    whole = client.completions.create(**body, extra_body={"return_token_ids": True})
+    extra = whole.choices[0].model_extra or {}
+    assert extra["prompt_token_ids"] == official.tokenizer.encode(PROMPT)
+    ids = extra["token_ids"]
+    assert whole.usage.completion_tokens - 1 <= len(ids) <= whole.usage.completion_tokens
+    # The ids are the text's own: the same seed without them gives the same text.
+    assert client.completions.create(**body).choices[0].text == whole.choices[0].text
+    chunks = list(
+        client.completions.create(**body, stream=True, extra_body={"return_token_ids": True})
+    )
+    streamed = [i for c in chunks if c.choices for i in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert streamed == ids
+    firsts = [c for c in chunks if c.choices and "prompt_token_ids" in (c.choices[0].model_extra or {})]
+    assert len(firsts) == 1

@@ -44,6 +44,8 @@ pub struct Prepared {
     pub logprobs: Option<u32>,
     /// `echo`: the prompt's text, put before the completion.
     pub echo: Option<String>,
+    /// vLLM's `return_token_ids`: the prompt's and the completion's token ids in the answer.
+    pub return_token_ids: bool,
 }
 
 fn prompt_ids(obj: &Map<String, Value>, served: &Served) -> Result<Vec<u32>, ApiError> {
@@ -201,6 +203,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         }
     };
     let echo = boolean(&obj, "echo")? == Some(true);
+    let return_token_ids = boolean(&obj, "return_token_ids")? == Some(true);
     if echo && logprobs.is_some() {
         return Err(ApiError::param(
             "echo",
@@ -284,6 +287,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         },
         logprobs,
         echo,
+        return_token_ids,
     })
 }
 
@@ -701,8 +705,10 @@ pub async fn respond(
         ignore_eos,
         logprobs,
         echo,
+        return_token_ids,
     } = prepared;
     let prompt_len = prompt.len();
+    let prompt_ids = return_token_ids.then(|| prompt.clone());
     let request = BackendRequest {
         request_id: request_id.as_str().to_owned(),
         prompt,
@@ -732,7 +738,13 @@ pub async fn respond(
         }
     };
     let detok = Detokenizer::new(Arc::clone(&served.tokenizer), stop);
-    let pieces = pieces(tokens, tracker, detok, stop_ids, logprobs.is_some());
+    let pieces = pieces(
+        tokens,
+        tracker,
+        detok,
+        stop_ids,
+        logprobs.is_some() || return_token_ids,
+    );
     let id = format!("cmpl-{}", request_id.as_str());
     let created = now();
     let model = served.name.clone();
@@ -749,12 +761,22 @@ pub async fn respond(
     if stream {
         let first = echo
             .map(|e| Ok::<_, Infallible>(SseEvent::default().data(chunk(&e, None).to_string())));
-        // Tokens are listed with the text that follows them (or with the finish).
+        // Tokens are listed with the text that follows them (or with the finish); the prompt's
+        // ids come with the first chunk.
         let mut waiting: Vec<GeneratedToken> = Vec::new();
+        let mut prompt_ids = prompt_ids;
         let events = pieces.flat_map(move |piece| {
             let mut with_tokens = |mut body: Value, waiting: &mut Vec<GeneratedToken>| {
+                let tokens = std::mem::take(waiting);
                 if logprobs.is_some() {
-                    body["choices"][0]["logprobs"] = listed.json(&std::mem::take(waiting));
+                    body["choices"][0]["logprobs"] = listed.json(&tokens);
+                }
+                if return_token_ids {
+                    body["choices"][0]["token_ids"] =
+                        json!(tokens.iter().map(|t| t.id).collect::<Vec<_>>());
+                    if let Some(ids) = prompt_ids.take() {
+                        body["choices"][0]["prompt_token_ids"] = json!(ids);
+                    }
                 }
                 body.to_string()
             };
@@ -803,6 +825,11 @@ pub async fn respond(
                 let mut body = chunk(&text, Some(reason));
                 if logprobs.is_some() {
                     body["choices"][0]["logprobs"] = listed.json(&all);
+                }
+                if let Some(ids) = prompt_ids {
+                    body["choices"][0]["prompt_token_ids"] = json!(ids);
+                    body["choices"][0]["token_ids"] =
+                        json!(all.iter().map(|t| t.id).collect::<Vec<_>>());
                 }
                 body["usage"] = usage(prompt_len, completion_tokens);
                 return Ok(axum::Json(body).into_response());

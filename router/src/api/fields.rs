@@ -97,10 +97,6 @@ const VLLM_SHARED: &[Field] = &[
     f("request_id", Metadata),
     f("logits_processors", Refused(NOT_SERVED)),
     f("return_tokens_as_token_ids", Refused(NOT_SERVED)),
-    f(
-        "return_token_ids",
-        Refused("token ids in responses are not implemented yet"),
-    ),
     f("cache_salt", Refused(NOT_SERVED)),
     f("kv_transfer_params", Refused(NOT_SERVED)),
     f("vllm_xargs", Refused(NOT_SERVED)),
@@ -163,6 +159,10 @@ pub const CHAT: &[Field] = &[
         "function_call",
         Refused("deprecated by OpenAI: use `tool_choice`"),
     ),
+    f(
+        "return_token_ids",
+        Refused("token ids in chat responses are not implemented yet; /v1/completions has them"),
+    ),
     f("chat_template_kwargs", Honoured),
     f("chat_template", Refused(TEMPLATE)),
     f("add_generation_prompt", OnlyAt(&["true"], TEMPLATE)),
@@ -177,6 +177,7 @@ pub const COMPLETIONS: &[Field] = &[
     f("prompt", Honoured),
     f("logprobs", Honoured),
     f("echo", Honoured),
+    f("return_token_ids", Honoured),
     f(
         "suffix",
         Refused("insertion (`suffix`) is not supported by this model"),
