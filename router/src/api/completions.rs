@@ -29,6 +29,10 @@ pub const MAX_STOP: usize = 16;
 
 /// A validated completions request.
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::struct_excessive_bools,
+    reason = "independent request flags (stream, usage, eos, token ids), each read once"
+)]
 pub struct Prepared {
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
