@@ -162,6 +162,18 @@ fn messages_errors_use_anthropic_shape() {
                    "messages": [{"role": "user", "content": "hi"}]}),
             "accepted values: none, low, high, max",
         ),
+        // Fields outside Anthropic's schema, or that this server cannot honour: refused, not
+        // accepted and dropped.
+        (
+            json!({"model": "deepseek-v4-flash", "max_tokens": 2, "frobnicate": 3,
+                   "messages": [{"role": "user", "content": "hi"}]}),
+            "Unrecognized request argument supplied: frobnicate",
+        ),
+        (
+            json!({"model": "deepseek-v4-flash", "max_tokens": 2, "mcp_servers": [{}],
+                   "messages": [{"role": "user", "content": "hi"}]}),
+            "mcp_servers",
+        ),
     ];
     for (body, needle) in cases {
         let r = send(&body, &key);
@@ -269,6 +281,19 @@ fn responses_stream_equals_non_stream_and_errors() {
         (
             json!({"model": "deepseek-v4-flash", "input": "hi", "top_p": 0}),
             "top_p",
+        ),
+        // Outside the Responses schema, or not honoured here: refused naming the field.
+        (
+            json!({"model": "deepseek-v4-flash", "input": "hi", "frobnicate": 3}),
+            "frobnicate",
+        ),
+        (
+            json!({"model": "deepseek-v4-flash", "input": "hi", "background": true}),
+            "background",
+        ),
+        (
+            json!({"model": "deepseek-v4-flash", "input": "hi", "previous_response_id": "r"}),
+            "previous_response_id",
         ),
     ];
     for (body, param) in errors {

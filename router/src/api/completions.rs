@@ -143,7 +143,7 @@ fn boolean(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError
 /// Validates the body and tokenizes the prompt.
 pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
     let mut obj = chat::parse_object(body)?;
-    crate::api::fields::check(&obj, crate::api::fields::COMPLETIONS)?;
+    crate::api::fields::check(&obj, crate::api::fields::COMPLETIONS_FIELDS)?;
     match obj.get("model") {
         Some(Value::String(model)) if served.accepts(model) => {}
         Some(Value::String(model)) => {

@@ -186,14 +186,107 @@ pub const COMPLETIONS: &[Field] = &[
     f("prompt_embeds", Refused(NOT_SERVED)),
 ];
 
-/// The fields of an endpoint: the shared OpenAI ones, its own table, then vLLM's shared extras.
-pub fn all(own: &'static [Field]) -> impl Iterator<Item = &'static Field> {
-    OPENAI_SHARED.iter().chain(own).chain(VLLM_SHARED)
+/// `POST /v1/messages` (Anthropic's Messages schema; vLLM's extras are not part of it).
+pub const MESSAGES: &[Field] = &[
+    f("model", Honoured),
+    f("messages", Honoured),
+    f("max_tokens", Honoured),
+    f("system", Honoured),
+    f("temperature", Honoured),
+    f("top_p", Honoured),
+    f("top_k", Honoured),
+    f("stop_sequences", Honoured),
+    f("stream", Honoured),
+    f("tools", Honoured),
+    f("tool_choice", Honoured),
+    f("thinking", Honoured),
+    f("output_config", Honoured),
+    f("metadata", Metadata),
+    f(
+        "service_tier",
+        OnlyAt(&[r#""auto""#, r#""standard_only""#], "one service tier"),
+    ),
+    f("container", Refused(NOT_SERVED)),
+    f("mcp_servers", Refused(NOT_SERVED)),
+    f(
+        "context_management",
+        Refused("server-side context editing is not implemented"),
+    ),
+];
+
+/// `POST /v1/responses` (OpenAI's Responses schema).
+pub const RESPONSES: &[Field] = &[
+    f("model", Honoured),
+    f("input", Honoured),
+    f("instructions", Honoured),
+    f("max_output_tokens", Honoured),
+    f("temperature", Honoured),
+    f("top_p", Honoured),
+    f("top_logprobs", Honoured),
+    f("stream", Honoured),
+    f("text", Honoured),
+    f("reasoning", Honoured),
+    f("tools", Honoured),
+    f("tool_choice", Honoured),
+    f("parallel_tool_calls", Honoured),
+    f("user", Metadata),
+    f("metadata", Metadata),
+    f("safety_identifier", Metadata),
+    f("prompt_cache_key", Metadata),
+    f(
+        "service_tier",
+        OnlyAt(&[r#""auto""#, r#""default""#], "one service tier"),
+    ),
+    f(
+        "store",
+        OnlyAt(&["false"], "responses are not stored for later retrieval"),
+    ),
+    f(
+        "background",
+        OnlyAt(&["false"], "background responses are not implemented"),
+    ),
+    f(
+        "truncation",
+        OnlyAt(
+            &[r#""disabled""#],
+            "an input longer than the context is refused, never truncated",
+        ),
+    ),
+    f(
+        "include",
+        OnlyAt(&["[]"], "no extra output fields are available"),
+    ),
+    f(
+        "previous_response_id",
+        Refused("responses are not stored; send the whole conversation"),
+    ),
+    f(
+        "conversation",
+        Refused("conversations are not stored; send the whole conversation"),
+    ),
+    f("prompt", Refused("stored prompt templates are not offered")),
+    f("max_tool_calls", Refused(NOT_SERVED)),
+    f("stream_options", Refused(NOT_SERVED)),
+];
+
+/// The fields of an endpoint, table by table.
+pub type Tables = &'static [&'static [Field]];
+
+/// Chat completions: the shared OpenAI fields, its own, then vLLM's shared extras.
+pub const CHAT_FIELDS: Tables = &[OPENAI_SHARED, CHAT, VLLM_SHARED];
+/// Completions: the shared OpenAI fields, its own, then vLLM's shared extras.
+pub const COMPLETIONS_FIELDS: Tables = &[OPENAI_SHARED, COMPLETIONS, VLLM_SHARED];
+pub const MESSAGES_FIELDS: Tables = &[MESSAGES];
+pub const RESPONSES_FIELDS: Tables = &[RESPONSES];
+
+/// Every field of an endpoint.
+pub fn all(tables: Tables) -> impl Iterator<Item = &'static Field> {
+    tables.iter().flat_map(|t| t.iter())
 }
 
 /// Refuses what `obj` carries that the endpoint does not honour: an unknown field with
 /// OpenAI's own message, a refused one, or one accepted only at its default with another value.
-pub fn check(obj: &Map<String, Value>, own: &'static [Field]) -> Result<(), ApiError> {
+pub fn check(obj: &Map<String, Value>, own: Tables) -> Result<(), ApiError> {
     for (key, value) in obj {
         let Some(field) = all(own).find(|f| f.name == key) else {
             return Err(ApiError::param(
@@ -232,7 +325,7 @@ pub fn check(obj: &Map<String, Value>, own: &'static [Field]) -> Result<(), ApiE
 }
 
 /// The table of an endpoint as `docs/api.md` writes it: `| field | status | note |` rows.
-pub fn doc_rows(own: &'static [Field]) -> Vec<String> {
+pub fn doc_rows(own: Tables) -> Vec<String> {
     all(own)
         .map(|field| {
             let (status, note) = match field.how {
@@ -265,7 +358,7 @@ mod tests {
             json!({"model": "m", "messages": [], "n": 1, "user": "u", "store": false,
             "top_k": 5, "response_format": {"type": "text"}, "best_of": null}),
         );
-        assert!(check(&ok, CHAT).is_ok());
+        assert!(check(&ok, CHAT_FIELDS).is_ok());
         for (body, param, says) in [
             (
                 json!({"frobnicate_level": 3}),
@@ -286,17 +379,17 @@ mod tests {
             (json!({"audio": {"voice": "x"}}), "audio", "text only"),
             (json!({"store": true}), "store", "not stored"),
         ] {
-            let e = check(&obj(body.clone()), CHAT).unwrap_err();
+            let e = check(&obj(body.clone()), CHAT_FIELDS).unwrap_err();
             let (status, _, got_param, _) = e.parts();
             assert_eq!(status, axum::http::StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(got_param, Some(param), "{body}");
             assert!(e.to_string().contains(says), "{body}: {e}");
         }
-        assert!(check(&obj(json!({"messages": []})), COMPLETIONS).is_err());
+        assert!(check(&obj(json!({"messages": []})), COMPLETIONS_FIELDS).is_err());
         assert!(
             check(
                 &obj(json!({"prompt": "x", "ignore_eos": true})),
-                COMPLETIONS
+                COMPLETIONS_FIELDS
             )
             .is_ok()
         );
@@ -304,7 +397,12 @@ mod tests {
 
     #[test]
     fn no_field_is_listed_twice_and_default_values_parse() {
-        for own in [CHAT, COMPLETIONS] {
+        for own in [
+            CHAT_FIELDS,
+            COMPLETIONS_FIELDS,
+            MESSAGES_FIELDS,
+            RESPONSES_FIELDS,
+        ] {
             let mut names: Vec<&str> = all(own).map(|f| f.name).collect();
             let n = names.len();
             names.sort_unstable();
@@ -332,8 +430,10 @@ mod tests {
         )
         .unwrap_or_default();
         for (heading, own) in [
-            ("### `POST /v1/chat/completions`", CHAT),
-            ("### `POST /v1/completions`", COMPLETIONS),
+            ("### `POST /v1/chat/completions`", CHAT_FIELDS),
+            ("### `POST /v1/completions`", COMPLETIONS_FIELDS),
+            ("### `POST /v1/messages`", MESSAGES_FIELDS),
+            ("### `POST /v1/responses`", RESPONSES_FIELDS),
         ] {
             let section = doc
                 .split(heading)

@@ -54,7 +54,7 @@ pub trait Protocol: ProtocolRequest + serde::de::DeserializeOwned {
     const EFFORT: &'static [&'static str];
     /// Every field of the request and what is done with it (`None`: not checked field by
     /// field yet).
-    const FIELDS: Option<&'static [crate::api::fields::Field]>;
+    const FIELDS: crate::api::fields::Tables;
 
     /// Checks the parameters the converter passes through, drops or does not know (ranges,
     /// required fields) and returns the settings the router hands the backend itself.
@@ -72,7 +72,7 @@ impl Protocol for ChatCompletionRequest {
     const INPUT: &'static str = "messages";
     const MAX_TOKENS: &'static str = "max_tokens";
     const EFFORT: &'static [&'static str] = &["reasoning_effort"];
-    const FIELDS: Option<&'static [crate::api::fields::Field]> = Some(crate::api::fields::CHAT);
+    const FIELDS: crate::api::fields::Tables = crate::api::fields::CHAT_FIELDS;
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         require_non_empty_array(obj, Self::INPUT)?;
@@ -93,7 +93,7 @@ impl Protocol for MessagesRequest {
     const INPUT: &'static str = "messages";
     const MAX_TOKENS: &'static str = "max_tokens";
     const EFFORT: &'static [&'static str] = &["output_config", "effort"];
-    const FIELDS: Option<&'static [crate::api::fields::Field]> = None;
+    const FIELDS: crate::api::fields::Tables = crate::api::fields::MESSAGES_FIELDS;
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         require_non_empty_array(obj, Self::INPUT)?;
@@ -128,7 +128,7 @@ impl Protocol for ResponsesRequest {
     const INPUT: &'static str = "input";
     const MAX_TOKENS: &'static str = "max_output_tokens";
     const EFFORT: &'static [&'static str] = &["reasoning", "effort"];
-    const FIELDS: Option<&'static [crate::api::fields::Field]> = None;
+    const FIELDS: crate::api::fields::Tables = crate::api::fields::RESPONSES_FIELDS;
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
         match obj.get("input") {
@@ -205,9 +205,7 @@ pub fn prepare<P: Protocol>(
     effort_map: &BTreeMap<String, String>,
 ) -> Result<Prepared, ApiError> {
     let mut obj = parse_object(body)?;
-    if let Some(fields) = P::FIELDS {
-        crate::api::fields::check(&obj, fields)?;
-    }
+    crate::api::fields::check(&obj, P::FIELDS)?;
     check_common(&mut obj, served, effort_map, P::EFFORT)?;
     let mut extras = P::check(&mut obj)?;
     // Chat's `parallel_tool_calls: false` and Messages' `disable_parallel_tool_use: true`.
