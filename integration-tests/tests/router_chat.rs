@@ -345,6 +345,10 @@ fn chat_ignore_eos_stop_token_ids_and_min_tokens_are_honoured() {
     let other_always = json!({ other.to_string(): 100 });
     let r = ask(json!({"logit_bias": other_always}));
     assert_eq!(usage_and_finish(&r), (40, "length".to_owned()));
+    // A token that is only part of a UTF-8 character (id 300 in V4's vocabulary): its text
+    // never completes, and every one of them is still counted.
+    let r = ask(json!({"logit_bias": {"300": 100}}));
+    assert_eq!(usage_and_finish(&r), (40, "length".to_owned()));
     let r = ask(json!({"logit_bias": other_always, "stop_token_ids": [other]}));
     let (stopped, finish) = usage_and_finish(&r);
     assert_eq!(finish, "stop");

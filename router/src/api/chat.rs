@@ -426,6 +426,13 @@ struct Adapter<S> {
     /// Eos and stop ids: a `Stop` request's last token is dropped when it is one of them. A
     /// request whose grammar completed ends on a token of its output, which is kept.
     stop_ids: Vec<u32>,
+    /// The tokenizer the stream processor decodes with, to know which tokens its decoder
+    /// still holds (`None`: not tracked).
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    /// Tokens passed to the processor whose text it has not produced yet: the end of a
+    /// character split across tokens. Its decoder buffers them until the character is complete
+    /// and never flushes them at the finish, so they would not be counted in `usage`.
+    undecoded: Vec<u32>,
 }
 
 /// Set when the backend fails or its stream ends without a finish: the response must then be
@@ -443,6 +450,44 @@ pub fn failed(failure: &Failure) -> Option<BackendError> {
 }
 
 impl<S> Adapter<S> {
+    /// Follows the processor's decoder over `chunks` (the same rule: plain tokens stay
+    /// buffered while their text is empty or ends in an incomplete character; an added token
+    /// forces them out).
+    fn track(&mut self, chunks: &[InferenceChunk]) {
+        let Some(tokenizer) = &self.tokenizer else {
+            return;
+        };
+        let added = tokenizer.get_added_vocabulary().get_added_tokens_decoder();
+        for chunk in chunks {
+            let InferenceChunk::Tokens { token_ids, .. } = chunk else {
+                continue;
+            };
+            for &id in token_ids {
+                if added.contains_key(&id) {
+                    self.undecoded.clear();
+                } else {
+                    self.undecoded.push(id);
+                }
+            }
+            let complete = tokenizer
+                .decode(&self.undecoded, false)
+                .is_ok_and(|t| !t.is_empty() && !t.ends_with('\u{FFFD}'));
+            if complete {
+                self.undecoded.clear();
+            }
+        }
+    }
+
+    /// At the finish: the tokens the processor's decoder still holds, counted (as no text).
+    fn count_undecoded(&mut self) {
+        if !self.undecoded.is_empty() {
+            self.out.push_back(InferenceChunk::Text {
+                content: String::new(),
+                token_count: std::mem::take(&mut self.undecoded).len(),
+            });
+        }
+    }
+
     /// The chunks of `tokens`. An eos id inside the output (generated under `ignore_eos`) is
     /// counted but not decoded: the stream processor would read it as the end of the text.
     fn chunks(&self, tokens: &[GeneratedToken]) -> Vec<InferenceChunk> {
@@ -484,6 +529,7 @@ pub fn inference_stream(
     failure: Failure,
     eos_token_ids: Vec<u32>,
     stop_ids: &[u32],
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 ) -> impl Stream<Item = InferenceChunk> + Send + 'static {
     let stop_ids: Vec<u32> = eos_token_ids.iter().chain(stop_ids).copied().collect();
     let ready = InferenceChunk::Ready {
@@ -502,6 +548,8 @@ pub fn inference_stream(
         failure,
         eos_token_ids,
         stop_ids,
+        tokenizer,
+        undecoded: Vec::new(),
     };
     futures::stream::unfold(state, |mut st| async move {
         loop {
@@ -517,6 +565,7 @@ pub fn inference_stream(
                     all.extend(batch);
                     st.held = all.pop();
                     let chunks = st.chunks(&all);
+                    st.track(&chunks);
                     st.out.extend(chunks);
                 }
                 Some(BackendEvent::Finished { reason, .. }) => {
@@ -524,6 +573,7 @@ pub fn inference_stream(
                         FinishReason::Length => {
                             if let Some(last) = st.held.take() {
                                 let chunks = st.chunks(&[last]);
+                                st.track(&chunks);
                                 st.out.extend(chunks);
                             }
                             InferenceFinishReason::Length
@@ -533,11 +583,13 @@ pub fn inference_stream(
                                 && !st.stop_ids.contains(&last.id)
                             {
                                 let chunks = st.chunks(&[last]);
+                                st.track(&chunks);
                                 st.out.extend(chunks);
                             }
                             InferenceFinishReason::Stop
                         }
                     };
+                    st.count_undecoded();
                     st.out.push_back(InferenceChunk::Finish { finish_reason });
                     st.ended = true;
                 }
@@ -591,6 +643,7 @@ mod failure_tests {
             Arc::clone(&failure),
             vec![1],
             &[],
+            None,
         );
         let chunks: Vec<InferenceChunk> = stream.collect().await;
         (chunks, failed(&failure))

@@ -357,6 +357,7 @@ where
         Arc::clone(&failure),
         served.eos_token_ids.clone(),
         &stop_ids,
+        Some(Arc::clone(&served.tokenizer)),
     );
     let chunks = processor.into_protocol_stream(inference);
     if stream {
