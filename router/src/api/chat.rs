@@ -521,6 +521,10 @@ impl<S> Adapter<S> {
 /// Backend events as the stream processor's inference chunks: a `Ready` first, and the stop
 /// or eos id that ended a `Stop` request held back and dropped (the library's contract).
 /// `stop_ids` are the request's stop ids besides the model's eos ids.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the stream and what the adapter must know of the request and its tokenizer"
+)]
 pub fn inference_stream(
     tokens: impl Stream<Item = BackendEvent> + Send + Unpin + 'static,
     prompt_tokens: usize,
