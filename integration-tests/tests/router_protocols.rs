@@ -174,6 +174,12 @@ fn messages_errors_use_anthropic_shape() {
                    "messages": [{"role": "user", "content": "hi"}]}),
             "mcp_servers",
         ),
+        (
+            json!({"model": "deepseek-v4-flash", "max_tokens": 2,
+                   "output_config": {"format": {"type": "json_schema"}},
+                   "messages": [{"role": "user", "content": "hi"}]}),
+            "output_config.format",
+        ),
     ];
     for (body, needle) in cases {
         let r = send(&body, &key);
@@ -294,6 +300,14 @@ fn responses_stream_equals_non_stream_and_errors() {
         (
             json!({"model": "deepseek-v4-flash", "input": "hi", "previous_response_id": "r"}),
             "previous_response_id",
+        ),
+        (
+            json!({"model": "deepseek-v4-flash", "input": "hi", "reasoning": {"summary": "auto"}}),
+            "reasoning.summary",
+        ),
+        (
+            json!({"model": "deepseek-v4-flash", "input": "hi", "text": {"verbosity": "low"}}),
+            "text.verbosity",
         ),
     ];
     for (body, param) in errors {

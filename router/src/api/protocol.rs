@@ -104,6 +104,8 @@ impl Protocol for MessagesRequest {
         integer(obj, "max_tokens", 1, i64::from(u32::MAX))?;
         in_range(obj, "temperature", 0.0, 1.0, false)?;
         in_range(obj, "top_p", 0.0, 1.0, true)?;
+        // The converter reads only `output_config.effort`; any other key would be dropped.
+        only_keys(obj, "output_config", &["effort"])?;
         let top_k = integer(obj, "top_k", 0, i64::from(u32::MAX))?;
         // The converter does not read `top_k`; the backend applies it.
         obj.remove("top_k");
@@ -148,6 +150,32 @@ impl Protocol for ResponsesRequest {
                     "`input` must be a string or an array of input items",
                 ));
             }
+        }
+        // Keys the converter would read and drop: summaries are not produced, and the
+        // verbosity is the model's own.
+        for key in ["summary", "generate_summary"] {
+            if obj
+                .get("reasoning")
+                .and_then(|r| r.get(key))
+                .is_some_and(|v| !v.is_null())
+            {
+                return Err(ApiError::param(
+                    format!("reasoning.{key}"),
+                    format!(
+                        "`reasoning.{key}` is not supported: reasoning summaries are not \
+                         produced (the reasoning itself is returned)"
+                    ),
+                ));
+            }
+        }
+        if let Some(v) = obj.get("text").and_then(|t| t.get("verbosity"))
+            && !v.is_null()
+            && v != "medium"
+        {
+            return Err(ApiError::param(
+                "text.verbosity",
+                format!("`text.verbosity` = {v} is not supported: accepted \"medium\""),
+            ));
         }
         // `function_call` input items carry their arguments directly.
         chat::normalize_tool_arguments(obj, Self::INPUT, |item| {
@@ -266,6 +294,28 @@ pub fn prepare<P: Protocol>(
 }
 
 /// The backend request of a prepared request.
+/// Refuses keys of the object `obj[field]` other than `keys` (null values aside), naming the
+/// key: the converter would drop them without a word.
+fn only_keys(obj: &Map<String, Value>, field: &str, keys: &[&str]) -> Result<(), ApiError> {
+    if let Some(Value::Object(inner)) = obj.get(field) {
+        for (key, value) in inner {
+            if !value.is_null() && !keys.contains(&key.as_str()) {
+                return Err(ApiError::param(
+                    format!("{field}.{key}"),
+                    format!(
+                        "`{field}.{key}` is not supported: only {} is read",
+                        keys.iter()
+                            .map(|k| format!("`{k}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn backend_request(
     prepared: &Prepared,
     served: &Served,
