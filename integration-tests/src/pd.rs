@@ -18,11 +18,37 @@ pub fn model_arg() -> String {
     tiny_model_dir().display().to_string()
 }
 
-pub fn worker(binary: &str, extra: &[&str]) -> Service {
+/// The command of a worker serving the tiny model on an ephemeral loopback port, before it
+/// starts (to set its environment: a fault, a log level).
+pub fn worker_command(binary: &str, extra: &[&str]) -> std::process::Command {
     let mut cmd = command(binary);
     cmd.args(["--grpc-listen", "127.0.0.1:0", "--model-dir", &model_arg()])
         .args(extra);
-    Service::start(cmd)
+    cmd
+}
+
+pub fn worker(binary: &str, extra: &[&str]) -> Service {
+    Service::start(worker_command(binary, extra))
+}
+
+/// A router serving the tiny model over one decode and one prefill worker; `extra` are more
+/// router flags.
+pub fn router_over(decode: &Service, prefill: &Service, extra: &[&str]) -> Service {
+    let (model, decode, prefill) = (
+        model_arg(),
+        decode.addr("grpc").to_string(),
+        prefill.addr("grpc").to_string(),
+    );
+    let mut args = vec![
+        "--model-dir",
+        &model,
+        "--decode-worker",
+        &decode,
+        "--prefill-worker",
+        &prefill,
+    ];
+    args.extend_from_slice(extra);
+    start_router(&args, true)
 }
 
 /// Prefill and decode workers and a router in front of them.

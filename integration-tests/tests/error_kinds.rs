@@ -5,9 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
 use integration_tests::{
-    HttpResponse, Service, command,
-    pd::{chat, cluster_full, model_arg, post, worker},
-    start_router,
+    HttpResponse, Service,
+    pd::{chat, cluster_full, post, router_over, worker, worker_command},
 };
 use serde_json::Value;
 
@@ -44,17 +43,7 @@ fn clean(message: &str, prompt: &str) {
 fn layout_mismatch_is_503_layout_mismatch() {
     let decode = worker("pdserve-decode", &["--page-size", "16"]);
     let prefill = worker("pdserve-prefill", &["--page-size", "64"]);
-    let router = start_router(
-        &[
-            "--model-dir",
-            &model_arg(),
-            "--decode-worker",
-            &decode.addr("grpc").to_string(),
-            "--prefill-worker",
-            &prefill.addr("grpc").to_string(),
-        ],
-        true,
-    );
+    let router = router_over(&decode, &prefill, &[]);
     let body = chat(5, 1, 0.0, 3);
     let (status, kind, code, message) = error_of(&post(router.addr("http"), CHAT, &body));
     assert_eq!(
@@ -104,30 +93,10 @@ fn a_full_decode_worker_is_503_overloaded() {
 #[test]
 fn corrupted_state_is_502_state_transfer_failed() {
     let decode = worker("pdserve-decode", &["--page-size", "16"]);
-    let mut cmd = command("pdserve-prefill");
-    cmd.args([
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--model-dir",
-        &model_arg(),
-        "--page-size",
-        "16",
-    ])
-    .env("PDSERVE_INJECT_FAULT", "flip-page-byte");
+    let mut cmd = worker_command("pdserve-prefill", &["--page-size", "16"]);
+    cmd.env("PDSERVE_INJECT_FAULT", "flip-page-byte");
     let prefill = Service::start(cmd);
-    let router = start_router(
-        &[
-            "--model-dir",
-            &model_arg(),
-            "--transfer-checksums",
-            "true",
-            "--decode-worker",
-            &decode.addr("grpc").to_string(),
-            "--prefill-worker",
-            &prefill.addr("grpc").to_string(),
-        ],
-        true,
-    );
+    let router = router_over(&decode, &prefill, &["--transfer-checksums", "true"]);
     let body = chat(40, 1, 0.0, 4);
     let (status, kind, code, message) = error_of(&post(router.addr("http"), CHAT, &body));
     assert_eq!(

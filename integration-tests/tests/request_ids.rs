@@ -6,22 +6,14 @@
 use std::time::Duration;
 
 use integration_tests::{
-    Service, command, http,
-    pd::{chat, model_arg},
-    start_router,
+    Service, http,
+    pd::{chat, router_over, worker_command},
 };
 
+/// A worker that logs at info level (its lines about each request are what is checked).
 fn worker(binary: &str) -> Service {
-    let mut cmd = command(binary);
-    cmd.args([
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--model-dir",
-        &model_arg(),
-        "--page-size",
-        "16",
-    ])
-    .env("PDSERVE_LOG", "info");
+    let mut cmd = worker_command(binary, &["--page-size", "16"]);
+    cmd.env("PDSERVE_LOG", "info");
     Service::start(cmd)
 }
 
@@ -29,17 +21,7 @@ fn worker(binary: &str) -> Service {
 fn the_request_id_is_echoed_used_and_logged_by_both_workers() {
     let decode = worker("pdserve-decode");
     let prefill = worker("pdserve-prefill");
-    let router = start_router(
-        &[
-            "--model-dir",
-            &model_arg(),
-            "--decode-worker",
-            &decode.addr("grpc").to_string(),
-            "--prefill-worker",
-            &prefill.addr("grpc").to_string(),
-        ],
-        true,
-    );
+    let router = router_over(&decode, &prefill, &[]);
     let addr = router.addr("http");
     let body = serde_json::to_vec(&chat(5, 1, 0.0, 4)).unwrap();
     let post = |headers: &[(&str, &str)], path: &str| {

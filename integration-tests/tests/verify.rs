@@ -6,46 +6,27 @@
 
 use std::time::Duration;
 
-use integration_tests::{Service, command, run_to_exit, start_router, tiny_model_dir};
+use integration_tests::{
+    Service, command,
+    pd::{model_arg, router_over, worker_command},
+    run_to_exit,
+};
 use serde_json::Value;
-
-fn model_arg() -> String {
-    tiny_model_dir().display().to_string()
-}
 
 /// One decode and one prefill worker (both with `fault`, each applies the faults of its role)
 /// behind a router with `transfer_checksums` on or off.
 fn cluster(fault: Option<&str>, checksums: bool) -> (Service, Vec<Service>) {
-    let mut workers = Vec::new();
-    let mut args = vec![
-        "--model-dir".to_owned(),
-        model_arg(),
-        "--transfer-checksums".to_owned(),
-        checksums.to_string(),
-    ];
-    for (binary, flag) in [
-        ("pdserve-decode", "--decode-worker"),
-        ("pdserve-prefill", "--prefill-worker"),
-    ] {
-        let mut cmd = command(binary);
-        cmd.args([
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--model-dir",
-            &model_arg(),
-            "--page-size",
-            "16",
-        ]);
+    let start = |binary: &str| {
+        let mut cmd = worker_command(binary, &["--page-size", "16"]);
         if let Some(f) = fault {
             cmd.env("PDSERVE_INJECT_FAULT", f);
         }
-        let w = Service::start(cmd);
-        args.push(flag.to_owned());
-        args.push(w.addr("grpc").to_string());
-        workers.push(w);
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    (start_router(&args, true), workers)
+        Service::start(cmd)
+    };
+    let (decode, prefill) = (start("pdserve-decode"), start("pdserve-prefill"));
+    let checksums = checksums.to_string();
+    let router = router_over(&decode, &prefill, &["--transfer-checksums", &checksums]);
+    (router, vec![decode, prefill])
 }
 
 /// Runs `pdctl verify --json --model` against `router`; returns whether it succeeded and each
