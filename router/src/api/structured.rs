@@ -26,21 +26,9 @@ const GUIDED: &[&str] = &[
     "structured_outputs",
 ];
 
-/// The grammar given by vLLM's extras, if any; more than one is refused.
+/// The grammar given by vLLM's extras, if any; more than one is refused. (The field table,
+/// checked first, has already refused a `guided_decoding_backend` other than llguidance.)
 pub fn guided(obj: &mut Map<String, Value>) -> Result<Option<(Grammar, &'static str)>, ApiError> {
-    match obj.get("guided_decoding_backend") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if ["auto", "guidance", "llguidance"].contains(&s.as_str()) => {}
-        Some(other) => {
-            return Err(ApiError::param(
-                "guided_decoding_backend",
-                format!(
-                    "`guided_decoding_backend` = {other}: this server's grammar engine is \
-                     llguidance (\"guidance\"); no other is available"
-                ),
-            ));
-        }
-    }
     obj.remove("guided_decoding_backend");
     let mut found: Option<(Grammar, &'static str)> = None;
     for &key in GUIDED {
@@ -378,10 +366,6 @@ mod tests {
             (
                 json!({"structured_outputs": {"structural_tag": "x"}}),
                 "structured_outputs.structural_tag",
-            ),
-            (
-                json!({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}),
-                "guided_decoding_backend",
             ),
         ];
         for (body, param) in cases {
