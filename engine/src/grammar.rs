@@ -245,6 +245,16 @@ impl TokenConstraint {
 
     /// Advances the grammar over a generated token.
     pub fn consume(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.advance(token, true)
+    }
+
+    /// [`Self::consume`] of a token sampled under this constraint's own mask, which allowed it:
+    /// the matcher is not asked twice.
+    pub fn consume_sampled(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.advance(token, false)
+    }
+
+    fn advance(&mut self, token: u32, check: bool) -> Result<(), GrammarError> {
         if !self.active {
             if self.start_after == Some(token) {
                 self.active = true;
@@ -259,11 +269,12 @@ impl TokenConstraint {
         } else {
             token
         };
-        if self
-            .matcher
-            .validate_tokens(&[token])
-            .map_err(|e| GrammarError::Matcher(e.to_string()))?
-            == 0
+        if check
+            && self
+                .matcher
+                .validate_tokens(&[token])
+                .map_err(|e| GrammarError::Matcher(e.to_string()))?
+                == 0
         {
             return Err(GrammarError::Rejected(token));
         }

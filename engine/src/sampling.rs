@@ -372,7 +372,7 @@ impl Sampler {
         };
         let logprob = lse.map(|lse| logprob_of(processed.get(token as usize).copied(), lse));
         if let Some(c) = self.constraint.as_mut() {
-            c.consume(token)?;
+            c.consume_sampled(token)?;
         }
         self.record(token);
         Ok(Sampled {

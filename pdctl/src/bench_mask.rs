@@ -109,7 +109,7 @@ pub fn measure(
                 c.mask(&mut logits).map_err(|e| err(&e))?;
                 times.push(started.elapsed().as_secs_f64() * 1e6);
                 let token = sampler.sample(&logits).map_err(|e| err(&e))?.token;
-                c.consume(token).map_err(|e| err(&e))?;
+                c.consume_sampled(token).map_err(|e| err(&e))?;
                 if c.is_complete() || sampler.finish().is_some() {
                     break;
                 }
