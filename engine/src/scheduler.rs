@@ -174,6 +174,34 @@ pub struct Engine {
     reserved: Vec<(u64, PagedSeq)>,
     /// The token table output constraints compile against.
     token_table: TokenTableSource,
+    /// Told about every step (worker metrics).
+    observer: Option<StepObserver>,
+}
+
+/// What one forward step did, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepRecord {
+    /// Wall time of the step (admission, forward pass, sampling).
+    pub seconds: f64,
+    /// Requests in the step's batch.
+    pub requests: usize,
+    /// Prompt tokens computed (prefill chunks).
+    pub prompt_tokens: usize,
+    /// Tokens decoded (one per decoding request).
+    pub decode_tokens: usize,
+    /// Requests admitted at the step's start, and their prompt tokens taken from the prefix
+    /// cache (not computed).
+    pub admitted: usize,
+    pub cached_tokens: usize,
+}
+
+/// Receives a [`StepRecord`] after each step, on the engine's thread.
+pub struct StepObserver(pub Box<dyn FnMut(&StepRecord) + Send>);
+
+impl std::fmt::Debug for StepObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepObserver")
+    }
 }
 
 impl Engine {
@@ -195,7 +223,13 @@ impl Engine {
             running: Vec::new(),
             reserved: Vec::new(),
             token_table: TokenTableSource::none(),
+            observer: None,
         })
+    }
+
+    /// Tells `observer` what every later step did.
+    pub fn set_step_observer(&mut self, observer: StepObserver) {
+        self.observer = Some(observer);
     }
 
     /// Where output constraints get their token table (without one they are refused).
@@ -303,10 +337,13 @@ impl Engine {
     }
 
     /// Admits waiting requests in order while their pages and a slot fit.
-    fn admit(&mut self) {
+    /// Admits waiting requests while there is room; returns how many, and their cached
+    /// prompt tokens.
+    fn admit(&mut self) -> (usize, usize) {
+        let (mut admitted, mut cached_tokens) = (0, 0);
         while self.running.len() < self.config.max_running {
             let Some((req, _, handoff)) = self.waiting.front() else {
-                return;
+                break;
             };
             // A prefill-only request never decodes here: its prompt is all it needs.
             let total = if *handoff {
@@ -315,16 +352,18 @@ impl Engine {
                 req.prompt.len() + req.stop.max_tokens as usize
             };
             let Ok((mut seq, cached)) = self.store.open_prompt(&req.prompt) else {
-                return;
+                break;
             };
             if self.store.reserve(&mut seq, total).is_err() {
                 // Not enough pages now: wait for running requests to finish (FIFO, no skip).
                 let _ = self.store.release(seq);
-                return;
+                break;
             }
             let Some((req, sampler, handoff)) = self.waiting.pop_front() else {
-                return;
+                break;
             };
+            admitted += 1;
+            cached_tokens += cached;
             self.running.push(Running {
                 id: req.id,
                 prompt_len: req.prompt.len(),
@@ -335,6 +374,7 @@ impl Engine {
                 handoff,
             });
         }
+        (admitted, cached_tokens)
     }
 
     /// Runs one forward step and returns what it produced.
@@ -348,7 +388,8 @@ impl Engine {
     /// requests as soon as they are final (during the forward pass), the rest at the end.
     /// Returns the number of events emitted.
     pub fn step_with(&mut self, emit: &mut dyn FnMut(Event)) -> usize {
-        self.admit();
+        let started = std::time::Instant::now();
+        let (admitted, cached_tokens) = self.admit();
         let ps = self.config.page_size;
         let mut budget = self.config.max_batch_tokens.max(1);
         // (running index, token range, wants logits)
@@ -373,6 +414,19 @@ impl Engine {
         }
         if plan.is_empty() {
             return 0;
+        }
+        let mut record = StepRecord {
+            requests: plan.len(),
+            admitted,
+            cached_tokens,
+            ..StepRecord::default()
+        };
+        for (i, range, _) in &plan {
+            if self.running[*i].seq.len >= self.running[*i].prompt_len {
+                record.decode_tokens += range.len();
+            } else {
+                record.prompt_tokens += range.len();
+            }
         }
         let mut emitted = 0;
         let mut events = Vec::new();
@@ -460,6 +514,10 @@ impl Engine {
         emitted += events.len();
         for event in events {
             emit(event);
+        }
+        if let Some(observer) = self.observer.as_mut() {
+            record.seconds = started.elapsed().as_secs_f64();
+            (observer.0)(&record);
         }
         emitted
     }

@@ -247,3 +247,38 @@ fn one_chunk_prefill_caches_every_block() {
         "a cache hit equals a miss"
     );
 }
+
+#[test]
+fn step_records_count_computed_cached_and_decoded_tokens() {
+    use std::sync::{Arc, Mutex};
+    let mut e = engine(EngineConfig {
+        page_size: 16,
+        num_pages: 256,
+        max_running: 4,
+        max_batch_tokens: 40,
+        kv: engine::paged::layout::KvStorage::F32,
+        prefix_cache: true,
+    });
+    let records: Arc<Mutex<Vec<engine::scheduler::StepRecord>>> = Arc::default();
+    let seen = Arc::clone(&records);
+    e.set_step_observer(engine::scheduler::StepObserver(Box::new(move |r| {
+        seen.lock().unwrap().push(*r);
+    })));
+    let mut rng = Rng::for_tensor(4, "records");
+    let prompt: Vec<u32> = (0..70).map(|_| (rng.next_u64() % 129_280) as u32).collect();
+    e.add(request(1, prompt.clone(), 5, 0.0)).unwrap();
+    e.run_to_completion();
+    e.add(request(2, prompt, 5, 0.0)).unwrap();
+    e.run_to_completion();
+    let records = records.lock().unwrap();
+    let sum = |f: fn(&engine::scheduler::StepRecord) -> usize| records.iter().map(f).sum::<usize>();
+    assert_eq!(sum(|r| r.admitted), 2);
+    // The second prompt finds its 4 full blocks (64 tokens) cached and computes 6.
+    assert_eq!(sum(|r| r.cached_tokens), 64);
+    assert_eq!(sum(|r| r.prompt_tokens), 70 + 6);
+    // The first token of each comes with its prompt; 4 more are decoded each.
+    assert_eq!(sum(|r| r.decode_tokens), 8);
+    assert!(records.iter().all(|r| r.requests >= 1 && r.seconds >= 0.0));
+    // A 40-token budget is cut at a page boundary: the first chunk is 32 tokens.
+    assert_eq!(records[0].prompt_tokens, 32);
+}

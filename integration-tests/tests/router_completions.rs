@@ -186,7 +186,7 @@ fn completions_validation_errors() {
         (json!({"seed": -1}), Some("seed")),
         (json!({"max_tokens": 0}), Some("max_tokens")),
         (json!({"max_tokens": 10_000}), Some("max_tokens")),
-        (json!({"n": 2}), Some("n")),
+        (json!({"n": 17}), Some("n")),
         (json!({"stop": 5}), Some("stop")),
         (json!({"stop": [""]}), Some("stop")),
         (json!({"stream": "yes"}), Some("stream")),

@@ -105,6 +105,8 @@ impl BackendError {
 /// The token stream of one request. Dropping it before the end cancels the request.
 pub struct TokenStream {
     events: mpsc::UnboundedReceiver<BackendEvent>,
+    /// An event already received ([`TokenStream::started`]) and not yet yielded.
+    front: Option<BackendEvent>,
     on_drop: Option<Box<dyn FnOnce() + Send + Sync>>,
     done: bool,
 }
@@ -125,8 +127,27 @@ impl TokenStream {
     ) -> Self {
         Self {
             events,
+            front: None,
             on_drop: Some(Box::new(cancel)),
             done: false,
+        }
+    }
+
+    /// Waits for the request's first event (its first tokens: the prompt has been computed)
+    /// and keeps it to be yielded first. A request that failed before it is an error.
+    pub async fn started(&mut self) -> Result<(), BackendError> {
+        if self.front.is_some() || self.done {
+            return Ok(());
+        }
+        match self.events.recv().await {
+            Some(BackendEvent::Failed(error)) => Err(error),
+            None => Err(BackendError::internal(
+                "the backend stream ended before its first token",
+            )),
+            Some(event) => {
+                self.front = Some(event);
+                Ok(())
+            }
         }
     }
 }
@@ -138,7 +159,10 @@ impl Stream for TokenStream {
         if self.done {
             return Poll::Ready(None);
         }
-        let polled = self.events.poll_recv(cx);
+        let polled = match self.front.take() {
+            Some(event) => Poll::Ready(Some(event)),
+            None => self.events.poll_recv(cx),
+        };
         if let Poll::Ready(None | Some(BackendEvent::Finished { .. } | BackendEvent::Failed(_))) =
             &polled
         {
@@ -168,3 +192,42 @@ pub trait Backend: Send + Sync + 'static {
 
 /// A shared backend handle.
 pub type SharedBackend = Arc<dyn Backend>;
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
+
+/// The seed of choice `index` of a request seeded with `seed`: choices differ, and the same
+/// seed gives the same choices (as vLLM's parallel sampling does).
+pub fn choice_seed(seed: Option<u64>, index: u32) -> Option<u64> {
+    seed.map(|s| s.wrapping_add(u64::from(index)))
+}
+
+/// Submits `n` samples of one prompt. The first is submitted alone and waited for until its
+/// prompt is computed; the others follow it, so their prompts are taken from the prefix cache
+/// of the worker that computed the first (the prefill router prefers that worker) and only
+/// the prompt's last, partial block is computed again for each. Dropping the streams cancels
+/// the choices; a choice that cannot start fails the whole request (the started ones are
+/// cancelled).
+pub async fn submit_choices(
+    backend: &dyn Backend,
+    request: BackendRequest,
+    n: u32,
+) -> Result<Vec<TokenStream>, BackendError> {
+    let with_seed = |index: u32| {
+        let mut choice = request.clone();
+        choice.sampling.seed = choice_seed(request.sampling.seed, index);
+        choice
+    };
+    let mut first = backend.submit(with_seed(0)).await?;
+    if n <= 1 {
+        return Ok(vec![first]);
+    }
+    first.started().await?;
+    let rest = futures::future::join_all((1..n).map(|i| backend.submit(with_seed(i)))).await;
+    let mut streams = Vec::with_capacity(n as usize);
+    streams.push(first);
+    for stream in rest {
+        streams.push(stream?);
+    }
+    Ok(streams)
+}

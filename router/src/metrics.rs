@@ -507,6 +507,14 @@ impl Drop for Tracker {
     }
 }
 
+/// Tokens generated for a request's further choices (`n` > 1): counted, while the request's
+/// [`Tracker`] times its first choice.
+pub fn count_generated(tokens: usize) {
+    REGISTRY
+        .generated
+        .fetch_add(tokens as u64, Ordering::Relaxed);
+}
+
 /// A backend token stream that reports to a [`Tracker`] (dropped with the stream).
 #[derive(Debug)]
 pub struct Tracked<S> {
@@ -516,10 +524,13 @@ pub struct Tracked<S> {
 
 /// Wraps `inner` so that its tokens, end and early drop are recorded.
 pub fn track<S>(inner: S, tracker: Tracker) -> Tracked<S> {
-    Tracked {
-        inner,
-        tracker: Some(tracker),
-    }
+    track_choice(inner, Some(tracker))
+}
+
+/// Wraps one choice's stream: the first choice's with the request's tracker, a further
+/// choice's (`None`) counting its tokens only.
+pub fn track_choice<S>(inner: S, tracker: Option<Tracker>) -> Tracked<S> {
+    Tracked { inner, tracker }
 }
 
 impl<S: Stream<Item = BackendEvent> + Unpin> Stream for Tracked<S> {
@@ -529,6 +540,12 @@ impl<S: Stream<Item = BackendEvent> + Unpin> Stream for Tracked<S> {
         let polled = Pin::new(&mut self.inner).poll_next(cx);
         if let Poll::Ready(event) = &polled {
             let ends = !matches!(event, Some(BackendEvent::Tokens(_)));
+            if self.tracker.is_none()
+                && let Some(BackendEvent::Tokens(batch)) = event
+            {
+                // A further choice of a request whose tracker watches its first.
+                count_generated(batch.len());
+            }
             if let Some(tracker) = self.tracker.as_mut() {
                 match event {
                     Some(BackendEvent::Tokens(batch)) => tracker.generated(batch.len()),

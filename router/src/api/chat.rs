@@ -36,6 +36,8 @@ pub struct Extras {
     pub ignore_eos: bool,
     /// vLLM's constraint extras (`guided_*`, `structured_outputs`) and the key that gave it.
     pub guided: Option<(engine::sampling::Grammar, &'static str)>,
+    /// Choices to generate (`n`, and vLLM's `best_of` when equal to it).
+    pub n: u32,
 }
 
 impl Extras {
@@ -43,6 +45,7 @@ impl Extras {
     pub fn neutral() -> Self {
         Self {
             repetition_penalty: 1.0,
+            n: 1,
             ..Self::default()
         }
     }
@@ -233,7 +236,7 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
         obj.insert("max_tokens".to_owned(), v);
     }
     integer(obj, "max_tokens", 1, i64::from(u32::MAX))?;
-    integer(obj, "n", 1, 1)?;
+    let n = choices(obj)?;
     integer(obj, "top_logprobs", 0, 20)?;
     integer(obj, "seed", 0, i64::MAX)?;
     in_range(obj, "temperature", 0.0, 2.0, false)?;
@@ -257,6 +260,7 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
     };
     let guided = crate::api::structured::guided(obj)?;
     Ok(Extras {
+        n,
         guided,
         logit_bias,
         min_tokens: min_tokens.map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
@@ -268,6 +272,30 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
         presence_penalty: presence.unwrap_or(0.0) as f32,
         frequency_penalty: frequency.unwrap_or(0.0) as f32,
     })
+}
+
+/// `n`, the choices to generate (1 unless asked), and vLLM's `best_of`, accepted when it
+/// equals `n` (every generated choice is returned, none is picked). Both are taken out of
+/// `obj`: the official converter refuses `n` > 1, and the router generates the choices.
+fn choices(obj: &mut Map<String, Value>) -> Result<u32, ApiError> {
+    let n = integer(obj, "n", 1, i64::from(crate::backend::MAX_CHOICES))?;
+    let n = n.map_or(1, |n| u32::try_from(n).unwrap_or(1));
+    match obj.get("best_of") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(u64::from(n)) => {}
+        Some(_) => {
+            return Err(ApiError::param(
+                "best_of",
+                format!(
+                    "`best_of` other than `n` ({n}) is not supported: every generated choice \
+                     is returned, none is picked"
+                ),
+            ));
+        }
+    }
+    obj.remove("n");
+    obj.remove("best_of");
+    Ok(n)
 }
 
 /// A list of token ids (`stop_token_ids`): non-negative integers below 2^32.

@@ -50,6 +50,8 @@ pub struct Prepared {
     pub echo: Option<String>,
     /// vLLM's `return_token_ids`: the prompt's and the completion's token ids in the answer.
     pub return_token_ids: bool,
+    /// Choices to generate (`n`).
+    pub n: u32,
 }
 
 fn prompt_ids(obj: &Map<String, Value>, served: &Served) -> Result<Vec<u32>, ApiError> {
@@ -166,6 +168,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         stop_token_ids,
         ignore_eos,
         guided,
+        n,
     } = chat::check_sampling(&mut obj)?;
     let format = crate::api::structured::completions_response_format(&obj)?;
     let constraint = crate::api::structured::resolve(format, guided, None)?;
@@ -217,11 +220,6 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
     }
     if obj.get("suffix").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::param("suffix", "`suffix` is not supported"));
-    }
-    match obj.get("best_of") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_i64() == Some(1) => {}
-        Some(_) => return Err(ApiError::param("best_of", "`best_of` must be 1")),
     }
     let stop = stop_strings(&obj)?;
     let prompt = prompt_ids(&obj, served)?;
@@ -292,6 +290,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         logprobs,
         echo,
         return_token_ids,
+        n,
     })
 }
 
@@ -544,7 +543,7 @@ impl Run {
 /// Backend events as completion pieces: text, then exactly one `Finish` or `Failed`.
 pub fn pieces(
     tokens: TokenStream,
-    tracker: Tracker,
+    tracker: Option<Tracker>,
     detok: Detokenizer,
     stop_ids: Vec<u32>,
     logprobs: bool,
@@ -554,7 +553,7 @@ pub fn pieces(
         logprobs,
         pending: Vec::new(),
         tokens: Some(tokens),
-        tracker: Some(tracker),
+        tracker,
         detok,
         held: None,
         generated: 0,
@@ -567,10 +566,11 @@ pub fn pieces(
             }
             let tokens = run.tokens.as_mut()?;
             let event = tokens.next().await;
-            if let Some(tracker) = run.tracker.as_mut()
-                && let Some(BackendEvent::Tokens(batch)) = &event
-            {
-                tracker.generated(batch.len());
+            if let Some(BackendEvent::Tokens(batch)) = &event {
+                match run.tracker.as_mut() {
+                    Some(tracker) => tracker.generated(batch.len()),
+                    None => crate::metrics::count_generated(batch.len()),
+                }
             }
             match event {
                 Some(BackendEvent::Tokens(batch)) => {
@@ -690,7 +690,130 @@ pub fn check_min_tokens(min_tokens: u32, max_tokens: u32) -> Result<(), ApiError
     Ok(())
 }
 
-/// Runs a prepared request and answers it (JSON or SSE).
+/// What every choice of one completion shares when it is written out.
+struct Writer {
+    id: String,
+    created: u64,
+    model: String,
+    logprobs: bool,
+    /// The prompt's ids, when `return_token_ids` asked for them.
+    prompt_ids: Option<Vec<u32>>,
+}
+
+impl Writer {
+    fn chunk(&self, index: usize, text: &str, finish: Option<&str>) -> Value {
+        json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": finish}],
+        })
+    }
+
+    /// Adds `tokens` (their logprobs, their ids) to the one choice of `body`; the prompt's
+    /// ids go with a choice's first tokens (`first`).
+    fn with_tokens(
+        &self,
+        mut body: Value,
+        listed: &mut TokenList,
+        tokens: &[GeneratedToken],
+        first: bool,
+    ) -> Value {
+        if self.logprobs {
+            body["choices"][0]["logprobs"] = listed.json(tokens);
+        }
+        if let Some(ids) = &self.prompt_ids {
+            body["choices"][0]["token_ids"] =
+                json!(tokens.iter().map(|t| t.id).collect::<Vec<_>>());
+            if first {
+                body["choices"][0]["prompt_token_ids"] = json!(ids);
+            }
+        }
+        body
+    }
+}
+
+/// One choice's pieces as SSE data: (choice index, data, completion tokens once it finished).
+/// The text of `echo` comes first.
+fn choice_events(
+    index: usize,
+    pieces: impl Stream<Item = Piece> + Send + 'static,
+    writer: Arc<Writer>,
+    mut listed: TokenList,
+    echo: Option<String>,
+) -> impl Stream<Item = (String, Option<Result<usize, ()>>)> + Send + 'static {
+    let first = echo.map(|e| (writer.chunk(index, &e, None).to_string(), None));
+    // Tokens are listed with the text that follows them (or with the finish).
+    let mut waiting: Vec<GeneratedToken> = Vec::new();
+    let mut first_tokens = true;
+    let events = pieces.flat_map(move |piece| {
+        let mut with_tokens = |body: Value, waiting: &mut Vec<GeneratedToken>| {
+            let tokens = std::mem::take(waiting);
+            let body = writer.with_tokens(body, &mut listed, &tokens, first_tokens);
+            first_tokens = false;
+            body.to_string()
+        };
+        let data: Vec<(String, Option<Result<usize, ()>>)> = match piece {
+            Piece::Tokens(tokens) => {
+                waiting.extend(tokens);
+                Vec::new()
+            }
+            Piece::Text(text) => vec![(
+                with_tokens(writer.chunk(index, &text, None), &mut waiting),
+                None,
+            )],
+            Piece::Finish {
+                reason,
+                completion_tokens,
+            } => vec![(
+                with_tokens(writer.chunk(index, "", Some(reason)), &mut waiting),
+                Some(Ok(completion_tokens)),
+            )],
+            Piece::Failed(error) => vec![(error_json(&error), Some(Err(())))],
+        };
+        futures::stream::iter(data)
+    });
+    futures::stream::iter(first).chain(events)
+}
+
+/// One choice's pieces gathered into its JSON (and its completion tokens).
+async fn collect_choice(
+    index: usize,
+    pieces: impl Stream<Item = Piece>,
+    writer: &Writer,
+    mut listed: TokenList,
+    echo: Option<String>,
+) -> Result<(Value, usize), ApiError> {
+    let mut text = echo.unwrap_or_default();
+    let mut all: Vec<GeneratedToken> = Vec::new();
+    let mut pieces = std::pin::pin!(pieces);
+    while let Some(piece) = pieces.next().await {
+        match piece {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Tokens(tokens) => all.extend(tokens),
+            Piece::Finish {
+                reason,
+                completion_tokens,
+            } => {
+                let body = writer.with_tokens(
+                    writer.chunk(index, &text, Some(reason)),
+                    &mut listed,
+                    &all,
+                    true,
+                );
+                return Ok((body["choices"][0].clone(), completion_tokens));
+            }
+            Piece::Failed(error) => return Err(error),
+        }
+    }
+    Err(ApiError::Internal(
+        "the completion ended without a finish".to_owned(),
+    ))
+}
+
+/// Runs a prepared request and answers it (JSON or SSE). Its `n` choices are generated
+/// side by side ([`crate::backend::submit_choices`]); a choice that fails fails the request.
 pub async fn respond(
     prepared: Prepared,
     served: Arc<Served>,
@@ -710,9 +833,16 @@ pub async fn respond(
         logprobs,
         echo,
         return_token_ids,
+        n,
     } = prepared;
     let prompt_len = prompt.len();
-    let prompt_ids = return_token_ids.then(|| prompt.clone());
+    let writer = Arc::new(Writer {
+        id: format!("cmpl-{}", request_id.as_str()),
+        created: now(),
+        model: served.name.clone(),
+        logprobs: logprobs.is_some(),
+        prompt_ids: return_token_ids.then(|| prompt.clone()),
+    });
     let request = BackendRequest {
         request_id: request_id.as_str().to_owned(),
         prompt,
@@ -733,117 +863,92 @@ pub async fn respond(
         .chain(&request.stop.stop_token_ids)
         .copied()
         .collect();
-    let tokens = match served.backend.submit(request).await {
-        Ok(tokens) => tokens,
+    let streams = match crate::backend::submit_choices(served.backend.as_ref(), request, n).await {
+        Ok(streams) => streams,
         Err(e) => {
             let e = ApiError::from(e);
             tracker.failed(e.parts().0);
             return Err(e);
         }
     };
-    let detok = Detokenizer::new(Arc::clone(&served.tokenizer), stop);
-    let pieces = pieces(
-        tokens,
-        tracker,
-        detok,
-        stop_ids,
-        logprobs.is_some() || return_token_ids,
-    );
-    let id = format!("cmpl-{}", request_id.as_str());
-    let created = now();
-    let model = served.name.clone();
-    let chunk = move |text: &str, finish: Option<&str>| {
-        json!({
-            "id": id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-        })
-    };
-    let mut listed = TokenList::new(Arc::clone(&served.tokenizer));
-    if stream {
-        let first = echo
-            .map(|e| Ok::<_, Infallible>(SseEvent::default().data(chunk(&e, None).to_string())));
-        // Tokens are listed with the text that follows them (or with the finish); the prompt's
-        // ids come with the first chunk.
-        let mut waiting: Vec<GeneratedToken> = Vec::new();
-        let mut prompt_ids = prompt_ids;
-        let events = pieces.flat_map(move |piece| {
-            let mut with_tokens = |mut body: Value, waiting: &mut Vec<GeneratedToken>| {
-                let tokens = std::mem::take(waiting);
-                if logprobs.is_some() {
-                    body["choices"][0]["logprobs"] = listed.json(&tokens);
-                }
-                if return_token_ids {
-                    body["choices"][0]["token_ids"] =
-                        json!(tokens.iter().map(|t| t.id).collect::<Vec<_>>());
-                    if let Some(ids) = prompt_ids.take() {
-                        body["choices"][0]["prompt_token_ids"] = json!(ids);
-                    }
-                }
-                body.to_string()
-            };
-            let data: Vec<String> = match piece {
-                Piece::Tokens(tokens) => {
-                    waiting.extend(tokens);
-                    Vec::new()
-                }
-                Piece::Text(text) => vec![with_tokens(chunk(&text, None), &mut waiting)],
-                Piece::Finish {
-                    reason,
-                    completion_tokens,
-                } => {
-                    let mut out = vec![with_tokens(chunk("", Some(reason)), &mut waiting)];
-                    if include_usage {
-                        let mut last = chunk("", None);
-                        last["choices"] = json!([]);
-                        last["usage"] = usage(prompt_len, completion_tokens);
-                        out.push(last.to_string());
-                    }
-                    out.push("[DONE]".to_owned());
-                    out
-                }
-                // A failed request ends with an error event and no `[DONE]`.
-                Piece::Failed(error) => vec![error_json(&error)],
-            };
-            futures::stream::iter(
-                data.into_iter()
-                    .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
+    let mut tracker = Some(tracker);
+    let choices: Vec<_> = streams
+        .into_iter()
+        .map(|tokens| {
+            pieces(
+                tokens,
+                tracker.take(),
+                Detokenizer::new(Arc::clone(&served.tokenizer), stop.clone()),
+                stop_ids.clone(),
+                logprobs.is_some() || return_token_ids,
             )
+        })
+        .collect();
+    let listed = || TokenList::new(Arc::clone(&served.tokenizer));
+    if stream {
+        let streams = choices.into_iter().enumerate().map(|(i, pieces)| {
+            choice_events(i, pieces, Arc::clone(&writer), listed(), echo.clone()).boxed()
         });
-        let events = futures::stream::iter(first).chain(events);
+        let merged = futures::stream::select_all(streams);
+        // Usage and `[DONE]` follow the last choice's finish; a failure ends the stream at
+        // once with its error and no `[DONE]` (the other choices are cancelled).
+        let state = (choices_len(n), 0usize, false);
+        let events = merged
+            .scan(state, move |(open, completion, ended), (data, end)| {
+                if *ended {
+                    return futures::future::ready(None);
+                }
+                let mut out = vec![data];
+                match end {
+                    Some(Ok(tokens)) => {
+                        *completion += tokens;
+                        *open -= 1;
+                        if *open == 0 {
+                            if include_usage {
+                                let mut last = writer.chunk(0, "", None);
+                                last["choices"] = json!([]);
+                                last["usage"] = usage(prompt_len, *completion);
+                                out.push(last.to_string());
+                            }
+                            out.push("[DONE]".to_owned());
+                        }
+                    }
+                    Some(Err(())) => *ended = true,
+                    None => {}
+                }
+                futures::future::ready(Some(out))
+            })
+            .flat_map(|out| {
+                futures::stream::iter(
+                    out.into_iter()
+                        .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
+                )
+            });
         return Ok(Sse::new(events).into_response());
     }
-    let mut text = echo.unwrap_or_default();
-    let mut all: Vec<GeneratedToken> = Vec::new();
-    let mut pieces = std::pin::pin!(pieces);
-    while let Some(piece) = pieces.next().await {
-        match piece {
-            Piece::Text(t) => text.push_str(&t),
-            Piece::Tokens(tokens) => all.extend(tokens),
-            Piece::Finish {
-                reason,
-                completion_tokens,
-            } => {
-                let mut body = chunk(&text, Some(reason));
-                if logprobs.is_some() {
-                    body["choices"][0]["logprobs"] = listed.json(&all);
-                }
-                if let Some(ids) = prompt_ids {
-                    body["choices"][0]["prompt_token_ids"] = json!(ids);
-                    body["choices"][0]["token_ids"] =
-                        json!(all.iter().map(|t| t.id).collect::<Vec<_>>());
-                }
-                body["usage"] = usage(prompt_len, completion_tokens);
-                return Ok(axum::Json(body).into_response());
-            }
-            Piece::Failed(error) => return Err(error),
-        }
+    let collected = futures::future::join_all(
+        choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, pieces)| collect_choice(i, pieces, &writer, listed(), echo.clone())),
+    )
+    .await;
+    let mut bodies = Vec::with_capacity(collected.len());
+    let mut completion = 0;
+    for choice in collected {
+        let (body, tokens) = choice?;
+        completion += tokens;
+        bodies.push(body);
     }
-    Err(ApiError::Internal(
-        "the completion ended without a finish".to_owned(),
-    ))
+    let mut body = writer.chunk(0, "", None);
+    body["choices"] = Value::Array(bodies);
+    body["usage"] = usage(prompt_len, completion);
+    Ok(axum::Json(body).into_response())
+}
+
+/// The number of choices as a count of streams.
+fn choices_len(n: u32) -> usize {
+    usize::try_from(n.max(1)).unwrap_or(1)
 }
 
 #[cfg(test)]
@@ -981,9 +1086,15 @@ mod tests {
         let tracker = Tracker::new(crate::metrics::Endpoint::Completions);
         // `Z` stands for the eos id.
         let eos = ids(&byte_tokenizer(), "Z");
-        pieces(TokenStream::new(rx, || {}), tracker, detok, eos, false)
-            .collect()
-            .await
+        pieces(
+            TokenStream::new(rx, || {}),
+            Some(tracker),
+            detok,
+            eos,
+            false,
+        )
+        .collect()
+        .await
     }
 
     fn tokens(text: &str) -> BackendEvent {

@@ -36,7 +36,6 @@ const fn f(name: &'static str, how: Use) -> Field {
 use Use::{Honoured, Metadata, OnlyAt, Refused};
 
 const NO_BEAM: &str = "beam search is not implemented";
-const NO_N: &str = "one choice per request (`n` > 1 is not implemented yet)";
 const NO_PROMPT_LOGPROBS: &str = "prompt log-probabilities are not implemented yet";
 const TOKEN_FILTERS: &str = "token allow/deny lists are not implemented";
 const NOT_SERVED: &str = "this server does not offer it";
@@ -51,7 +50,7 @@ const VLLM_SHARED: &[Field] = &[
     f("ignore_eos", Honoured),
     f("min_tokens", Honoured),
     f("stop_token_ids", Honoured),
-    f("best_of", OnlyAt(&["1"], NO_N)),
+    f("best_of", Honoured),
     f("use_beam_search", OnlyAt(&["false"], NO_BEAM)),
     f("length_penalty", OnlyAt(&["1", "1.0"], NO_BEAM)),
     f(
@@ -115,7 +114,7 @@ const OPENAI_SHARED: &[Field] = &[
     f("presence_penalty", Honoured),
     f("frequency_penalty", Honoured),
     f("logit_bias", Honoured),
-    f("n", OnlyAt(&["1"], NO_N)),
+    f("n", Honoured),
     f("user", Metadata),
     f("response_format", Honoured),
 ];
@@ -365,7 +364,6 @@ mod tests {
                 "frobnicate_level",
                 "Unrecognized request argument supplied: frobnicate_level",
             ),
-            (json!({"n": 2}), "n", "not supported"),
             (
                 json!({"guided_decoding_backend": "xgrammar"}),
                 "guided_decoding_backend",

@@ -359,12 +359,6 @@ pub fn backend_request(
     }
 }
 
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// Runs a prepared request on the backend and answers it (JSON or SSE).
 pub async fn respond<P: Protocol>(
     prepared: Prepared,
@@ -378,8 +372,9 @@ where
     let request = backend_request(&prepared, &served, request_id);
     let stop_ids = request.stop.stop_token_ids.clone();
     tracker.prompt(prepared.prompt.len());
-    let tokens = match served.backend.submit(request).await {
-        Ok(tokens) => crate::metrics::track(tokens, tracker),
+    let n = prepared.extras.n;
+    let streams = match crate::backend::submit_choices(served.backend.as_ref(), request, n).await {
+        Ok(streams) => streams,
         Err(e) => {
             let e = ApiError::from(e);
             tracker.failed(e.parts().0);
@@ -392,51 +387,47 @@ where
         ..
     } = prepared;
     let id = format!("{}-{}", P::ID_PREFIX, request_id.as_str());
-    let generator = P::chunk_generator(&converted, id.clone(), served.name.clone());
-    let parsing = converted.parsing_options.clone();
     let logprobs = converted.inference_options.logprobs;
     let stream = std::mem::take(&mut converted.stream);
-    let processor =
-        StreamProcessor::new(generator, parsing).with_tokenizer(Arc::clone(&served.tokenizer));
+    // One failure record for every choice: any choice's failure fails the request.
     let failure: Failure = Arc::default();
-    let inference = inference_stream(
-        tokens,
-        prompt.len(),
-        served.fingerprint.clone(),
-        logprobs,
-        Arc::clone(&failure),
-        served.eos_token_ids.clone(),
-        &stop_ids,
-        Some(Arc::clone(&served.tokenizer)),
-    );
-    let chunks = processor.into_protocol_stream(inference);
+    let mut tracker = Some(tracker);
+    let choices: Vec<_> = streams
+        .into_iter()
+        .map(|tokens| {
+            let tokens = crate::metrics::track_choice(tokens, tracker.take());
+            let generator = P::chunk_generator(&converted, id.clone(), served.name.clone());
+            let processor = StreamProcessor::new(generator, converted.parsing_options.clone())
+                .with_tokenizer(Arc::clone(&served.tokenizer));
+            let inference = inference_stream(
+                tokens,
+                prompt.len(),
+                served.fingerprint.clone(),
+                logprobs,
+                Arc::clone(&failure),
+                served.eos_token_ids.clone(),
+                &stop_ids,
+                Some(Arc::clone(&served.tokenizer)),
+            );
+            processor.into_protocol_stream(inference)
+        })
+        .collect();
+    if choices.len() > 1 {
+        return respond_choices::<P, _, _>(choices, stream, failure, id, &served, prompt.len())
+            .await;
+    }
+    let Some(chunks) = choices.into_iter().next() else {
+        return Err(ApiError::Internal("no choice was generated".to_owned()));
+    };
     if stream {
         let tail_failure = Arc::clone(&failure);
         let events = chunks
-            .map(|item| {
-                let event = match item {
-                    Ok(chunk) => {
-                        let name = <P::Response as ProtocolResponse>::sse_event_name(&chunk);
-                        match serde_json::to_string(&chunk) {
-                            Ok(data) => named(name, data),
-                            Err(e) => error_event::<P>(&ApiError::Internal(e.to_string())),
-                        }
-                    }
-                    Err(e) => error_event::<P>(&ApiError::Internal(e.to_string())),
-                };
-                Ok::<_, Infallible>(event)
-            })
+            .map(|item| Ok::<_, Infallible>(chunk_event::<P, _>(item)))
             .chain(futures::stream::iter(
-                std::iter::from_fn(move || {
-                    Some(match chat::failed(&tail_failure) {
-                        Some(error) => Some(error_event::<P>(&ApiError::from(error))),
-                        None => <P::Response as ProtocolResponse>::sse_done_data()
-                            .map(|data| SseEvent::default().data(data)),
-                    })
-                })
-                .take(1)
-                .flatten()
-                .map(Ok::<_, Infallible>),
+                std::iter::from_fn(move || Some(stream_end::<P>(&tail_failure)))
+                    .take(1)
+                    .flatten()
+                    .map(Ok::<_, Infallible>),
             ));
         return Ok(Sse::new(events).into_response());
     }
@@ -453,7 +444,192 @@ where
     Ok(axum::Json(response).into_response())
 }
 
-fn named(name: Option<&'static str>, data: String) -> SseEvent {
+/// Answers a request of several choices (`n` > 1, chat only): each choice's chunks or
+/// response come from its own stream processor and are put together as OpenAI does, choice
+/// `i` with `index: i`, one usage for the request (the prompt once, the completions summed).
+/// Any choice's failure fails the request.
+async fn respond_choices<P, S, E>(
+    choices: Vec<S>,
+    stream: bool,
+    failure: Failure,
+    id: String,
+    served: &Served,
+    prompt_len: usize,
+) -> Result<Response, ApiError>
+where
+    P: Protocol,
+    ChunkOf<P>: serde::Serialize + Send + 'static,
+    S: futures::Stream<Item = Result<ChunkOf<P>, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    if stream {
+        let indexed = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, chunks)| chunks.map(move |item| (i, item)).boxed());
+        let usage: Arc<std::sync::Mutex<Option<Value>>> = Arc::default();
+        let (summed, tail_failure) = (Arc::clone(&usage), Arc::clone(&failure));
+        let events = futures::stream::select_all(indexed)
+            .take_while(move |_| futures::future::ready(chat::failed(&failure).is_none()))
+            .filter_map(move |(i, item)| {
+                let event = match item {
+                    Ok(chunk) => {
+                        let name = <P::Response as ProtocolResponse>::sse_event_name(&chunk);
+                        serde_json::to_value(&chunk)
+                            .map_err(|e| ApiError::Internal(e.to_string()))
+                            .map(|mut body| {
+                                with_index(&mut body, i);
+                                let usage = body.get_mut("usage").map(Value::take);
+                                if let Some(u) = usage.filter(|u| !u.is_null()) {
+                                    add_usage(&summed, &body, &u);
+                                }
+                                let empty = body["choices"].as_array().is_some_and(Vec::is_empty);
+                                (!empty).then(|| named(name, body.to_string()))
+                            })
+                    }
+                    Err(e) => Err(ApiError::Internal(e.to_string())),
+                };
+                futures::future::ready(match event {
+                    Ok(event) => event,
+                    Err(e) => Some(error_event::<P>(&e)),
+                })
+            })
+            .chain(futures::stream::iter(
+                std::iter::from_fn(move || {
+                    let usage = chat::failed(&tail_failure)
+                        .is_none()
+                        .then(|| lock_usage(&usage).take())
+                        .flatten()
+                        .map(|u| named(None, u.to_string()));
+                    Some(usage.into_iter().chain(stream_end::<P>(&tail_failure)))
+                })
+                .take(1)
+                .flatten(),
+            ))
+            .map(Ok::<_, Infallible>);
+        return Ok(Sse::new(events).into_response());
+    }
+    let answered = futures::future::join_all(choices.into_iter().map(|chunks| async {
+        let mut response = <P::Response as ProtocolResponse>::new(
+            id.clone(),
+            served.name.clone(),
+            now(),
+            prompt_len,
+            0,
+        );
+        let mut chunks = std::pin::pin!(chunks);
+        while let Some(item) = chunks.next().await {
+            response.accumulate(item.map_err(|e| ApiError::Internal(e.to_string()))?);
+        }
+        serde_json::to_value(&response).map_err(|e| ApiError::Internal(e.to_string()))
+    }))
+    .await;
+    if let Some(error) = chat::failed(&failure) {
+        return Err(ApiError::from(error));
+    }
+    let mut merged: Option<Value> = None;
+    let mut all_choices = Vec::new();
+    let mut completion = 0;
+    for (i, answer) in answered.into_iter().enumerate() {
+        let mut answer = answer?;
+        with_index(&mut answer, i);
+        if let Some(Value::Array(choices)) = answer.get_mut("choices").map(Value::take) {
+            all_choices.extend(choices);
+        }
+        completion += answer["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        let reasoning = &answer["usage"]["completion_tokens_details"]["reasoning_tokens"];
+        if let (Some(m), Some(r)) = (merged.as_mut(), reasoning.as_u64()) {
+            let into = &mut m["usage"]["completion_tokens_details"]["reasoning_tokens"];
+            *into = json!(into.as_u64().unwrap_or(0) + r);
+        }
+        merged.get_or_insert(answer);
+    }
+    let mut merged = merged.ok_or_else(|| ApiError::Internal("no choice".to_owned()))?;
+    merged["choices"] = Value::Array(all_choices);
+    if merged.get("usage").is_some_and(Value::is_object) {
+        let prompt = merged["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+        merged["usage"]["completion_tokens"] = json!(completion);
+        merged["usage"]["total_tokens"] = json!(prompt + completion);
+    }
+    Ok(axum::Json(merged).into_response())
+}
+
+/// Sets `index: i` on every choice of a chunk or response.
+fn with_index(body: &mut Value, i: usize) {
+    if let Some(Value::Array(choices)) = body.get_mut("choices") {
+        for choice in choices {
+            choice["index"] = json!(i);
+        }
+    }
+}
+
+fn lock_usage(usage: &std::sync::Mutex<Option<Value>>) -> std::sync::MutexGuard<'_, Option<Value>> {
+    usage
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Adds one choice's final usage `u` (of chunk `body`) to the request's: the first is kept as
+/// the usage chunk (choices emptied), later ones add their completion (and reasoning) tokens.
+fn add_usage(summed: &std::sync::Mutex<Option<Value>>, body: &Value, u: &Value) {
+    let mut summed = lock_usage(summed);
+    let Some(total) = summed.as_mut() else {
+        let mut chunk = body.clone();
+        chunk["choices"] = json!([]);
+        chunk["usage"] = u.clone();
+        *summed = Some(chunk);
+        return;
+    };
+    let usage = &mut total["usage"];
+    let add = |into: &mut Value, from: &Value| {
+        if let Some(x) = from.as_u64() {
+            *into = json!(into.as_u64().unwrap_or(0) + x);
+        }
+    };
+    add(&mut usage["completion_tokens"], &u["completion_tokens"]);
+    add(&mut usage["total_tokens"], &u["completion_tokens"]);
+    if u["completion_tokens_details"]["reasoning_tokens"].is_u64() {
+        add(
+            &mut usage["completion_tokens_details"]["reasoning_tokens"],
+            &u["completion_tokens_details"]["reasoning_tokens"],
+        );
+    }
+}
+
+/// The SSE event of one chunk of protocol `P` (or of the error that replaced it).
+pub fn chunk_event<P: Protocol, E: std::fmt::Display>(item: Result<ChunkOf<P>, E>) -> SseEvent
+where
+    ChunkOf<P>: serde::Serialize,
+{
+    match item {
+        Ok(chunk) => {
+            let name = <P::Response as ProtocolResponse>::sse_event_name(&chunk);
+            match serde_json::to_string(&chunk) {
+                Ok(data) => named(name, data),
+                Err(e) => error_event::<P>(&ApiError::Internal(e.to_string())),
+            }
+        }
+        Err(e) => error_event::<P>(&ApiError::Internal(e.to_string())),
+    }
+}
+
+/// The event that ends a stream: the backend's error when it failed, else the protocol's
+/// end-of-stream marker (if it has one).
+pub fn stream_end<P: Protocol>(failure: &Failure) -> Option<SseEvent> {
+    match chat::failed(failure) {
+        Some(error) => Some(error_event::<P>(&ApiError::from(error))),
+        None => <P::Response as ProtocolResponse>::sse_done_data()
+            .map(|data| SseEvent::default().data(data)),
+    }
+}
+
+pub fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub fn named(name: Option<&'static str>, data: String) -> SseEvent {
     let event = SseEvent::default().data(data);
     match name {
         Some(name) => event.event(name),
@@ -461,7 +637,7 @@ fn named(name: Option<&'static str>, data: String) -> SseEvent {
     }
 }
 
-fn error_event<P: Protocol>(error: &ApiError) -> SseEvent {
+pub fn error_event<P: Protocol>(error: &ApiError) -> SseEvent {
     let (name, data) = P::stream_error(error);
     named(name, data)
 }
