@@ -69,6 +69,8 @@ pub struct WorkerServer {
     notifier: Notifier,
     /// The role named on the readiness line, when this process prints one.
     ready_line: Option<String>,
+    /// Further listeners named on the listening and readiness lines (e.g. `metrics`).
+    announced: Vec<(&'static str, SocketAddr)>,
 }
 
 /// How long calls still running when the drain ends (idle or deadline) may take to finish.
@@ -97,7 +99,23 @@ impl WorkerServer {
             router: None,
             notifier: Notifier::from_env(),
             ready_line: None,
+            announced: Vec::new(),
         })
+    }
+
+    /// Names another listener of this process (`name=addr`) on its listening and readiness
+    /// lines, after the gRPC address.
+    #[must_use]
+    pub fn announcing(mut self, name: &'static str, addr: SocketAddr) -> Self {
+        self.announced.push((name, addr));
+        self
+    }
+
+    /// Every address the listening and readiness lines name.
+    fn announced_addresses(&self) -> Vec<(&'static str, SocketAddr)> {
+        std::iter::once(("grpc", self.local_addr))
+            .chain(self.announced.iter().copied())
+            .collect()
     }
 
     /// Registers with the router at `router` (gRPC host:port) once serving, heartbeats, and
@@ -183,6 +201,7 @@ impl WorkerServer {
         let notifier = self.notifier.clone();
         let (grace, router) = (self.grace, self.router.clone());
         let (address, ready_line) = (self.local_addr, self.ready_line.clone());
+        let announced = self.announced_addresses();
         let stop = async move {
             let (registered_tx, registered) = tokio::sync::oneshot::channel();
             let registration = router.clone().map(|router| {
@@ -210,7 +229,7 @@ impl WorkerServer {
                 grpc::set_serving(&reporter, &services).await;
                 handle.set_state(WorkerState::Ready).await;
                 if let Some(role) = &ready_line {
-                    crate::cli::announce_ready(role, &[("grpc", address)]);
+                    crate::cli::announce_ready(role, &announced);
                 }
                 let ready_notifier = notifier.clone();
                 let registers = registration.is_some();
@@ -303,7 +322,7 @@ impl WorkerServer {
         mut signal: crate::shutdown::ShutdownSignal,
     ) -> Result<(), ServeError> {
         tracing::info!(addr = %self.local_addr, role = role_name, "worker listening");
-        crate::cli::announce_listening(role_name, &[("grpc", self.local_addr)]);
+        crate::cli::announce_listening(role_name, &self.announced_addresses());
         self.ready_line = Some(role_name.to_owned());
         // Boxed: the serving future is large, and callers keep it across their own awaits.
         Box::pin(

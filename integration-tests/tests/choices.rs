@@ -35,10 +35,7 @@ type Folded = BTreeMap<u64, (String, Option<String>)>;
 
 /// Per choice index, the concatenation of `field(choice)` over a stream's chunks and the
 /// finish reason; and the usage chunks.
-fn fold(
-    chunks: &[Value],
-    field: impl Fn(&Value) -> Option<&str>,
-) -> (Folded, Vec<Value>) {
+fn fold(chunks: &[Value], field: impl Fn(&Value) -> Option<&str>) -> (Folded, Vec<Value>) {
     let mut choices = Folded::new();
     let mut usages = Vec::new();
     for c in chunks {

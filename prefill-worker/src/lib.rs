@@ -47,7 +47,8 @@ pub async fn run(
                     loaded.credentials,
                 )
                 .with_fault(loaded.fault)
-                .with_draining(loaded.draining),
+                .with_draining(loaded.draining)
+                .with_metrics(loaded.metrics),
             );
             slot.set(PrefillServer::new(PrefillService(Arc::clone(&worker))));
             Ok(worker)

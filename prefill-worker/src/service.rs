@@ -51,6 +51,8 @@ pub struct PrefillWorker {
     fault: Option<Fault>,
     /// Set when the worker drains: new requests are refused.
     draining: common::worker_info::DrainingFlag,
+    /// The worker's own metrics (state transfers are recorded there).
+    metrics: Option<Arc<worker_core::metrics::WorkerMetrics>>,
 }
 
 impl std::fmt::Debug for PrefillWorker {
@@ -129,7 +131,15 @@ impl PrefillWorker {
             credentials,
             fault: None,
             draining: common::worker_info::DrainingFlag::default(),
+            metrics: None,
         }
+    }
+
+    /// Records state transfers in `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<worker_core::metrics::WorkerMetrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Makes this worker corrupt what it sends, on purpose (see `common::fault`).
@@ -363,6 +373,9 @@ impl Prefill for PrefillService {
                     .map_err(transfer_error)?;
                 let transferred = report.bytes;
                 let transfer_ns = report.busy.as_nanos();
+                if let Some(metrics) = &w.metrics {
+                    metrics.transfer(transferred, report.busy.as_secs_f64());
+                }
                 let exposed_ns = report
                     .done
                     .saturating_duration_since(forward_end)

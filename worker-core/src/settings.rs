@@ -91,6 +91,10 @@ pub struct WorkerSettings {
     pub advertise_address: Option<String>,
     /// Milliseconds in-flight calls may take to finish after SIGTERM.
     pub shutdown_grace_ms: u64,
+    /// Where the worker serves its own Prometheus metrics (`GET /metrics`: engine steps, pool,
+    /// state transfers). Port 0 picks a free port (named on the readiness line). Unset: no
+    /// metrics listener.
+    pub metrics_listen: Option<SocketAddr>,
     /// Checkpoint folder (`config.json`, weights). Unset: the worker serves only identity and
     /// health, and its role's calls fail with UNAVAILABLE.
     pub model_dir: Option<PathBuf>,
@@ -140,6 +144,7 @@ impl WorkerSettings {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], port)),
             advertise_address: None,
             shutdown_grace_ms: 30_000,
+            metrics_listen: None,
             model_dir: None,
             page_size: 64,
             engine_num_pages: 1024,
@@ -228,6 +233,10 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shutdown_grace_ms: Option<u64>,
+    /// Serve the worker's Prometheus metrics (`GET /metrics`) on this address.
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Checkpoint folder served by this worker (`--model`: vLLM's spelling).
     #[arg(long, visible_alias = "model", value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]

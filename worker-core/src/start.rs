@@ -53,6 +53,8 @@ pub struct Loaded {
     pub draining: DrainingFlag,
     /// What this worker's own calls to other processes carry.
     pub credentials: Credentials,
+    /// The worker's own metrics (the role records its state transfers there).
+    pub metrics: Arc<crate::metrics::WorkerMetrics>,
 }
 
 /// A role's worker, as the shared start-up sees it.
@@ -97,7 +99,15 @@ where
     Build: FnOnce(Loaded) -> Built,
     Built: Future<Output = Result<Arc<W>, ServeError>>,
 {
-    let server = bind(settings, spec.role).await?;
+    let mut server = bind(settings, spec.role).await?;
+    let metrics = crate::metrics::WorkerMetrics::new(spec.name);
+    if let Some(addr) = settings.metrics_listen {
+        let listener = common::listen::bind("metrics_listen", addr).await?;
+        let bound = listener.local_addr()?;
+        tracing::info!(addr = %bound, "metrics listening");
+        server = server.announcing("metrics", bound);
+        tokio::spawn(crate::metrics::serve(listener, Arc::clone(&metrics)));
+    }
     let Some(dir) = settings.model_dir.clone() else {
         return server
             .run_until_signal(spec.name, |routes| routes, &[], signal)
@@ -128,6 +138,11 @@ where
         let info = handle.snapshot().await;
         let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
         let runner = loaded.runner.clone();
+        let observer = metrics.observer();
+        runner
+            .call(move |engine, _| engine.set_step_observer(observer))
+            .await
+            .map_err(|e| ServeError::Startup(e.to_string()))?;
         let worker = build(Loaded {
             engine: loaded,
             worker_id: info.worker_id,
@@ -136,6 +151,7 @@ where
             fault,
             draining: handle.draining(),
             credentials,
+            metrics: Arc::clone(&metrics),
         })
         .await?;
         handle
@@ -144,6 +160,7 @@ where
         let reporter = handle.clone();
         tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
             let reporter = reporter.clone();
+            metrics.set_load(&load);
             async move { reporter.set_load(load).await }
         }));
         let _ = loaded_worker.set(worker);
