@@ -611,12 +611,22 @@ pub fn inference_stream(
                             InferenceFinishReason::Length
                         }
                         FinishReason::Stop => {
-                            if let Some(last) = st.held.take()
-                                && !st.stop_ids.contains(&last.id)
-                            {
-                                let chunks = st.chunks(&[last]);
-                                st.track(&chunks);
-                                st.out.extend(chunks);
+                            match st.held.take() {
+                                // The stop or eos id that ended the request: no text, but a
+                                // generated token, counted in usage as vLLM and the
+                                // completions endpoint count it.
+                                Some(last) if st.stop_ids.contains(&last.id) => {
+                                    st.out.push_back(InferenceChunk::Text {
+                                        content: String::new(),
+                                        token_count: 1,
+                                    });
+                                }
+                                Some(last) => {
+                                    let chunks = st.chunks(&[last]);
+                                    st.track(&chunks);
+                                    st.out.extend(chunks);
+                                }
+                                None => {}
                             }
                             InferenceFinishReason::Stop
                         }
