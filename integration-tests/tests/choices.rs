@@ -189,3 +189,69 @@ fn chat_choices_are_the_seeded_single_requests() {
     best_of["best_of"] = json!(1);
     expect_400(&post(addr, path, &best_of), "best_of");
 }
+
+#[test]
+fn chat_lists_prompt_and_output_token_ids() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let path = "/v1/chat/completions";
+    let messages = json!([{"role": "user", "content": "List the ids, ünïcødé"}]);
+    let body = |n: u64, seed: u64| {
+        json!({"model": "deepseek-v4-flash", "messages": messages,
+            "thinking": {"type": "disabled"}, "return_token_ids": true, "ignore_eos": true,
+            "max_tokens": 12, "temperature": 1.0, "seed": seed, "n": n})
+    };
+    let prompt = post(
+        addr,
+        "/tokenize",
+        &json!({"model": "deepseek-v4-flash", "messages": messages,
+            "thinking": {"type": "disabled"}}),
+    )
+    .json()["tokens"]
+        .clone();
+    let one = post(addr, path, &body(1, 8));
+    assert_eq!(one.status, 200, "{}", one.body);
+    let one = one.json();
+    assert_eq!(one["prompt_token_ids"], prompt, "{one}");
+    let ids = one["choices"][0]["token_ids"].as_array().unwrap().clone();
+    assert_eq!(ids.len(), 12, "{one}");
+    assert_eq!(one["usage"]["completion_tokens"], 12);
+
+    let mut streamed = body(1, 8);
+    streamed["stream"] = json!(true);
+    let chunks = chunks(&post(addr, path, &streamed));
+    assert_eq!(chunks[0]["prompt_token_ids"], prompt);
+    assert!(
+        chunks[1..]
+            .iter()
+            .all(|c| c.get("prompt_token_ids").is_none())
+    );
+    let listed: Vec<Value> = chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap().clone())
+        .flat_map(|choice| choice["token_ids"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(listed, ids, "the stream lists the same ids");
+
+    let two = post(addr, path, &body(2, 7)).json();
+    assert_eq!(two["prompt_token_ids"], prompt);
+    assert_eq!(
+        two["choices"][1]["token_ids"],
+        json!(ids),
+        "choice 1 is seed 8"
+    );
+
+    // Without return_token_ids, no ids; the eos that ends a request is counted, not listed.
+    let mut eos = body(1, 1);
+    eos["ignore_eos"] = json!(false);
+    eos["logit_bias"] = json!({"1": 100});
+    let r = post(addr, path, &eos).json();
+    assert_eq!(r["choices"][0]["token_ids"], json!([]), "{r}");
+    assert_eq!(r["usage"]["completion_tokens"], 1);
+    eos["return_token_ids"] = json!(false);
+    let r = post(addr, path, &eos).json();
+    assert!(r.get("prompt_token_ids").is_none(), "{r}");
+    assert!(r["choices"][0].get("token_ids").is_none(), "{r}");
+    eos["return_token_ids"] = json!("yes");
+    expect_400(&post(addr, path, &eos), "return_token_ids");
+}

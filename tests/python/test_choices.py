@@ -53,3 +53,21 @@ def test_completions_n_and_best_of(client: openai.OpenAI) -> None:
         assert e.body["param"] == "best_of"
     else:
         raise AssertionError("best_of > n was accepted")
+
+
+def test_chat_return_token_ids(client: openai.OpenAI) -> None:
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "seed": 4,
+        "extra_body": {"thinking": {"type": "disabled"}, "return_token_ids": True, "ignore_eos": True},
+    }
+    whole = client.chat.completions.create(**body)
+    dumped = whole.model_dump()
+    assert len(dumped["prompt_token_ids"]) == whole.usage.prompt_tokens
+    assert len(dumped["choices"][0]["token_ids"]) == 6
+    streamed = [c.model_dump() for c in client.chat.completions.create(**body, stream=True)]
+    assert streamed[0]["prompt_token_ids"] == dumped["prompt_token_ids"]
+    ids = [i for c in streamed for choice in c["choices"] for i in choice.get("token_ids") or []]
+    assert ids == dumped["choices"][0]["token_ids"]

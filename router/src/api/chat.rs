@@ -38,6 +38,8 @@ pub struct Extras {
     pub guided: Option<(engine::sampling::Grammar, &'static str)>,
     /// Choices to generate (`n`, and vLLM's `best_of` when equal to it).
     pub n: u32,
+    /// vLLM's `return_token_ids` (chat; /v1/completions reads its own).
+    pub return_token_ids: bool,
 }
 
 impl Extras {
@@ -261,6 +263,7 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
     let guided = crate::api::structured::guided(obj)?;
     Ok(Extras {
         n,
+        return_token_ids: false,
         guided,
         logit_bias,
         min_tokens: min_tokens.map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
@@ -461,6 +464,22 @@ struct Adapter<S> {
     /// character split across tokens. Its decoder buffers them until the character is complete
     /// and never flushes them at the finish, so they would not be counted in `usage`.
     undecoded: Vec<u32>,
+    /// Where the ids of the output's tokens go, when the response lists them
+    /// (`return_token_ids`).
+    ids: Option<TokenIds>,
+}
+
+/// The ids of a choice's output tokens as the stream passes them on (the stop or eos id that
+/// ended it excluded, as its text is); readers take what has arrived.
+pub type TokenIds = Arc<std::sync::Mutex<Vec<u32>>>;
+
+/// Takes the ids that arrived since the last call.
+pub fn take_ids(ids: &TokenIds) -> Vec<u32> {
+    std::mem::take(
+        &mut *ids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
 }
 
 /// Set when the backend fails or its stream ends without a finish: the response must then be
@@ -519,6 +538,11 @@ impl<S> Adapter<S> {
     /// The chunks of `tokens`. An eos id inside the output (generated under `ignore_eos`) is
     /// counted but not decoded: the stream processor would read it as the end of the text.
     fn chunks(&self, tokens: &[GeneratedToken]) -> Vec<InferenceChunk> {
+        if let Some(ids) = &self.ids {
+            ids.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(tokens.iter().map(|t| t.id));
+        }
         let is_eos = |t: &GeneratedToken| self.eos_token_ids.contains(&t.id);
         let mut out = Vec::new();
         for run in tokens.chunk_by(|a, b| is_eos(a) == is_eos(b)) {
@@ -562,6 +586,7 @@ pub fn inference_stream(
     eos_token_ids: Vec<u32>,
     stop_ids: &[u32],
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    ids: Option<TokenIds>,
 ) -> impl Stream<Item = InferenceChunk> + Send + 'static {
     let stop_ids: Vec<u32> = eos_token_ids.iter().chain(stop_ids).copied().collect();
     let ready = InferenceChunk::Ready {
@@ -582,6 +607,7 @@ pub fn inference_stream(
         stop_ids,
         tokenizer,
         undecoded: Vec::new(),
+        ids,
     };
     futures::stream::unfold(state, |mut st| async move {
         loop {
@@ -671,6 +697,13 @@ mod failure_tests {
     }
 
     async fn drive(events: Vec<BackendEvent>) -> (Vec<InferenceChunk>, Option<BackendError>) {
+        drive_listing(events, None).await
+    }
+
+    async fn drive_listing(
+        events: Vec<BackendEvent>,
+        ids: Option<TokenIds>,
+    ) -> (Vec<InferenceChunk>, Option<BackendError>) {
         let (tx, rx) = mpsc::unbounded_channel();
         for e in events {
             tx.send(e).unwrap();
@@ -686,6 +719,7 @@ mod failure_tests {
             vec![1],
             &[],
             None,
+            ids,
         );
         let chunks: Vec<InferenceChunk> = stream.collect().await;
         (chunks, failed(&failure))
@@ -711,6 +745,37 @@ mod failure_tests {
     async fn stream_ending_without_finish_is_a_failure() {
         let (_, failure) = drive(vec![BackendEvent::Tokens(vec![token(5)])]).await;
         assert!(failure.is_some_and(|e| e.message.contains("ended before")));
+    }
+
+    #[tokio::test]
+    async fn listed_ids_are_the_output_without_the_eos_that_ended_it() {
+        let ids: TokenIds = Arc::default();
+        let (chunks, failure) = drive_listing(
+            vec![
+                BackendEvent::Tokens(vec![token(5), token(1)]),
+                BackendEvent::Tokens(vec![token(7), token(1)]),
+                BackendEvent::Finished {
+                    reason: FinishReason::Stop,
+                    usage: engine::scheduler::Usage::default(),
+                },
+            ],
+            Some(Arc::clone(&ids)),
+        )
+        .await;
+        assert!(failure.is_none());
+        // The eos generated mid-output is listed; the one that ended the request is not (but
+        // is counted).
+        assert_eq!(take_ids(&ids), vec![5, 1, 7]);
+        assert!(take_ids(&ids).is_empty(), "taken once");
+        let counted: usize = chunks
+            .iter()
+            .map(|c| match c {
+                InferenceChunk::Tokens { token_ids, .. } => token_ids.len(),
+                InferenceChunk::Text { token_count, .. } => *token_count,
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(counted, 4);
     }
 
     #[tokio::test]

@@ -169,6 +169,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         ignore_eos,
         guided,
         n,
+        ..
     } = chat::check_sampling(&mut obj)?;
     let format = crate::api::structured::completions_response_format(&obj)?;
     let constraint = crate::api::structured::resolve(format, guided, None)?;

@@ -158,10 +158,7 @@ pub const CHAT: &[Field] = &[
         "function_call",
         Refused("deprecated by OpenAI: use `tool_choice`"),
     ),
-    f(
-        "return_token_ids",
-        Refused("token ids in chat responses are not implemented yet; /v1/completions has them"),
-    ),
+    f("return_token_ids", Honoured),
     f("chat_template_kwargs", Honoured),
     f("chat_template", Refused(TEMPLATE)),
     f("add_generation_prompt", OnlyAt(&["true"], TEMPLATE)),

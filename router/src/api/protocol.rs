@@ -78,7 +78,19 @@ impl Protocol for ChatCompletionRequest {
         require_non_empty_array(obj, Self::INPUT)?;
         chat::normalize_tool_arguments(obj, Self::INPUT, chat::chat_tool_calls);
         chat::check_tool_choice(obj)?;
-        check_sampling(obj)
+        let mut extras = check_sampling(obj)?;
+        // vLLM's extra: the converter does not know it; the router lists the ids itself.
+        extras.return_token_ids = match obj.remove("return_token_ids") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => b,
+            Some(_) => {
+                return Err(ApiError::param(
+                    "return_token_ids",
+                    "`return_token_ids` must be a boolean",
+                ));
+            }
+        };
+        Ok(extras)
     }
 
     fn stream_error(error: &ApiError) -> (Option<&'static str>, String) {
@@ -381,6 +393,7 @@ where
             return Err(e);
         }
     };
+    let return_token_ids = prepared.extras.return_token_ids;
     let Prepared {
         mut converted,
         prompt,
@@ -392,9 +405,11 @@ where
     // One failure record for every choice: any choice's failure fails the request.
     let failure: Failure = Arc::default();
     let mut tracker = Some(tracker);
+    let listing = prepared_listing(return_token_ids, streams.len(), &prompt);
     let choices: Vec<_> = streams
         .into_iter()
-        .map(|tokens| {
+        .enumerate()
+        .map(|(i, tokens)| {
             let tokens = crate::metrics::track_choice(tokens, tracker.take());
             let generator = P::chunk_generator(&converted, id.clone(), served.name.clone());
             let processor = StreamProcessor::new(generator, converted.parsing_options.clone())
@@ -408,13 +423,18 @@ where
                 served.eos_token_ids.clone(),
                 &stop_ids,
                 Some(Arc::clone(&served.tokenizer)),
+                listing.as_ref().map(|l| Arc::clone(&l.ids[i])),
             );
             processor.into_protocol_stream(inference)
         })
         .collect();
-    if choices.len() > 1 {
-        return respond_choices::<P, _, _>(choices, stream, failure, id, &served, prompt.len())
-            .await;
+    // Several choices, or token ids to list: the chunks are rewritten as JSON.
+    if choices.len() > 1 || listing.is_some() {
+        let prompt_len = prompt.len();
+        return respond_choices::<P, _, _>(
+            choices, stream, failure, id, &served, prompt_len, listing,
+        )
+        .await;
     }
     let Some(chunks) = choices.into_iter().next() else {
         return Err(ApiError::Internal("no choice was generated".to_owned()));
@@ -455,6 +475,7 @@ async fn respond_choices<P, S, E>(
     id: String,
     served: &Served,
     prompt_len: usize,
+    listing: Option<Listing>,
 ) -> Result<Response, ApiError>
 where
     P: Protocol,
@@ -469,6 +490,7 @@ where
             .map(|(i, chunks)| chunks.map(move |item| (i, item)).boxed());
         let usage: Arc<std::sync::Mutex<Option<Value>>> = Arc::default();
         let (summed, tail_failure) = (Arc::clone(&usage), Arc::clone(&failure));
+        let mut prompt_ids = listing.as_ref().map(|l| l.prompt.clone());
         let events = futures::stream::select_all(indexed)
             .take_while(move |_| futures::future::ready(chat::failed(&failure).is_none()))
             .filter_map(move |(i, item)| {
@@ -484,6 +506,13 @@ where
                                     add_usage(&summed, &body, &u);
                                 }
                                 let empty = body["choices"].as_array().is_some_and(Vec::is_empty);
+                                if let Some(listing) = listing.as_ref().filter(|_| !empty) {
+                                    body["choices"][0]["token_ids"] =
+                                        json!(chat::take_ids(&listing.ids[i]));
+                                    if let Some(ids) = prompt_ids.take() {
+                                        body["prompt_token_ids"] = json!(ids);
+                                    }
+                                }
                                 (!empty).then(|| named(name, body.to_string()))
                             })
                     }
@@ -533,6 +562,9 @@ where
     for (i, answer) in answered.into_iter().enumerate() {
         let mut answer = answer?;
         with_index(&mut answer, i);
+        if let Some(listing) = &listing {
+            answer["choices"][0]["token_ids"] = json!(chat::take_ids(&listing.ids[i]));
+        }
         if let Some(Value::Array(choices)) = answer.get_mut("choices").map(Value::take) {
             all_choices.extend(choices);
         }
@@ -546,12 +578,30 @@ where
     }
     let mut merged = merged.ok_or_else(|| ApiError::Internal("no choice".to_owned()))?;
     merged["choices"] = Value::Array(all_choices);
+    if let Some(listing) = listing {
+        merged["prompt_token_ids"] = json!(listing.prompt);
+    }
     if merged.get("usage").is_some_and(Value::is_object) {
         let prompt = merged["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
         merged["usage"]["completion_tokens"] = json!(completion);
         merged["usage"]["total_tokens"] = json!(prompt + completion);
     }
     Ok(axum::Json(merged).into_response())
+}
+
+/// vLLM's `return_token_ids` on chat: the prompt's ids (top level, on the first chunk of a
+/// stream) and each choice's output ids (`token_ids`, per chunk when streamed).
+struct Listing {
+    prompt: Vec<u32>,
+    /// Per choice, the ids its stream has passed on and no chunk has listed yet.
+    ids: Vec<chat::TokenIds>,
+}
+
+fn prepared_listing(asked: bool, choices: usize, prompt: &[u32]) -> Option<Listing> {
+    asked.then(|| Listing {
+        prompt: prompt.to_vec(),
+        ids: (0..choices).map(|_| Arc::default()).collect(),
+    })
 }
 
 /// Sets `index: i` on every choice of a chunk or response.
