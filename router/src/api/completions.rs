@@ -927,17 +927,17 @@ pub async fn respond(
             });
         return Ok(Sse::new(events).into_response());
     }
-    let collected = futures::future::join_all(
+    // The first failed choice ends the request; the others are dropped (cancelled) with it.
+    let collected = futures::future::try_join_all(
         choices
             .into_iter()
             .enumerate()
             .map(|(i, pieces)| collect_choice(i, pieces, &writer, listed(), echo.clone())),
     )
-    .await;
+    .await?;
     let mut bodies = Vec::with_capacity(collected.len());
     let mut completion = 0;
-    for choice in collected {
-        let (body, tokens) = choice?;
+    for (body, tokens) in collected {
         completion += tokens;
         bodies.push(body);
     }
