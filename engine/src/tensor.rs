@@ -11,10 +11,6 @@ pub use weight::{SharedBytes, Weight, WeightForm};
 
 /// Multiply-adds below which a product runs on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
-/// Rows per parallel task.
-const ROWS_PER_TASK: usize = 256;
-/// Vectors per parallel task.
-const VECTORS_PER_TASK: usize = 48;
 
 /// A row-major f32 matrix; linear weights are `[out, in]` as in the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,22 +103,23 @@ pub(crate) fn rows_times<S: rows::RowSource>(
         dots_source(src, r0, n, xs, &mut out);
         return out;
     }
+    let (rows_per_task, vectors_per_task) = gemm::task_shape();
     let tiles: Vec<(usize, usize)> = (0..n)
-        .step_by(ROWS_PER_TASK)
-        .flat_map(|r| (0..xs.len()).step_by(VECTORS_PER_TASK).map(move |v| (r, v)))
+        .step_by(rows_per_task)
+        .flat_map(|r| (0..xs.len()).step_by(vectors_per_task).map(move |v| (r, v)))
         .collect();
     let results: Vec<Vec<f32>> = tiles
         .par_iter()
         .map(|&(r, v)| {
-            let nr = ROWS_PER_TASK.min(n - r);
-            let vs = &xs[v..xs.len().min(v + VECTORS_PER_TASK)];
+            let nr = rows_per_task.min(n - r);
+            let vs = &xs[v..xs.len().min(v + vectors_per_task)];
             let mut tile = vec![0.0f32; nr * vs.len()];
             dots_source(src, r0 + r, nr, vs, &mut tile);
             tile
         })
         .collect();
     for (&(r, v), tile) in tiles.iter().zip(&results) {
-        let nr = ROWS_PER_TASK.min(n - r);
+        let nr = rows_per_task.min(n - r);
         for (j, part) in tile.chunks_exact(nr).enumerate() {
             out[(v + j) * n + r..(v + j) * n + r + nr].copy_from_slice(part);
         }

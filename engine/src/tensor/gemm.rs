@@ -20,10 +20,27 @@
 
 use super::rows::{F32Rows, LANES, RowSource};
 
+#[cfg(target_arch = "x86_64")]
+mod wide;
+
 /// Weight rows per block.
 const BLOCK_ROWS: usize = 4;
 /// Vectors per block.
 const BLOCK_VECTORS: usize = 3;
+/// Vectors from which the AVX-512 kernel (`wide.rs`) takes a product, where the CPU has it.
+const WIDE_MIN_VECTORS: usize = 4;
+
+/// (rows, vectors) of one parallel task of a large product: the AVX-512 kernel decodes a
+/// task's rows once for all its vectors, so it takes many vectors per task.
+pub(super) fn task_shape() -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if wide::available() {
+            return (64, 256);
+        }
+    }
+    (256, 48)
+}
 
 /// `a · b` with the definition above (`a` and `b` have the same length).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -57,6 +74,15 @@ pub fn dots_source<S: RowSource>(src: &S, r0: usize, rows: usize, xs: &[&[f32]],
     let n = src.cols();
     for (v, x) in xs.iter().enumerate() {
         assert_eq!(x.len(), n, "vector {v} length");
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if xs.len() >= WIDE_MIN_VECTORS && wide::available() {
+            // SAFETY: the CPU has the kernel's features (just checked); every vector has n
+            // elements and `out` has rows * xs.len() (both checked above).
+            unsafe { wide::dots(src, r0, rows, xs, out) };
+            return;
+        }
     }
     let fast = has_avx2_fma();
     // Decoding a stored row costs about as much as three multiply-adds per element, so against
@@ -410,6 +436,43 @@ mod tests {
                 for (v, x) in xs.iter().enumerate() {
                     assert_eq!(dot(w, x).to_bits(), reference(r, v).to_bits());
                 }
+            }
+        }
+    }
+
+    /// Products with enough vectors for the AVX-512 kernel (where the CPU has it): several
+    /// blocks of rows, partial blocks of rows and vectors, leftover elements; every output
+    /// equals the portable single-output definition bit for bit, and NaN in gives NaN out.
+    #[test]
+    fn wide_products_agree_bit_for_bit() {
+        for n in [1usize, 8, 13, 67, 256] {
+            let rows: Vec<Vec<f32>> = (0..19).map(|r| vector(n, r as f32 * 0.7)).collect();
+            let xs: Vec<Vec<f32>> = (0..11).map(|v| vector(n, 5.0 + v as f32)).collect();
+            for (nr, nv) in [(19, 11), (8, 4), (9, 5), (1, 4), (17, 7), (16, 8), (3, 10)] {
+                let refs: Vec<&[f32]> = xs[..nv].iter().map(Vec::as_slice).collect();
+                let mut out = vec![f32::NAN; nr * nv];
+                dots(|r| &rows[r], nr, &refs, &mut out);
+                for v in 0..nv {
+                    for r in 0..nr {
+                        let one = F32Rows {
+                            rows: |_| rows[r].as_slice(),
+                            cols: n,
+                        };
+                        assert_eq!(
+                            out[v * nr + r].to_bits(),
+                            single_portable(&one, &xs[v]).to_bits(),
+                            "n {n} rows {nr} vectors {nv} at ({r}, {v})"
+                        );
+                    }
+                }
+            }
+            let mut poisoned = xs.clone();
+            poisoned[2][n - 1] = f32::NAN;
+            let refs: Vec<&[f32]> = poisoned.iter().map(Vec::as_slice).collect();
+            let mut out = vec![0.0f32; 19 * refs.len()];
+            dots(|r| &rows[r], 19, &refs, &mut out);
+            for (i, value) in out.iter().enumerate() {
+                assert_eq!(value.is_nan(), i / 19 == 2, "n {n} output {i}");
             }
         }
     }
