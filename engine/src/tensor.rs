@@ -2,10 +2,12 @@
 //! per output element, so a token's result never depends on what else is computed with it
 //! (batch invariance) or on how a prompt was chunked.
 
+mod exp;
 mod gemm;
 pub mod rows;
 mod weight;
 
+pub use exp::{exp, exp_in_place};
 pub use gemm::{dot, dots, dots_source};
 pub use weight::{SharedBytes, Weight, WeightForm};
 
@@ -150,7 +152,7 @@ fn rms_scale(x: &[f32], eps: f32) -> f32 {
 }
 
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp(-x))
 }
 
 pub fn silu(x: f32) -> f32 {
@@ -159,7 +161,7 @@ pub fn silu(x: f32) -> f32 {
 
 /// `torch.nn.functional.softplus` with beta 1 and threshold 20.
 pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { x.exp().ln_1p() }
+    if x > 20.0 { x } else { exp(x).ln_1p() }
 }
 
 /// Softmax in place, max-subtracted.
@@ -167,7 +169,7 @@ pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
+        *v = exp(*v - max);
         sum += *v;
     }
     for v in x.iter_mut() {
@@ -177,33 +179,92 @@ pub fn softmax(x: &mut [f32]) {
 
 /// `y += a * x`.
 pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    // Element-wise (a multiply, then an add: no fused multiply-add), so the vector width does
-    // not change any bit; the AVX2 build of the same loop is only faster.
+    axpy_many(y, &[a], |_| x);
+}
+
+/// `y += Σ_k a[k] * x(k)`: for every element, the products added one at a time in key order,
+/// each a multiply and then an add (no fused multiply-add), exactly as one [`axpy`] per key
+/// gives. The vector build keeps a block of `y` in registers across all keys, so the vector
+/// width and the blocking do not change any bit.
+pub fn axpy_many<'x>(y: &mut [f32], a: &[f32], x: impl Fn(usize) -> &'x [f32]) {
+    for k in 0..a.len() {
+        assert_eq!(x(k).len(), y.len(), "row {k} length");
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            unsafe { axpy_avx2(y, a, x) };
+            // SAFETY: the CPU supports AVX2 (checked just above); every row has y.len()
+            // elements (checked above).
+            unsafe { axpy_many_avx2(y, a, &x) };
             return;
         }
     }
-    axpy_portable(y, a, x);
+    for (k, &ak) in a.iter().enumerate() {
+        for (yi, xi) in y.iter_mut().zip(x(k)) {
+            *yi += ak * xi;
+        }
+    }
 }
 
+/// [`axpy_many`] on 256-bit registers, 64 elements of `y` at a time, then 8 at a time.
+///
+/// # Safety
+/// The CPU supports AVX2 and every `x(k)` has `y.len()` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
-    axpy_portable(y, a, x);
+unsafe fn axpy_many_avx2<'x>(y: &mut [f32], a: &[f32], x: &impl Fn(usize) -> &'x [f32]) {
+    let n = y.len();
+    let mut c0 = 0;
+    while c0 + 64 <= n {
+        // SAFETY: c0 + 64 <= n (loop condition); AVX2 (this function's features).
+        unsafe { axpy_block_avx2::<8>(y, c0, a, x) };
+        c0 += 64;
+    }
+    while c0 + 8 <= n {
+        // SAFETY: c0 + 8 <= n (loop condition); AVX2 (this function's features).
+        unsafe { axpy_block_avx2::<1>(y, c0, a, x) };
+        c0 += 8;
+    }
+    for (k, &ak) in a.iter().enumerate() {
+        for (yi, xi) in y[c0..].iter_mut().zip(&x(k)[c0..]) {
+            *yi += ak * xi;
+        }
+    }
 }
 
-#[expect(
-    clippy::inline_always,
-    reason = "must inline into the AVX2 wrapper to be compiled with its features"
-)]
-#[inline(always)]
-fn axpy_portable(y: &mut [f32], a: f32, x: &[f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
+/// Elements `c0..c0 + 8 * R` of [`axpy_many`], held in `R` registers across every key.
+///
+/// # Safety
+/// The CPU supports AVX2, `c0 + 8 * R <= y.len()` and every `x(k)` has `y.len()` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn axpy_block_avx2<'x, const R: usize>(
+    y: &mut [f32],
+    c0: usize,
+    a: &[f32],
+    x: &impl Fn(usize) -> &'x [f32],
+) {
+    use std::arch::x86_64::{
+        __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_storeu_ps,
+    };
+    debug_assert!(c0 + 8 * R <= y.len());
+    let mut acc: [__m256; R] = [_mm256_set1_ps(0.0); R];
+    for (j, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: c0 + 8 * (j + 1) <= y.len() (caller); unaligned load.
+        *acc = unsafe { _mm256_loadu_ps(y.as_ptr().add(c0 + 8 * j)) };
+    }
+    for (k, &ak) in a.iter().enumerate() {
+        let (scale, row) = (_mm256_set1_ps(ak), x(k).as_ptr());
+        for (j, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: the row has y.len() elements (caller); unaligned load.
+            let v = unsafe { _mm256_loadu_ps(row.add(c0 + 8 * j)) };
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(scale, v));
+        }
+    }
+    for (j, acc) in acc.iter().enumerate() {
+        // SAFETY: as for the loads.
+        unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(c0 + 8 * j), *acc) };
     }
 }
 
@@ -219,6 +280,40 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The register-blocked sum gives what one portable `y += a * x` per key gives, bit for
+    /// bit, at lengths around its 8- and 64-element blocks; NaN in a row gives NaN there.
+    #[test]
+    fn axpy_many_matches_one_axpy_per_key() {
+        for n in [0usize, 3, 8, 13, 64, 67, 130, 512] {
+            let rows: Vec<Vec<f32>> = (0..9)
+                .map(|k| {
+                    (0..n)
+                        .map(|i| ((i * 7 + k * 3) as f32 * 0.37).sin())
+                        .collect()
+                })
+                .collect();
+            let a: Vec<f32> = (0..9).map(|k| (k as f32 * 1.3).cos() / 3.0).collect();
+            let start: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+            let mut expected = start.clone();
+            for (k, row) in rows.iter().enumerate() {
+                for (y, x) in expected.iter_mut().zip(row) {
+                    *y += a[k] * x;
+                }
+            }
+            let mut got = start.clone();
+            axpy_many(&mut got, &a, |k| &rows[k]);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&expected), "n {n}");
+            if n > 0 {
+                let mut poisoned = rows.clone();
+                poisoned[4][n - 1] = f32::NAN;
+                let mut got = start.clone();
+                axpy_many(&mut got, &a, |k| &poisoned[k]);
+                assert!(got[n - 1].is_nan() && got[..n - 1].iter().all(|v| v.is_finite()));
+            }
+        }
+    }
 
     #[test]
     fn norms_and_activations() {

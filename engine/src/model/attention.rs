@@ -11,7 +11,7 @@ use crate::{
     backend::{AttendBatch, BackendError, LayerDevice, LinearId, Op},
     config::{Attention, ModelConfig},
     rope::Rope,
-    tensor::{axpy, dots, rms_norm, rms_norm_unweighted, top_k},
+    tensor::{axpy_many, dots, exp, exp_in_place, rms_norm, rms_norm_unweighted, top_k},
     weights::AttentionWeights,
 };
 
@@ -272,14 +272,18 @@ pub fn forward(
                     }
                     let sink = w.sink[head];
                     let max = logits.iter().copied().fold(sink, f32::max);
-                    let mut denom = (sink - max).exp();
+                    let mut denom = exp(sink - max);
                     for l in logits.iter_mut() {
-                        *l = (*l - max).exp();
+                        *l -= max;
+                    }
+                    exp_in_place(logits);
+                    for l in logits.iter() {
                         denom += *l;
                     }
-                    for (p, k) in logits.iter().zip(&keys) {
-                        axpy(o, p / denom, k);
+                    for l in logits.iter_mut() {
+                        *l /= denom;
                     }
+                    axpy_many(o, logits, |k| keys[k]);
                 }
                 out
             })

@@ -297,6 +297,12 @@ impl Weight {
         self.apply_rows_many(0, self.rows, xs)
     }
 
+    /// `self · x` for several vectors at once into one buffer, vector-major (`out[v * rows +
+    /// r]`): [`Self::apply_many`] without a vector per result.
+    pub fn apply_many_flat(&self, xs: &[&[f32]]) -> Vec<f32> {
+        self.rows_times(0, self.rows, xs)
+    }
+
     /// Rows `r0..r0+n` of `self` times each of `xs` (grouped projections).
     pub fn apply_rows_many<V: AsRef<[f32]> + Sync>(
         &self,
