@@ -62,6 +62,33 @@ const SPECIAL_TOP: u32 = 0x42b;
 
 /// `e^x`, as defined above.
 pub fn exp(x: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports FMA (checked just above).
+            return unsafe { exp_fma(x) };
+        }
+    }
+    exp_any(x)
+}
+
+/// [`exp_any`] compiled with FMA, so each `mul_add` is one instruction instead of a call.
+///
+/// # Safety
+/// The CPU supports FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn exp_fma(x: f32) -> f32 {
+    exp_any(x)
+}
+
+/// The definition; `mul_add` is a fused multiply-add on every target.
+#[allow(
+    clippy::inline_always,
+    reason = "must inline into exp_fma to use its features"
+)]
+#[inline(always)]
+fn exp_any(x: f32) -> f32 {
     if (x.to_bits() >> 20) & 0x7ff >= SPECIAL_TOP
         && let Some(special) = special(x)
     {
