@@ -7,9 +7,10 @@
 //! chunk. Each output's lanes see the fused multiply-adds of the 256-bit kernel in the same
 //! order; the lane halving at the end (lanes `k` and `k + 4`, then `k` and `k + 2`, then 0 and 1,
 //! then the scalar tail) runs for sixteen outputs at once with the same additions, low lane
-//! first. With eight rows × four vectors per block, a chunk costs eight loads for sixteen
-//! 512-bit multiply-adds (the 256-bit kernel needs seven loads for twelve 256-bit ones), and
-//! the halving costs a fraction of the per-output shuffles it replaces.
+//! first. With eight rows × six vectors per block (24 accumulators of the 32 registers), a chunk
+//! costs ten loads for twenty-four 512-bit multiply-adds (the 256-bit kernel needs seven loads
+//! for twelve 256-bit ones), and the halving costs a fraction of the per-output shuffles it
+//! replaces.
 
 #![allow(
     clippy::needless_range_loop,
@@ -29,7 +30,7 @@ const PAIRS: usize = 4;
 /// Rows per block.
 const ROWS: usize = 2 * PAIRS;
 /// Vectors per block.
-const VECTORS: usize = 4;
+const VECTORS: usize = 6;
 /// Outputs of a full block.
 const OUTPUTS: usize = ROWS * VECTORS;
 
@@ -67,17 +68,23 @@ pub(super) unsafe fn dots<S: RowSource>(
         let row_of = |i: usize| src.row(r0 + base + i.min(nr - 1));
         for i in 0..nr.next_multiple_of(2) {
             let (p, half) = (i / 2, i % 2);
-            for c in 0..chunks {
-                // SAFETY: c * 8 + 8 <= n; the slot is inside the scratch (p < PAIRS); the
-                // features are enabled on this function.
-                unsafe {
-                    let value = if i < nr {
-                        S::chunk_avx2(row_of(i), c * LANES)
-                    } else {
-                        _mm256_setzero_ps()
+            let slot = |c: usize| (p * chunks + c) * 2 * LANES + half * LANES;
+            if i < nr {
+                let row = row_of(i);
+                for c in 0..chunks {
+                    // SAFETY: c * 8 + 8 <= n; the slot is inside the scratch (p < PAIRS);
+                    // the features are enabled on this function.
+                    unsafe {
+                        let value = S::chunk_avx2(row, c * LANES);
+                        _mm256_storeu_ps(scratch.as_mut_ptr().add(slot(c)), value);
+                    }
+                }
+            } else {
+                for c in 0..chunks {
+                    // SAFETY: as above.
+                    unsafe {
+                        _mm256_storeu_ps(scratch.as_mut_ptr().add(slot(c)), _mm256_setzero_ps());
                     };
-                    let at = (p * chunks + c) * 2 * LANES + half * LANES;
-                    _mm256_storeu_ps(scratch.as_mut_ptr().add(at), value);
                 }
             }
         }
@@ -88,15 +95,24 @@ pub(super) unsafe fn dots<S: RowSource>(
             // SAFETY: the scratch holds nr.div_ceil(2) pairs of `chunks` chunks; every vector
             // has n >= chunks * 8 elements; the features are enabled on this function.
             let sums = unsafe { block_any(&scratch, chunks, nr.div_ceil(2), nv, &vs) };
-            // Output 2 * (v * PAIRS + p) + half is row 2p + half times vector v.
+            // Output 2 * (v * PAIRS + p) + half = 8v + i is row i = 2p + half times vector v:
+            // a vector's outputs for the block's rows are consecutive, as in `out`.
             for v in 0..nv {
-                for i in 0..nr {
-                    let (p, half) = (i / 2, i % 2);
-                    let mut tail = 0.0f32;
-                    for (c, x) in vs[v].iter().enumerate().skip(chunks * LANES) {
-                        tail = S::get(row_of(i), c).mul_add(*x, tail);
+                let dst = &mut out[(v0 + v) * rows + base..][..nr];
+                let block = &sums[ROWS * v..][..nr];
+                if chunks * LANES == n {
+                    // The empty tail is still added, as `finish` adds it: -0 becomes +0.
+                    for (o, sum) in dst.iter_mut().zip(block) {
+                        *o = sum + 0.0;
                     }
-                    out[(v0 + v) * rows + base + i] = sums[2 * (v * PAIRS + p) + half] + tail;
+                } else {
+                    for (i, (o, sum)) in dst.iter_mut().zip(block).enumerate() {
+                        let mut tail = 0.0f32;
+                        for (c, x) in vs[v].iter().enumerate().skip(chunks * LANES) {
+                            tail = S::get(row_of(i), c).mul_add(*x, tail);
+                        }
+                        *o = sum + tail;
+                    }
                 }
             }
             v0 += nv;
@@ -129,18 +145,26 @@ unsafe fn block_any(
         (1, 2),
         (1, 3),
         (1, 4),
+        (1, 5),
+        (1, 6),
         (2, 1),
         (2, 2),
         (2, 3),
         (2, 4),
+        (2, 5),
+        (2, 6),
         (3, 1),
         (3, 2),
         (3, 3),
         (3, 4),
+        (3, 5),
+        (3, 6),
         (4, 1),
         (4, 2),
         (4, 3),
-        (4, 4)
+        (4, 4),
+        (4, 5),
+        (4, 6)
     );
     let mut sums = [0.0f32; OUTPUTS];
     for (half, regs) in acc.chunks_exact(8).enumerate() {
