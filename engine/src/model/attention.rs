@@ -126,48 +126,75 @@ pub fn forward(
         .map(|(q, q_residual)| Projected { q, q_residual })
         .collect();
 
-    // Compressed rows visible to each token: after token p, exactly (p+1)/ratio windows are
-    // closed, and a row is visible to p iff its window closed at or before p.
-    let mut visible = vec![0usize; xs.len()];
     // Block boundaries strictly inside this call (the state at the call's end is the state
     // itself): after token t when start + t + 1 is a multiple of `boundary_every`.
     let every = state.boundary_every;
     let at_boundary =
         |t: usize| every > 0 && (start + t + 1).is_multiple_of(every) && t + 1 < xs.len();
-    state.boundaries.clear();
-    if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
-        let ids = (LinearId::CompressorKv, LinearId::CompressorGate);
-        let inputs = compressor::project_many(cw, xs, ids, device)?;
-        for (t, p) in inputs.into_iter().enumerate() {
-            compressor::push(cw, cs, p, c.rms_norm_eps, compress_rope);
-            visible[t] = cs.len(cw.head_dim);
-            if at_boundary(t) {
-                state.boundaries.push(Boundary {
-                    len: start + t + 1,
-                    compressor: Some(cs.pending()),
-                    indexer: None,
-                });
+    // The attention compressor and the indexer's run side by side (separate states).
+    let boundaries = &mut state.boundaries;
+    let (main, index) = rayon::join(
+        || -> Result<_, BackendError> {
+            // Compressed rows visible to each token: after token p, exactly (p+1)/ratio
+            // windows are closed, and a row is visible to p iff its window closed at or
+            // before p.
+            let mut visible = vec![0usize; xs.len()];
+            let mut found = Vec::new();
+            if let (Some(cw), Some(cs)) = (&w.compressor, state.compressor.as_mut()) {
+                let ids = (LinearId::CompressorKv, LinearId::CompressorGate);
+                let inputs = compressor::project_many(cw, xs, ids, device)?;
+                compressor::push_many(
+                    cw,
+                    cs,
+                    inputs,
+                    c.rms_norm_eps,
+                    compress_rope,
+                    |t, rows, cs| {
+                        visible[t] = rows;
+                        if at_boundary(t) {
+                            found.push(Boundary {
+                                len: start + t + 1,
+                                compressor: Some(cs.pending()),
+                                indexer: None,
+                            });
+                        }
+                    },
+                );
             }
-        }
-    }
-    if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
-        let mut boundary = state.boundaries.iter_mut();
-        let ids = (
-            LinearId::IndexerCompressorKv,
-            LinearId::IndexerCompressorGate,
-        );
-        for (t, p) in compressor::project_many(&iw.compressor, xs, ids, device)?
-            .into_iter()
-            .enumerate()
-        {
-            compressor::push(&iw.compressor, is, p, c.rms_norm_eps, compress_rope);
-            if at_boundary(t)
-                && let Some(b) = boundary.next()
-            {
-                b.indexer = Some(is.pending());
+            Ok((visible, found))
+        },
+        || -> Result<_, BackendError> {
+            let mut found = Vec::new();
+            if let (Some(iw), Some(is)) = (&w.indexer, state.indexer.as_mut()) {
+                let ids = (
+                    LinearId::IndexerCompressorKv,
+                    LinearId::IndexerCompressorGate,
+                );
+                let inputs = compressor::project_many(&iw.compressor, xs, ids, device)?;
+                compressor::push_many(
+                    &iw.compressor,
+                    is,
+                    inputs,
+                    c.rms_norm_eps,
+                    compress_rope,
+                    |t, _, is| {
+                        if at_boundary(t) {
+                            found.push(is.pending());
+                        }
+                    },
+                );
             }
-        }
+            Ok(found)
+        },
+    );
+    let (visible, mut found) = main?;
+    let index = index?;
+    // A boundary's indexer part exists only where the attention compressor recorded one (CSA
+    // layers have both).
+    for (b, pending) in found.iter_mut().zip(index) {
+        b.indexer = Some(pending);
     }
+    *boundaries = found;
 
     // The indexer's query and head weights of every token (CSA layers).
     let (index_qs, index_weights) = match &w.indexer {
@@ -259,33 +286,7 @@ pub fn forward(
             .enumerate()
             .map(|(t, list)| {
                 let keys: Vec<&[f32]> = list.iter().map(key_row).collect();
-                // Every head's logits against every key in one blocked product: [head][key].
-                let q = &projected[t].q;
-                let heads: Vec<&[f32]> = q.chunks_exact(hd).collect();
-                let mut all_logits = vec![0.0f32; h * keys.len()];
-                dots(|k| keys[k], keys.len(), &heads, &mut all_logits);
-                let mut out = vec![0.0f32; h * hd];
-                for (head, o) in out.chunks_exact_mut(hd).enumerate() {
-                    let logits = &mut all_logits[head * keys.len()..(head + 1) * keys.len()];
-                    for l in logits.iter_mut() {
-                        *l *= scale;
-                    }
-                    let sink = w.sink[head];
-                    let max = logits.iter().copied().fold(sink, f32::max);
-                    let mut denom = exp(sink - max);
-                    for l in logits.iter_mut() {
-                        *l -= max;
-                    }
-                    exp_in_place(logits);
-                    for l in logits.iter() {
-                        denom += *l;
-                    }
-                    for l in logits.iter_mut() {
-                        *l /= denom;
-                    }
-                    axpy_many(o, logits, |k| keys[k]);
-                }
-                out
+                attend(&projected[t].q, &keys, &w.sink, scale, hd)
             })
             .collect(),
     };
@@ -307,6 +308,59 @@ pub fn forward(
     // every new row into its pages.
     state.window = rows;
     Ok(outputs)
+}
+
+/// One token's attention core on the CPU: every head's logits against every key in one blocked
+/// product, then per head the softmax with its sink in the denominator and the weighted sum of
+/// the keys, `heads * head_dim` values. The heads' maxima and denominators are accumulated side
+/// by side (one chain per head, each in key order), so the chains do not wait on each other;
+/// every head sees the same operations in the same order as it would alone.
+fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], scale: f32, hd: usize) -> Vec<f32> {
+    let heads: Vec<&[f32]> = q.chunks_exact(hd).collect();
+    let (h, n) = (heads.len(), keys.len());
+    // [head][key]
+    let mut logits = vec![0.0f32; h * n];
+    dots(|k| keys[k], n, &heads, &mut logits);
+    for l in &mut logits {
+        *l *= scale;
+    }
+    let mut max = sinks[..h].to_vec();
+    for k in 0..n {
+        for (head, m) in max.iter_mut().enumerate() {
+            *m = m.max(logits[head * n + k]);
+        }
+    }
+    let mut denom: Vec<f32> = sinks[..h]
+        .iter()
+        .zip(&max)
+        .map(|(s, m)| exp(s - m))
+        .collect();
+    if n == 0 {
+        return vec![0.0f32; h * hd];
+    }
+    for (row, m) in logits.chunks_exact_mut(n).zip(&max) {
+        for l in row {
+            *l -= m;
+        }
+    }
+    exp_in_place(&mut logits);
+    for k in 0..n {
+        for (head, d) in denom.iter_mut().enumerate() {
+            *d += logits[head * n + k];
+        }
+    }
+    let mut out = vec![0.0f32; h * hd];
+    for ((o, row), d) in out
+        .chunks_exact_mut(hd)
+        .zip(logits.chunks_exact_mut(n))
+        .zip(&denom)
+    {
+        for l in row.iter_mut() {
+            *l /= d;
+        }
+        axpy_many(o, row, |k| keys[k]);
+    }
+    out
 }
 
 /// A key row of a token: a window row (index into the chunk's row buffer) or a compressed row.

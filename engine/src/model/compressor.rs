@@ -85,28 +85,88 @@ pub fn push(
     eps: f32,
     rope: &Rope,
 ) {
-    state.pending_kv.extend(projected.0);
-    state.pending_gate.extend(projected.1);
+    push_many(w, state, vec![projected], eps, rope, |_, _, _| {});
+}
+
+/// A window closed by a chunk: its slots and, for CSA, the previous window's Ca slice.
+struct Closed {
+    /// The row's index (windows closed before it).
+    window: usize,
+    kv: Vec<f32>,
+    /// With the position bias added.
+    gate: Vec<f32>,
+    /// CSA: the previous window's (Ca kv, Ca gate), empty before the first window.
+    prev: (Vec<f32>, Vec<f32>),
+}
+
+/// [`push`] for every token of a chunk in order. `after(t, rows, state)` sees the state after
+/// token `t` as one push at a time leaves it, except that the rows of the windows closed so
+/// far are counted (`rows`) but not yet in `state.rows`: they are computed at the end, in
+/// parallel (each depends only on its own window's slots and the previous window's), and
+/// appended in window order.
+pub fn push_many(
+    w: &CompressorWeights,
+    state: &mut CompressorState,
+    projected: Vec<(Vec<f32>, Vec<f32>)>,
+    eps: f32,
+    rope: &Rope,
+    mut after: impl FnMut(usize, usize, &CompressorState),
+) {
+    use rayon::prelude::*;
     let width = w.wkv.rows;
-    if state.pending_kv.len() / width < w.ratio {
-        return;
-    }
-    let window = state.rows.len() / w.head_dim;
-    let kv = std::mem::take(&mut state.pending_kv);
-    let mut gate = std::mem::take(&mut state.pending_gate);
-    for (slot, g) in gate.chunks_exact_mut(width).enumerate() {
-        for (gi, bias) in g.iter_mut().zip(w.ape.row(slot)) {
-            *gi += bias;
+    let mut rows = state.len(w.head_dim);
+    let mut closed = Vec::new();
+    for (t, (kv, gate)) in projected.into_iter().enumerate() {
+        state.pending_kv.extend(kv);
+        state.pending_gate.extend(gate);
+        if state.pending_kv.len() / width >= w.ratio {
+            let kv = std::mem::take(&mut state.pending_kv);
+            let mut gate = std::mem::take(&mut state.pending_gate);
+            for (slot, g) in gate.chunks_exact_mut(width).enumerate() {
+                for (gi, bias) in g.iter_mut().zip(w.ape.row(slot)) {
+                    *gi += bias;
+                }
+            }
+            let prev = if w.overlap {
+                let ca = |v: &[f32]| -> Vec<f32> {
+                    v.chunks_exact(width)
+                        .flat_map(|t| t[..w.head_dim].iter().copied())
+                        .collect()
+                };
+                let next = (ca(&kv), ca(&gate));
+                (
+                    std::mem::replace(&mut state.prev_kv, next.0),
+                    std::mem::replace(&mut state.prev_gate, next.1),
+                )
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            closed.push(Closed {
+                window: rows,
+                kv,
+                gate,
+                prev,
+            });
+            rows += 1;
         }
+        after(t, rows, state);
     }
-    let mut row = if w.overlap {
-        overlapped(w, state, &kv, &gate)
-    } else {
-        pooled(w.head_dim, w.ratio, &kv, &gate, 0, width)
-    };
-    rms_norm(&mut row, &w.norm, eps);
-    rope.apply(&mut row, window * w.ratio, false);
-    state.rows.extend_from_slice(&row);
+    let emitted: Vec<Vec<f32>> = closed
+        .par_iter()
+        .map(|c| {
+            let mut row = if w.overlap {
+                overlapped(w, &c.prev, &c.kv, &c.gate)
+            } else {
+                pooled(w.head_dim, w.ratio, &c.kv, &c.gate, 0, width)
+            };
+            rms_norm(&mut row, &w.norm, eps);
+            rope.apply(&mut row, c.window * w.ratio, false);
+            row
+        })
+        .collect();
+    for row in emitted {
+        state.rows.extend_from_slice(&row);
+    }
 }
 
 /// Pools `ratio` slots of channel offset `offset` (non-overlapping windows).
@@ -132,22 +192,23 @@ fn pooled(
     out
 }
 
-/// CSA: slots 0..ratio are the previous window's Ca (weight 0 before the first window),
-/// slots ratio..2*ratio this window's Cb.
+/// CSA: slots 0..ratio are the previous window's Ca (`prev`, weight 0 before the first
+/// window), slots ratio..2*ratio this window's Cb.
 fn overlapped(
     w: &CompressorWeights,
-    state: &mut CompressorState,
+    prev: &(Vec<f32>, Vec<f32>),
     kv: &[f32],
     gate: &[f32],
 ) -> Vec<f32> {
     let (d, r, width) = (w.head_dim, w.ratio, 2 * w.head_dim);
-    let has_prev = !state.prev_kv.is_empty();
+    let (prev_kv, prev_gate) = prev;
+    let has_prev = !prev_kv.is_empty();
     let mut out = vec![0.0f32; d];
     let mut scores = vec![0.0f32; 2 * r];
     for (c, o) in out.iter_mut().enumerate() {
         for s in 0..r {
             scores[s] = if has_prev {
-                state.prev_gate[s * d + c]
+                prev_gate[s * d + c]
             } else {
                 f32::NEG_INFINITY
             };
@@ -157,20 +218,12 @@ fn overlapped(
         // Slot order as in the reference sum: previous Ca slots, then this window's Cb.
         if has_prev {
             for (s, p) in scores[..r].iter().enumerate() {
-                *o += state.prev_kv[s * d + c] * p;
+                *o += prev_kv[s * d + c] * p;
             }
         }
         for (s, p) in scores[r..].iter().enumerate() {
             *o += kv[s * width + d + c] * p;
         }
     }
-    state.prev_kv = kv
-        .chunks_exact(width)
-        .flat_map(|t| t[..d].iter().copied())
-        .collect();
-    state.prev_gate = gate
-        .chunks_exact(width)
-        .flat_map(|t| t[..d].iter().copied())
-        .collect();
     out
 }

@@ -134,8 +134,33 @@ fn normalize_columns(m: &mut [f32], hc: usize, eps: f32) {
 
 /// New streams: `out[k] = post[k] * y + Σ_j comb[j][k] * x[j]`.
 pub fn post(x: &[f32], y: &[f32], mix: &Mix, hc: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; hc * y.len()];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: the CPU supports AVX (checked just above).
+            unsafe { post_avx(x, y, mix, hc, &mut out) };
+            return out;
+        }
+    }
+    post_into(x, y, mix, hc, &mut out);
+    out
+}
+
+/// [`post_into`] compiled for 256-bit registers (element-wise, so the same bits).
+///
+/// # Safety
+/// The CPU supports AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+fn post_avx(x: &[f32], y: &[f32], mix: &Mix, hc: usize, out: &mut [f32]) {
+    post_into(x, y, mix, hc, out);
+}
+
+#[allow(clippy::inline_always, reason = "must inline into its AVX caller")]
+#[inline(always)]
+fn post_into(x: &[f32], y: &[f32], mix: &Mix, hc: usize, out: &mut [f32]) {
     let d = y.len();
-    let mut out = vec![0.0f32; hc * d];
     for k in 0..hc {
         let o = &mut out[k * d..(k + 1) * d];
         for (oi, yi) in o.iter_mut().zip(y) {
@@ -148,7 +173,6 @@ pub fn post(x: &[f32], y: &[f32], mix: &Mix, hc: usize) -> Vec<f32> {
             }
         }
     }
-    out
 }
 
 /// The final collapse of the streams (before the output norm).

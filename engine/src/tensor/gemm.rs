@@ -43,11 +43,13 @@ pub(super) fn task_shape() -> (usize, usize) {
 }
 
 /// `a · b` with the definition above (`a` and `b` have the same length).
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut out = [0.0f32];
-    dots(|_| a, 1, &[b], &mut out);
-    out[0]
+pub fn dot<'a>(a: &'a [f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot of different lengths");
+    // The 1x1 block of the kernel `dots` would reach, without its dispatch: norms take a dot per
+    // token and head.
+    let ws: [&'a [f32]; BLOCK_ROWS] = [a; BLOCK_ROWS];
+    let vs: [&[f32]; BLOCK_VECTORS] = [b, &[], &[]];
+    block::<F32Rows<fn(usize) -> &'a [f32]>, 1, 1>(has_avx2_fma(), &ws, &vs, a.len())[0][0]
 }
 
 /// `out[v * rows + r] = dot(row(r), xs[v])` for every row `r < rows` and vector `v`; every row
