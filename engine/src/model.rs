@@ -170,10 +170,26 @@ impl Model {
     /// [`Self::forward_batch`], calling `after_layer(l, batch)` as soon as layer `l`'s attention
     /// has updated every sequence's state (the sequences' `len` still counts only the positions
     /// before this step), so a layer's new state can leave while later layers run.
+    ///
+    /// The whole step runs on a thread of the compute pool, so its parallel loops (tens per
+    /// layer) start from a pool thread; started from outside the pool, each would wake the
+    /// pool and wait for it.
     pub fn forward_batch_observed(
         &self,
         batch: &mut [Step<'_>],
-        after_layer: &mut dyn FnMut(usize, &[Step<'_>]),
+        after_layer: &mut (dyn FnMut(usize, &[Step<'_>]) + Send),
+    ) -> Result<Vec<Vec<Vec<f32>>>, ForwardError> {
+        if rayon::current_thread_index().is_some() {
+            self.forward_on_pool(batch, after_layer)
+        } else {
+            rayon::scope(|_| self.forward_on_pool(batch, after_layer))
+        }
+    }
+
+    fn forward_on_pool(
+        &self,
+        batch: &mut [Step<'_>],
+        after_layer: &mut (dyn FnMut(usize, &[Step<'_>]) + Send),
     ) -> Result<Vec<Vec<Vec<f32>>>, ForwardError> {
         let c = &self.config;
         let w = &self.weights;
@@ -207,73 +223,65 @@ impl Model {
             compress: &self.compress_rope,
         };
         for (i, layer) in w.layers.iter().enumerate() {
+            let (mixes, inputs): (Vec<_>, Vec<_>) = hyper::pre_many(&streams, &layer.hc_attn, c)
+                .into_par_iter()
+                .map(|(mix, mut collapsed)| {
+                    rms_norm(&mut collapsed, &layer.attn_norm, c.rms_norm_eps);
+                    (mix, collapsed)
+                })
+                .unzip();
             let device = LayerDevice {
                 backend: self.backend.as_ref(),
                 layer: i,
             };
-            let (mixes, attn) = on_pool(|| -> Result<_, ForwardError> {
-                let (mixes, inputs): (Vec<_>, Vec<_>) =
-                    hyper::pre_many(&streams, &layer.hc_attn, c)
-                        .into_par_iter()
-                        .map(|(mix, mut collapsed)| {
-                            rms_norm(&mut collapsed, &layer.attn_norm, c.rms_norm_eps);
-                            (mix, collapsed)
-                        })
-                        .unzip();
-                let attn: Vec<Vec<Vec<f32>>> = batch
-                    .par_iter_mut()
-                    .zip(&spans)
-                    .map(|(step, span)| {
-                        attention::forward(
-                            &layer.attn,
-                            c.layers[i].attention,
-                            &mut step.state.layers[i],
-                            &inputs[span.clone()],
-                            step.state.len,
-                            c,
-                            &ropes,
-                            device,
-                        )
-                    })
-                    .collect::<Result<_, _>>()?;
-                Ok((mixes, attn))
-            })?;
+            let attn: Vec<Vec<Vec<f32>>> = batch
+                .par_iter_mut()
+                .zip(&spans)
+                .map(|(step, span)| {
+                    attention::forward(
+                        &layer.attn,
+                        c.layers[i].attention,
+                        &mut step.state.layers[i],
+                        &inputs[span.clone()],
+                        step.state.len,
+                        c,
+                        &ropes,
+                        device,
+                    )
+                })
+                .collect::<Result<_, _>>()?;
             // The layer's state is final once its attention ran; its MoE does not touch it.
             after_layer(i, batch);
-            on_pool(|| -> Result<(), ForwardError> {
-                let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
-                streams
-                    .par_iter_mut()
-                    .zip(&attn)
-                    .zip(&mixes)
-                    .for_each(|((x, y), mix)| *x = hyper::post(x, y, mix, c.hc_mult));
-                let (ffn_mixes, ffn_inputs): (Vec<_>, Vec<_>) =
-                    hyper::pre_many(&streams, &layer.hc_ffn, c)
-                        .into_par_iter()
-                        .map(|(mix, mut collapsed)| {
-                            rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
-                            (mix, collapsed)
-                        })
-                        .unzip();
-                let routed = self
-                    .backend
-                    .as_ref()
-                    .filter(|b| b.runs(Op::RoutedExperts))
-                    .map(|b| (b, i));
-                let shared_on = self
-                    .backend
-                    .as_ref()
-                    .filter(|b| b.runs(Op::SharedExpert))
-                    .map(|b| (b, i));
-                let ffn =
-                    moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c, routed, shared_on)?;
-                streams
-                    .par_iter_mut()
-                    .zip(&ffn)
-                    .zip(&ffn_mixes)
-                    .for_each(|((x, y), mix)| *x = hyper::post(x, y, mix, c.hc_mult));
-                Ok(())
-            })?;
+            let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
+            streams
+                .par_iter_mut()
+                .zip(&attn)
+                .zip(&mixes)
+                .for_each(|((x, y), mix)| *x = hyper::post(x, y, mix, c.hc_mult));
+            let (ffn_mixes, ffn_inputs): (Vec<_>, Vec<_>) =
+                hyper::pre_many(&streams, &layer.hc_ffn, c)
+                    .into_par_iter()
+                    .map(|(mix, mut collapsed)| {
+                        rms_norm(&mut collapsed, &layer.ffn_norm, c.rms_norm_eps);
+                        (mix, collapsed)
+                    })
+                    .unzip();
+            let routed = self
+                .backend
+                .as_ref()
+                .filter(|b| b.runs(Op::RoutedExperts))
+                .map(|b| (b, i));
+            let shared_on = self
+                .backend
+                .as_ref()
+                .filter(|b| b.runs(Op::SharedExpert))
+                .map(|b| (b, i));
+            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c, routed, shared_on)?;
+            streams
+                .par_iter_mut()
+                .zip(&ffn)
+                .zip(&ffn_mixes)
+                .for_each(|((x, y), mix)| *x = hyper::post(x, y, mix, c.hc_mult));
         }
         // Final hidden states of every wanted position of every sequence, then one pass over
         // the output head for all of them.
@@ -288,40 +296,23 @@ impl Model {
             };
             wanted.extend(positions.into_iter().map(|t| (s, t)));
         }
-        let logits = on_pool(|| -> Result<_, ForwardError> {
-            let hidden: Vec<Vec<f32>> = wanted
-                .par_iter()
-                .map(|&(_, t)| {
-                    let mut h = hyper::head(&streams[t], &w.hc_head, c);
-                    rms_norm(&mut h, &w.norm, c.rms_norm_eps);
-                    h
-                })
-                .collect();
-            Ok(
-                match self.backend.as_ref().filter(|b| b.runs(Op::OutputHead)) {
-                    Some(backend) if !hidden.is_empty() => {
-                        backend.output_head(&hidden, c.vocab_size)?
-                    }
-                    _ => w.head.apply_many(&hidden),
-                },
-            )
-        })?;
+        let hidden: Vec<Vec<f32>> = wanted
+            .par_iter()
+            .map(|&(_, t)| {
+                let mut h = hyper::head(&streams[t], &w.hc_head, c);
+                rms_norm(&mut h, &w.norm, c.rms_norm_eps);
+                h
+            })
+            .collect();
+        let logits = match self.backend.as_ref().filter(|b| b.runs(Op::OutputHead)) {
+            Some(backend) if !hidden.is_empty() => backend.output_head(&hidden, c.vocab_size)?,
+            _ => w.head.apply_many(&hidden),
+        };
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); batch.len()];
         for ((s, _), l) in wanted.into_iter().zip(logits) {
             out[s].push(l);
         }
         Ok(out)
-    }
-}
-
-/// Runs `f` on a thread of the compute pool, so the parallel loops inside it start from a pool
-/// thread; started from outside the pool, each of them (tens per layer) would wake the pool and
-/// wait for it.
-fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if rayon::current_thread_index().is_some() {
-        f()
-    } else {
-        rayon::scope(|_| f())
     }
 }
 

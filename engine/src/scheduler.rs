@@ -387,7 +387,7 @@ impl Engine {
     /// Runs one forward step, passing what it produced to `emit`: state parts of prefill-only
     /// requests as soon as they are final (during the forward pass), the rest at the end.
     /// Returns the number of events emitted.
-    pub fn step_with(&mut self, emit: &mut dyn FnMut(Event)) -> usize {
+    pub fn step_with(&mut self, emit: &mut (dyn FnMut(Event) + Send)) -> usize {
         let started = std::time::Instant::now();
         let (admitted, cached_tokens) = self.admit();
         let ps = self.config.page_size;
