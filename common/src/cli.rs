@@ -5,6 +5,21 @@ use std::{fmt, future::Future, process::ExitCode};
 
 /// `--config FILE` (env `PDSERVE_CONFIG`): the TOML layer of a service's settings, the same
 /// flag for every service.
+/// vLLM's `--host` and `--port`: the IP and the port of the service's listen address
+/// (`ServiceConfig::HOST_PORT_KEY`), each replacing its part of whatever address the other
+/// layers gave.
+#[derive(Debug, Clone, Default, clap::Args, serde::Serialize)]
+pub struct HostPortFlags {
+    /// IP address to listen on (vLLM's `--host`): replaces the listen address's IP.
+    #[arg(long, value_name = "IP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Port to listen on (vLLM's `--port`): replaces the listen address's port.
+    #[arg(long, value_name = "PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ConfigFileArg {
     /// TOML configuration file.

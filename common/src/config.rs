@@ -23,6 +23,10 @@ pub trait ServiceConfig: Serialize + DeserializeOwned + Default {
     /// Service name used in messages, e.g. `router`.
     const ROLE: &'static str;
 
+    /// The listen address (`host:port`) that vLLM's `--host` and `--port` edit, if the
+    /// service takes them ([`crate::cli::HostPortFlags`]).
+    const HOST_PORT_KEY: Option<&'static str> = None;
+
     /// Cross-field and range checks, run once after all layers are merged.
     fn validate(&self) -> Result<(), Invalid>;
 }
@@ -114,6 +118,63 @@ pub enum ConfigError {
     Schema { role: &'static str, message: String },
 }
 
+/// The command-line keys of [`crate::cli::HostPortFlags`].
+const HOST: &str = "host";
+const PORT: &str = "port";
+
+/// `--host` and `--port` (set after every other layer, as the command line is) replace the IP
+/// and the port of the service's listen address, whichever layer gave that address.
+fn apply_host_port<C: ServiceConfig>(
+    merged: &mut Layers<'_>,
+    (host, port): (Option<Value>, Option<Value>),
+) -> Result<(), ConfigError> {
+    if host.is_none() && port.is_none() {
+        return Ok(());
+    }
+    let flags = match (&host, &port) {
+        (Some(_), Some(_)) => "--host/--port",
+        (Some(_), None) => "--host",
+        _ => "--port",
+    };
+    let Some(key) = C::HOST_PORT_KEY else {
+        return Err(ConfigError::UnknownKey {
+            key: flags.trim_start_matches('-').to_owned(),
+            origin: Origin::Cli(flags.to_owned()),
+            valid: "none: this service has no listen address for them".to_owned(),
+        });
+    };
+    let path = [key.to_owned()];
+    let current = lookup(&merged.value, &path)
+        .and_then(Value::as_str)
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .ok_or_else(|| schema::<C>(&format!("`{key}` is not a socket address")))?;
+    let mut addr = current;
+    let invalid = |message: String| ConfigError::InvalidType {
+        key: key.to_owned(),
+        origin: Origin::Cli(flags.to_owned()),
+        message,
+    };
+    if let Some(host) = host {
+        let ip = host
+            .as_str()
+            .and_then(|h| h.parse::<std::net::IpAddr>().ok())
+            .ok_or_else(|| invalid(format!("--host {host} is not an IP address")))?;
+        addr.set_ip(ip);
+    }
+    if let Some(port) = port {
+        let port = port
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or_else(|| invalid(format!("--port {port} is not a port number")))?;
+        addr.set_port(port);
+    }
+    set(&mut merged.value, &path, Value::String(addr.to_string()));
+    merged
+        .origins
+        .insert(key.to_owned(), Origin::Cli(flags.to_owned()));
+    Ok(())
+}
+
 /// Loads `C` from its layers. `env` is usually `std::env::vars()`; `cli` is a serializable
 /// struct whose unset flags serialize as `null` or are skipped.
 pub fn load<C: ServiceConfig>(
@@ -156,10 +217,12 @@ pub fn load<C: ServiceConfig>(
 
     let cli = serde_json::to_value(cli).map_err(|e| schema::<C>(&e.to_string()))?;
     if let Value::Object(cli) = cli {
-        let cli = strip_nulls(cli);
+        let mut cli = strip_nulls(cli);
+        let host_port = (cli.remove(HOST), cli.remove(PORT));
         merged.apply(&cli, &[], &|key| {
             Origin::Cli(format!("--{}", key.replace(['_', '.'], "-")))
         })?;
+        apply_host_port::<C>(&mut merged, host_port)?;
     }
 
     let origin_of = |key: &str| merged.origins.get(key).cloned().unwrap_or(Origin::Default);

@@ -28,6 +28,7 @@ impl Default for DecodeConfig {
 
 impl ServiceConfig for DecodeConfig {
     const ROLE: &'static str = "decode-worker";
+    const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
         self.worker.validate()
@@ -98,5 +99,10 @@ mod tests {
         let c = load(&[], &[("PDSERVE_KV_CACHE_DTYPE", "fp8")]);
         assert_eq!(c.worker.kv_cache_dtype, KvCacheDtype::Fp8);
         assert!(Cli::try_parse_from(["pdserve-decode", "--kv-cache-dtype", "int4"]).is_err());
+        // --host and --port edit the gRPC listen address, over --grpc-listen too.
+        let c = load(&["--port", "9123"], &[]);
+        assert_eq!(c.worker.grpc_listen.to_string(), "127.0.0.1:9123");
+        let c = load(&["--grpc-listen", "127.0.0.1:1", "--host", "0.0.0.0"], &[]);
+        assert_eq!(c.worker.grpc_listen.to_string(), "0.0.0.0:1");
     }
 }

@@ -33,6 +33,7 @@ impl Default for PrefillConfig {
 
 impl ServiceConfig for PrefillConfig {
     const ROLE: &'static str = "prefill-worker";
+    const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
         self.worker.validate()

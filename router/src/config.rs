@@ -177,6 +177,7 @@ impl RouterConfig {
 
 impl ServiceConfig for RouterConfig {
     const ROLE: &'static str = "router";
+    const HOST_PORT_KEY: Option<&'static str> = Some("http_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
         for (key, list) in [
@@ -248,6 +249,9 @@ pub struct Cli {
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub http_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub host_port: common::cli::HostPortFlags,
     /// gRPC listen address (worker registry), e.g. 0.0.0.0:8001.
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -335,4 +339,29 @@ pub struct Cli {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub transfer_checksums: Option<bool>,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn load(args: &[&str]) -> Result<RouterConfig, common::config::ConfigError> {
+        let cli =
+            Cli::try_parse_from(std::iter::once("pdserve-router").chain(args.iter().copied()))
+                .expect("flags");
+        common::config::load::<RouterConfig>(None, std::iter::empty(), &cli)
+    }
+
+    /// vLLM's `--host` and `--port` set the HTTP listen address's parts.
+    #[test]
+    fn host_and_port_set_the_http_listen_address() {
+        let c = load(&["--host", "0.0.0.0", "--port", "9001"]).expect("settings");
+        assert_eq!(c.http_listen.to_string(), "0.0.0.0:9001");
+        let c = load(&["--http-listen", "127.0.0.2:8000", "--port", "9002"]).expect("settings");
+        assert_eq!(c.http_listen.to_string(), "127.0.0.2:9002");
+        let err = load(&["--host", "my-host"]).expect_err("a name is not an IP");
+        assert!(err.to_string().contains("--host"), "{err}");
+    }
 }

@@ -225,6 +225,9 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grpc_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub host_port: common::cli::HostPortFlags,
     /// host:port other processes use to reach this worker.
     #[arg(long, value_name = "HOST:PORT")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -334,3 +334,68 @@ fn flattened_settings_name_key_and_origin() {
         load::<WithShared>(None, env(&[("PDSERVE_ROUTER", "123")]), &Cli::default()).unwrap();
     assert_eq!(loaded.shared.router.as_deref(), Some("123"));
 }
+
+/// A service whose `listen` is what `--host` and `--port` edit.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+struct Listening {
+    #[serde(flatten)]
+    demo: Demo,
+}
+
+impl ServiceConfig for Listening {
+    const ROLE: &'static str = "listening";
+    const HOST_PORT_KEY: Option<&'static str> = Some("listen");
+    fn validate(&self) -> Result<(), Invalid> {
+        Ok(())
+    }
+}
+
+#[derive(Serialize, Default)]
+struct HostPortCli {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<SocketAddr>,
+    #[serde(flatten)]
+    host_port: crate::cli::HostPortFlags,
+}
+
+fn host_port(host: Option<&str>, port: Option<u16>) -> HostPortCli {
+    HostPortCli {
+        listen: None,
+        host_port: crate::cli::HostPortFlags {
+            host: host.map(str::to_owned),
+            port,
+        },
+    }
+}
+
+/// vLLM's `--host` and `--port` replace their part of the listen address whichever layer set
+/// it; a bad value, or a service without a listen address for them, is an error naming them.
+#[test]
+fn host_and_port_edit_the_listen_address() {
+    let load_with = |file: Option<&std::path::Path>, cli: &HostPortCli| {
+        load::<Listening>(file, no_env(), cli).map(|c| c.demo.listen.to_string())
+    };
+    assert_eq!(
+        load_with(None, &host_port(None, Some(9000))).unwrap(),
+        "127.0.0.1:9000"
+    );
+    assert_eq!(
+        load_with(None, &host_port(Some("0.0.0.0"), None)).unwrap(),
+        "0.0.0.0:7000"
+    );
+    let file = toml_file("listen = \"10.0.0.5:8100\"\n");
+    assert_eq!(
+        load_with(Some(file.path()), &host_port(None, Some(8200))).unwrap(),
+        "10.0.0.5:8200"
+    );
+    let mut cli = host_port(Some("::1"), Some(8300));
+    cli.listen = Some("127.0.0.1:1".parse().unwrap());
+    assert_eq!(load_with(None, &cli).unwrap(), "[::1]:8300");
+
+    let err = load_with(None, &host_port(Some("localhost"), None)).unwrap_err();
+    assert!(err.to_string().contains("--host"), "{err}");
+    assert!(err.to_string().contains("not an IP address"), "{err}");
+    let err = load::<Demo>(None, no_env(), &host_port(None, Some(1))).unwrap_err();
+    assert!(err.to_string().contains("--port"), "{err}");
+}
