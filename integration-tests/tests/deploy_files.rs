@@ -568,6 +568,8 @@ fn dashboard_is_valid_grafana_json() {
     assert_eq!(variable("datasource")["type"], "datasource");
     assert_eq!(variable("datasource")["query"], "prometheus");
     assert_eq!(variable("instance")["type"], "query");
+    // Workers serve their own families (worker_core::metrics) on their metrics_listen.
+    assert_eq!(variable("worker")["type"], "query");
 
     let panels = dashboard["panels"].as_array().unwrap();
     let rows: Vec<&str> = panels
@@ -575,7 +577,14 @@ fn dashboard_is_valid_grafana_json() {
         .filter(|p| p["type"] == "row")
         .map(|p| p["title"].as_str().unwrap())
         .collect();
-    for row in ["Traffic", "Latency", "Throughput", "Workers", "Transfers"] {
+    for row in [
+        "Traffic",
+        "Latency",
+        "Throughput",
+        "Workers",
+        "Transfers",
+        "Engine (workers)",
+    ] {
         assert!(rows.contains(&row), "row {row} in {rows:?}");
     }
     let mut ids = BTreeSet::new();
@@ -593,9 +602,16 @@ fn dashboard_is_valid_grafana_json() {
         );
         for target in panel["targets"].as_array().unwrap() {
             let expr = target["expr"].as_str().unwrap();
+            // The workers' own families follow the worker variable, the routers' the router
+            // (instance) variable.
+            let variable = if expr.contains("pdserve_engine_") {
+                "instance=~\"$worker\""
+            } else {
+                "instance=~\"$instance\""
+            };
             assert!(
-                expr.contains("instance=~\"$instance\""),
-                "{title}: {expr} follows the instance variable"
+                expr.contains(variable),
+                "{title}: {expr} follows its variable ({variable})"
             );
             exprs += 1;
         }
