@@ -124,7 +124,6 @@ where
         Ok(config) => config,
         Err(e) => return fail(program, &e, EXIT_CONFIG),
     };
-    crate::logging::init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -132,6 +131,8 @@ where
         Ok(rt) => rt,
         Err(e) => return fail(program, &e, EXIT_RUNTIME),
     };
+    // Dropped after the service returns, while the runtime still runs: buffered spans leave.
+    let _telemetry = runtime.block_on(async { crate::logging::init(program) });
     runtime.block_on(async move {
         let signal = match crate::shutdown::ShutdownSignal::install() {
             Ok(s) => s,

@@ -1,21 +1,131 @@
-//! Logging to stderr, filtered by `PDSERVE_LOG` (default `info`).
+//! Logging to stderr, filtered by `PDSERVE_LOG` (default `info`), and, when an OTLP endpoint
+//! is configured, the same spans exported to it as OpenTelemetry traces.
+//!
+//! Export is off by default. It follows OpenTelemetry's own variables, as every OTLP exporter
+//! does: `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), e.g.
+//! `http://collector:4317` (OTLP over gRPC), `OTEL_SERVICE_NAME` (default: the program name)
+//! and the batch settings (`OTEL_BSP_SCHEDULE_DELAY`, ...). The router's `request{id}` span and
+//! the workers' spans carry the request id, so a request's trace can be found by its
+//! `X-Request-Id`.
 
-use tracing_subscriber::EnvFilter;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::{Resource, trace::SdkTracerProvider};
+use tracing_subscriber::{
+    EnvFilter, Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt,
+};
 
 use crate::env;
 
-/// Installs the global subscriber once; later calls are no-ops (tests start several services).
-pub fn init() {
-    let filter = EnvFilter::try_from_env(env::LOG).unwrap_or_else(|_| EnvFilter::new("info"));
+/// OpenTelemetry's variables that turn trace export on.
+pub const OTLP_ENDPOINT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+];
+
+/// Keeps the trace exporter alive; dropping it sends the spans still buffered.
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take() {
+            // Best effort: the collector may be gone; the process is ending either way.
+            let _ = provider.shutdown();
+        }
+    }
+}
+
+/// Logging to stderr only (command-line tools): installs the global subscriber once.
+pub fn init_stderr() {
+    let _ = tracing_subscriber::registry()
+        .with(stderr_layer())
+        .try_init();
+}
+
+/// The stderr layer, with `PDSERVE_LOG`'s filter and `PDSERVE_LOG_FORMAT`.
+fn stderr_layer<S>() -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
     let json = std::env::var(env::LOG_FORMAT).is_ok_and(|f| f.eq_ignore_ascii_case("json"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(true);
-    // An already-installed subscriber is fine: keep the first one.
-    let _ = if json {
-        builder.json().try_init()
+    let fmt = if json {
+        fmt.json().boxed()
     } else {
-        builder.try_init()
+        fmt.boxed()
     };
+    fmt.with_filter(filter()).boxed()
+}
+
+fn filter() -> EnvFilter {
+    EnvFilter::try_from_env(env::LOG).unwrap_or_else(|_| EnvFilter::new("info"))
+}
+
+/// Installs the global subscriber once; later calls are no-ops (tests start several services).
+/// Call it inside the tokio runtime the service runs on: the OTLP exporter's gRPC channel
+/// lives there.
+pub fn init(program: &str) -> Telemetry {
+    let (provider, otel) = match otlp_provider(program) {
+        Ok(Some(provider)) => {
+            let tracer = provider.tracer("pdserve");
+            let layer = tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(filter());
+            (Some(provider), Some(layer))
+        }
+        Ok(None) => (None, None),
+        Err(e) => {
+            // Logging is not up yet: say it on stderr, and serve without export.
+            #[expect(clippy::print_stderr, reason = "the logger is not installed yet")]
+            {
+                eprintln!("{program}: OTLP trace export disabled: {e}");
+            }
+            (None, None)
+        }
+    };
+    // An already-installed subscriber is fine: keep the first one.
+    let installed = tracing_subscriber::registry()
+        .with(stderr_layer())
+        .with(otel)
+        .try_init()
+        .is_ok();
+    if let (true, Some(endpoint)) = (installed && provider.is_some(), otlp_endpoint()) {
+        tracing::info!(%endpoint, "exporting traces over OTLP");
+    }
+    Telemetry {
+        provider: provider.filter(|_| installed),
+    }
+}
+
+/// The configured OTLP endpoint, if any.
+fn otlp_endpoint() -> Option<String> {
+    OTLP_ENDPOINT_VARS
+        .iter()
+        .find_map(|var| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
+}
+
+/// A batch exporter to the configured endpoint, or `None` when none is configured.
+fn otlp_provider(
+    program: &str,
+) -> Result<Option<SdkTracerProvider>, opentelemetry_otlp::ExporterBuildError> {
+    if otlp_endpoint().is_none() {
+        return Ok(None);
+    }
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .build()?;
+    let service = std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| program.to_owned());
+    Ok(Some(
+        SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(Resource::builder().with_service_name(service).build())
+            .build(),
+    ))
 }

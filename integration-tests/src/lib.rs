@@ -50,7 +50,10 @@ pub fn bin(name: &str) -> PathBuf {
 pub fn command(name: &str) -> Command {
     let mut cmd = Command::new(bin(name));
     for (key, _) in std::env::vars_os() {
-        if key.to_string_lossy().starts_with("PDSERVE_") && key != "PDSERVE_CACHE_DIR" {
+        let name = key.to_string_lossy();
+        // The test's own settings only; an OTLP endpoint of the machine would export traces.
+        if (name.starts_with("PDSERVE_") && key != "PDSERVE_CACHE_DIR") || name.starts_with("OTEL_")
+        {
             cmd.env_remove(key);
         }
     }

@@ -136,7 +136,7 @@ pub enum PdctlError {
 
 /// Runs a parsed command line.
 pub fn main(cli: Cli) -> ExitCode {
-    common::logging::init();
+    common::logging::init_stderr();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
