@@ -6,10 +6,14 @@
 //! `http://collector:4317` (OTLP over gRPC), `OTEL_SERVICE_NAME` (default: the program name)
 //! and the batch settings (`OTEL_BSP_SCHEDULE_DELAY`, ...). The router's `request{id}` span and
 //! the workers' spans carry the request id, so a request's trace can be found by its
-//! `X-Request-Id`.
+//! `X-Request-Id`; the router passes its trace context to the workers in each call's metadata
+//! (W3C `traceparent`), so a request's spans on all three processes form one trace.
 
-use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_sdk::{Resource, trace::SdkTracerProvider};
+use std::collections::HashMap;
+
+use opentelemetry::{propagation::TextMapPropagator as _, trace::TracerProvider as _};
+use opentelemetry_sdk::{Resource, propagation::TraceContextPropagator, trace::SdkTracerProvider};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::{
     EnvFilter, Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt,
 };
@@ -44,7 +48,7 @@ pub fn init_stderr() {
         .try_init();
 }
 
-/// The stderr layer, with `PDSERVE_LOG`'s filter and `PDSERVE_LOG_FORMAT`.
+/// The stderr layer, in `PDSERVE_LOG_FORMAT`.
 fn stderr_layer<S>() -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
@@ -58,9 +62,11 @@ where
     } else {
         fmt.boxed()
     };
-    fmt.with_filter(filter()).boxed()
+    fmt.boxed()
 }
 
+/// `PDSERVE_LOG`'s filter, for the whole subscriber (stderr and exported spans alike; a
+/// per-layer filter would hide the spans' trace context from `OpenTelemetrySpanExt`).
 fn filter() -> EnvFilter {
     EnvFilter::try_from_env(env::LOG).unwrap_or_else(|_| EnvFilter::new("info"))
 }
@@ -72,9 +78,7 @@ pub fn init(program: &str) -> Telemetry {
     let (provider, otel) = match otlp_provider(program) {
         Ok(Some(provider)) => {
             let tracer = provider.tracer("pdserve");
-            let layer = tracing_opentelemetry::layer()
-                .with_tracer(tracer)
-                .with_filter(filter());
+            let layer = tracing_opentelemetry::layer().with_tracer(tracer);
             (Some(provider), Some(layer))
         }
         Ok(None) => (None, None),
@@ -89,6 +93,7 @@ pub fn init(program: &str) -> Telemetry {
     };
     // An already-installed subscriber is fine: keep the first one.
     let installed = tracing_subscriber::registry()
+        .with(filter())
         .with(stderr_layer())
         .with(otel)
         .try_init()
@@ -128,4 +133,36 @@ fn otlp_provider(
             .with_resource(Resource::builder().with_service_name(service).build())
             .build(),
     ))
+}
+
+/// W3C trace-context keys carried in gRPC metadata.
+const TRACE_CONTEXT_KEYS: [&str; 2] = ["traceparent", "tracestate"];
+
+/// Puts the current span's trace context (W3C `traceparent`, `tracestate`) into a gRPC call's
+/// metadata, so the callee's spans join the caller's trace. Adds nothing when traces are not
+/// exported (the span then has no trace context).
+pub fn inject_trace_context(metadata: &mut tonic::metadata::MetadataMap) {
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&tracing::Span::current().context(), &mut carrier);
+    for key in TRACE_CONTEXT_KEYS {
+        if let Some(value) = carrier.get(key).and_then(|v| v.parse().ok()) {
+            metadata.insert(key, value);
+        }
+    }
+}
+
+/// Makes `span` a child of the trace context a gRPC call carries, if it carries one.
+pub fn join_trace(metadata: &tonic::metadata::MetadataMap, span: &tracing::Span) {
+    let carrier: HashMap<String, String> = TRACE_CONTEXT_KEYS
+        .iter()
+        .filter_map(|key| {
+            let value = metadata.get(*key)?.to_str().ok()?;
+            Some(((*key).to_owned(), value.to_owned()))
+        })
+        .collect();
+    if carrier.is_empty() {
+        return;
+    }
+    // Fails only when spans are not exported: nothing to join then.
+    let _ = span.set_parent(TraceContextPropagator::new().extract(&carrier));
 }

@@ -543,6 +543,7 @@ impl Decode for DecodeService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let w = Arc::clone(&self.0);
         let span = tracing::info_span!("request", id = %proto::request_id_of(&request));
+        common::logging::join_trace(request.metadata(), &span);
         let req = request.into_inner();
         let engine_id = w.check(&req.reservation_id, req.request_id.as_ref())?;
         let reservation_id = req.reservation_id.clone();

@@ -1,7 +1,6 @@
 //! OTLP trace export: with `OTEL_EXPORTER_OTLP_ENDPOINT` set, the router and both workers send
 //! their `request` spans to an OTLP/gRPC collector (here a minimal one in the test, speaking
-//! the official protocol), each carrying the request's `X-Request-Id`; without it nothing is
-//! exported.
+//! the official protocol), each carrying the request's `X-Request-Id`, all in one trace.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
 use std::{
@@ -21,8 +20,8 @@ use opentelemetry_proto::tonic::{
     common::v1::any_value::Value,
 };
 
-/// (service name, span name, its `id` attribute) of every span received.
-type Received = Arc<Mutex<Vec<(String, String, String)>>>;
+/// (service name, span name, its `id` attribute, trace id) of every span received.
+type Received = Arc<Mutex<Vec<(String, String, String, Vec<u8>)>>>;
 
 #[derive(Default)]
 struct Collector {
@@ -58,7 +57,12 @@ impl TraceService for Collector {
                     .find(|a| a.key == "id")
                     .map(|a| text(&a.value))
                     .unwrap_or_default();
-                spans.push((service.clone(), span.name.clone(), id));
+                spans.push((
+                    service.clone(),
+                    span.name.clone(),
+                    id,
+                    span.trace_id.clone(),
+                ));
             }
         }
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
@@ -144,16 +148,29 @@ fn request_spans_reach_the_collector_with_the_request_id() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let got = spans.lock().unwrap().clone();
-        let has = |service: &str| {
+        // Trace ids of each process's `request` spans with the id (the router has one per
+        // attempt: a 503 before the workers were ready is one).
+        let traces_of = |service: &str| -> Vec<Vec<u8>> {
             got.iter()
-                .any(|(s, name, id)| s == service && name == "request" && id == "otel-req-7")
+                .filter(|(s, name, id, _)| s == service && name == "request" && id == "otel-req-7")
+                .map(|(.., trace)| trace.clone())
+                .collect()
         };
-        if wanted.iter().all(|s| has(s)) {
+        let (router, prefill, decode) = (
+            traces_of(wanted[0]),
+            traces_of(wanted[1]),
+            traces_of(wanted[2]),
+        );
+        // The workers' spans join the router's trace (W3C traceparent in the calls' metadata).
+        let joined = prefill
+            .iter()
+            .any(|t| t.len() == 16 && decode.contains(t) && router.contains(t));
+        if joined {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "request spans of {wanted:?} with the request id; received {got:?}"
+            "one trace with the request spans of {wanted:?} and the request id; received {got:?}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -292,6 +292,7 @@ impl Prefill for PrefillService {
     ) -> Result<Response<PrefillResponse>, Status> {
         // Every line about this request carries the client's id.
         let span = tracing::info_span!("request", id = %proto::request_id_of(&request));
+        common::logging::join_trace(request.metadata(), &span);
         async move {
             let w = &self.0;
             if w.draining.is_set() {

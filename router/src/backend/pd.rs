@@ -212,7 +212,7 @@ impl PdBackend {
         // The decode stream first: it waits for the commit the prefill sends.
         legs.on_failure("decode stream refused");
         let stream = DecodeClient::new(decode.channel.clone())
-            .generate(proto::with_request_id(
+            .generate(traced(
                 GenerateRequest {
                     reservation_id: destination.reservation_id.clone(),
                     request_id: Some(request_id.clone()),
@@ -317,7 +317,7 @@ impl PdBackend {
                 .pick(self.decode_policy, None, None, 0)
                 .map_err(Failed::final_)?;
             let mut result = DecodeClient::new(decode.channel.clone())
-                .reserve(proto::with_request_id(reserve.clone(), client_id))
+                .reserve(traced(reserve.clone(), client_id))
                 .await;
             if matches!(
                 kind_of(&result),
@@ -326,7 +326,7 @@ impl PdBackend {
             {
                 decode = other;
                 result = DecodeClient::new(decode.channel.clone())
-                    .reserve(proto::with_request_id(reserve.clone(), client_id))
+                    .reserve(traced(reserve.clone(), client_id))
                     .await;
             }
             let full = kind_of(&result) == Some(ErrorKind::Overloaded);
@@ -354,7 +354,7 @@ impl PdBackend {
     ) -> Result<proto::v1::PrefillResponse, Failed> {
         let _in_flight = InFlight::new(prefill);
         match PrefillClient::new(prefill.channel.clone())
-            .prefill(proto::with_request_id(request, client_id))
+            .prefill(traced(request, client_id))
             .await
         {
             Ok(response) => Ok(response.into_inner()),
@@ -378,4 +378,11 @@ impl Backend for PdBackend {
     fn is_ready(&self) -> bool {
         self.workers.prefill.any_alive() && self.workers.decode.any_alive()
     }
+}
+
+/// `message` as a worker call carrying the client's request id and the request's trace context.
+fn traced<T>(message: T, client_id: &str) -> tonic::Request<T> {
+    let mut request = proto::with_request_id(message, client_id);
+    common::logging::inject_trace_context(request.metadata_mut());
+    request
 }
