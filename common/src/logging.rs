@@ -65,8 +65,8 @@ where
     fmt.boxed()
 }
 
-/// `PDSERVE_LOG`'s filter, for the whole subscriber (stderr and exported spans alike; a
-/// per-layer filter would hide the spans' trace context from `OpenTelemetrySpanExt`).
+/// `PDSERVE_LOG`'s filter, for the whole subscriber: the log and the exported spans follow
+/// the same levels.
 fn filter() -> EnvFilter {
     EnvFilter::try_from_env(env::LOG).unwrap_or_else(|_| EnvFilter::new("info"))
 }
