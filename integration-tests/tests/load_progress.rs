@@ -366,6 +366,8 @@ fn pdctl_up_smoke_waits_for_loading_workers() {
     let (status, stdout, stderr) = run_to_exit(cmd, Duration::from_secs(120));
     assert!(status.success(), "stdout {stdout}\nstderr {stderr}");
     assert!(stdout.contains("smoke: all processes"), "{stdout}");
+    // Each worker's own /metrics is up and listed.
+    assert_eq!(stdout.matches("/metrics").count(), 2, "{stdout}");
     assert!(
         stdout.contains("decode-0 loading ") && stdout.contains(" of 2 shards"),
         "{stdout}"

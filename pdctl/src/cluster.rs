@@ -409,8 +409,11 @@ pub(crate) async fn start(
 ) -> Result<(), PdctlError> {
     let model_arg = model.display().to_string();
     let secret_arg = secret.path().display().to_string();
+    // Workers serve their own /metrics too (engine step times, cache savings).
     let worker_args = [
         "--grpc-listen",
+        EPHEMERAL,
+        "--metrics-listen",
         EPHEMERAL,
         "--model-dir",
         model_arg.as_str(),
@@ -514,6 +517,21 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
                     "{:<12} {pid:>7}  {:<28} ok",
                     proc.name,
                     format!("http://{http}")
+                );
+            }
+            if let Ok(metrics) = proc.addr("metrics") {
+                let answer =
+                    common::http_client::get(metrics, "/metrics", Duration::from_secs(5)).await;
+                if !matches!(answer, Ok(ref r) if r.status == 200) {
+                    return Err(PdctlError::NotReady {
+                        what: proc.name.clone(),
+                        reason: format!("GET http://{metrics}/metrics did not answer 200"),
+                    });
+                }
+                println!(
+                    "{:<12} {pid:>7}  {:<28} ok",
+                    proc.name,
+                    format!("http://{metrics}/metrics")
                 );
             }
         }
