@@ -33,7 +33,9 @@ fn wait_busy(addrs: &[SocketAddr], want: impl Fn((u64, u32, u32)) -> bool) -> us
     }
 }
 
-/// Prefill workers that take many small steps, so a long prompt is in flight for a while.
+/// Prefill workers that take many small steps, so a long prompt is in flight for a while (about
+/// 300 steps for the 1000-word prompts below: long enough that a kill after the worker reports
+/// it running lands mid-prefill however fast the engine gets).
 const SLOW_PREFILL: [&str; 2] = ["--max-batch-tokens", "8"];
 
 #[test]
@@ -41,7 +43,7 @@ fn prefill_worker_killed_mid_prefill_is_replaced_and_the_answer_is_right() {
     let local = start_router(&["--model-dir", &model_arg()], true);
     let mut cluster = cluster_full(2, 1, &[], &SLOW_PREFILL);
     let router = cluster.router.addr("http");
-    let body = chat(250, 9, 0.0, 4);
+    let body = chat(1000, 9, 0.0, 4);
     let want = essence(&post(local.addr("http"), CHAT, &body));
     let prefills = [
         cluster.workers[1].addr("grpc"),
@@ -84,7 +86,7 @@ fn decode_worker_gone_mid_transfer_fails_the_request_cleanly() {
         cluster.workers[1].addr("grpc"),
     ];
     let prefill = cluster.workers[2].addr("grpc");
-    let body = chat(250, 10, 0.0, 4);
+    let body = chat(1000, 10, 0.0, 4);
     let (victim, killed, answer) = std::thread::scope(|s| {
         let answer = s.spawn(|| post(router, CHAT, &body));
         // The reservation exists and the prefill is running (its state is streaming).
