@@ -268,6 +268,13 @@ unsafe fn axpy_block_avx2<'x, const R: usize>(
     }
 }
 
+/// Equal bits, or both NaN whatever their payloads: how tests compare a fast path with its
+/// definition.
+#[cfg(test)]
+pub(crate) fn same_value(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
 /// Indices of the `k` largest values, best first; ties go to the lower index so the choice is
 /// deterministic.
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {

@@ -77,17 +77,6 @@ pub fn project_many(
     Ok(kv.into_iter().zip(gate).collect())
 }
 
-/// Feeds one token's projections; emits a row when its window closes.
-pub fn push(
-    w: &CompressorWeights,
-    state: &mut CompressorState,
-    projected: (Vec<f32>, Vec<f32>),
-    eps: f32,
-    rope: &Rope,
-) {
-    push_many(w, state, vec![projected], eps, rope, |_, _, _| {});
-}
-
 /// A window closed by a chunk: its slots and, for CSA, the previous window's Ca slice.
 struct Closed {
     /// The row's index (windows closed before it).
@@ -99,7 +88,7 @@ struct Closed {
     prev: (Vec<f32>, Vec<f32>),
 }
 
-/// [`push`] for every token of a chunk in order. `after(t, rows, state)` sees the state after
+/// Feeds a chunk's projections, token by token in order; a window that closes emits a row. `after(t, rows, state)` sees the state after
 /// token `t` as one push at a time leaves it, except that the rows of the windows closed so
 /// far are counted (`rows`) but not yet in `state.rows`: they are computed at the end, in
 /// parallel (each depends only on its own window's slots and the previous window's), and

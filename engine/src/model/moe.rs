@@ -231,8 +231,7 @@ mod tests {
             for i in 0..n {
                 let expected = silu(gate[i].min(limit)) * up[i].clamp(-limit, limit);
                 assert!(
-                    out[i].to_bits() == expected.to_bits()
-                        || (out[i].is_nan() && expected.is_nan()),
+                    crate::tensor::same_value(out[i], expected),
                     "n {n} at {i}: {} vs {expected}",
                     out[i]
                 );

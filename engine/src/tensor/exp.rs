@@ -217,9 +217,7 @@ unsafe fn exp_in_place_avx512(xs: &mut [f32]) {
 mod tests {
     use super::*;
 
-    fn same(a: f32, b: f32) -> bool {
-        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
-    }
+    use crate::tensor::same_value as same;
 
     /// Every input class, both paths: the vector build equals the scalar definition bit for
     /// bit, and both stay within one ulp of the platform's `exp` (on x86-64 glibc with FMA they

@@ -451,9 +451,7 @@ mod tests {
     use super::*;
     use crate::formats::{e2m1_to_f32, e8m0_to_f32};
 
-    fn same(a: f32, b: f32) -> bool {
-        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
-    }
+    use crate::tensor::same_value as same;
 
     #[test]
     fn tables_equal_the_scalar_definitions_for_every_code() {

@@ -576,10 +576,7 @@ mod tests {
         let w = Weight::fp8_block(rows, cols, SharedBytes::owned(codes), &scale).unwrap();
         let decoded = w.to_f32();
         for (i, (a, b)) in decoded.iter().zip(&expanded).enumerate() {
-            assert!(
-                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                "fp8 {i}"
-            );
+            assert!(crate::tensor::same_value(*a, *b), "fp8 {i}");
         }
         assert_eq!(
             w.first_non_finite(),
@@ -600,10 +597,7 @@ mod tests {
         .unwrap();
         let decoded = w.to_f32();
         for (i, (a, b)) in decoded.iter().zip(&expanded).enumerate() {
-            assert!(
-                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                "mxfp4 {i}"
-            );
+            assert!(crate::tensor::same_value(*a, *b), "mxfp4 {i}");
         }
         assert_eq!(
             w.first_non_finite(),
@@ -634,10 +628,7 @@ mod tests {
             .unwrap();
             let decoded = w.to_f32();
             for (i, (a, b)) in decoded.iter().zip(&expanded).enumerate() {
-                assert!(
-                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "nvfp4 {i}"
-                );
+                assert!(crate::tensor::same_value(*a, *b), "nvfp4 {i}");
             }
             assert_eq!(
                 w.first_non_finite(),
