@@ -3,8 +3,6 @@
 
 use std::{fmt, future::Future, process::ExitCode};
 
-/// `--config FILE` (env `PDSERVE_CONFIG`): the TOML layer of a service's settings, the same
-/// flag for every service.
 /// vLLM's `--host` and `--port`: the IP and the port of the service's listen address
 /// (`ServiceConfig::HOST_PORT_KEY`), each replacing its part of whatever address the other
 /// layers gave.
@@ -20,6 +18,8 @@ pub struct HostPortFlags {
     pub port: Option<u16>,
 }
 
+/// `--config FILE` (env `PDSERVE_CONFIG`): the TOML layer of a service's settings, the same
+/// flag for every service.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ConfigFileArg {
     /// TOML configuration file.

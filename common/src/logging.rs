@@ -21,7 +21,7 @@ use tracing_subscriber::{
 use crate::env;
 
 /// OpenTelemetry's variables that turn trace export on.
-pub const OTLP_ENDPOINT_VARS: [&str; 2] = [
+const OTLP_ENDPOINT_VARS: [&str; 2] = [
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
     "OTEL_EXPORTER_OTLP_ENDPOINT",
 ];
@@ -44,6 +44,7 @@ impl Drop for Telemetry {
 /// Logging to stderr only (command-line tools): installs the global subscriber once.
 pub fn init_stderr() {
     let _ = tracing_subscriber::registry()
+        .with(filter())
         .with(stderr_layer())
         .try_init();
 }
@@ -57,12 +58,11 @@ where
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(true);
-    let fmt = if json {
+    if json {
         fmt.json().boxed()
     } else {
         fmt.boxed()
-    };
-    fmt.boxed()
+    }
 }
 
 /// `PDSERVE_LOG`'s filter, for the whole subscriber: the log and the exported spans follow
