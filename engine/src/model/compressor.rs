@@ -62,7 +62,7 @@ impl CompressorState {
 
 /// Each token's projected (kv, gate scores) for a compressor. Independent per token, so a
 /// whole chunk is projected at once (each weight row read once per block of tokens) and then fed
-/// to [`push`] in order.
+/// to [`push_many`] in order.
 ///
 /// `ids` name the two linears for a backend (`device`) that runs attention linears.
 #[expect(clippy::type_complexity, reason = "a (kv, gate) pair per token")]
