@@ -96,10 +96,16 @@ fn registered_worker(binary: &str, router: SocketAddr, env: &[(&str, &str)]) -> 
     Service::start(cmd)
 }
 
+/// Waits until the router lists `n` workers, every one ready: a worker registers while it
+/// loads and the router sees it ready only at its next poll, after the worker itself is up.
 fn wait_listed(http: SocketAddr, n: usize) {
     let until = Instant::now() + Duration::from_secs(15);
-    while pd::listed(http).len() != n {
-        assert!(Instant::now() < until, "{:?}", pd::listed(http));
+    loop {
+        let listed = pd::listed(http);
+        if listed.len() == n && listed.iter().all(|w| w["state"] == "ready") {
+            return;
+        }
+        assert!(Instant::now() < until, "{listed:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
 }
