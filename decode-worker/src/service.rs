@@ -692,7 +692,12 @@ async fn feed(
                 finish_reason: FinishReason::Cancelled.into(),
                 ..batch(std::mem::take(&mut pending))
             },
-            Some(Event::Prefilled { .. } | Event::StatePart { .. }) | None => TokenBatch {
+            // A resumed request's prompt was computed (and its log-probabilities reported) on
+            // the prefill worker: none of these can come from this engine.
+            Some(
+                Event::Prefilled { .. } | Event::StatePart { .. } | Event::PromptLogprobs { .. },
+            )
+            | None => TokenBatch {
                 finish_reason: FinishReason::Error.into(),
                 error: Some(ErrorInfo {
                     kind: ErrorKind::Internal.into(),

@@ -32,7 +32,10 @@ impl Subscribers {
     /// Delivers one event; a terminal event ends the subscription.
     pub fn deliver(&mut self, event: Event) {
         let id = event_id(&event);
-        let terminal = !matches!(event, Event::Token { .. } | Event::StatePart { .. });
+        let terminal = !matches!(
+            event,
+            Event::Token { .. } | Event::StatePart { .. } | Event::PromptLogprobs { .. }
+        );
         if let Some(tx) = self.routes.get(&id) {
             let _ = tx.send(event);
         }
@@ -50,6 +53,7 @@ pub fn event_id(event: &Event) -> u64 {
         | Event::Cancelled { id }
         | Event::Failed { id, .. }
         | Event::Prefilled { id, .. }
+        | Event::PromptLogprobs { id, .. }
         | Event::StatePart { id, .. } => *id,
     }
 }

@@ -128,6 +128,9 @@ fn validate(
     if p.top_logprobs > MAX_TOP_LOGPROBS {
         return Err(out_of_range("top_logprobs", p.top_logprobs, "[0, 20]"));
     }
+    if let Some(k) = p.prompt_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+        return Err(out_of_range("prompt_logprobs", k, "[0, 20]"));
+    }
     for &(token, bias) in &p.logit_bias {
         if token as usize >= vocab_size {
             return Err(SamplingError::TokenOutOfVocab {
@@ -535,6 +538,32 @@ fn log_sum_exp(cands: &[(u32, f32)]) -> f64 {
 
 fn logprob_of(processed: Option<f32>, lse: f64) -> f32 {
     processed.map_or(f32::NEG_INFINITY, |l| (f64::from(l) - lse) as f32)
+}
+
+/// A prompt token's entry: `token`'s log-probability under the raw model distribution of
+/// `logits` (the row computed at the position before it: no bias, penalty, mask or
+/// temperature) and the `top` best alternatives. Non-finite logits have no probability, as in
+/// [`Sampler::sample`]; a row with none finite is an error.
+pub fn prompt_logprob(logits: &[f32], token: u32, top: usize) -> Result<Sampled, SamplingError> {
+    let cands: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    if cands.is_empty() {
+        return Err(SamplingError::NoFiniteLogit);
+    }
+    let lse = log_sum_exp(&cands);
+    let own = logits
+        .get(token as usize)
+        .copied()
+        .filter(|l| l.is_finite());
+    Ok(Sampled {
+        token,
+        logprob: Some(logprob_of(own, lse)),
+        top_logprobs: ranked_logprobs(&cands, lse, top),
+    })
 }
 
 /// The `n` best (token, logprob) pairs in rank order.

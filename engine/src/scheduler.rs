@@ -83,6 +83,12 @@ pub enum Event {
         id: u64,
         error: String,
     },
+    /// The log-probabilities of a request's prompt tokens after the first (asked for with
+    /// `SamplingParams::prompt_logprobs`), in order: sent once, just before its first `Token`.
+    PromptLogprobs {
+        id: u64,
+        entries: Vec<Sampled>,
+    },
     /// Part of a prefill-only request's state that is final: sent while the prompt is still
     /// being computed (every layer's rows of a chunk right after that layer's attention, and
     /// prefix-cached pages before the first chunk). A write may be repeated by a later part
@@ -159,7 +165,15 @@ struct Running {
     sampler: Sampler,
     /// Prefill only: export the state after the first token instead of decoding.
     handoff: bool,
+    /// Alternatives per prompt token when the prompt's log-probabilities were asked for.
+    prompt_logprobs: Option<usize>,
+    /// Those log-probabilities so far (one per prompt token after the first).
+    prompt_entries: Vec<Sampled>,
 }
+
+/// Most positions of a prompt-logprobs request computed in one step: each needs a full logits
+/// row (129,280 floats for V4), so its chunks are capped to bound that memory.
+const PROMPT_LOGPROB_CHUNK: usize = 256;
 
 /// One worker's engine.
 #[derive(Debug)]
@@ -351,7 +365,14 @@ impl Engine {
             } else {
                 req.prompt.len() + req.stop.max_tokens as usize
             };
-            let Ok((mut seq, cached)) = self.store.open_prompt(&req.prompt) else {
+            // Cached positions have no logits: a prompt whose log-probabilities are asked for
+            // is computed whole.
+            let opened = if req.sampling.prompt_logprobs.is_some() {
+                self.store.open().map(|seq| (seq, 0))
+            } else {
+                self.store.open_prompt(&req.prompt)
+            };
+            let Ok((mut seq, cached)) = opened else {
                 break;
             };
             if self.store.reserve(&mut seq, total).is_err() {
@@ -365,6 +386,8 @@ impl Engine {
             admitted += 1;
             cached_tokens += cached;
             self.running.push(Running {
+                prompt_logprobs: req.sampling.prompt_logprobs.map(|k| k as usize),
+                prompt_entries: Vec::new(),
                 id: req.id,
                 prompt_len: req.prompt.len(),
                 tokens: req.prompt,
@@ -392,11 +415,11 @@ impl Engine {
         let (admitted, cached_tokens) = self.admit();
         let ps = self.config.page_size;
         let mut budget = self.config.max_batch_tokens.max(1);
-        // (running index, token range, wants logits)
-        let mut plan: Vec<(usize, std::ops::Range<usize>, bool)> = Vec::new();
+        // (running index, token range, the logits it wants)
+        let mut plan: Vec<(usize, std::ops::Range<usize>, Logits)> = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
             if r.seq.len >= r.prompt_len && budget > 0 {
-                plan.push((i, r.seq.len..r.seq.len + 1, true));
+                plan.push((i, r.seq.len..r.seq.len + 1, Logits::Last));
                 budget -= 1;
             }
         }
@@ -404,12 +427,22 @@ impl Engine {
             if r.seq.len < r.prompt_len && budget > 0 {
                 let start = r.seq.len;
                 let mut end = (start + budget).min(r.prompt_len);
+                if r.prompt_logprobs.is_some() {
+                    end = end.min(start + (PROMPT_LOGPROB_CHUNK / ps).max(1) * ps);
+                }
                 // Cut at a page boundary so the completed blocks can be cached.
                 if end < r.prompt_len && (end / ps) * ps > start {
                     end = (end / ps) * ps;
                 }
                 budget -= end - start;
-                plan.push((i, start..end, end == r.prompt_len));
+                let logits = if r.prompt_logprobs.is_some() {
+                    Logits::All
+                } else if end == r.prompt_len {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                plan.push((i, start..end, logits));
             }
         }
         if plan.is_empty() {
@@ -472,7 +505,7 @@ impl Engine {
                 .map(|(i, range, logits, state)| Step {
                     state,
                     tokens: &self.running[*i].tokens[range.clone()],
-                    logits: if *logits { Logits::Last } else { Logits::None },
+                    logits: *logits,
                 })
                 .collect();
             let (store, running) = (&mut self.store, &self.running);
@@ -493,11 +526,18 @@ impl Engine {
         };
         match result {
             Ok(outputs) => {
-                for ((i, _, _, state), mut logits) in ok_states.into_iter().zip(outputs) {
+                for ((i, range, _, state), mut rows) in ok_states.into_iter().zip(outputs) {
                     if failed.iter().any(|(f, _)| *f == i) {
                         continue;
                     }
-                    if let Err(e) = self.advance(i, &state, logits.pop(), &mut events) {
+                    let next = match self.take_prompt_logprobs(i, &range, &mut rows) {
+                        Ok(next) => next,
+                        Err(e) => {
+                            failed.push((i, e));
+                            continue;
+                        }
+                    };
+                    if let Err(e) = self.advance(i, &state, next, &mut events) {
                         failed.push((i, e));
                     }
                 }
@@ -522,6 +562,34 @@ impl Engine {
         emitted
     }
 
+    /// Of the logits `rows` of request `i`'s chunk `range`: records the prompt tokens'
+    /// log-probabilities when they were asked for, and returns the row to sample the next
+    /// token from (the last row of a chunk that ends the prompt, or of a decode step).
+    fn take_prompt_logprobs(
+        &mut self,
+        i: usize,
+        range: &std::ops::Range<usize>,
+        rows: &mut Vec<Vec<f32>>,
+    ) -> Result<Option<Vec<f32>>, StepError> {
+        let r = &mut self.running[i];
+        let Some(top) = r.prompt_logprobs.filter(|_| range.start < r.prompt_len) else {
+            return Ok(rows.pop());
+        };
+        // Row j is computed at position start + j and predicts the token after it.
+        for (j, row) in rows.iter().enumerate() {
+            let next = range.start + j + 1;
+            if next < r.prompt_len {
+                r.prompt_entries
+                    .push(crate::sampling::prompt_logprob(row, r.tokens[next], top)?);
+            }
+        }
+        Ok(if range.end == r.prompt_len {
+            rows.pop()
+        } else {
+            None
+        })
+    }
+
     /// Stores a request's new state, samples when it produced logits, and marks it done.
     fn advance(
         &mut self,
@@ -540,6 +608,12 @@ impl Engine {
         let sampled = r.sampler.sample(&logits)?;
         r.tokens.push(sampled.token);
         let index = r.tokens.len() - r.prompt_len - 1;
+        if index == 0 && r.prompt_logprobs.is_some() {
+            events.push(Event::PromptLogprobs {
+                id: r.id,
+                entries: std::mem::take(&mut r.prompt_entries),
+            });
+        }
         events.push(Event::Token {
             id: r.id,
             index,

@@ -282,3 +282,102 @@ fn step_records_count_computed_cached_and_decoded_tokens() {
     // A 40-token budget is cut at a page boundary: the first chunk is 32 tokens.
     assert_eq!(records[0].prompt_tokens, 32);
 }
+
+/// The prompt's log-probabilities, computed in chunks of a busy engine with the prefix
+/// cache warm, equal log-softmax of the whole prompt's logits computed in one forward pass;
+/// the first generated token is the one the same request gets without them.
+#[test]
+fn prompt_logprobs_are_the_whole_prompts_log_softmax() {
+    let (_dir, model) = load();
+    let mut rng = Rng::for_tensor(5, "prompt-logprobs");
+    // Awkward length: several chunks of a 16-token page, the last one partial.
+    let prompt: Vec<u32> = (0..83).map(|_| (rng.next_u64() % 129_280) as u32).collect();
+    let mut state = model.new_state();
+    let whole = model
+        .forward(&mut state, &prompt, engine::model::Logits::All)
+        .unwrap();
+    let config = EngineConfig {
+        page_size: 16,
+        max_batch_tokens: 40,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(model, config, "test").unwrap();
+    // The same prompt first without them: its blocks enter the prefix cache.
+    e.add(request(1, prompt.clone(), 3, 0.0)).unwrap();
+    let plain = tokens_by_id(&e.run_to_completion());
+    let mut asked = request(2, prompt.clone(), 3, 0.0);
+    asked.sampling.prompt_logprobs = Some(4);
+    e.add(asked).unwrap();
+    e.add(request(3, prompt[..50].to_vec(), 2, 0.0)).unwrap();
+    let events = e.run_to_completion();
+    assert_eq!(tokens_by_id(&events)[&2], plain[&1], "the same tokens");
+    let entries: Vec<_> = events
+        .iter()
+        .filter_map(|ev| match ev {
+            Event::PromptLogprobs { id: 2, entries } => Some(entries.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(entries.len(), 1, "sent once");
+    let entries = &entries[0];
+    assert_eq!(entries.len(), prompt.len() - 1);
+    let first = events
+        .iter()
+        .position(|ev| {
+            matches!(
+                ev,
+                Event::Token {
+                    id: 2,
+                    index: 0,
+                    ..
+                }
+            )
+        })
+        .unwrap();
+    let listed = events
+        .iter()
+        .position(|ev| matches!(ev, Event::PromptLogprobs { id: 2, .. }))
+        .unwrap();
+    assert!(listed < first, "before the first token");
+    assert!(
+        !events
+            .iter()
+            .any(|ev| matches!(ev, Event::PromptLogprobs { id: 1 | 3, .. })),
+        "only when asked for"
+    );
+    for (p, entry) in entries.iter().enumerate() {
+        let row = &whole[p];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = f64::from(max)
+            + row
+                .iter()
+                .map(|&l| (f64::from(l) - f64::from(max)).exp())
+                .sum::<f64>()
+                .ln();
+        let want = |t: u32| (f64::from(row[t as usize]) - lse) as f32;
+        assert_eq!(entry.token, prompt[p + 1]);
+        let got = entry.logprob.unwrap();
+        assert!(
+            (got - want(prompt[p + 1])).abs() <= 1e-5,
+            "position {}: {got} vs {}",
+            p + 1,
+            want(prompt[p + 1])
+        );
+        assert_eq!(entry.top_logprobs.len(), 4);
+        let mut ranked: Vec<u32> = (0..row.len() as u32).collect();
+        ranked.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        for (k, &(t, lp)) in entry.top_logprobs.iter().enumerate() {
+            assert_eq!(t, ranked[k], "position {} rank {k}", p + 1);
+            assert!((lp - want(t)).abs() <= 1e-5);
+        }
+    }
+}
+
+#[test]
+fn prompt_logprobs_above_twenty_are_refused() {
+    let mut e = engine(EngineConfig::default());
+    let mut req = request(1, vec![5, 6, 7], 2, 0.0);
+    req.sampling.prompt_logprobs = Some(21);
+    let err = e.add(req).unwrap_err().to_string();
+    assert!(err.contains("prompt_logprobs"), "{err}");
+}

@@ -87,6 +87,47 @@ fn equals_single_process_engine(transport: &str) {
         finish.as_deref(),
         want["choices"][0]["finish_reason"].as_str()
     );
+
+    // The prompt's log-probabilities (`echo` with `logprobs`) are computed by the prefill
+    // worker, in chunks of 37 tokens: the same values as the in-process engine's, listed
+    // before the completion's, streamed or not.
+    let text: Vec<String> = (0..70).map(|i| format!("v{}", (i * 31) % 997)).collect();
+    let mut body = json!({
+        "model": "deepseek-v4-flash",
+        "prompt": text.join(" "),
+        "max_tokens": 5,
+        "logprobs": 2,
+        "echo": true,
+        "seed": 3,
+        "temperature": 0.8,
+    });
+    let want = post(a, "/v1/completions", &body).json();
+    let got = post(b, "/v1/completions", &body).json();
+    assert_eq!(got["choices"], want["choices"]);
+    assert_eq!(got["usage"], want["usage"]);
+    let lp = &want["choices"][0]["logprobs"];
+    let prompt_tokens = want["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(prompt_tokens > 74, "{prompt_tokens}");
+    let listed = lp["tokens"].as_array().unwrap().len();
+    assert!(listed >= prompt_tokens + 4, "{listed} listed");
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    for k in 1..prompt_tokens {
+        assert!(lp["token_logprobs"][k].as_f64().unwrap() <= 0.0, "{lp}");
+        assert_eq!(lp["top_logprobs"][k].as_object().unwrap().len(), 2, "{lp}");
+    }
+    body["stream"] = json!(true);
+    let streamed = post(b, "/v1/completions", &body);
+    let mut tokens = Vec::new();
+    let mut logprobs = Vec::new();
+    for d in streamed.sse_data().iter().filter(|d| *d != "[DONE]") {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(l) = c["choices"][0]["logprobs"].as_object() {
+            tokens.extend(l["tokens"].as_array().unwrap().clone());
+            logprobs.extend(l["token_logprobs"].as_array().unwrap().clone());
+        }
+    }
+    assert_eq!(Value::from(tokens), lp["tokens"]);
+    assert_eq!(Value::from(logprobs), lp["token_logprobs"]);
 }
 
 #[test]

@@ -98,6 +98,9 @@ pub fn run(args: &GenerateArgs) -> Result<(), PdctlError> {
             Event::Prefilled { .. } | Event::StatePart { .. } => {
                 return Err(err(&"unexpected prefill handoff"));
             }
+            Event::PromptLogprobs { .. } => {
+                return Err(err(&"prompt log-probabilities that were not asked for"));
+            }
         }
     }
     let text = match &tokenizer {

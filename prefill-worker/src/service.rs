@@ -97,6 +97,8 @@ struct Prefilled {
     cached_tokens: usize,
     /// The slot already went with the state parts.
     slot_sent: bool,
+    /// The prompt's log-probabilities, when they were asked for.
+    prompt_logprobs: Vec<engine::sampling::Sampled>,
 }
 
 impl PrefillWorker {
@@ -218,12 +220,14 @@ impl PrefillWorker {
             .map_err(|_| self.err(ErrorKind::Internal, "the engine thread stopped"))?
             .map_err(|e| self.err(ErrorKind::InvalidArgument, e.to_string()))?;
         let mut first = None;
+        let mut prompt_logprobs = Vec::new();
         // Parts held back until the forward passes end, when not streaming.
         let mut held: Vec<Piece> = Vec::new();
         let mut slot_sent = false;
         loop {
             match events.recv().await {
                 Some(Event::Token { sampled, .. }) => first = Some(sampled),
+                Some(Event::PromptLogprobs { entries, .. }) => prompt_logprobs = entries,
                 Some(Event::StatePart { writes, .. }) => {
                     let pieces = writes
                         .into_iter()
@@ -261,6 +265,7 @@ impl PrefillWorker {
                         seed,
                         cached_tokens,
                         slot_sent,
+                        prompt_logprobs,
                     });
                 }
                 Some(Event::Failed { error, .. }) => {
@@ -426,6 +431,11 @@ impl Prefill for PrefillService {
                         completion_tokens: 1,
                     }),
                     transferred_bytes: transferred,
+                    prompt_logprobs: prefilled
+                        .prompt_logprobs
+                        .iter()
+                        .map(proto::request::token_to_wire)
+                        .collect(),
                     timings: Some(Timings {
                         forward_ns: u64::try_from(forward_ns).unwrap_or(u64::MAX),
                         transfer_ns: u64::try_from(transfer_ns).unwrap_or(u64::MAX),

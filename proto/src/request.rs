@@ -36,6 +36,9 @@ pub struct SamplingParams {
     pub top_logprobs: u32,
     /// A grammar the output must follow; `None`: free text.
     pub constraint: Option<OutputConstraint>,
+    /// Report every prompt token's log-probability (after the first) under the raw model
+    /// distribution, with this many best alternatives; [0, 20]. `None`: not asked for.
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// A structured-output constraint: the grammar and where in the output it starts.
@@ -77,6 +80,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             constraint: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -168,6 +172,7 @@ pub fn sampling_to_wire(p: &SamplingParams) -> v1::SamplingParams {
         top_logprobs: p.top_logprobs,
         return_logprobs: p.logprobs,
         constraint: p.constraint.as_ref().map(constraint_to_wire),
+        prompt_logprobs: p.prompt_logprobs,
     }
 }
 
@@ -228,6 +233,7 @@ pub fn sampling_from_wire(p: &v1::SamplingParams) -> Result<SamplingParams, Malf
         logprobs: p.return_logprobs,
         top_logprobs: p.top_logprobs,
         constraint,
+        prompt_logprobs: p.prompt_logprobs,
     })
 }
 
@@ -318,6 +324,7 @@ mod tests {
             logprobs: true,
             top_logprobs: 4,
             constraint: None,
+            prompt_logprobs: Some(3),
         };
         assert_eq!(sampling_from_wire(&sampling_to_wire(&p)), Ok(p.clone()));
         for grammar in [

@@ -43,13 +43,29 @@ pub struct GeneratedToken {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+impl From<engine::sampling::Sampled> for GeneratedToken {
+    fn from(s: engine::sampling::Sampled) -> Self {
+        Self {
+            id: s.token,
+            logprob: s.logprob,
+            top_logprobs: s.top_logprobs,
+        }
+    }
+}
+
 /// What a request's stream yields. Every generated token appears in a `Tokens` batch (the
 /// stop or eos token that ended a `Stop` request included, last); then exactly one
-/// `Finished` or `Failed` ends the stream.
+/// `Finished` or `Failed` ends the stream. A request that asked for its prompt's
+/// log-probabilities gets them first, in one `PromptLogprobs`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BackendEvent {
+    /// One entry per prompt token after the first (`id` is the prompt token).
+    PromptLogprobs(Vec<GeneratedToken>),
     Tokens(Vec<GeneratedToken>),
-    Finished { reason: FinishReason, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(BackendError),
 }
 

@@ -539,7 +539,10 @@ impl<S: Stream<Item = BackendEvent> + Unpin> Stream for Tracked<S> {
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<BackendEvent>> {
         let polled = Pin::new(&mut self.inner).poll_next(cx);
         if let Poll::Ready(event) = &polled {
-            let ends = !matches!(event, Some(BackendEvent::Tokens(_)));
+            let ends = !matches!(
+                event,
+                Some(BackendEvent::Tokens(_) | BackendEvent::PromptLogprobs(_))
+            );
             if self.tracker.is_none()
                 && let Some(BackendEvent::Tokens(batch)) = event
             {
@@ -549,6 +552,7 @@ impl<S: Stream<Item = BackendEvent> + Unpin> Stream for Tracked<S> {
             if let Some(tracker) = self.tracker.as_mut() {
                 match event {
                     Some(BackendEvent::Tokens(batch)) => tracker.generated(batch.len()),
+                    Some(BackendEvent::PromptLogprobs(_)) => {}
                     Some(BackendEvent::Finished { usage, .. }) => {
                         REGISTRY
                             .cache_queries

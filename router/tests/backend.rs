@@ -73,6 +73,7 @@ async fn collect(backend: &LocalBackend, req: BackendRequest) -> (Vec<u32>, Fini
                 return (ids, reason);
             }
             BackendEvent::Failed(e) => panic!("failed: {e}"),
+            BackendEvent::PromptLogprobs(_) => panic!("prompt log-probabilities not asked for"),
         }
     }
     panic!("stream ended without Finished");

@@ -79,6 +79,37 @@ def test_completions_echo_puts_the_prompt_first(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + plain
 
 
+def test_completions_echo_with_logprobs_lists_the_prompt_first(client: openai.OpenAI) -> None:
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 6, "seed": 5, "logprobs": 2}
+    plain = client.completions.create(**body).choices[0]
+    whole = client.completions.create(**body, echo=True)
+    choice = whole.choices[0]
+    assert choice.text == PROMPT + plain.text
+    lp = choice.logprobs
+    assert lp is not None and plain.logprobs is not None
+    n = whole.usage.prompt_tokens
+    # OpenAI's shape: the prompt's tokens first, the first with no log-probability.
+    assert len(lp.tokens) == n + len(plain.logprobs.tokens)
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(lp.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0.0 for x in lp.token_logprobs[1:n])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:n])
+    # A raw prompt has no BOS: its tokens' texts are the echoed prompt.
+    assert "".join(lp.tokens[:n]) == PROMPT
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    assert lp.text_offset[n] == len(PROMPT)
+    # The completion's part is the one the request without echo lists.
+    assert lp.tokens[n:] == plain.logprobs.tokens
+    assert lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+
+    # Streamed: the echo chunk carries the prompt's part, then the same tokens follow.
+    chunks = list(client.completions.create(**body, echo=True, stream=True))
+    listed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert listed[0].tokens == lp.tokens[:n]
+    assert [t for l in listed for t in l.tokens] == lp.tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+
 def test_completions_return_token_ids(client: openai.OpenAI, official) -> None:
     body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 8, "seed": 3}
     whole = client.completions.create(**body, extra_body={"return_token_ids": True})

@@ -714,6 +714,7 @@ fn any_params(vocab: usize) -> impl Strategy<Value = SamplingParams> {
                     logprobs: lp,
                     top_logprobs: top,
                     constraint: None,
+                    prompt_logprobs: None,
                 }
             },
         )

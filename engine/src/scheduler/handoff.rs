@@ -370,6 +370,9 @@ impl Engine {
             seq,
             sampler,
             handoff: false,
+            // The prompt was computed on the prefill worker, which reported them.
+            prompt_logprobs: None,
+            prompt_entries: Vec::new(),
         });
         Ok(None)
     }

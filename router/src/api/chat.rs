@@ -666,6 +666,14 @@ pub fn inference_stream(
                     record(&st.failure, error.clone());
                     st.ended = true;
                 }
+                // Chat never asks for them: a backend that sends them is broken.
+                Some(BackendEvent::PromptLogprobs(_)) => {
+                    record(
+                        &st.failure,
+                        BackendError::internal("prompt log-probabilities that were not asked for"),
+                    );
+                    st.ended = true;
+                }
                 None => {
                     record(
                         &st.failure,

@@ -212,13 +212,6 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
     };
     let echo = boolean(&obj, "echo")? == Some(true);
     let return_token_ids = boolean(&obj, "return_token_ids")? == Some(true);
-    if echo && logprobs.is_some() {
-        return Err(ApiError::param(
-            "echo",
-            "`echo` with `logprobs` needs the prompt's log-probabilities, which are not \
-             implemented; use one of them",
-        ));
-    }
     if obj.get("suffix").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::param("suffix", "`suffix` is not supported"));
     }
@@ -287,6 +280,8 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
             logprobs: logprobs.is_some(),
             top_logprobs: logprobs.unwrap_or(0),
             constraint,
+            // The echoed prompt is listed with its tokens' log-probabilities.
+            prompt_logprobs: logprobs.filter(|_| echo.is_some()),
         },
         logprobs,
         echo,
@@ -444,6 +439,9 @@ fn partial_suffix(text: &str, stop: &str) -> usize {
 /// One step of a completion.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
+    /// The log-probabilities of the prompt's tokens after the first (`echo` with `logprobs`),
+    /// before any other piece.
+    Prompt(Vec<GeneratedToken>),
     Text(String),
     /// The tokens (with their log-probabilities) of the text that follows (or, before the
     /// finish, of tokens whose text is empty); only when `logprobs` was asked for.
@@ -603,6 +601,9 @@ pub fn pieces(
                         Err(e) => run.fail(ApiError::Internal(e.to_string())),
                     }
                 }
+                Some(BackendEvent::PromptLogprobs(entries)) => {
+                    run.out.push_back(Piece::Prompt(entries));
+                }
                 Some(BackendEvent::Failed(error)) => run.fail(ApiError::from(error)),
                 None => run.fail(ApiError::Internal(
                     "the backend stream ended before the request finished".into(),
@@ -663,6 +664,10 @@ impl TokenList {
         let top: Vec<Value> = tokens
             .iter()
             .map(|t| {
+                // The prompt's first token has no log-probability and no alternatives.
+                if t.logprob.is_none() {
+                    return Value::Null;
+                }
                 let mut m = Map::new();
                 for &(id, lp) in &t.top_logprobs {
                     m.entry(self.text(id)).or_insert(json!(lp));
@@ -699,9 +704,22 @@ struct Writer {
     logprobs: bool,
     /// The prompt's ids, when `return_token_ids` asked for them.
     prompt_ids: Option<Vec<u32>>,
+    /// `echo` with `logprobs`: the prompt's first token, listed (with no log-probability)
+    /// before the entries of the others.
+    echo_head: Option<u32>,
 }
 
 impl Writer {
+    /// The echoed prompt's listed tokens: its first token, then `entries`.
+    fn prompt_tokens(&self, entries: Vec<GeneratedToken>) -> Vec<GeneratedToken> {
+        let head = self.echo_head.map(|id| GeneratedToken {
+            id,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        });
+        head.into_iter().chain(entries).collect()
+    }
+
     fn chunk(&self, index: usize, text: &str, finish: Option<&str>) -> Value {
         json!({
             "id": self.id,
@@ -744,7 +762,16 @@ fn choice_events(
     mut listed: TokenList,
     echo: Option<String>,
 ) -> impl Stream<Item = (String, Option<Result<usize, ()>>)> + Send + 'static {
-    let first = echo.map(|e| (writer.chunk(index, &e, None).to_string(), None));
+    // With `logprobs` the echo waits for the prompt's log-probabilities and is listed with
+    // them; without, it goes first at once.
+    let (first, mut echo) = if writer.echo_head.is_some() {
+        (None, echo)
+    } else {
+        (
+            echo.map(|e| (writer.chunk(index, &e, None).to_string(), None)),
+            None,
+        )
+    };
     // Tokens are listed with the text that follows them (or with the finish).
     let mut waiting: Vec<GeneratedToken> = Vec::new();
     let mut first_tokens = true;
@@ -756,6 +783,14 @@ fn choice_events(
             body.to_string()
         };
         let data: Vec<(String, Option<Result<usize, ()>>)> = match piece {
+            Piece::Prompt(entries) => {
+                waiting.extend(writer.prompt_tokens(entries));
+                let text = echo.take().unwrap_or_default();
+                vec![(
+                    with_tokens(writer.chunk(index, &text, None), &mut waiting),
+                    None,
+                )]
+            }
             Piece::Tokens(tokens) => {
                 waiting.extend(tokens);
                 Vec::new()
@@ -792,6 +827,8 @@ async fn collect_choice(
     while let Some(piece) = pieces.next().await {
         match piece {
             Piece::Text(t) => text.push_str(&t),
+            // Sent first, so the prompt's tokens lead the list.
+            Piece::Prompt(entries) => all.extend(writer.prompt_tokens(entries)),
             Piece::Tokens(tokens) => all.extend(tokens),
             Piece::Finish {
                 reason,
@@ -843,6 +880,9 @@ pub async fn respond(
         model: served.name.clone(),
         logprobs: logprobs.is_some(),
         prompt_ids: return_token_ids.then(|| prompt.clone()),
+        echo_head: sampling
+            .prompt_logprobs
+            .and_then(|_| prompt.first().copied()),
     });
     let request = BackendRequest {
         request_id: request_id.as_str().to_owned(),

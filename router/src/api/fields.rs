@@ -36,7 +36,8 @@ const fn f(name: &'static str, how: Use) -> Field {
 use Use::{Honoured, Metadata, OnlyAt, Refused};
 
 const NO_BEAM: &str = "beam search is not implemented";
-const NO_PROMPT_LOGPROBS: &str = "prompt log-probabilities are not implemented yet";
+const NO_PROMPT_LOGPROBS: &str = "vLLM's form of prompt log-probabilities is not implemented; on /v1/completions, `echo` with \
+     `logprobs` lists them";
 const TOKEN_FILTERS: &str = "token allow/deny lists are not implemented";
 const NOT_SERVED: &str = "this server does not offer it";
 const TEMPLATE: &str = "prompts are encoded with DeepSeek-V4's official encoder only";

@@ -360,6 +360,7 @@ pub fn backend_request(
             logprobs: opts.logprobs,
             top_logprobs: u32::from(opts.top_logprobs.unwrap_or(0)),
             constraint: prepared.constraint.clone(),
+            prompt_logprobs: None,
         },
         stop: StopConditions {
             max_tokens: prepared.max_tokens,

@@ -110,11 +110,16 @@ async fn forward(
         while let Some(event) = next.take() {
             let end = match event {
                 Event::Token { sampled, .. } => {
-                    batch.push(GeneratedToken {
-                        id: sampled.token,
-                        logprob: sampled.logprob,
-                        top_logprobs: sampled.top_logprobs,
-                    });
+                    batch.push(GeneratedToken::from(sampled));
+                    next = events.try_recv().ok();
+                    continue;
+                }
+                // Sent before the first token, so no batch is open.
+                Event::PromptLogprobs { entries, .. } => {
+                    let entries = entries.into_iter().map(GeneratedToken::from).collect();
+                    if tx.send(BackendEvent::PromptLogprobs(entries)).is_err() {
+                        return;
+                    }
                     next = events.try_recv().ok();
                     continue;
                 }

@@ -28,7 +28,7 @@ use legs::Legs;
 use crate::{
     RouterConfig,
     backend::workers::{InFlight, Worker, Workers, lock},
-    backend::{Backend, BackendError, BackendRequest, TokenStream},
+    backend::{Backend, BackendError, BackendEvent, BackendRequest, GeneratedToken, TokenStream},
     config::Policy,
 };
 
@@ -216,7 +216,11 @@ impl PdBackend {
                 GenerateRequest {
                     reservation_id: destination.reservation_id.clone(),
                     request_id: Some(request_id.clone()),
-                    sampling: Some(sampling.clone()),
+                    // The prompt is computed, and its log-probabilities reported, by prefill.
+                    sampling: Some(proto::v1::SamplingParams {
+                        prompt_logprobs: None,
+                        ..sampling.clone()
+                    }),
                     stop: Some(stop.clone()),
                     prompt_token_ids: request.prompt.clone(),
                     deadline_ms: 0,
@@ -254,6 +258,22 @@ impl PdBackend {
             timings.exposed_transfer_ns,
         );
         let (tx, rx) = mpsc::unbounded_channel();
+        if request.sampling.prompt_logprobs.is_some() {
+            // One entry per prompt token after the first, or the answer would be short.
+            if prefilled.prompt_logprobs.len() + 1 != request.prompt.len() {
+                return Err(Failed::final_(BackendError::internal(format!(
+                    "the prefill worker returned {} prompt log-probabilities for {} prompt tokens",
+                    prefilled.prompt_logprobs.len(),
+                    request.prompt.len()
+                ))));
+            }
+            let entries = prefilled
+                .prompt_logprobs
+                .iter()
+                .map(|t| GeneratedToken::from(proto::request::token_from_wire(t)))
+                .collect();
+            let _ = tx.send(BackendEvent::PromptLogprobs(entries));
+        }
         let alive = decode.alive.subscribe();
         let forward = tokio::spawn(async move {
             let _guard = decode_guard;

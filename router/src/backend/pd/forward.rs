@@ -51,14 +51,7 @@ pub(super) async fn forward(
             let tokens = batch
                 .tokens
                 .iter()
-                .map(|t| {
-                    let s = token_from_wire(t);
-                    GeneratedToken {
-                        id: s.token,
-                        logprob: s.logprob,
-                        top_logprobs: s.top_logprobs,
-                    }
-                })
+                .map(|t| GeneratedToken::from(token_from_wire(t)))
                 .collect();
             if tx.send(BackendEvent::Tokens(tokens)).is_err() {
                 return;
