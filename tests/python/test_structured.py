@@ -120,6 +120,56 @@ def test_a_named_tool_choice_gives_that_call_with_valid_arguments(client: openai
             assert 1 <= args["days"] <= 7, args
 
 
+def test_auto_over_strict_tools_gives_text_or_valid_calls(client: openai.OpenAI, official) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                    "metric": {"type": "boolean"},
+                },
+                "required": ["city", "metric"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    # A random model rarely opens a tool-call block: the bias pushes it towards the block's
+    # opening (a blank line, `<`, the tag token), which the grammar allows only in that order.
+    tok = official.tokenizer
+    ids = [*tok.encode("\n\n"), *tok.encode("<"), *tok.encode("｜DSML｜")]
+    assert len(ids) == 3, ids
+    calls = texts = 0
+    for seed in range(6):
+        r = client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[tool],
+            tool_choice="auto",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+            logit_bias={str(i): 30 for i in ids},
+            extra_body={"thinking": {"type": "disabled"}},
+        )
+        choice = r.choices[0]
+        if choice.message.tool_calls:
+            calls += 1
+            assert choice.finish_reason == "tool_calls", choice
+            for call in choice.message.tool_calls:
+                assert call.function.name == "get_weather"
+                args = json.loads(call.function.arguments)
+                assert set(args) == {"city", "metric"}, args
+                assert args["city"] in ("Paris", "Oslo", "Lima") and isinstance(args["metric"], bool)
+        else:
+            texts += 1
+            assert "DSML" not in (choice.message.content or ""), choice
+    assert calls > 0, "no request called the tool"
+
+
 def test_guided_regex_on_completions(client: openai.OpenAI) -> None:
     for seed in range(5):
         r = client.completions.create(

@@ -238,13 +238,27 @@ pub fn requested(
     parallel_tool_calls: bool,
     dsml: Option<u32>,
 ) -> Result<Option<Grammar>, ApiError> {
+    let dsml = || {
+        dsml.ok_or_else(|| {
+            ApiError::Internal("the tokenizer has no ｜DSML｜ token for tool calls".to_owned())
+        })
+    };
     Ok(match requested {
-        // `auto` (or no tools): the model decides between text and a call, so nothing is
+        None => None,
+        // `auto`: the model decides between text and a call. Strict tools (all of them, as
+        // the converter checks) make every call follow its schema; otherwise nothing is
         // constrained.
-        None
-        | Some(Requested::ToolCalls {
-            required: false, ..
-        }) => None,
+        Some(Requested::ToolCalls {
+            tools,
+            required: false,
+        }) => {
+            if tools.iter().all(|t| t.strict != Some(true)) {
+                None
+            } else {
+                super::tool_grammar::auto_calls(tools, parallel_tool_calls, dsml()?)?
+                    .map(Grammar::Lark)
+            }
+        }
         Some(Requested::Json { schema: None }) => Some(Grammar::JsonObject),
         Some(Requested::Json {
             schema: Some(schema),
@@ -255,16 +269,11 @@ pub fn requested(
         Some(Requested::ToolCalls {
             tools,
             required: true,
-        }) => {
-            let dsml = dsml.ok_or_else(|| {
-                ApiError::Internal("the tokenizer has no ｜DSML｜ token for tool calls".to_owned())
-            })?;
-            Some(Grammar::Lark(super::tool_grammar::required_calls(
-                tools,
-                parallel_tool_calls,
-                dsml,
-            )?))
-        }
+        }) => Some(Grammar::Lark(super::tool_grammar::required_calls(
+            tools,
+            parallel_tool_calls,
+            dsml()?,
+        )?)),
     })
 }
 
@@ -404,6 +413,30 @@ mod tests {
         };
         assert_eq!(requested(Some(&auto), None, true, None).expect("ok"), None);
         assert_eq!(resolve(None, None, None).expect("ok"), None);
+        // `auto` over strict tools: text, or calls that follow the schemas.
+        let tool = |strict| deepseek_recipe_core::tools::ToolDefinition {
+            name: "f".to_owned(),
+            description: None,
+            parameters: json!({"type": "object", "properties": {}}),
+            strict,
+            defer_loading: false,
+        };
+        let loose = Requested::ToolCalls {
+            tools: vec![tool(None), tool(Some(false))],
+            required: false,
+        };
+        assert_eq!(
+            requested(Some(&loose), None, true, Some(9)).expect("ok"),
+            None
+        );
+        let strict = Requested::ToolCalls {
+            tools: vec![tool(Some(true))],
+            required: false,
+        };
+        match requested(Some(&strict), None, true, Some(9)).expect("ok") {
+            Some(Grammar::Lark(g)) => assert!(g.starts_with("start: text | text_then_open"), "{g}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

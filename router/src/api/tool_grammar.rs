@@ -12,10 +12,10 @@
 //! ```
 //!
 //! The official encoder ends a required-call prompt inside the block, so the grammar starts
-//! at the first call. A call names one of the offered tools; its parameters come in the schema's property order,
-//! required ones always, optional ones when the model writes them. A string parameter is raw
-//! text up to the closing tag (one of its values when it has an `enum`); any other is JSON
-//! valid under the property's schema.
+//! at the first call. A call names one of the offered tools; its parameters come in the
+//! schema's property order, required ones always, optional ones when the model writes them. A
+//! string parameter is raw text (`</` included) up to the closing tag (one of its values when
+//! it has an `enum`); any other is JSON valid under the property's schema.
 
 use deepseek_recipe_core::tools::ToolDefinition;
 use serde_json::{Value, json};
@@ -26,6 +26,11 @@ use super::error::ApiError;
 fn literal(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned())
 }
+
+/// Text that never holds `｜DSML｜` (as a regex to intersect with): the tag token is not
+/// marked special in V4's tokenizer, so its bytes are text to a regex, while the output parser
+/// reads that token as a tag wherever it appears.
+const NO_TAG: &str = "~/(?s:.*)｜DSML｜(?s:.*)/";
 
 /// A DSML tag: `before`, the `｜DSML｜` token itself, `after`. The output parser recognises a
 /// tag only by that token's id, so the grammar names the id: the same bytes written with
@@ -41,6 +46,41 @@ pub fn calls<'a>(
     parallel: bool,
     dsml: u32,
 ) -> Result<String, ApiError> {
+    let mut grammar = vec!["start: calls".to_owned()];
+    grammar.extend(block(tools, parallel, dsml)?);
+    Ok(grammar.join("\n"))
+}
+
+/// The grammar of `tool_choice: "auto"` over strict tools: any text, then optionally one
+/// tool-call block (opened as the encoder opens it, after a blank line) whose calls are valid.
+/// Text cannot hold a DSML tag: the tag's special token is only allowed where the block opens.
+pub fn text_or_calls<'a>(
+    tools: impl IntoIterator<Item = (&'a str, &'a Value)>,
+    parallel: bool,
+    dsml: u32,
+) -> Result<String, ApiError> {
+    let mut grammar = vec![
+        format!(
+            "start: text | text_then_open <[{dsml}]> {} calls",
+            literal("tool_calls>\n")
+        ),
+        // Two greedy lexemes without a tag: plain text, or text ending where the block's tag
+        // opens (the tag token that follows can continue neither, so both end there).
+        "text: TEXT".to_owned(),
+        "text_then_open: TEXT_THEN_OPEN".to_owned(),
+        format!("TEXT: /(?s:.*)/ & {NO_TAG}"),
+        format!("TEXT_THEN_OPEN: /(?s:.*)\\n\\n</ & {NO_TAG}"),
+    ];
+    grammar.extend(block(tools, parallel, dsml)?);
+    Ok(grammar.join("\n"))
+}
+
+/// The rules of a tool-call block after its opening line: `calls` and what it uses.
+fn block<'a>(
+    tools: impl IntoIterator<Item = (&'a str, &'a Value)>,
+    parallel: bool,
+    dsml: u32,
+) -> Result<Vec<String>, ApiError> {
     let mut rules = Vec::new();
     let mut alternatives = Vec::new();
     for (t, (name, parameters)) in tools.into_iter().enumerate() {
@@ -65,11 +105,11 @@ pub fn calls<'a>(
         String::new()
     };
     let mut grammar = vec![
-        format!("start: call {more} {}", tag(dsml, "\n</", "tool_calls>")),
+        format!("calls: call {more} {}", tag(dsml, "\n</", "tool_calls>")),
         format!("call: {}", alternatives.join(" | ")),
     ];
     grammar.extend(rules);
-    Ok(grammar.join("\n"))
+    Ok(grammar)
 }
 
 /// The converter's required-call constraint (its tools already narrowed to a named one).
@@ -83,6 +123,24 @@ pub fn required_calls(
         parallel,
         dsml,
     )
+}
+
+/// The converter's `auto` constraint: `None` unless every tool is strict (OpenAI's rule: a
+/// strict tool's calls always follow its schema); then text or valid calls.
+pub fn auto_calls(
+    tools: &[ToolDefinition],
+    parallel: bool,
+    dsml: u32,
+) -> Result<Option<String>, ApiError> {
+    if tools.is_empty() || tools.iter().any(|t| t.strict != Some(true)) {
+        return Ok(None);
+    }
+    text_or_calls(
+        tools.iter().map(|t| (t.name.as_str(), &t.parameters)),
+        parallel,
+        dsml,
+    )
+    .map(Some)
 }
 
 /// The argument list of tool `t`: the expansion and the rules it uses.
@@ -124,13 +182,14 @@ fn arguments(t: usize, parameters: &Value, dsml: u32) -> (String, Vec<String>) {
             // An enumerated string is one of its values, as raw text.
             rules.push(format!("{rule}: {open} ({}) {close}", choices.join(" | ")));
         } else if is_string {
-            // Raw text up to the closing tag: a lazy lexeme ending at the first `</`, which
-            // the tag's token must follow (so the text may hold `<` but not `</`).
+            // Raw text up to the closing tag: a greedy lexeme of text without a tag, ending
+            // in `</`. It ends where the tag token follows (which it cannot hold), so the
+            // text itself may hold `</` anywhere.
             rules.push(format!(
-                "{rule}: {open} v_{t}_{p} <[{dsml}]> {}",
+                "{rule}: {open} V_{t}_{p} <[{dsml}]> {}",
                 literal("parameter>")
             ));
-            rules.push(format!("v_{t}_{p}[lazy]: /(?s:.*)<\\//"));
+            rules.push(format!("V_{t}_{p}: /(?s:.*)<\\// & {NO_TAG}"));
         } else {
             let mut schema = schema.clone();
             if let Value::Object(map) = &mut schema {
@@ -177,7 +236,116 @@ mod tests {
         );
         assert!(g.contains("(p_0_1 \"\\n\")?"), "{g}");
         assert!(!g.contains("call)*"), "one call only: {g}");
-        assert!(!g.contains("｜DSML｜"), "the tag token by id only: {g}");
+        // The tag token by id only; its text appears only where text is kept free of it.
+        assert!(
+            !g.replace(NO_TAG, "").contains("｜DSML｜"),
+            "the tag token by id only: {g}"
+        );
         assert!(calls(std::iter::empty(), true, 9).is_err());
+    }
+
+    /// Whether V4's tokenizer's encoding of `text` is a complete output of `grammar`.
+    fn accepts(grammar: &str, text: &str) -> Result<bool, String> {
+        use proto::request::{Grammar, OutputConstraint};
+        let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
+        let json = std::fs::read(&path).expect("tokenizer.json");
+        let table =
+            engine::grammar::TokenTable::from_tokenizer_json(&json, 129_280, &[1]).expect("table");
+        let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
+        let ids = tokenizer
+            .encode(text, false)
+            .expect("encode")
+            .get_ids()
+            .to_vec();
+        let mut c = table
+            .compile(&OutputConstraint {
+                grammar: Grammar::Lark(grammar.to_owned()),
+                start_after_token: None,
+                whitespace_flexible: false,
+            })
+            .map_err(|e| e.to_string())?;
+        for id in ids {
+            c.consume(id).map_err(|e| e.to_string())?;
+        }
+        Ok(c.is_complete() || c.consume(1).is_ok())
+    }
+
+    #[test]
+    fn a_string_parameter_may_hold_any_text_up_to_its_closing_tag() {
+        let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
+        let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
+        let dsml = tokenizer.token_to_id("｜DSML｜").expect("the DSML token");
+        let schema = json!({
+            "type": "object",
+            "properties": {"html": {"type": "string"}, "n": {"type": "integer"}},
+            "required": ["html", "n"]
+        });
+        let g = calls([("render", &schema)], false, dsml).expect("grammar");
+        let call = |value: &str| {
+            format!(
+                "<｜DSML｜invoke name=\"render\">\n\
+                 <｜DSML｜parameter name=\"html\" string=\"true\">{value}</｜DSML｜parameter>\n\
+                 <｜DSML｜parameter name=\"n\" string=\"false\">3</｜DSML｜parameter>\n\
+                 </｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+            )
+        };
+        for value in [
+            "plain",
+            "",
+            "a < b",
+            "<b>bold</b> and </p>",
+            "ends with </",
+            "<</</x",
+        ] {
+            assert_eq!(accepts(&g, &call(value)), Ok(true), "{value:?}");
+        }
+        // The tag token ends a value wherever the output parser meets it: never inside one.
+        for value in ["<｜DSML｜invoke", "a｜DSML｜b"] {
+            assert_ne!(accepts(&g, &call(value)), Ok(true), "{value:?}");
+        }
+        // The integer parameter is still JSON, and the block still ends where it must.
+        assert_ne!(accepts(&g, &call("x").replace(">3<", ">three<")), Ok(true));
+        assert_ne!(accepts(&g, &format!("{} extra", call("x"))), Ok(true));
+    }
+
+    #[test]
+    fn auto_over_strict_tools_allows_text_then_only_valid_calls() {
+        let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
+        let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
+        let dsml = tokenizer.token_to_id("｜DSML｜").expect("the DSML token");
+        let schema = json!({
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": false
+        });
+        let g = text_or_calls([("weather", &schema)], true, dsml).expect("grammar");
+        let block = |days: &str| {
+            format!(
+                "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"weather\">\n\
+                 <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n\
+                 <｜DSML｜parameter name=\"days\" string=\"false\">{days}</｜DSML｜parameter>\n\
+                 </｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+            )
+        };
+        for text in ["", "Just text.", "a < b\n\n<not a tag>", "x\n\n<"] {
+            assert_eq!(accepts(&g, text), Ok(true), "{text:?}");
+        }
+        assert_eq!(accepts(&g, &block("3")), Ok(true));
+        assert_eq!(
+            accepts(&g, &format!("Let me look.{}", block("3"))),
+            Ok(true)
+        );
+        // A call's arguments follow the schema; a tag appears only where the block opens.
+        assert_ne!(accepts(&g, &block("\"three\"")), Ok(true));
+        assert_ne!(
+            accepts(&g, &block("3").replace("weather", "forecast")),
+            Ok(true)
+        );
+        assert_ne!(
+            accepts(&g, "text <｜DSML｜invoke name=\"weather\">"),
+            Ok(true)
+        );
+        assert_ne!(accepts(&g, &format!("{} and more", block("3"))), Ok(true));
     }
 }
