@@ -4,9 +4,10 @@
 //!
 //! The token table is built from the checkpoint's `tokenizer.json` (its tokens' bytes, with
 //! every added token marked `"special": true` made unreachable from grammar text), padded to
-//! the logits width with unreachable placeholders. It is built once per process, on the first
-//! constrained request (about 0.2 s on V4's 129,280 tokens), so workers that never see one pay
-//! nothing. A constraint's matcher is rebuilt from the grammar and the tokens already generated
+//! the logits width with unreachable placeholders. It is built once per process (about 0.2 s on
+//! V4's 129,280 tokens), on a thread of its own when the engine starts
+//! ([`TokenTableSource::build_in_background`]), so that a first constrained request does not
+//! stall the engine's thread and every request in its batch. A constraint's matcher is rebuilt from the grammar and the tokens already generated
 //! wherever a request moves (prefill worker to decode worker), so it needs no state on the wire.
 //!
 //! End of sequence: llguidance knows one eos id (the first of the model's); when the grammar is
@@ -289,14 +290,14 @@ impl TokenConstraint {
     }
 }
 
-/// Where an engine's token table comes from: built on first use from `tokenizer.json` in the
-/// checkpoint folder, then shared.
-#[derive(Debug)]
+/// Where an engine's token table comes from: built once from `tokenizer.json` in the
+/// checkpoint folder (in the background, or on first use), then shared by its clones.
+#[derive(Debug, Clone)]
 pub struct TokenTableSource {
     dir: Option<PathBuf>,
     vocab_size: usize,
     eos: Vec<u32>,
-    built: OnceLock<Result<Arc<TokenTable>, GrammarError>>,
+    built: Arc<OnceLock<Result<Arc<TokenTable>, GrammarError>>>,
 }
 
 impl TokenTableSource {
@@ -306,7 +307,7 @@ impl TokenTableSource {
             dir: Some(dir.to_path_buf()),
             vocab_size,
             eos: eos.to_vec(),
-            built: OnceLock::new(),
+            built: Arc::new(OnceLock::new()),
         }
     }
 
@@ -316,8 +317,33 @@ impl TokenTableSource {
             dir: None,
             vocab_size: 0,
             eos: Vec::new(),
-            built: OnceLock::new(),
+            built: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Starts building the table on a thread of its own (a source without a folder has
+    /// nothing to build). A [`Self::get`] meanwhile waits for that one build.
+    pub fn build_in_background(&self) {
+        if self.dir.is_none() || self.built.get().is_some() {
+            return;
+        }
+        let source = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("token-table".to_owned())
+            .spawn(move || {
+                if let Err(e) = source.get() {
+                    tracing::warn!(error = %e, "structured outputs will be refused");
+                }
+            });
+        if let Err(e) = spawned {
+            // Not fatal: the first constrained request builds it.
+            tracing::warn!(error = %e, "could not start the token table's thread");
+        }
+    }
+
+    /// Whether the table (or the reason there is none) is ready.
+    pub fn is_built(&self) -> bool {
+        self.built.get().is_some()
     }
 
     /// The table, built now if this is the first call.

@@ -246,8 +246,11 @@ impl Engine {
         self.observer = Some(observer);
     }
 
-    /// Where output constraints get their token table (without one they are refused).
+    /// Where output constraints get their token table (without one they are refused). The
+    /// table is built now, on a thread of its own, so that no request waits for it on the
+    /// engine's thread.
     pub fn set_token_table(&mut self, source: TokenTableSource) {
+        source.build_in_background();
         self.token_table = source;
     }
 
@@ -526,18 +529,19 @@ impl Engine {
         };
         match result {
             Ok(outputs) => {
+                let mut ready = Vec::with_capacity(ok_states.len());
                 for ((i, range, _, state), mut rows) in ok_states.into_iter().zip(outputs) {
                     if failed.iter().any(|(f, _)| *f == i) {
                         continue;
                     }
-                    let next = match self.take_prompt_logprobs(i, &range, &mut rows) {
-                        Ok(next) => next,
-                        Err(e) => {
-                            failed.push((i, e));
-                            continue;
-                        }
-                    };
-                    if let Err(e) = self.advance(i, &state, next, &mut events) {
+                    match self.take_prompt_logprobs(i, &range, &mut rows) {
+                        Ok(next) => ready.push((i, state, next)),
+                        Err(e) => failed.push((i, e)),
+                    }
+                }
+                let sampled = self.sample_all(&ready);
+                for ((i, state, _), sampled) in ready.into_iter().zip(sampled) {
+                    if let Err(e) = self.advance(i, &state, sampled, &mut events) {
                         failed.push((i, e));
                     }
                 }
@@ -590,22 +594,67 @@ impl Engine {
         })
     }
 
-    /// Stores a request's new state, samples when it produced logits, and marks it done.
+    /// Samples the next token of every request of `ready` (running index, state, logits)
+    /// that produced logits; `None` for the others, in `ready`'s order. Requests are sampled
+    /// side by side when there are several: a grammar's mask (llguidance) and the passes over
+    /// a vocabulary-wide row are each request's own work, and each sampler has its own random
+    /// stream, so the order changes nothing.
+    #[expect(
+        clippy::type_complexity,
+        reason = "one result per request, in the order given"
+    )]
+    fn sample_all(
+        &mut self,
+        ready: &[(usize, crate::model::SequenceState, Option<Vec<f32>>)],
+    ) -> Vec<Option<Result<Sampled, SamplingError>>> {
+        use rayon::prelude::*;
+        let mut rows: Vec<Option<&[f32]>> = vec![None; self.running.len()];
+        for (i, _, logits) in ready {
+            rows[*i] = logits.as_deref();
+        }
+        let mut out: Vec<Option<Result<Sampled, SamplingError>>> =
+            (0..self.running.len()).map(|_| None).collect();
+        let sample = |((r, row), slot): (
+            (&mut Running, Option<&[f32]>),
+            &mut Option<Result<Sampled, SamplingError>>,
+        )| {
+            if let Some(row) = row {
+                *slot = Some(r.sampler.sample(row));
+            }
+        };
+        if rows.iter().filter(|r| r.is_some()).count() > 1 {
+            self.running
+                .par_iter_mut()
+                .zip(rows.par_iter().copied())
+                .zip(out.par_iter_mut())
+                .for_each(sample);
+        } else {
+            self.running
+                .iter_mut()
+                .zip(rows.iter().copied())
+                .zip(out.iter_mut())
+                .for_each(sample);
+        }
+        ready.iter().map(|(i, ..)| out[*i].take()).collect()
+    }
+
+    /// Stores a request's new state, takes its sampled token (when it produced logits), and
+    /// marks it done.
     fn advance(
         &mut self,
         i: usize,
         state: &crate::model::SequenceState,
-        logits: Option<Vec<f32>>,
+        sampled: Option<Result<Sampled, SamplingError>>,
         events: &mut Vec<Event>,
     ) -> Result<(), StepError> {
         let r = &mut self.running[i];
         self.store.scatter(&mut r.seq, state)?;
         self.store.offer_inner_blocks(&r.seq, state, &r.tokens)?;
         self.store.offer_block(&r.seq, &r.tokens)?;
-        let Some(logits) = logits else {
+        let Some(sampled) = sampled else {
             return Ok(());
         };
-        let sampled = r.sampler.sample(&logits)?;
+        let sampled = sampled?;
         r.tokens.push(sampled.token);
         let index = r.tokens.len() - r.prompt_len - 1;
         if index == 0 && r.prompt_logprobs.is_some() {

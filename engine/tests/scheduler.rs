@@ -381,3 +381,44 @@ fn prompt_logprobs_above_twenty_are_refused() {
     let err = e.add(req).unwrap_err().to_string();
     assert!(err.contains("prompt_logprobs"), "{err}");
 }
+
+/// Constrained requests sampled side by side in one step (their masks computed in parallel)
+/// get exactly the tokens each gets alone.
+#[test]
+fn constrained_requests_in_one_batch_equal_solo_runs() {
+    use engine::grammar::TokenTableSource;
+    use engine::sampling::{Grammar, OutputConstraint};
+    let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
+    let tokenizer_dir = path.parent().unwrap().to_path_buf();
+    let table = TokenTableSource::from_dir(&tokenizer_dir, 129_280, &[1]);
+    let requests: Vec<GenerationRequest> = (0..4u64)
+        .map(|id| {
+            let mut req = request(id, vec![7 + id as u32; 5 + 11 * id as usize], 24, 1.0);
+            req.stop.ignore_eos = false;
+            req.sampling.constraint = Some(OutputConstraint {
+                grammar: Grammar::Regex("[a-z]{3,8}( [a-z]{2,6}){1,3}".to_owned()),
+                start_after_token: None,
+                whitespace_flexible: false,
+            });
+            req
+        })
+        .collect();
+    let mut solo = BTreeMap::new();
+    for req in &requests {
+        let mut e = engine(EngineConfig::default());
+        e.set_token_table(table.clone());
+        e.add(req.clone()).unwrap();
+        solo.extend(tokens_by_id(&e.run_to_completion()));
+    }
+    let mut e = engine(EngineConfig::default());
+    e.set_token_table(table);
+    for req in requests {
+        e.add(req).unwrap();
+    }
+    let events = e.run_to_completion();
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::Failed { .. })),
+        "{events:?}"
+    );
+    assert_eq!(tokens_by_id(&events), solo);
+}

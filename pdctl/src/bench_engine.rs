@@ -7,12 +7,13 @@ use std::{path::PathBuf, process::Command, time::Instant};
 
 use engine::{
     config::ExpertFormat,
+    grammar::TokenTableSource,
     model::{Logits, Model},
     paged::{
         layout::{KvStorage, StateLayout},
         store::PagedStore,
     },
-    sampling::{SamplingParams, StopConditions},
+    sampling::{Grammar, OutputConstraint, SamplingParams, StopConditions},
     scheduler::{Engine, EngineConfig, Event, GenerationRequest},
     synth::{self, GenerateOptions, Preset, Rng},
 };
@@ -75,12 +76,14 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerationRequest {
     }
 }
 
-/// Decode tokens/s with `batch` requests decoding together (prefill excluded).
+/// Decode tokens/s with `batch` requests decoding together (prefill excluded), each under
+/// `constrained`'s grammar when given.
 fn decode_rate(
     model: Model,
     batch: usize,
     steps: u32,
     rng: &mut Rng,
+    constrained: Option<(&TokenTableSource, &OutputConstraint)>,
 ) -> Result<(f64, Model), PdctlError> {
     let vocab = model.config.vocab_size;
     let config = EngineConfig {
@@ -91,10 +94,13 @@ fn decode_rate(
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(model, config, "bench").map_err(|e| err(&e))?;
+    if let Some((table, _)) = constrained {
+        engine.set_token_table(table.clone());
+    }
     for id in 0..batch {
-        engine
-            .add(request(id as u64, random_tokens(rng, 64, vocab), steps + 1))
-            .map_err(|e| err(&e))?;
+        let mut req = request(id as u64, random_tokens(rng, 64, vocab), steps + 1);
+        req.sampling.constraint = constrained.map(|(_, c)| c.clone());
+        engine.add(req).map_err(|e| err(&e))?;
     }
     // Prefill until every request has its first token.
     let mut first = 0;
@@ -286,9 +292,36 @@ pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
         single_decode
     );
     for &batch in &args.batches {
-        let (rate, back) = decode_rate(model, batch, args.decode_steps, &mut rng)?;
+        let (rate, back) = decode_rate(model, batch, args.decode_steps, &mut rng, None)?;
         model = back;
         println!("{:<28} {:>12.1}", format!("decode, batch {batch}"), rate);
+    }
+    // The largest batch again with every request under a grammar, beside a run without: what
+    // the masks (computed side by side) cost a step.
+    if let Some(&batch) = args.batches.iter().max() {
+        let table =
+            TokenTableSource::from_dir(&dir, model.config.vocab_size, &model.config.eos_token_ids);
+        table.get().map_err(|e| err(&e))?;
+        let regex = OutputConstraint {
+            grammar: Grammar::Regex("[A-Za-z ,]+".to_owned()),
+            start_after_token: None,
+            whitespace_flexible: false,
+        };
+        let (free, back) = decode_rate(model, batch, args.decode_steps, &mut rng, None)?;
+        let (masked, back) = decode_rate(
+            back,
+            batch,
+            args.decode_steps,
+            &mut rng,
+            Some((&table, &regex)),
+        )?;
+        model = back;
+        println!(
+            "{:<28} {:>12.1}   ({:.2}x of {free:.1} without, same run)",
+            format!("decode, batch {batch}, regex"),
+            masked,
+            masked / free
+        );
     }
     let per_token = model
         .weights

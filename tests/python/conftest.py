@@ -112,18 +112,14 @@ def http_request(
 # --- the router process ------------------------------------------------------------------------
 
 
-class RouterProcess:
-    """A running `pdserve-router`; `http` is its bound HTTP address."""
+class ServiceProcess:
+    """A running pdserve binary (`program`) that announced its role and bound addresses on its
+    readiness line (`PDSERVE_READY role=<role> <name>=<addr> ...`, common/src/cli.rs)."""
 
-    def __init__(self, args: list[str]) -> None:
-        cmd = [
-            str(binary("pdserve-router")),
-            "--http-listen",
-            "127.0.0.1:0",
-            "--grpc-listen",
-            "127.0.0.1:0",
-            *args,
-        ]
+    role = ""
+
+    def __init__(self, program: str, args: list[str]) -> None:
+        cmd = [str(binary(program)), *args]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -138,7 +134,7 @@ class RouterProcess:
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
         try:
-            self.http = self._wait_ready()
+            self.addrs = self._wait_announced()
         except BaseException:
             self.stop()
             raise
@@ -160,17 +156,59 @@ class RouterProcess:
     def diagnostics(self) -> str:
         return "\n".join(self.stderr_tail)
 
-    def _wait_ready(self) -> tuple[str, int]:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def _wait_announced(self) -> dict[str, str]:
         if not self._ready.wait(START_TIMEOUT_S) or self._ready_line is None:
             raise RuntimeError(
-                f"router printed no readiness line (exit {self.proc.poll()}):\n{self.diagnostics()}"
+                f"{self.role} printed no readiness line (exit {self.proc.poll()}):\n{self.diagnostics()}"
             )
-        # `PDSERVE_READY role=router http=ADDR grpc=ADDR` (common/src/cli.rs).
         fields = dict(kv.split("=", 1) for kv in self._ready_line.split()[1:] if "=" in kv)
-        assert fields.get("role") == "router", self._ready_line
-        host, port = fields["http"].rsplit(":", 1)
-        assert host == "127.0.0.1", self._ready_line
+        assert fields.get("role") == self.role, self._ready_line
+        return fields
+
+    def stop(self) -> int | None:
+        """SIGTERM, then the exit status (bounded; SIGKILL after STOP_TIMEOUT_S)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+                return None
+        return self.proc.returncode
+
+
+class WorkerProcess(ServiceProcess):
+    """A running prefill or decode worker on an ephemeral loopback port."""
+
+    def __init__(self, role: str, model_dir: Path) -> None:
+        self.role = role
+        super().__init__(
+            f"pdserve-{role}", ["--grpc-listen", "127.0.0.1:0", "--model-dir", str(model_dir)]
+        )
+        self.grpc = self.addrs["grpc"]
+
+
+class RouterProcess(ServiceProcess):
+    """A running `pdserve-router`; `http` is its bound HTTP address."""
+
+    role = "router"
+
+    def __init__(self, args: list[str]) -> None:
+        super().__init__(
+            "pdserve-router",
+            ["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", *args],
+        )
+        try:
+            self.http = self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> tuple[str, int]:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        host, port = self.addrs["http"].rsplit(":", 1)
+        assert host == "127.0.0.1", self.addrs
         addr = (host, int(port))
         last = ""
         while time.monotonic() < deadline:
@@ -195,18 +233,6 @@ class RouterProcess:
 
     def post(self, path: str, body: Any, **kw: Any) -> Reply:
         return http_request(self.http, "POST", path, body, **kw)
-
-    def stop(self) -> int | None:
-        """SIGTERM, then the exit status (bounded; SIGKILL after STOP_TIMEOUT_S)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
-                return None
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")
@@ -240,9 +266,30 @@ def _start(args: list[str]):
     assert code == 0, f"router did not exit cleanly after SIGTERM ({code}):\n{router.diagnostics()}"
 
 
+def disaggregated() -> bool:
+    """`PYTEST_PDSERVE_LAYOUT=pd`: the clients talk to a router over one prefill and one
+    decode worker (state moving between them over TCP) instead of its in-process engine."""
+    layout = os.environ.get("PYTEST_PDSERVE_LAYOUT", "local")
+    assert layout in ("local", "pd"), f"PYTEST_PDSERVE_LAYOUT={layout}: local or pd"
+    return layout == "pd"
+
+
 @pytest.fixture(scope="session")
 def router(model_dir: Path):
-    yield from _start(["--model-dir", str(model_dir), "--served-model-name", SERVED_NAME])
+    args = ["--model-dir", str(model_dir), "--served-model-name", SERVED_NAME]
+    if not disaggregated():
+        yield from _start(args)
+        return
+    workers = []
+    try:
+        for role in ("prefill", "decode"):
+            workers.append(WorkerProcess(role, model_dir))
+        prefill, decode = workers
+        yield from _start([*args, "--prefill-worker", prefill.grpc, "--decode-worker", decode.grpc])
+    finally:
+        for w in reversed(workers):
+            code = w.stop()
+            assert code == 0, f"{w.role} worker did not exit cleanly ({code}):\n{w.diagnostics()}"
 
 
 @pytest.fixture(scope="session")

@@ -282,3 +282,30 @@ fn grammars_that_do_not_compile_are_refused_with_the_reason() {
         assert!(message.contains(needle), "{grammar:?}: {message}");
     }
 }
+
+#[test]
+fn the_table_is_built_in_the_background_once_for_every_clone() {
+    let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::copy(path, dir.path().join("tokenizer.json")).expect("copy");
+    let source = super::TokenTableSource::from_dir(dir.path(), VOCAB, &[EOS]);
+    let clone = source.clone();
+    let started = std::time::Instant::now();
+    source.build_in_background();
+    // Nothing asked for it: the thread builds it (bounded wait).
+    while !clone.is_built() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "not built"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    eprintln!("token table built in {:?}", started.elapsed());
+    let (a, b) = (source.get().expect("table"), clone.get().expect("table"));
+    assert!(Arc::ptr_eq(&a, &b), "one build");
+    // A source with no folder has nothing to build and refuses.
+    let none = super::TokenTableSource::none();
+    none.build_in_background();
+    assert!(!none.is_built());
+    assert!(none.get().is_err());
+}

@@ -82,6 +82,25 @@ impl ApiError {
         }
     }
 
+    /// A request the official converter refused (400). Its messages name a field as
+    /// `Invalid <field> value, ...`: that field becomes the error's `param`.
+    pub fn conversion(error: &impl std::fmt::Display) -> Self {
+        let message = error.to_string();
+        let field = message
+            .strip_prefix("Invalid ")
+            .and_then(|rest| rest.split_once(" value"))
+            .map(|(field, _)| field)
+            .filter(|f| {
+                !f.is_empty()
+                    && f.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            });
+        match field {
+            Some(field) => Self::param(field, message.clone()),
+            None => Self::InvalidRequest(message),
+        }
+    }
+
     /// HTTP status, OpenAI `type`, `param` and `code` of this error.
     pub fn parts(&self) -> (StatusCode, &'static str, Option<&str>, Option<&'static str>) {
         const BAD: StatusCode = StatusCode::BAD_REQUEST;
@@ -298,6 +317,18 @@ impl IntoResponse for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_converter_refusal_names_the_field_it_names() {
+        let e = ApiError::conversion(
+            &"Invalid max_tokens value, the valid range of max_tokens is [1, 393216]",
+        );
+        assert_eq!(e.parts().2, Some("max_tokens"));
+        assert_eq!(e.parts().0, StatusCode::BAD_REQUEST);
+        let e = ApiError::conversion(&"response_format should not be used with tools");
+        assert_eq!(e.parts().2, None);
+        assert_eq!(e.parts().0, StatusCode::BAD_REQUEST);
+    }
 
     /// Every kind a worker can report, as the client sees it: the kind survives the gRPC
     /// status (and a stream's final error), maps to its status, OpenAI `type` and `code`, and

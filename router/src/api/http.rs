@@ -327,7 +327,7 @@ async fn tokenize(
             let request: ChatCompletionRequest = chat::deserialize(obj)?;
             let converted = request
                 .convert(served.conversion_options())
-                .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+                .map_err(|e| ApiError::conversion(&e))?;
             served
                 .encoding
                 .encode(&converted.conversation)

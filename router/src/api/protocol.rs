@@ -256,10 +256,26 @@ pub fn prepare<P: Protocol>(
             != Some(&Value::Bool(true));
     let written = structured::written_schema(&obj);
     let requested_max = obj.get(P::MAX_TOKENS).is_some_and(|v| !v.is_null());
+    // Beyond the context whatever the prompt: said as such, before the converter's own bound
+    // on output lengths speaks.
+    if let Some(m) = obj
+        .get(P::MAX_TOKENS)
+        .and_then(Value::as_u64)
+        .filter(|&m| m > u64::from(served.max_model_len))
+    {
+        return Err(ApiError::ContextLength {
+            param: P::MAX_TOKENS.to_owned(),
+            message: format!(
+                "`{}` = {m} exceeds this model's context of {} tokens",
+                P::MAX_TOKENS,
+                served.max_model_len
+            ),
+        });
+    }
     let request: P = deserialize(obj)?;
     let converted = request
         .convert(served.conversion_options())
-        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+        .map_err(|e| ApiError::conversion(&e))?;
     let prompt = served
         .encoding
         .encode(&converted.conversation)
