@@ -253,6 +253,19 @@ fn completions_honour_the_stop_extras() {
             "temperature": 0.0, "max_tokens": 5, "logit_bias": {"1": 100}, "ignore_eos": true}),
     );
     assert_eq!(r.json()["choices"][0]["text"], "", "{}", r.body);
+    // Unless `skip_special_tokens: false` keeps them, as vLLM does (streamed alike).
+    let mut keep = json!({"model": "deepseek-v4-flash", "prompt": "The quick brown fox",
+        "temperature": 0.0, "max_tokens": 3, "logit_bias": {"128003": 100},
+        "skip_special_tokens": false});
+    let r = post(addr, PATH, &keep);
+    let three = "<｜place▁holder▁no▁3｜>".repeat(3);
+    assert_eq!(r.json()["choices"][0]["text"], three.as_str(), "{}", r.body);
+    keep["stream"] = json!(true);
+    assert_eq!(fold_stream(&post(addr, PATH, &keep)).0, three);
+    keep["skip_special_tokens"] = json!(true);
+    assert_eq!(fold_stream(&post(addr, PATH, &keep)).0, "");
+    keep["skip_special_tokens"] = json!("no");
+    expect_error(&post(addr, PATH, &keep), 400, Some("skip_special_tokens"));
     assert_eq!(ask(json!({"min_tokens": 3})), (4, "stop".to_owned()));
     assert_eq!(
         ask(json!({"logit_bias": {"300": 100}, "stop_token_ids": [300]})),

@@ -50,6 +50,8 @@ pub struct Prepared {
     pub echo: Option<String>,
     /// vLLM's `return_token_ids`: the prompt's and the completion's token ids in the answer.
     pub return_token_ids: bool,
+    /// vLLM's `skip_special_tokens` (default true): special tokens left out of the text.
+    pub skip_special_tokens: bool,
     /// Choices to generate (`n`).
     pub n: u32,
 }
@@ -212,6 +214,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
     };
     let echo = boolean(&obj, "echo")? == Some(true);
     let return_token_ids = boolean(&obj, "return_token_ids")? == Some(true);
+    let skip_special_tokens = boolean(&obj, "skip_special_tokens")?.unwrap_or(true);
     if obj.get("suffix").is_some_and(|v| !v.is_null()) {
         return Err(ApiError::param("suffix", "`suffix` is not supported"));
     }
@@ -286,6 +289,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         logprobs,
         echo,
         return_token_ids,
+        skip_special_tokens,
         n,
     })
 }
@@ -307,6 +311,8 @@ pub struct Detokenizer {
     text: String,
     /// Bytes of `text` already released.
     sent: usize,
+    /// Special tokens are left out of the text (vLLM's `skip_special_tokens`).
+    skip_special: bool,
 }
 
 /// The tokenizer failed to decode the generated ids (its message as it gave it).
@@ -332,16 +338,26 @@ impl Detokenizer {
             read: 0,
             text: String::new(),
             sent: 0,
+            skip_special: true,
         }
     }
 
-    /// The text of `ids`, special tokens (eos under `ignore_eos`, markers) left out, as vLLM's
-    /// default `skip_special_tokens` does.
+    /// Keeps special tokens in the text (`skip_special_tokens: false`).
+    #[must_use]
+    pub fn keeping_special_tokens(mut self, keep: bool) -> Self {
+        self.skip_special = !keep;
+        self
+    }
+
+    /// The text of `ids`; special tokens (eos under `ignore_eos`, markers) left out unless
+    /// kept, as vLLM's `skip_special_tokens` says.
     fn decode(&self, ids: &[u32]) -> Result<String, DetokenizeError> {
         if ids.is_empty() {
             return Ok(String::new());
         }
-        self.tokenizer.decode(ids, true).map_err(DetokenizeError)
+        self.tokenizer
+            .decode(ids, self.skip_special)
+            .map_err(DetokenizeError)
     }
 
     /// Extends `text` with the newly complete text (all of it with `last`).
@@ -871,6 +887,7 @@ pub async fn respond(
         logprobs,
         echo,
         return_token_ids,
+        skip_special_tokens,
         n,
     } = prepared;
     let prompt_len = prompt.len();
@@ -919,7 +936,8 @@ pub async fn respond(
             pieces(
                 tokens,
                 tracker.take(),
-                Detokenizer::new(Arc::clone(&served.tokenizer), stop.clone()),
+                Detokenizer::new(Arc::clone(&served.tokenizer), stop.clone())
+                    .keeping_special_tokens(!skip_special_tokens),
                 stop_ids.clone(),
                 logprobs.is_some() || return_token_ids,
             )

@@ -59,10 +59,6 @@ const VLLM_SHARED: &[Field] = &[
         OnlyAt(&["false"], "stop strings are cut from the output"),
     ),
     f(
-        "skip_special_tokens",
-        OnlyAt(&["true"], "special tokens are always removed from the text"),
-    ),
-    f(
         "spaces_between_special_tokens",
         OnlyAt(&["true"], "the official decoder's spacing is used"),
     ),
@@ -167,6 +163,14 @@ pub const CHAT: &[Field] = &[
     f("add_special_tokens", OnlyAt(&["false"], TEMPLATE)),
     f("documents", Refused(TEMPLATE)),
     f("mm_processor_kwargs", Refused(TEXT_ONLY)),
+    f(
+        "skip_special_tokens",
+        OnlyAt(
+            &["true"],
+            "the message is written by DeepSeek's official output parser, which reads special \
+             tokens as its structure",
+        ),
+    ),
 ];
 
 /// `POST /v1/completions`: its own OpenAI fields, then the completions-only vLLM extras.
@@ -181,6 +185,7 @@ pub const COMPLETIONS: &[Field] = &[
     ),
     f("add_special_tokens", OnlyAt(&["true"], TEMPLATE)),
     f("prompt_embeds", Refused(NOT_SERVED)),
+    f("skip_special_tokens", Honoured),
 ];
 
 /// `POST /v1/messages` (Anthropic's Messages schema; vLLM's extras are not part of it).
