@@ -350,3 +350,44 @@ fn workers_register_heartbeat_and_are_dropped_when_they_stop() {
     let r = post(http_addr, "/v1/chat/completions", &body);
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// The context a disaggregated router advertises is what its decode workers' pools hold (not
+/// the model's 1M positions), and a request beyond it is a 400 naming `max_tokens`.
+#[test]
+fn the_advertised_context_is_what_the_decode_pools_hold() {
+    // Page size 16 (cluster_full): 300 pages hold 4800 tokens.
+    let cluster = cluster_full(1, 1, &[], &["--engine-num-pages", "300"]);
+    let router = cluster.router.addr("http");
+    let context = || {
+        http(router, "GET", "/v1/models", &[], b"", T).json()["data"][0]["max_model_len"]
+            .as_u64()
+            .unwrap()
+    };
+    // The router learns the pools from its workers' Info polls (bounded wait).
+    let started = std::time::Instant::now();
+    while context() != 4800 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "max_model_len {}",
+            context()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ask = |max_tokens: u32| {
+        post(
+            router,
+            "/v1/completions",
+            &json!({"model": "deepseek-v4-flash", "prompt": "Hi", "max_tokens": max_tokens}),
+        )
+    };
+    let r = ask(4800);
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = r.json();
+    assert_eq!(e["error"]["param"], "max_tokens", "{e}");
+    assert_eq!(e["error"]["code"], "context_length_exceeded", "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("4800"),
+        "{e}"
+    );
+    assert_eq!(ask(8).status, 200);
+}

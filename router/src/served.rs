@@ -52,8 +52,11 @@ pub struct Served {
     pub names: Vec<String>,
     pub tokenizer: Arc<Tokenizer>,
     pub encoding: DeepseekV4Encoding,
-    /// Prompt plus completion tokens, at most.
-    pub max_model_len: u32,
+    /// Prompt plus completion tokens, at most, as configured and as the model allows (the
+    /// decode workers' pools may allow less: [`Served::max_model_len`]).
+    configured_max_model_len: u32,
+    /// The workers behind a disaggregated deployment, whose pools bound the context.
+    workers: Option<Arc<crate::backend::workers::Workers>>,
     pub vocab_size: usize,
     pub eos_token_ids: Vec<u32>,
     pub thinking_default: bool,
@@ -72,7 +75,7 @@ impl std::fmt::Debug for Served {
         f.debug_struct("Served")
             .field("name", &self.name)
             .field("names", &self.names)
-            .field("max_model_len", &self.max_model_len)
+            .field("max_model_len", &self.configured_max_model_len)
             .finish_non_exhaustive()
     }
 }
@@ -126,7 +129,7 @@ impl Served {
             })?;
         let limit = u32::try_from(model.max_position_embeddings).unwrap_or(u32::MAX);
         let max_model_len = config.max_model_len.map_or(limit, |l| l.min(limit));
-        let backend = crate::backend::pd::PdBackend::new(config, workers);
+        let backend = crate::backend::pd::PdBackend::new(config, Arc::clone(&workers));
         let mut served = Self::new(
             config,
             tokenizer,
@@ -136,6 +139,7 @@ impl Served {
             Arc::new(backend),
         );
         "pdserve-pd".clone_into(&mut served.fingerprint);
+        served.workers = Some(workers);
         Ok(served)
     }
 
@@ -166,7 +170,8 @@ impl Served {
             dsml_token: tokenizer.token_to_id("｜DSML｜"),
             tokenizer: Arc::new(tokenizer),
             encoding,
-            max_model_len,
+            configured_max_model_len: max_model_len,
+            workers: None,
             vocab_size,
             eos_token_ids,
             thinking_default: config.thinking_default,
@@ -174,6 +179,21 @@ impl Served {
             backend,
             fingerprint: LOCAL_FINGERPRINT.to_owned(),
         }
+    }
+
+    /// Prompt plus completion tokens, at most: the configured limit, and in a disaggregated
+    /// deployment what the largest pool among the decode workers that are up holds (a request
+    /// that fits no decode worker could never be served). Workers not yet heard from leave
+    /// the configured limit.
+    pub fn max_model_len(&self) -> u32 {
+        let pools = self
+            .workers
+            .as_ref()
+            .and_then(|w| w.decode.largest_pool_tokens());
+        pools.map_or(self.configured_max_model_len, |p| {
+            self.configured_max_model_len
+                .min(u32::try_from(p).unwrap_or(u32::MAX))
+        })
     }
 
     /// Conversion options of the official converter: our names, all rendered as V4.

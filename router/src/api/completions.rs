@@ -236,13 +236,13 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
         .and_then(Value::as_u64)
         .map(|x| u32::try_from(x).unwrap_or(u32::MAX));
     let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
-    let room = served.max_model_len.saturating_sub(prompt_len);
+    let room = served.max_model_len().saturating_sub(prompt_len);
     if room == 0 {
         return Err(ApiError::ContextLength {
             param: "prompt".to_owned(),
             message: format!(
                 "the prompt has {prompt_len} tokens; this model's context is {} tokens",
-                served.max_model_len
+                served.max_model_len()
             ),
         });
     }
@@ -253,7 +253,7 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
                 message: format!(
                     "`max_tokens` = {m} plus the prompt's {prompt_len} tokens exceed this \
                      model's context of {} tokens",
-                    served.max_model_len
+                    served.max_model_len()
                 ),
             });
         }

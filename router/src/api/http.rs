@@ -256,7 +256,7 @@ async fn models(State(state): Shared) -> Result<Response, ApiError> {
                 "owned_by": "pdserve",
                 "root": served.root,
                 "parent": null,
-                "max_model_len": served.max_model_len,
+                "max_model_len": served.max_model_len(),
             })
         })
         .collect();
@@ -341,7 +341,7 @@ async fn tokenize(
     };
     Ok(Json(json!({
         "count": tokens.len(),
-        "max_model_len": served.max_model_len,
+        "max_model_len": served.max_model_len(),
         "tokens": tokens,
         "token_strs": null,
     }))

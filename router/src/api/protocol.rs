@@ -261,14 +261,14 @@ pub fn prepare<P: Protocol>(
     if let Some(m) = obj
         .get(P::MAX_TOKENS)
         .and_then(Value::as_u64)
-        .filter(|&m| m > u64::from(served.max_model_len))
+        .filter(|&m| m > u64::from(served.max_model_len()))
     {
         return Err(ApiError::ContextLength {
             param: P::MAX_TOKENS.to_owned(),
             message: format!(
                 "`{}` = {m} exceeds this model's context of {} tokens",
                 P::MAX_TOKENS,
-                served.max_model_len
+                served.max_model_len()
             ),
         });
     }
@@ -282,7 +282,7 @@ pub fn prepare<P: Protocol>(
         .map_err(|e| ApiError::Internal(e.to_string()))?;
     let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
     let max_tokens = converted
-        .resolve_max_tokens(prompt_len, served.max_model_len)
+        .resolve_max_tokens(prompt_len, served.max_model_len())
         .map_err(|e| ApiError::ContextLength {
             param: if requested_max {
                 P::MAX_TOKENS

@@ -376,6 +376,20 @@ impl Pool {
     pub fn any_alive(&self) -> bool {
         self.snapshot().iter().any(|w| w.is_up())
     }
+
+    /// Tokens the largest page pool among the workers that are up holds (pages times page
+    /// size, from their last `Info`); `None` before any reported both.
+    pub fn largest_pool_tokens(&self) -> Option<u64> {
+        self.snapshot()
+            .iter()
+            .filter(|w| w.is_up())
+            .filter_map(|w| {
+                let page_size = lock(&w.layout).as_ref()?.page_size_tokens;
+                let pages = lock(&w.load).pages_total;
+                (pages > 0 && page_size > 0).then(|| pages.saturating_mul(u64::from(page_size)))
+            })
+            .max()
+    }
 }
 
 /// Prefill and decode pools, shared by the PD backend and the `Registry` service.
