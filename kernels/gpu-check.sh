@@ -6,7 +6,9 @@
 #                cargo build -p kernels --features cuda --release --bins
 #   stage here:  kernels/gpu-check.sh --stage gpu-bin   (stripped copies, small enough to carry)
 #   run there:   kernels/gpu-check.sh gpu-bin           (or target/release)
-# Exits non-zero when any test fails. Takes a few minutes (the bench about one).
+# Exits non-zero when any test fails, when nvidia-smi fails, and when a test binary finds no GPU
+# (PDSERVE_REQUIRE_GPU=1: a run without a working GPU cannot pass). Takes a few minutes (the
+# bench about one).
 set -uo pipefail
 TESTS="nvfp4_quant fp4_gemv nvfp4_gemm nvfp4_gemm_sm100 attn_decode indexer cuda_backend device_pages"
 if [ "${1:-}" = "--stage" ]; then
@@ -23,8 +25,12 @@ if [ "${1:-}" = "--stage" ]; then
   exit 0
 fi
 DIR="${1:-target/release}"
-nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
+export PDSERVE_REQUIRE_GPU=1
 status=0
+if ! nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader; then
+  echo "nvidia-smi failed: no working GPU or driver here" >&2
+  status=1
+fi
 for name in $TESTS; do
   found=0
   for bin in "$DIR"/deps/"$name"-*; do

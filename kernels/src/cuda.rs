@@ -57,6 +57,22 @@ pub struct Gpu {
 
 impl Gpu {
     /// Device 0, or `None` when no driver or no device is present.
+    /// The GPU for test `test`, or `None` when this machine has no CUDA driver or device:
+    /// the test then skips, or fails under `PDSERVE_REQUIRE_GPU=1` ([`crate::gpu_test`]).
+    ///
+    /// # Panics
+    /// When the GPU is present but does not open, or is missing where one is required.
+    pub fn for_test(test: &str) -> Option<Self> {
+        match Self::open() {
+            Ok(Some(gpu)) => Some(gpu),
+            Ok(None) => {
+                crate::gpu_test::skip(test, "no CUDA driver or device");
+                None
+            }
+            Err(e) => panic!("{test}: the GPU does not open: {e}"),
+        }
+    }
+
     pub fn open() -> Result<Option<Self>, KernelError> {
         // SAFETY: only probes whether the shared library can be loaded.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {

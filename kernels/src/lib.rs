@@ -36,12 +36,18 @@
 //! so it runs in the engine's explicit hybrid mode. `cuda::DevicePages` is the device page
 //! pool.
 //! [`backend::open`] picks the backend a worker's configuration names.
+//!
+//! The GPU tests (`tests/`, feature `cuda`) skip on a machine without a GPU and fail there
+//! under `PDSERVE_REQUIRE_GPU=1` ([`gpu_test`]), which `gpu-check.sh` sets. Which compiled
+//! tensor-core kernel a device may run is decided by [`arch`].
 
+pub mod arch;
 pub mod backend;
 pub mod compose;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gpu_test;
 
 /// Embedded fatbins (empty when built without nvcc).
 pub mod fatbins {

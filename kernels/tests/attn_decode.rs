@@ -68,8 +68,7 @@ fn case(gpu: &Gpu, rng: &mut Rng, counts: &[usize], heads: usize, dim: usize, sp
 
 #[test]
 fn gpu_attention_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_attention_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_attention_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(3, "attn");

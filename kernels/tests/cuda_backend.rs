@@ -23,8 +23,7 @@ use kernels::{
 
 #[test]
 fn gpu_swiglu_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_swiglu_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_swiglu_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(8, "swiglu");
@@ -102,8 +101,7 @@ fn check_row_block(
 
 #[test]
 fn gpu_bf16_gemv_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_bf16_gemv_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_bf16_gemv_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(10, "bf16 gemv");
@@ -135,8 +133,7 @@ fn gpu_bf16_gemv_matches_reference() {
 
 #[test]
 fn gpu_fp8_block_gemv_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_fp8_block_gemv_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_fp8_block_gemv_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(11, "fp8 gemv");
@@ -190,8 +187,7 @@ fn logits(model: &Model, prompt: &[u32], decode: &[u32]) -> Vec<Vec<f32>> {
 
 #[test]
 fn gpu_backend_logits_match_the_cpu_engine() {
-    if Gpu::open().unwrap().is_none() {
-        eprintln!("skipping gpu_backend_logits_match_the_cpu_engine: no CUDA driver or device");
+    if Gpu::for_test("gpu_backend_logits_match_the_cpu_engine").is_none() {
         return;
     }
     for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
@@ -245,8 +241,7 @@ fn gpu_backend_logits_match_the_cpu_engine() {
 
 #[test]
 fn gpu_backend_refuses_non_fp4_experts() {
-    if Gpu::open().unwrap().is_none() {
-        eprintln!("skipping gpu_backend_refuses_non_fp4_experts: no CUDA driver or device");
+    if Gpu::for_test("gpu_backend_refuses_non_fp4_experts").is_none() {
         return;
     }
     let dir = checkpoint(ExpertFormat::Bf16);

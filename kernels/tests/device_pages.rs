@@ -155,8 +155,7 @@ fn assert_close(got: &[f32], want: &[f32], bound: f32, what: &str) {
 
 #[test]
 fn gpu_attention_over_device_pages_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_attention_over_device_pages_matches_reference: no CUDA device");
+    let Some(gpu) = Gpu::for_test("gpu_attention_over_device_pages_matches_reference") else {
         return;
     };
     let s = stored();
@@ -188,8 +187,7 @@ fn gpu_attention_over_device_pages_matches_reference() {
 
 #[test]
 fn gpu_device_pages_past_4_gib() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_device_pages_past_4_gib: no CUDA device");
+    let Some(gpu) = Gpu::for_test("gpu_device_pages_past_4_gib") else {
         return;
     };
     let s = stored();

@@ -9,8 +9,7 @@ use kernels::{cpu, cuda::Gpu};
 
 #[test]
 fn gpu_gemv_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_gemv_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_gemv_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(2, "gemv");
@@ -61,8 +60,7 @@ fn magnitudes(w: &[f32], x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 #[test]
 fn gpu_mxfp4_gemv_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_mxfp4_gemv_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_mxfp4_gemv_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(3, "mxfp4 gemv");
@@ -90,8 +88,7 @@ fn gpu_mxfp4_gemv_matches_reference() {
 /// token with none, the last expert (the largest offsets), and no pairs at all.
 #[test]
 fn gpu_grouped_gemv_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_grouped_gemv_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_grouped_gemv_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(4, "grouped gemv");

@@ -12,8 +12,7 @@ use kernels::{
 
 #[test]
 fn gpu_indexer_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_indexer_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_indexer_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(4, "indexer");

@@ -3,7 +3,7 @@
 //! multiples (m and n not multiples of 64, k not a multiple of 32, single rows and columns,
 //! empty), output poisoned with NaN. Bound per element: |gpu - ref| <= 1e-4 * Σ_k |a·w| (f32
 //! accumulation inside the tensor cores, whose rounding of partial sums may truncate).
-//! Skips without a GPU.
+//! Skips without a GPU; fails instead under `PDSERVE_REQUIRE_GPU=1` (gpu-check.sh).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -12,8 +12,7 @@ use kernels::{cpu, cuda::Gpu};
 
 #[test]
 fn gpu_gemm_matches_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_gemm_matches_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_gemm_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(5, "gemm");
@@ -63,13 +62,12 @@ fn gpu_gemm_matches_reference() {
 /// on sm_120 devices; elsewhere the wrapper must refuse (checked).
 #[test]
 fn gpu_w4a4_gemm_matches_reference_on_sm120() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_w4a4_gemm_matches_reference_on_sm120: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_w4a4_gemm_matches_reference_on_sm120") else {
         return;
     };
     let (major, minor) = gpu.ctx.compute_capability().unwrap();
     let mut rng = Rng::for_tensor(6, "w4a4");
-    if major != 12 {
+    if kernels::arch::fp4_mma(major, minor) != Ok(kernels::arch::Fp4Mma::Sm120MmaSync) {
         let refused = gpu.nvfp4_gemm_w4a4(
             (&[0; 32], &[0; 4], 1.0),
             (&[0; 32], &[0; 4], 1.0),

@@ -14,12 +14,11 @@ use kernels::{cpu, cuda::Gpu};
 
 #[test]
 fn gpu_w4a4_gemm_matches_reference_on_sm100() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_w4a4_gemm_matches_reference_on_sm100: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_w4a4_gemm_matches_reference_on_sm100") else {
         return;
     };
     let (major, minor) = gpu.ctx.compute_capability().unwrap();
-    if (major, minor) != (10, 0) {
+    if kernels::arch::fp4_mma(major, minor) != Ok(kernels::arch::Fp4Mma::Sm100Tcgen05) {
         let refused = gpu.nvfp4_gemm_w4a4_sm100(
             (&[0; 32], &[0; 4], 1.0),
             (&[0; 32], &[0; 4], 1.0),

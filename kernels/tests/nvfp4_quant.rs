@@ -8,8 +8,7 @@ use kernels::{cpu, cuda::Gpu};
 
 #[test]
 fn gpu_matches_cpu_reference() {
-    let Some(gpu) = Gpu::open().unwrap() else {
-        eprintln!("skipping gpu_matches_cpu_reference: no CUDA driver or device");
+    let Some(gpu) = Gpu::for_test("gpu_matches_cpu_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(1, "nvfp4");

@@ -48,6 +48,13 @@ struct Row {
 fn main() -> Result<(), KernelError> {
     let Some(gpu) = Gpu::open()? else {
         println!("kernel-bench: no CUDA driver or device; nothing measured");
+        // Where a GPU is required (gpu-check.sh), measuring nothing is a failure.
+        if kernels::gpu_test::required() {
+            return Err(KernelError::Unsupported(format!(
+                "no GPU, and {}=1",
+                kernels::gpu_test::REQUIRE_GPU
+            )));
+        }
         return Ok(());
     };
     let mut rng = Rng::for_tensor(9, "bench");

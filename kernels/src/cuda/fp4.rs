@@ -377,7 +377,7 @@ impl Gpu {
 
     /// `C = A · Wᵀ` with NVFP4 activations and weights on sm_120 FP4 tensor cores (see
     /// `cpu::nvfp4_gemm_w4a4`); `k` must be a multiple of 64. Returns [`KernelError::Unsupported`]
-    /// on other architectures. Output poisoned with NaN before the launch.
+    /// on any other compute capability, sm_121 included ([`crate::arch::fp4_mma`]). Output poisoned with NaN before the launch.
     pub fn nvfp4_gemm_w4a4(
         &self,
         a: (&[u8], &[u8], f32),
@@ -385,12 +385,14 @@ impl Gpu {
         (m, n, k): (usize, usize, usize),
     ) -> Result<Vec<f32>, KernelError> {
         let (major, minor) = self.ctx.compute_capability()?;
-        if major != 12 {
+        if crate::arch::fp4_mma(major, minor).map_err(KernelError::Unsupported)?
+            != crate::arch::Fp4Mma::Sm120MmaSync
+        {
             return Err(KernelError::Unsupported(format!(
-                "the block-scaled FP4 MMA needs sm_120 (this device is sm_{major}{minor})"
+                "this is the sm_120 kernel; on sm_{major}{minor} use nvfp4_gemm_w4a4_sm100"
             )));
         }
-        // SAFETY: the device is sm_120, where the kernel has its real
+        // SAFETY: the device is exactly sm_120, where the kernel has its real
         // body; it takes the W4A4 parameter list and 128 threads per 64 x 64 tile.
         unsafe {
             self.launch_w4a4(

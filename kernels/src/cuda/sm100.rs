@@ -24,10 +24,11 @@ impl Gpu {
         (m, n, k): (usize, usize, usize),
     ) -> Result<Vec<f32>, KernelError> {
         let (major, minor) = self.ctx.compute_capability()?;
-        if (major, minor) != (10, 0) {
+        if crate::arch::fp4_mma(major, minor).map_err(KernelError::Unsupported)?
+            != crate::arch::Fp4Mma::Sm100Tcgen05
+        {
             return Err(KernelError::Unsupported(format!(
-                "the tcgen05 block-scaled FP4 MMA kernel is built for sm_100a (this device is \
-                 sm_{major}{minor})"
+                "this is the sm_100 kernel; on sm_{major}{minor} use nvfp4_gemm_w4a4"
             )));
         }
         // SAFETY: the device is sm_100, where the kernel has its real
