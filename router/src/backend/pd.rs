@@ -381,9 +381,15 @@ impl PdBackend {
             Err(s) => {
                 let kind = ErrorKind::try_from(proto::error::from_status(&s).kind)
                     .unwrap_or(ErrorKind::Internal);
+                // The worker's own refusal (its structured error in the details) of a bad or
+                // cancelled request would come again. A call that broke in transport (no
+                // details: a connection to a worker that died reads as "cancelled") may be
+                // retried elsewhere.
+                let reported = !s.details().is_empty();
                 Err(Failed {
                     error: BackendError::from_status("prefill worker", &s),
-                    retry: !matches!(kind, ErrorKind::InvalidArgument | ErrorKind::Cancelled),
+                    retry: !(reported
+                        && matches!(kind, ErrorKind::InvalidArgument | ErrorKind::Cancelled)),
                 })
             }
         }
