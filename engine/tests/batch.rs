@@ -110,3 +110,46 @@ fn expert_major_moe_equals_token_major() {
         }
     }
 }
+
+/// A NaN in a CSA layer's indexer keys (a poisoned state page) is not read as a score of 0:
+/// the tokens that attend through that layer's indexer get NaN, which the engine reports,
+/// rather than logits computed from rows picked by a NaN.
+#[test]
+fn a_nan_indexer_key_makes_nan_not_a_plausible_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 4,
+        experts: ExpertFormat::Bf16,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919) % 129_280).collect();
+    let mut state = model.new_state();
+    model
+        .forward(&mut state, &prompt, engine::model::Logits::Last)
+        .unwrap();
+    let csa = model
+        .config
+        .layers
+        .iter()
+        .position(|l| matches!(l.attention, engine::config::Attention::Csa { .. }))
+        .unwrap();
+    let mut clean = state.clone();
+    let finite = model
+        .forward(&mut clean, &[5], engine::model::Logits::Last)
+        .unwrap();
+    assert!(finite[0].iter().all(|v| v.is_finite()));
+    let rows = &mut state.layers[csa].indexer.as_mut().unwrap().rows;
+    assert!(
+        rows.len() > 4 * model.config.index_head_dim,
+        "more rows than the top-k"
+    );
+    rows[model.config.index_head_dim + 3] = f32::NAN;
+    match model.forward(&mut state, &[5], engine::model::Logits::Last) {
+        Ok(logits) => assert!(logits[0].iter().all(|v| v.is_nan()), "a plausible answer"),
+        Err(e) => assert!(e.to_string().contains("finite"), "{e}"),
+    }
+}

@@ -9,7 +9,11 @@
 // Split-KV: kernel 1 computes, per (request, head, split), the running max m, the sum l of
 // exp(s - m) and the unnormalised accumulator; kernel 2 merges the splits with a log-sum-exp
 // that treats empty splits (m = -inf, l = 0) as contributing nothing, and adds the sink.
-// The CPU reference is `kernels::cpu::attn_decode` (f64).
+// NaN in, NaN out: a NaN score makes its split's m NaN for good (fmaxf alone would drop it, and
+// a split whose scores are all NaN would look empty), and the merge makes the head NaN when a
+// split's m or l or the sink is NaN. A -inf score adds nothing, even to an empty split.
+// The CPU reference is `kernels::cpu::attn_decode` (f64); `kernels::emulate::attn_decode` is
+// these two kernels step by step in Rust, tested in CI against it.
 #include <stdint.h>
 #include <math.h>
 
@@ -54,9 +58,9 @@ extern "C" __global__ void attn_decode_partial(
         }
         const float s = red[0] * scale;
         __syncthreads();
-        const float m_new = fmaxf(m, s);
-        const float carry = expf(m - m_new);  // 0 when m is -inf
-        const float w = expf(s - m_new);
+        const float m_new = (isnan(s) || isnan(m)) ? NAN : fmaxf(m, s);
+        const float carry = (m == -INFINITY) ? 0.0f : expf(m - m_new);
+        const float w = (s == -INFINITY) ? 0.0f : expf(s - m_new);
         l = l * carry + w;
         #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -88,24 +92,35 @@ extern "C" __global__ void attn_decode_merge(
     float* __restrict__ out) {  // [B, H, D]
     const int bh = blockIdx.x;
     const int h = bh % heads;
+    const long long base = static_cast<long long>(bh) * splits;
     const float sink = sinks[h];
+    bool poisoned = isnan(sink);
+    for (int s = 0; s < splits; ++s) {
+        poisoned = poisoned || isnan(part_m[base + s]) || isnan(part_l[base + s]);
+    }
+    if (poisoned) {
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+            out[static_cast<long long>(bh) * dim + d] = NAN;
+        }
+        return;
+    }
     float big = sink;
     for (int s = 0; s < splits; ++s) {
-        big = fmaxf(big, part_m[bh * splits + s]);  // -inf splits never win
+        big = fmaxf(big, part_m[base + s]);  // -inf splits never win
     }
     float denom = expf(sink - big);
     for (int s = 0; s < splits; ++s) {
-        const float ms = part_m[bh * splits + s];
+        const float ms = part_m[base + s];
         if (ms != -INFINITY) {
-            denom += part_l[bh * splits + s] * expf(ms - big);
+            denom += part_l[base + s] * expf(ms - big);
         }
     }
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
         float v = 0.0f;
         for (int s = 0; s < splits; ++s) {
-            const float ms = part_m[bh * splits + s];
+            const float ms = part_m[base + s];
             if (ms != -INFINITY) {
-                v += part_acc[(static_cast<long long>(bh) * splits + s) * dim + d] * expf(ms - big);
+                v += part_acc[(base + s) * dim + d] * expf(ms - big);
             }
         }
         out[static_cast<long long>(bh) * dim + d] = v / denom;

@@ -51,7 +51,9 @@ extern "C" __global__ void mxfp4_gemv(const uint8_t* __restrict__ packed,
     }
 }
 
-// Grid: x covers rows (WARPS_PER_BLOCK per block), y is the pair.
+// Grid: x covers rows (WARPS_PER_BLOCK per block), y is the pair. A pair whose expert or token
+// index lies outside [0, experts) or [0, tokens) is never read through: its output rows are
+// NaN (the indices come from the host and are not trusted to address memory).
 template <bool MX>
 __device__ __forceinline__ void grouped_gemv(const uint8_t* __restrict__ packed,
                                              const uint8_t* __restrict__ scales,
@@ -60,6 +62,7 @@ __device__ __forceinline__ void grouped_gemv(const uint8_t* __restrict__ packed,
                                              const int* __restrict__ pair_token,
                                              const int* __restrict__ pair_expert,
                                              long long rows, long long cols,
+                                             long long experts, long long tokens,
                                              float* __restrict__ y) {
     constexpr long long BLOCK = MX ? 32 : 16;
     const long long pair = blockIdx.y;
@@ -71,6 +74,12 @@ __device__ __forceinline__ void grouped_gemv(const uint8_t* __restrict__ packed,
     }
     const long long expert = pair_expert[pair];
     const long long token = pair_token[pair];
+    if (expert < 0 || expert >= experts || token < 0 || token >= tokens) {
+        if (lane == 0) {
+            y[pair * rows + row] = NAN;
+        }
+        return;
+    }
     const long long first_row = expert * rows + row;  // rows of all experts, stacked
     const float acc = fp4::warp_row_dot<MX>(packed + first_row * (cols / 2),
                                             scales + first_row * (cols / BLOCK),
@@ -87,8 +96,10 @@ extern "C" __global__ void nvfp4_grouped_gemv(const uint8_t* __restrict__ packed
                                               const int* __restrict__ pair_token,
                                               const int* __restrict__ pair_expert,
                                               long long rows, long long cols,
+                                              long long experts, long long tokens,
                                               float* __restrict__ y) {
-    grouped_gemv<false>(packed, scales, scale_2, x, pair_token, pair_expert, rows, cols, y);
+    grouped_gemv<false>(packed, scales, scale_2, x, pair_token, pair_expert, rows, cols, experts,
+                        tokens, y);
 }
 
 extern "C" __global__ void mxfp4_grouped_gemv(const uint8_t* __restrict__ packed,
@@ -97,6 +108,8 @@ extern "C" __global__ void mxfp4_grouped_gemv(const uint8_t* __restrict__ packed
                                               const int* __restrict__ pair_token,
                                               const int* __restrict__ pair_expert,
                                               long long rows, long long cols,
+                                              long long experts, long long tokens,
                                               float* __restrict__ y) {
-    grouped_gemv<true>(packed, scales, nullptr, x, pair_token, pair_expert, rows, cols, y);
+    grouped_gemv<true>(packed, scales, nullptr, x, pair_token, pair_expert, rows, cols, experts,
+                       tokens, y);
 }

@@ -1,8 +1,11 @@
 // DeepSeek-V4 lightning indexer for decode: score every visible compressed key of a request,
 // score_s = sum_h w_h * relu(q_h . k_s) * scale, then keep the top `k` (ties: lower index
 // first), where only the first `visible[b]` keys of request b exist for its query (causal
-// rule: a compressed row is visible once its window has closed). The CPU reference is
-// `kernels::cpu::indexer_topk` (same rule as the engine's CPU model).
+// rule: a compressed row is visible once its window has closed). NaN in, NaN out: the ReLU keeps
+// a NaN, and a request with a NaN among its visible scores gets TOPK_POISONED (-2) in every
+// slot instead of a selection. Index arithmetic is 64-bit. The CPU reference is
+// `kernels::cpu::indexer_topk` (same rule as the engine's CPU model); `kernels::emulate::
+// topk_rounds` is `indexer_topk` step by step in Rust, tested in CI.
 #include <stdint.h>
 #include <math.h>
 
@@ -35,7 +38,8 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q, const flo
         for (int off = 16; off > 0; off /= 2) {
             dotp += __shfl_down_sync(0xffffffffu, dotp, off);
         }
-        total += fmaxf(dotp, 0.0f) * scale * w[b * heads + h];
+        const float relu = isnan(dotp) ? dotp : fmaxf(dotp, 0.0f);
+        total += relu * scale * w[b * heads + h];
     }
     if (lane == 0) {
         scores[b * max_keys + s] = total;
@@ -43,19 +47,31 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q, const flo
 }
 
 // One block per request: k rounds of (max score, lowest index) over the visible keys not yet
-// taken. Writes `min(k, visible)` indices (in selection order) and -1 for the rest.
+// taken. Writes `min(k, visible)` indices (in selection order) and -1 for the rest; -2 in
+// every slot when a visible score is NaN (taken keys are then marked NaN).
 extern "C" __global__ void indexer_topk(float* __restrict__ scores, const int* __restrict__ visible,
                                         long long max_keys, int k, int* __restrict__ out) {
     const int b = blockIdx.x;
     const int n = visible[b];
     float* row = scores + static_cast<long long>(b) * max_keys;
+    int* slots = out + static_cast<long long>(b) * k;
     __shared__ float best_score[THREADS];
     __shared__ int best_index[THREADS];
+    int nan_seen = 0;
+    for (int s = threadIdx.x; s < n; s += THREADS) {
+        nan_seen |= isnan(row[s]) ? 1 : 0;
+    }
+    if (__syncthreads_or(nan_seen)) {
+        for (int round = threadIdx.x; round < k; round += THREADS) {
+            slots[round] = -2;
+        }
+        return;
+    }
     const int take = min(k, n);
     for (int round = 0; round < k; ++round) {
         if (round >= take) {
             if (threadIdx.x == 0) {
-                out[b * k + round] = -1;
+                slots[round] = -1;
             }
             continue;
         }
@@ -84,9 +100,13 @@ extern "C" __global__ void indexer_topk(float* __restrict__ scores, const int* _
             __syncthreads();
         }
         if (threadIdx.x == 0) {
+            // Always a visible index: no score is NaN and round < n keys remain untaken.
             const int chosen = best_index[0];
-            out[b * k + round] = chosen;
-            row[chosen] = NAN;  // taken
+            const bool valid = chosen >= 0 && chosen < n;
+            slots[round] = valid ? chosen : -2;
+            if (valid) {
+                row[chosen] = NAN;  // taken
+            }
         }
         __syncthreads();
     }

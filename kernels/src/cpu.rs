@@ -198,7 +198,8 @@ pub fn attn_decode(
 
 /// Lightning-indexer selection for one decode query (reference of `indexer.cu`): scores the
 /// first `visible` keys by `Σ_h w_h · ReLU(q_h · k) · scale` and returns the indices of the
-/// `min(k, visible)` best, ties to the lower index, in ascending index order.
+/// `min(k, visible)` best, ties to the lower index, in ascending index order. `None` when a
+/// score is NaN (the ReLU keeps a NaN): no selection is defined, as the engine's rule says.
 pub fn indexer_topk(
     q: &[f32],
     w: &[f32],
@@ -206,20 +207,33 @@ pub fn indexer_topk(
     visible: usize,
     scale: f32,
     k: usize,
-) -> Vec<usize> {
+) -> Option<Vec<usize>> {
     let dim = keys.first().map_or(0, Vec::len);
     let scores: Vec<f32> = keys[..visible]
         .iter()
         .map(|key| {
             q.chunks_exact(dim.max(1))
                 .zip(w)
-                .map(|(qh, wh)| engine::tensor::dot(qh, key).max(0.0) * scale * wh)
+                .map(|(qh, wh)| {
+                    let d = engine::tensor::dot(qh, key);
+                    let relu = if d.is_nan() { d } else { d.max(0.0) };
+                    relu * scale * wh
+                })
                 .sum()
         })
         .collect();
-    let mut chosen = engine::tensor::top_k(&scores, k.min(visible));
+    topk_of_scores(&scores, k)
+}
+
+/// The `min(k, scores.len())` best indices of `scores`, ties to the lower index, ascending;
+/// `None` when a score is NaN.
+pub fn topk_of_scores(scores: &[f32], k: usize) -> Option<Vec<usize>> {
+    if scores.iter().any(|v| v.is_nan()) {
+        return None;
+    }
+    let mut chosen = engine::tensor::top_k(scores, k.min(scores.len()));
     chosen.sort_unstable();
-    chosen
+    Some(chosen)
 }
 
 /// `C = A · Wᵀ` with both operands NVFP4 (`A` `[m, k]` with global scale `a_scale_2`, `W`

@@ -47,6 +47,7 @@ pub mod compose;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod emulate;
 pub mod gpu_test;
 
 /// Embedded fatbins (empty when built without nvcc).

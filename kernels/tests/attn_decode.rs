@@ -78,3 +78,46 @@ fn gpu_attention_matches_reference() {
     case(&gpu, &mut rng, &[200, 17, 1], 3, 200, 4);
     case(&gpu, &mut rng, &[65_536], 1, 128, 32);
 }
+
+/// NaN in, NaN out on the device as in the reference: rows whose every score is NaN fill one
+/// split of request 0 (a merge that skipped it would look finite); request 1 stays finite.
+#[test]
+fn gpu_attention_propagates_a_nan_split() {
+    let Some(gpu) = Gpu::for_test("gpu_attention_propagates_a_nan_split") else {
+        return;
+    };
+    let (heads, dim, splits) = (2usize, 32usize, 4usize);
+    let mut rng = Rng::for_tensor(8, "attn-nan");
+    let mut rows: Vec<Vec<f32>> = (0..16)
+        .map(|_| (0..dim).map(|_| rng.normal()).collect())
+        .collect();
+    for row in &mut rows[2..4] {
+        row[5] = f32::NAN; // request 0 has rows 0..8: split 1 is rows 2..4
+    }
+    let pool: Vec<u8> = rows
+        .iter()
+        .flatten()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let offsets: Vec<i64> = (0..16).map(|r| (r * dim * 4) as i64).collect();
+    let q: Vec<f32> = (0..2 * heads * dim).map(|_| rng.normal()).collect();
+    let sinks = vec![0.1f32, -0.2];
+    let scale = 1.0 / (dim as f32).sqrt();
+    let shape = AttnShape {
+        heads,
+        dim,
+        splits,
+        scale,
+    };
+    let got = gpu
+        .attn_decode(&q, &pool, &offsets, &[0, 8, 16], &sinks, shape)
+        .unwrap();
+    let want = cpu::attn_decode(&q, &rows, &[0, 8, 16], &sinks, dim, scale);
+    let per_request = heads * dim;
+    assert!(got[..per_request].iter().all(|v| v.is_nan()), "request 0");
+    assert!(want[..per_request].iter().all(|v| v.is_nan()));
+    assert!(
+        got[per_request..].iter().all(|v| v.is_finite()),
+        "request 1"
+    );
+}

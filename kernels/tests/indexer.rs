@@ -58,8 +58,10 @@ fn gpu_indexer_matches_reference() {
                 visible[b] as usize,
                 scale,
                 k,
-            );
-            if got[b] != want {
+            )
+            .expect("finite scores");
+            let got_b = got[b].clone().expect("finite scores");
+            if got_b != want {
                 // Scores summed in a different order may swap keys whose scores agree to f32
                 // rounding at the top-k boundary; anything else is a bug.
                 let score = |s: usize| -> f64 {
@@ -79,18 +81,62 @@ fn gpu_indexer_matches_reference() {
                 let spread = (0..visible[b] as usize)
                     .map(|s| score(s).abs())
                     .fold(1e-30, f64::max);
-                for s in got[b]
+                for s in got_b
                     .iter()
                     .filter(|s| !want.contains(s))
-                    .chain(want.iter().filter(|s| !got[b].contains(s)))
+                    .chain(want.iter().filter(|s| !got_b.contains(s)))
                 {
                     assert!(
                         (score(*s) - boundary).abs() <= 1e-5 * spread,
                         "request {b} of {visible:?}: key {s} differs beyond rounding"
                     );
                 }
-                assert_eq!(got[b].len(), want.len());
+                assert_eq!(got_b.len(), want.len());
             }
         }
     }
+}
+
+/// A NaN in one request's keys gives that request no selection (on the device and in the
+/// reference), not indices picked around a NaN; the other requests are unaffected.
+#[test]
+fn gpu_indexer_poisons_a_request_with_a_nan_score() {
+    let Some(gpu) = Gpu::for_test("gpu_indexer_poisons_a_request_with_a_nan_score") else {
+        return;
+    };
+    let mut rng = Rng::for_tensor(5, "indexer-nan");
+    let (heads, dim, k) = (4usize, 16usize, 4usize);
+    let visible = [9i32, 9, 0];
+    let mut keys: Vec<f32> = (0..18 * dim).map(|_| rng.normal()).collect();
+    keys[(9 + 5) * dim + 3] = f32::NAN; // request 1, key 5
+    let q: Vec<f32> = (0..3 * heads * dim).map(|_| rng.normal()).collect();
+    let w: Vec<f32> = (0..3 * heads).map(|_| rng.normal()).collect();
+    let got = gpu
+        .indexer_topk(&IndexerBatch {
+            q: &q,
+            w: &w,
+            keys: &keys,
+            key_starts: &[0, 9, 18],
+            visible: &visible,
+            heads,
+            dim,
+            scale: 0.25,
+            top_k: k,
+        })
+        .unwrap();
+    let rows: Vec<Vec<f32>> = keys.chunks(dim).map(<[f32]>::to_vec).collect();
+    let want = |b: usize| {
+        cpu::indexer_topk(
+            &q[b * heads * dim..(b + 1) * heads * dim],
+            &w[b * heads..(b + 1) * heads],
+            &rows[9 * b..9 * b + visible[b] as usize],
+            visible[b] as usize,
+            0.25,
+            k,
+        )
+    };
+    assert_eq!(want(1), None);
+    assert_eq!(got[1], None);
+    assert_eq!(got[0].as_ref().map(Vec::len), Some(k));
+    assert_eq!(got[2], Some(Vec::new()));
 }

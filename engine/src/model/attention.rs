@@ -212,8 +212,9 @@ pub fn forward(
     let state_ref = &*state;
     let rows_ref = &rows;
     // Each token's keys, in the order the reference sums them: its window rows, then the
-    // compressed rows it sees (all visible ones, or the indexer's choice).
-    let key_lists: Vec<Vec<Key>> = xs
+    // compressed rows it sees (all visible ones, or the indexer's choice). A token whose
+    // indexer scores hold a NaN has no defined choice: its attention output is NaN.
+    let (key_lists, poisoned): (Vec<Vec<Key>>, Vec<bool>) = xs
         .par_iter()
         .enumerate()
         .map(|(t, _)| {
@@ -222,8 +223,9 @@ pub fn forward(
             let mut keys: Vec<Key> = (first..=pos)
                 .map(|p| Key::Window(p - window_start))
                 .collect();
+            let mut poisoned = false;
             if w.compressor.is_some() && state_ref.compressor.is_some() {
-                let chosen: Vec<usize> = match (kind, &w.indexer, &state_ref.indexer) {
+                let chosen: Option<Vec<usize>> = match (kind, &w.indexer, &state_ref.indexer) {
                     (Attention::Csa { .. }, Some(_), Some(is)) => select(
                         is,
                         &IndexQuery {
@@ -235,13 +237,14 @@ pub fn forward(
                         c,
                         compress_rope,
                     ),
-                    _ => (0..visible[t]).collect(),
+                    _ => Some((0..visible[t]).collect()),
                 };
-                keys.extend(chosen.into_iter().map(Key::Compressed));
+                poisoned = chosen.is_none();
+                keys.extend(chosen.into_iter().flatten().map(Key::Compressed));
             }
-            keys
+            (keys, poisoned)
         })
-        .collect();
+        .unzip();
     let compressed_rows = w.compressor.as_ref().zip(state_ref.compressor.as_ref());
     let key_row = |key: &Key| -> &[f32] {
         match (*key, compressed_rows) {
@@ -296,6 +299,9 @@ pub fn forward(
         .into_par_iter()
         .enumerate()
         .map(|(t, mut out)| {
+            if poisoned[t] {
+                out.fill(f32::NAN);
+            }
             let rotation = rope.at(start + t);
             for o in out.chunks_exact_mut(hd) {
                 rotation.apply(o, true);
@@ -397,9 +403,17 @@ fn project_out(
     device.linear(LinearId::OB, &w.wo_b, &lows)
 }
 
+/// `max(v, 0)` that keeps a NaN (`f32::max` would turn it into 0, and a poisoned key into a
+/// plausible score).
+fn relu(v: f32) -> f32 {
+    if v.is_nan() { v } else { v.max(0.0) }
+}
+
 /// The lightning indexer: scores every visible compressed key by
 /// `Σ_h w_h · ReLU(q_h · k) / sqrt(index_head_dim)` and keeps the top `index_topk`, returned in
-/// ascending row order (the order the attention sums in).
+/// ascending row order (the order the attention sums in); `None` when a score is NaN (no
+/// choice is defined, and the caller makes the token's attention NaN rather than attend to
+/// rows picked by a NaN).
 struct IndexQuery<'a> {
     /// The token's indexer query (`wq_b` of its Q residual), before RoPE.
     q: &'a [f32],
@@ -414,7 +428,7 @@ fn select(
     query: &IndexQuery<'_>,
     c: &ModelConfig,
     compress_rope: &Rope,
-) -> Vec<usize> {
+) -> Option<Vec<usize>> {
     let IndexQuery {
         q,
         weights,
@@ -422,7 +436,7 @@ fn select(
         pos,
     } = *query;
     if visible == 0 {
-        return Vec::new();
+        return Some(Vec::new());
     }
     let di = c.index_head_dim;
     let mut q = q.to_vec();
@@ -439,11 +453,14 @@ fn select(
     let scores: Vec<f32> = (0..visible)
         .map(|s| {
             (0..heads.len())
-                .map(|h| head_scores[h * visible + s].max(0.0) * softmax_scale * weights[h])
+                .map(|h| relu(head_scores[h * visible + s]) * softmax_scale * weights[h])
                 .sum()
         })
         .collect();
+    if scores.iter().any(|v| v.is_nan()) {
+        return None;
+    }
     let mut chosen = top_k(&scores, c.index_topk.min(visible));
     chosen.sort_unstable();
-    chosen
+    Some(chosen)
 }

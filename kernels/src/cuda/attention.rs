@@ -50,6 +50,7 @@ impl AttnShape {
     fn check(&self, batch: usize, sinks: usize, q_len: usize) -> Result<(), KernelError> {
         if self.dim == 0
             || self.dim > 512
+            || self.heads == 0
             || self.splits == 0
             || self.splits > 65_535
             || sinks != self.heads
@@ -136,10 +137,14 @@ impl Gpu {
         } = shape;
         let batch = scratch.batch;
         shape.check(batch, heads, batch * heads * dim)?;
+        let parts = batch * heads * splits;
         if starts.len() < batch + 1
             || sinks.len() < heads
             || q.len() < batch * heads * dim
-            || scratch.acc.len() < batch * heads * splits * dim
+            || scratch.m.len() < parts
+            || scratch.l.len() < parts
+            || scratch.acc.len() < parts * dim
+            || scratch.out.len() < batch * heads * dim
         {
             return Err(KernelError::Shape("attn_decode buffers".into()));
         }
@@ -194,17 +199,23 @@ impl Gpu {
     }
 
     /// Lightning-indexer scores and top-k per request (see `cpu::indexer_topk`): returns, per
-    /// request, the chosen key indices in ascending order.
-    pub fn indexer_topk(&self, batch: &IndexerBatch<'_>) -> Result<Vec<Vec<usize>>, KernelError> {
+    /// request, the chosen key indices in ascending order, or `None` where a visible score is
+    /// NaN (no selection is defined).
+    pub fn indexer_topk(
+        &self,
+        batch: &IndexerBatch<'_>,
+    ) -> Result<Vec<Option<Vec<usize>>>, KernelError> {
         let n = batch.visible.len();
+        crate::emulate::check_indexer_batch(
+            batch.q.len(),
+            batch.w.len(),
+            batch.keys.len(),
+            batch.key_starts,
+            batch.visible,
+            (batch.heads, batch.dim, batch.top_k),
+        )
+        .map_err(KernelError::Shape)?;
         let max_keys = batch.visible.iter().copied().max().unwrap_or(0).max(1) as usize;
-        if batch.q.len() != n * batch.heads * batch.dim
-            || batch.w.len() != n * batch.heads
-            || batch.key_starts.len() != n
-            || batch.top_k == 0
-        {
-            return Err(KernelError::Shape("indexer_topk".into()));
-        }
         let d_q = self.stream.clone_htod(batch.q)?;
         let d_w = self.stream.clone_htod(batch.w)?;
         let d_keys = self.stream.clone_htod(&if batch.keys.is_empty() {
@@ -271,13 +282,16 @@ impl Gpu {
             .chunks(batch.top_k)
             .take(n)
             .map(|row| {
+                if row.contains(&crate::emulate::TOPK_POISONED) {
+                    return None;
+                }
                 let mut chosen: Vec<usize> = row
                     .iter()
                     .filter(|&&i| i >= 0)
                     .map(|&i| i as usize)
                     .collect();
                 chosen.sort_unstable();
-                chosen
+                Some(chosen)
             })
             .collect())
     }

@@ -258,6 +258,8 @@ impl Gpu {
             return Ok(());
         }
         let (rows_arg, cols_arg) = (rows as i64, cols as i64);
+        // The kernel poisons a pair whose indices fall outside these instead of reading there.
+        let (experts_arg, tokens_arg) = (count as i64, (x.len() / cols.max(1)) as i64);
         let f;
         let mut launch = if let Some(scale_2) = scale_2 {
             f = self.gemv.load_function("nvfp4_grouped_gemv")?;
@@ -276,13 +278,15 @@ impl Gpu {
             .arg(pair_expert)
             .arg(&rows_arg)
             .arg(&cols_arg)
+            .arg(&experts_arg)
+            .arg(&tokens_arg)
             .arg(y);
         let grid_x = super::grid_dim(rows.div_ceil(GEMV_WARPS), "grouped gemv rows")?;
         if pairs > 65_535 {
             return Err(KernelError::Shape(format!("{pairs} pairs (at most 65535)")));
         }
         // SAFETY: argument types and order match the kernel; buffer sizes checked above; the
-        // indices were checked by the caller (host path) or are the caller's contract.
+        // kernel reads through no pair index outside `experts_arg` / `tokens_arg`.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (grid_x, pairs as u32, 1),

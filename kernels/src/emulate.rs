@@ -1,0 +1,234 @@
+//! The CUDA kernels' own index math and reduction steps, ported to Rust and run on the CPU, so
+//! that CI (which has no GPU) checks what the device code does, not only what it should do.
+//! Each function follows its kernel line by line: the same split of work, the same f32
+//! operations in the same order per thread, the same treatment of NaN, infinities and empty
+//! ranges. The tests compare them with the f64 references of [`crate::cpu`] at awkward shapes.
+//!
+//! - [`split_range`], [`attn_decode`]: `attn_decode.cu` (`attn_decode_partial` then
+//!   `attn_decode_merge`).
+//! - [`topk_rounds`]: `indexer.cu` `indexer_topk` over one request's scores.
+
+/// Threads per block of `attn_decode_partial`.
+const ATTN_THREADS: usize = 128;
+
+/// The rows `[lo, hi)` of split `split` of a request whose rows are `first..first + count`
+/// (`attn_decode_partial`): `splits` parts of `ceil(count / splits)` rows, the last ones
+/// possibly short or empty. 64-bit throughout, as row indices into a pool are.
+pub fn split_range(first: i64, count: i64, splits: i64, split: i64) -> (i64, i64) {
+    let per_split = (count + splits - 1) / splits;
+    let lo = first + split * per_split;
+    let hi = (first + count).min(lo + per_split);
+    (lo, hi)
+}
+
+/// One split's running state (`attn_decode_partial`): max score `m`, sum `l` of
+/// `exp(s - m)`, unnormalised accumulator.
+struct Partial {
+    m: f32,
+    l: f32,
+    acc: Vec<f32>,
+}
+
+/// `q · row` as the block computes it: thread `t` sums dims `t, t + 128, ...` in order, then a
+/// tree reduction over the 128 partial sums.
+fn block_dot(q: &[f32], row: &[f32]) -> f32 {
+    let mut red = [0.0f32; ATTN_THREADS];
+    for (t, r) in red.iter_mut().enumerate() {
+        let mut partial = 0.0f32;
+        let mut d = t;
+        while d < q.len() {
+            partial += q[d] * row[d];
+            d += ATTN_THREADS;
+        }
+        *r = partial;
+    }
+    let mut stride = ATTN_THREADS / 2;
+    while stride > 0 {
+        for t in 0..stride {
+            red[t] += red[t + stride];
+        }
+        stride /= 2;
+    }
+    red[0]
+}
+
+/// `attn_decode_partial` for one (request, head, split). A NaN score makes `m` NaN for good
+/// (`fmaxf` alone would drop it); a `-inf` score adds nothing, even to an empty state.
+fn partial(q: &[f32], rows: &[Vec<f32>], scale: f32) -> Partial {
+    let dim = q.len();
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+    let mut acc = vec![0.0f32; dim];
+    for row in rows {
+        let s = block_dot(q, row) * scale;
+        let m_new = if s.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(s)
+        };
+        let carry = if m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (m - m_new).exp()
+        };
+        let w = if s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (s - m_new).exp()
+        };
+        l = l * carry + w;
+        for (a, &v) in acc.iter_mut().zip(row) {
+            *a = *a * carry + w * v;
+        }
+        m = m_new;
+    }
+    Partial { m, l, acc }
+}
+
+/// `attn_decode_merge` for one (request, head): the splits' log-sum-exp with the sink in the
+/// denominator. Empty splits (`m = -inf`) contribute nothing; a NaN anywhere (sink, a split's
+/// `m` or `l`) makes the whole head NaN, as the f64 reference gives.
+fn merge(parts: &[Partial], sink: f32, dim: usize) -> Vec<f32> {
+    let poisoned = sink.is_nan() || parts.iter().any(|p| p.m.is_nan() || p.l.is_nan());
+    if poisoned {
+        return vec![f32::NAN; dim];
+    }
+    let big = parts.iter().fold(sink, |b, p| b.max(p.m));
+    let mut denom = (sink - big).exp();
+    for p in parts.iter().filter(|p| p.m != f32::NEG_INFINITY) {
+        denom += p.l * (p.m - big).exp();
+    }
+    (0..dim)
+        .map(|d| {
+            let mut v = 0.0f32;
+            for p in parts.iter().filter(|p| p.m != f32::NEG_INFINITY) {
+                v += p.acc[d] * (p.m - big).exp();
+            }
+            v / denom
+        })
+        .collect()
+}
+
+/// Split-KV decode attention as the two kernels compute it, with the arguments of
+/// [`crate::cpu::attn_decode`] plus the number of splits per (request, head).
+pub fn attn_decode(
+    q: &[f32],
+    rows: &[Vec<f32>],
+    starts: &[usize],
+    sinks: &[f32],
+    dim: usize,
+    scale: f32,
+    splits: usize,
+) -> Vec<f32> {
+    let heads = sinks.len();
+    let batch = starts.len().saturating_sub(1);
+    let mut out = Vec::with_capacity(batch * heads * dim);
+    for b in 0..batch {
+        let (first, count) = (starts[b] as i64, (starts[b + 1] - starts[b]) as i64);
+        for (h, &sink) in sinks.iter().enumerate() {
+            let qv = &q[(b * heads + h) * dim..(b * heads + h + 1) * dim];
+            let parts: Vec<Partial> = (0..splits as i64)
+                .map(|split| {
+                    let (lo, hi) = split_range(first, count, splits as i64, split);
+                    let mine = if lo < hi {
+                        &rows[lo as usize..hi as usize]
+                    } else {
+                        &[]
+                    };
+                    partial(qv, mine, scale)
+                })
+                .collect();
+            out.extend(merge(&parts, sink, dim));
+        }
+    }
+    out
+}
+
+/// The index `indexer_topk` writes in every slot of a request whose visible scores include a
+/// NaN: its selection is undefined, and the caller must not read rows by it.
+pub const TOPK_POISONED: i32 = -2;
+/// The index `indexer_topk` writes in the slots past `min(k, visible)`.
+pub const TOPK_EMPTY: i32 = -1;
+
+/// `indexer_topk` for one request: `k` rounds of (highest score, lowest index) over the first
+/// `visible` scores not yet taken, in selection order; [`TOPK_EMPTY`] past `min(k, visible)`.
+/// A NaN among the visible scores poisons every slot ([`TOPK_POISONED`]).
+pub fn topk_rounds(scores: &[f32], visible: usize, k: usize) -> Vec<i32> {
+    let row = &scores[..visible];
+    if row.iter().any(|v| v.is_nan()) {
+        return vec![TOPK_POISONED; k];
+    }
+    let mut taken = vec![false; visible];
+    let mut out = Vec::with_capacity(k);
+    for round in 0..k {
+        if round >= k.min(visible) {
+            out.push(TOPK_EMPTY);
+            continue;
+        }
+        let mut best: Option<(f32, usize)> = None;
+        for (s, &v) in row.iter().enumerate() {
+            if taken[s] {
+                continue;
+            }
+            // The kernel's exact comparison: equal scores go to the lower index.
+            #[expect(
+                clippy::float_cmp,
+                reason = "ties are exact equality, as on the device"
+            )]
+            let better = best.is_none_or(|(bs, bi)| v > bs || (v == bs && s < bi));
+            if better {
+                best = Some((v, s));
+            }
+        }
+        // Some: `round < visible` leaves an untaken index.
+        let (_, chosen) = best.unwrap_or((0.0, 0));
+        taken[chosen] = true;
+        out.push(chosen as i32);
+    }
+    out
+}
+
+/// The checks `Gpu::indexer_topk` makes before a launch, as a pure function: every length
+/// agrees with the batch, `heads`, `dim` and `k` are not zero, and every request's visible
+/// keys lie inside `keys` (the kernel reads them without bounds checks).
+pub fn check_indexer_batch(
+    q_len: usize,
+    w_len: usize,
+    keys_len: usize,
+    key_starts: &[i64],
+    visible: &[i32],
+    (heads, dim, top_k): (usize, usize, usize),
+) -> Result<(), String> {
+    let n = visible.len();
+    if heads == 0 || dim == 0 || top_k == 0 {
+        return Err(format!(
+            "indexer_topk: heads {heads}, dim {dim} and top_k {top_k} must not be zero"
+        ));
+    }
+    if q_len != n * heads * dim || w_len != n * heads || key_starts.len() != n {
+        return Err(format!(
+            "indexer_topk: {n} requests need {} query values, {} weights and {n} key starts \
+             (got {q_len}, {w_len}, {})",
+            n * heads * dim,
+            n * heads,
+            key_starts.len()
+        ));
+    }
+    let rows = (keys_len / dim) as i64;
+    if !keys_len.is_multiple_of(dim) {
+        return Err(format!(
+            "indexer_topk: {keys_len} key values are not rows of {dim}"
+        ));
+    }
+    for (b, (&start, &count)) in key_starts.iter().zip(visible).enumerate() {
+        if start < 0 || count < 0 || start + i64::from(count) > rows {
+            return Err(format!(
+                "indexer_topk: request {b} reads keys {start}..{} of {rows}",
+                start + i64::from(count)
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,180 @@
+use engine::synth::Rng;
+
+use super::*;
+use crate::cpu;
+
+fn rows(rng: &mut Rng, n: usize, dim: usize) -> Vec<Vec<f32>> {
+    (0..n)
+        .map(|_| (0..dim).map(|_| rng.normal()).collect())
+        .collect()
+}
+
+#[test]
+fn splits_cover_every_row_once_at_awkward_counts() {
+    for count in [0i64, 1, 2, 5, 127, 128, 129, 1000] {
+        for splits in [1i64, 2, 3, 7, 64, 200] {
+            let mut next = 1_000_000_007;
+            for split in 0..splits {
+                let (lo, hi) = split_range(1_000_000_007, count, splits, split);
+                if lo < hi {
+                    assert_eq!(lo, next, "count {count} splits {splits}");
+                    next = hi;
+                }
+            }
+            assert_eq!(next, 1_000_000_007 + count, "count {count} splits {splits}");
+        }
+    }
+    // Row indices past 2^31 (a large pool) stay exact.
+    assert_eq!(
+        split_range(3 << 31, 10, 3, 2),
+        ((3 << 31) + 8, (3 << 31) + 10)
+    );
+}
+
+#[test]
+fn split_attention_matches_the_reference_at_awkward_shapes() {
+    let mut rng = Rng::for_tensor(11, "emulate-attn");
+    for (counts, heads, dim, splits) in [
+        (vec![0usize, 1, 5, 37], 3usize, 16usize, 4usize),
+        (vec![130, 2], 2, 129, 7),
+        (vec![64], 4, 512, 1),
+        (vec![9, 0, 300], 1, 64, 64),
+    ] {
+        let mut all = Vec::new();
+        let mut starts = vec![0usize];
+        for &n in &counts {
+            all.extend(rows(&mut rng, n, dim));
+            starts.push(all.len());
+        }
+        let batch = counts.len();
+        let q: Vec<f32> = (0..batch * heads * dim)
+            .map(|_| rng.normal() * 0.5)
+            .collect();
+        let sinks: Vec<f32> = (0..heads).map(|_| rng.normal()).collect();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let want = cpu::attn_decode(&q, &all, &starts, &sinks, dim, scale);
+        let got = attn_decode(&q, &all, &starts, &sinks, dim, scale, splits);
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5,
+                "{counts:?} splits {splits} at {i}: {g} vs {w}"
+            );
+        }
+    }
+}
+
+/// NaN in, NaN out, wherever it enters: one score of a split, every score of a split (which
+/// `fmaxf` alone would drop with the split), a sink. The other heads stay finite.
+#[test]
+fn a_nan_reaches_the_head_it_entered() {
+    let mut rng = Rng::for_tensor(12, "emulate-nan");
+    let (heads, dim, splits) = (2usize, 16usize, 4usize);
+    let base = rows(&mut rng, 12, dim);
+    let q: Vec<f32> = (0..heads * dim).map(|_| rng.normal()).collect();
+    let sinks = vec![0.5f32, -0.5];
+    let starts = [0usize, 12];
+    let head = |out: &[f32], h: usize| out[h * dim..(h + 1) * dim].to_vec();
+    let mut one = base.clone();
+    one[4][3] = f32::NAN;
+    let mut whole = base.clone();
+    for r in &mut whole[3..6] {
+        r[0] = f32::NAN;
+    }
+    for (what, rows) in [("one row of a split", one), ("every row of a split", whole)] {
+        let want = cpu::attn_decode(&q, &rows, &starts, &sinks, dim, 0.25);
+        let got = attn_decode(&q, &rows, &starts, &sinks, dim, 0.25, splits);
+        for h in 0..heads {
+            assert!(
+                head(&want, h).iter().all(|v| v.is_nan()),
+                "{what}: reference"
+            );
+            assert!(head(&got, h).iter().all(|v| v.is_nan()), "{what}: head {h}");
+        }
+    }
+    // A NaN sink poisons its own head only.
+    let got = attn_decode(&q, &base, &starts, &[f32::NAN, 0.0], dim, 0.25, splits);
+    let want = cpu::attn_decode(&q, &base, &starts, &[f32::NAN, 0.0], dim, 0.25);
+    assert!(head(&got, 0).iter().all(|v| v.is_nan()));
+    assert!(head(&want, 0).iter().all(|v| v.is_nan()));
+    assert!(head(&got, 1).iter().all(|v| v.is_finite()));
+    // A NaN in one head's query leaves the other head finite.
+    let mut q1 = q.clone();
+    q1[dim + 2] = f32::NAN;
+    let got = attn_decode(&q1, &base, &starts, &sinks, dim, 0.25, splits);
+    assert!(head(&got, 0).iter().all(|v| v.is_finite()));
+    assert!(head(&got, 1).iter().all(|v| v.is_nan()));
+}
+
+#[test]
+fn topk_rounds_pick_highest_then_lowest_index_and_poison_on_nan() {
+    let scores = [1.0f32, 3.0, 3.0, f32::NEG_INFINITY, 2.0, 9.0];
+    assert_eq!(topk_rounds(&scores, 5, 3), vec![1, 2, 4]);
+    assert_eq!(topk_rounds(&scores, 5, 7), vec![1, 2, 4, 0, 3, -1, -1]);
+    assert_eq!(topk_rounds(&scores, 0, 2), vec![-1, -1]);
+    // A NaN past `visible` is not a key of this query; one inside poisons every slot.
+    let mut nan = scores;
+    nan[5] = f32::NAN;
+    assert_eq!(topk_rounds(&nan, 5, 2), vec![1, 2]);
+    nan[0] = f32::NAN;
+    assert_eq!(topk_rounds(&nan, 5, 2), vec![TOPK_POISONED; 2]);
+    assert_eq!(topk_rounds(&[f32::NAN; 3], 3, 4), vec![TOPK_POISONED; 4]);
+}
+
+/// The kernel's rounds choose what the CPU reference chooses (same scores), in random cases
+/// with many ties.
+#[test]
+fn topk_rounds_choose_the_references_keys() {
+    let mut rng = Rng::for_tensor(13, "emulate-topk");
+    for _ in 0..200 {
+        let n = (rng.next_u64() % 40) as usize;
+        let k = 1 + (rng.next_u64() % 12) as usize;
+        let scores: Vec<f32> = (0..n).map(|_| (rng.next_u64() % 5) as f32 - 2.0).collect();
+        let mut got: Vec<usize> = topk_rounds(&scores, n, k)
+            .into_iter()
+            .filter(|&i| i >= 0)
+            .map(|i| i as usize)
+            .collect();
+        got.sort_unstable();
+        assert_eq!(
+            Some(got),
+            cpu::topk_of_scores(&scores, k),
+            "{scores:?} k {k}"
+        );
+    }
+}
+
+#[test]
+fn indexer_batches_that_would_read_outside_their_keys_are_refused() {
+    let ok = |starts: &[i64], visible: &[i32], shape| {
+        check_indexer_batch(
+            visible.len() * 2 * 4,
+            visible.len() * 2,
+            40,
+            starts,
+            visible,
+            shape,
+        )
+    };
+    assert_eq!(ok(&[0, 3], &[3, 7], (2, 4, 5)), Ok(()));
+    for (starts, visible, shape, what) in [
+        (
+            &[0i64, 4][..],
+            &[3i32, 7][..],
+            (2, 4, 5),
+            "past the last key",
+        ),
+        (&[-1, 3], &[3, 7], (2, 4, 5), "negative start"),
+        (&[0, 3], &[3, -1], (2, 4, 5), "negative count"),
+        (&[0, 3], &[3, 7], (0, 4, 5), "no heads"),
+        (&[0, 3], &[3, 7], (2, 0, 5), "no dims"),
+        (&[0, 3], &[3, 7], (2, 4, 0), "k = 0"),
+        (&[0], &[3, 7], (2, 4, 5), "starts short"),
+    ] {
+        assert!(ok(starts, visible, shape).is_err(), "{what}");
+    }
+    assert!(
+        check_indexer_batch(16, 2, 41, &[0], &[3], (2, 4, 5)).is_err(),
+        "ragged keys"
+    );
+}
