@@ -1,6 +1,9 @@
 //! Compiles `cuda/*.cu` into one fatbin per file with nvcc (sm_90a, sm_100a, sm_120a and
 //! compute_90 PTX), embeds them, and writes ptxas resource reports (registers, shared memory,
-//! spills) next to them. A spill in any kernel fails the build. Without nvcc the crate builds
+//! spills) next to them. A register spill or any local memory (stack frame) in any kernel on
+//! any architecture fails the build, and so does a tensor-core kernel whose SASS lacks the
+//! tensor-core instruction of its architecture ([`TENSOR_CORE_OPCODES`], read with cuobjdump
+//! when it is installed next to nvcc; `scripts/setup --cuda` installs it). Without nvcc the crate builds
 //! CPU-only with one warning; `PDSERVE_REQUIRE_CUDA_KERNELS=1` turns that into an error (CI).
 
 use std::{
@@ -15,6 +18,23 @@ const GENCODES: &[&str] = &[
     "-gencode=arch=compute_100a,code=sm_100a",
     "-gencode=arch=compute_120a,code=sm_120a",
     "-gencode=arch=compute_90,code=compute_90",
+];
+
+/// Tensor-core kernels: (file, architecture, an opcode its SASS must contain there). An FP8 or
+/// FP4 MMA that compiled to conversions plus FP16 MMAs would otherwise pass unnoticed.
+const TENSOR_CORE_OPCODES: &[(&str, &str, &str)] = &[
+    // Block-scaled FP4 mma.sync (kind::mxf4nvf4, scale_vec::4X).
+    (
+        "nvfp4_gemm_sm120",
+        "sm_120a",
+        "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X",
+    ),
+    // tcgen05.mma block-scaled FP4 from Tensor Memory.
+    ("nvfp4_gemm_sm100", "sm_100a", "UTCOMMA.4X"),
+    // bf16 WMMA on every architecture (not wgmma: a Hopper-native GEMM is still to come).
+    ("nvfp4_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
+    ("nvfp4_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
+    ("nvfp4_gemm", "sm_120a", "HMMA.16816.F32.BF16"),
 ];
 
 fn main() -> ExitCode {
@@ -114,6 +134,13 @@ fn build() -> Result<(), String> {
         }) {
             return Err(format!("{}: register spills: {line}", k.display()));
         }
+        if let Some(line) = report
+            .lines()
+            .find(|l| l.contains("bytes stack frame") && !l.trim_start().starts_with("0 bytes"))
+        {
+            return Err(format!("{}: local memory: {line}", k.display()));
+        }
+        check_sass(&nvcc, name, &fatbin, require)?;
         let _ = writeln!(
             generated,
             "pub const {}: &[u8] = include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{name}.fatbin\"));",
@@ -130,6 +157,54 @@ fn const_name(path: &Path) -> String {
         .and_then(|s| s.to_str())
         .unwrap_or("kernel")
         .to_ascii_uppercase()
+}
+
+/// Checks that `fatbin` (kernel file `name`) has its tensor-core opcodes
+/// ([`TENSOR_CORE_OPCODES`]). Without cuobjdump next to nvcc: a warning, or an error when
+/// kernels are required.
+fn check_sass(nvcc: &Path, name: &str, fatbin: &Path, require: bool) -> Result<(), String> {
+    let expected: Vec<_> = TENSOR_CORE_OPCODES
+        .iter()
+        .filter(|(file, ..)| *file == name)
+        .collect();
+    if expected.is_empty() {
+        return Ok(());
+    }
+    let bin = nvcc.parent().unwrap_or(Path::new(""));
+    let cuobjdump = bin.join("cuobjdump");
+    if !cuobjdump.is_file() {
+        let why = format!(
+            "no cuobjdump next to {}: SASS of {name} not checked",
+            nvcc.display()
+        );
+        if require {
+            return Err(format!("{why} (run scripts/setup --cuda)"));
+        }
+        println!("cargo:warning={why}");
+        return Ok(());
+    }
+    for (_, arch, opcode) in expected {
+        let output = Command::new(&cuobjdump)
+            .args(["-sass", "-arch", arch])
+            .arg(fatbin)
+            .env("NVDISASM_PATH", bin)
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", cuobjdump.display()))?;
+        let sass = String::from_utf8_lossy(&output.stdout);
+        if !output.status.success() {
+            return Err(format!(
+                "cuobjdump -sass -arch {arch} {name}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        if !sass.contains(opcode) {
+            return Err(format!(
+                "{name} on {arch}: its SASS has no {opcode} (the tensor-core instruction it is \
+                 written for)"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Runs nvcc; returns the ptxas resource report.

@@ -7,6 +7,12 @@
 //! - [`split_range`], [`attn_decode`]: `attn_decode.cu` (`attn_decode_partial` then
 //!   `attn_decode_merge`).
 //! - [`topk_rounds`]: `indexer.cu` `indexer_topk` over one request's scores.
+//! - [`nvfp4_gemm_w4a4_sm120`]: `nvfp4_gemm_sm120.cu`, its loads and stores around a model of
+//!   the block-scaled FP4 `mma.sync` fragments.
+
+mod mma_sm120;
+
+pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 
 /// Threads per block of `attn_decode_partial`.
 const ATTN_THREADS: usize = 128;

@@ -40,6 +40,12 @@
 //! The GPU tests (`tests/`, feature `cuda`) skip on a machine without a GPU and fail there
 //! under `PDSERVE_REQUIRE_GPU=1` ([`gpu_test`]), which `gpu-check.sh` sets. Which compiled
 //! tensor-core kernel a device may run is decided by [`arch`].
+//!
+//! Without a GPU, CI still checks the device code: [`emulate`] runs the kernels' own index math
+//! and reduction steps on the CPU (decode attention's splits and merge, the indexer's top-k
+//! rounds, the sm_120 FP4 MMA's register loads and stores through its fragment layout) against
+//! the references, and `build.rs` refuses register spills, local memory and tensor-core kernels
+//! whose SASS lacks their architecture's MMA instruction.
 
 pub mod arch;
 pub mod backend;

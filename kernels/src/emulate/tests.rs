@@ -1,4 +1,4 @@
-use engine::synth::Rng;
+use engine::{quant, synth::Rng};
 
 use super::*;
 use crate::cpu;
@@ -177,4 +177,117 @@ fn indexer_batches_that_would_read_outside_their_keys_are_refused() {
         check_indexer_batch(16, 2, 41, &[0], &[3], (2, 4, 5)).is_err(),
         "ragged keys"
     );
+}
+
+/// Random NVFP4 operands `[m, k]` and `[n, k]` and the bound of an f32 accumulation over them.
+#[expect(
+    clippy::type_complexity,
+    reason = "two quantized operands and their products' bound"
+)]
+fn w4a4_operands(
+    rng: &mut Rng,
+    (m, n, k): (usize, usize, usize),
+) -> ((Vec<u8>, Vec<u8>, f32), (Vec<u8>, Vec<u8>, f32), Vec<f64>) {
+    let a: Vec<f32> = (0..m * k).map(|_| rng.normal() * 2.0).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+    let qa = quant::quant_nvfp4(&a, m, k).unwrap();
+    let qw = quant::quant_nvfp4(&w, n, k).unwrap();
+    let da = quant::dequant_nvfp4(&qa.0, &qa.1, qa.2, m, k).unwrap();
+    let dw = quant::dequant_nvfp4(&qw.0, &qw.1, qw.2, n, k).unwrap();
+    let mut bound = Vec::with_capacity(m * n);
+    for i in 0..m {
+        for j in 0..n {
+            let mag: f64 = (0..k)
+                .map(|x| f64::from((da[i * k + x] * dw[j * k + x]).abs()))
+                .sum();
+            bound.push(1e-5 * mag + 1e-30);
+        }
+    }
+    (qa, qw, bound)
+}
+
+fn w4a4_mismatches(
+    got: &[f32],
+    a: &(Vec<u8>, Vec<u8>, f32),
+    w: &(Vec<u8>, Vec<u8>, f32),
+    bound: &[f64],
+    shape: (usize, usize, usize),
+) -> usize {
+    let want = cpu::nvfp4_gemm_w4a4(
+        (&a.0, &a.1, a.2),
+        (&w.0, &w.1, w.2),
+        shape.0,
+        shape.1,
+        shape.2,
+    )
+    .unwrap();
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(&want)
+        .zip(bound)
+        .filter(|((g, w), b)| {
+            // Within the bound; a NaN is never within it.
+            let within = f64::from((*g - *w).abs()) <= **b;
+            !within
+        })
+        .count()
+}
+
+/// The sm_120 kernel's loads and stores, through the documented fragment layout, compute the
+/// reference product at shapes that are not tile multiples.
+#[test]
+fn the_sm120_kernels_fragments_compute_the_reference_product() {
+    let mut rng = Rng::for_tensor(14, "emulate-sm120");
+    for shape in [
+        (1usize, 1usize, 64usize),
+        (16, 8, 64),
+        (17, 9, 128),
+        (70, 130, 256),
+        (64, 64, 64),
+    ] {
+        let (a, w, bound) = w4a4_operands(&mut rng, shape);
+        let got = nvfp4_gemm_w4a4_sm120((&a.0, &a.1, a.2), (&w.0, &w.1, w.2), shape);
+        assert_eq!(w4a4_mismatches(&got, &a, &w, &bound, shape), 0, "{shape:?}");
+    }
+}
+
+/// The check is sharp: two lanes swapped, or a scale register's bytes in the wrong order, or
+/// the two K halves of A exchanged, give a product that is not the reference.
+#[test]
+fn a_wrong_fragment_layout_is_caught() {
+    type Tamper = fn(&mut [mma_sm120::LaneRegs; 32]);
+    let mut rng = Rng::for_tensor(15, "emulate-sm120-tamper");
+    let shape = (32, 16, 128);
+    let (a, w, bound) = w4a4_operands(&mut rng, shape);
+    let tampers: [(&str, Tamper); 5] = [
+        ("lanes 1 and 2 (t0)", |l| l.swap(1, 2)),
+        ("lanes 0 and 4 (t1)", |l| l.swap(0, 4)),
+        ("sfa byte order", |l| {
+            for r in l.iter_mut() {
+                r.sfa = r.sfa.swap_bytes();
+            }
+        }),
+        ("sfb byte order", |l| {
+            for r in l.iter_mut() {
+                r.sfb = r.sfb.swap_bytes();
+            }
+        }),
+        ("a0 and a2", |l| {
+            for r in l.iter_mut() {
+                r.a.swap(0, 2);
+            }
+        }),
+    ];
+    for (what, tamper) in tampers {
+        let got = mma_sm120::gemm_with(
+            (&a.0, &a.1, a.2),
+            (&w.0, &w.1, w.2),
+            shape,
+            &|lanes: &mut [mma_sm120::LaneRegs; 32]| tamper(lanes),
+        );
+        assert!(
+            w4a4_mismatches(&got, &a, &w, &bound, shape) > 0,
+            "{what} went unnoticed"
+        );
+    }
 }
