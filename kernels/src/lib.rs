@@ -50,6 +50,7 @@
 pub mod arch;
 pub mod backend;
 pub mod compose;
+pub mod cost;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,17 +1,71 @@
-//! `kernel-bench`: throughput of the kernels on the first GPU, next to the device's measured
-//! copy bandwidth. Prints one table; exits 0 without running anything when no GPU is present.
-//! Built here (`cargo build -p kernels --features cuda --release --bins`), run by
-//! `kernels/gpu-check.sh` on a lent GPU machine.
+//! `kernel-bench`: per kernel and shape, the analytic bytes and FLOPs of one launch
+//! ([`kernels::cost`]: what it must read or write at least once, and its multiply-adds); on a
+//! GPU also the measured time, the achieved GB/s and TFLOP/s, and the GB/s as a share of the
+//! device's copy bandwidth measured in the same run. Without a GPU it prints the analytic table
+//! and exits 0 (non-zero under `PDSERVE_REQUIRE_GPU=1`). Built here (`cargo build -p kernels
+//! --features cuda --release --bins`), run by `kernels/gpu-check.sh` on a lent GPU machine.
 //!
-//! Bytes counted per call are the bytes a kernel must read or write at least once (weights,
-//! rows, inputs, outputs); rates are best-of-three means over enough calls to run ~0.3 s.
+//! Times are best-of-three means over enough calls to run ~0.3 s.
 #![allow(clippy::print_stdout, reason = "benchmark output")]
 
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
 use engine::{quant, synth::Rng};
-use kernels::cuda::{AttnShape, DeviceExperts, GemvFormat, Gpu, KernelError};
+use kernels::{
+    cost::{self, Cost},
+    cuda::{AttnShape, DeviceExperts, GemvFormat, Gpu, KernelError},
+};
+
+/// Shapes of the cases, shared by the analytic table and the timed runs.
+const COPY_BYTES: usize = 1 << 30;
+/// One 16384 x 7168 weight: a large projection at batch 1.
+const GEMV: (usize, usize) = (16_384, 7168);
+/// Prefill-sized.
+const GEMM: (usize, usize, usize) = (4096, 4096, 4096);
+/// One token routed to 8 of 64 experts of 2048 x 7168: (experts, rows, cols, pairs).
+const GROUPED: (usize, usize, usize, usize) = (64, 2048, 7168, 8);
+/// DeepSeek-V4-Flash's output head for one decode token.
+const HEAD: (usize, usize) = (129_280, 4096);
+/// 16 requests x 64 heads over 4096 f32 rows of 512: (batch, heads, dim, rows per request).
+const ATTN: (usize, usize, usize, usize) = (16, 64, 512, 4096);
+
+/// The cases in table order, with their analytic costs.
+fn planned() -> Vec<Row> {
+    let (gr, gc) = GEMV;
+    let (m, n, k) = GEMM;
+    let (experts, er, ec, pairs) = GROUPED;
+    let (vocab, hidden) = HEAD;
+    let (batch, heads, dim, per) = ATTN;
+    let row = |what: String, cost: Cost| Row {
+        what,
+        cost,
+        seconds: None,
+    };
+    vec![
+        row(
+            "device copy (1 GiB, read + write)".into(),
+            cost::device_copy(COPY_BYTES),
+        ),
+        row(format!("NVFP4 GEMV {gr}x{gc}"), cost::nvfp4_gemv(gr, gc)),
+        row(
+            format!("NVFP4 GEMM {m}x{n}x{k} (bf16 tensor cores)"),
+            cost::nvfp4_gemm(m, n, k),
+        ),
+        row(
+            format!("MXFP4 grouped GEMV {pairs} of {experts} experts {er}x{ec}"),
+            cost::mxfp4_grouped_gemv(pairs, 1, er, ec),
+        ),
+        row(
+            format!("bf16 GEMV (output head) {vocab}x{hidden}"),
+            cost::bf16_gemv(vocab, hidden, 1),
+        ),
+        row(
+            format!("decode attention {batch}x{heads} heads, {per} f32 rows of {dim}"),
+            cost::attn_decode(batch, heads, dim, per, 4 * dim),
+        ),
+    ]
+}
 
 /// Mean seconds per call of `run`, best of three timed batches.
 fn time(gpu: &Gpu, mut run: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
@@ -40,14 +94,46 @@ fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
 
 struct Row {
     what: String,
+    cost: Cost,
+    /// Measured (GPU runs only).
+    seconds: Option<f64>,
+}
+
+/// Engine-level rows: a rate in their own unit.
+struct StepRow {
+    what: String,
     seconds: f64,
     rate: f64,
     unit: &'static str,
 }
 
+/// The kernel table: analytic columns always, measured ones where timed; `copy` is the
+/// measured copy bandwidth in GB/s.
+fn print_table(rows: &[Row], copy: Option<f64>) {
+    println!(
+        "{:<58} {:>12} {:>12} {:>10} {:>9} {:>9} {:>7}",
+        "kernel", "MB/launch", "GFLOP/launch", "us/call", "GB/s", "TFLOP/s", "% copy"
+    );
+    for row in rows {
+        let (mb, gflop) = (row.cost.bytes as f64 / 1e6, row.cost.flops as f64 / 1e9);
+        let measured = row.seconds.map_or_else(
+            || format!("{:>10} {:>9} {:>9} {:>7}", "-", "-", "-", "-"),
+            |t| {
+                let gbs = row.cost.bytes as f64 / t / 1e9;
+                let tflops = row.cost.flops as f64 / t / 1e12;
+                let share =
+                    copy.map_or_else(|| "-".to_owned(), |c| format!("{:.0}%", 100.0 * gbs / c));
+                format!("{:>10.1} {gbs:>9.1} {tflops:>9.2} {share:>7}", t * 1e6)
+            },
+        );
+        println!("{:<58} {mb:>12.2} {gflop:>12.3} {measured}", row.what);
+    }
+}
+
 fn main() -> Result<(), KernelError> {
     let Some(gpu) = Gpu::open()? else {
-        println!("kernel-bench: no CUDA driver or device; nothing measured");
+        println!("kernel-bench: no CUDA driver or device; analytic costs only\n");
+        print_table(&planned(), None);
         // Where a GPU is required (gpu-check.sh), measuring nothing is a failure.
         if kernels::gpu_test::required() {
             return Err(KernelError::Unsupported(format!(
@@ -58,24 +144,17 @@ fn main() -> Result<(), KernelError> {
         return Ok(());
     };
     let mut rng = Rng::for_tensor(9, "bench");
-    let mut rows: Vec<Row> = Vec::new();
+    let mut rows = planned();
+    let mut times = Vec::with_capacity(rows.len());
 
     // Device copy: read + write of 1 GiB.
-    let bytes = 1usize << 30;
-    let src: CudaSlice<u8> = gpu.stream.alloc_zeros(bytes)?;
-    let mut dst: CudaSlice<u8> = gpu.stream.alloc_zeros(bytes)?;
+    let src: CudaSlice<u8> = gpu.stream.alloc_zeros(COPY_BYTES)?;
+    let mut dst: CudaSlice<u8> = gpu.stream.alloc_zeros(COPY_BYTES)?;
     let t = time(&gpu, || Ok(gpu.stream.memcpy_dtod(&src, &mut dst)?))?;
-    let copy = 2.0 * bytes as f64 / t / 1e9;
-    rows.push(Row {
-        what: "device copy (1 GiB, read + write)".into(),
-        seconds: t,
-        rate: copy,
-        unit: "GB/s",
-    });
+    times.push(t);
     drop((src, dst));
 
-    // NVFP4 GEMV: one 16384 x 7168 weight (a large projection at batch 1).
-    let (r, c) = (16_384usize, 7168usize);
+    let (r, c) = GEMV;
     let w = random(&mut rng, r * c);
     let (packed, scales, scale_2) = quant::quant_nvfp4(&w, r, c).map_err(shape)?;
     drop(w);
@@ -87,16 +166,9 @@ fn main() -> Result<(), KernelError> {
     let t = time(&gpu, || {
         gpu.launch_gemv(format, &d_packed, &d_scales, &d_x, r, c, &mut d_y)
     })?;
-    let moved = (packed.len() + scales.len() + 4 * (c + r)) as f64;
-    rows.push(Row {
-        what: format!("NVFP4 GEMV {r}x{c}"),
-        seconds: t,
-        rate: moved / t / 1e9,
-        unit: "GB/s",
-    });
+    times.push(t);
 
-    // NVFP4 GEMM on tensor cores (dequantize path): prefill-sized.
-    let (m, n, k) = (4096usize, 4096usize, 4096usize);
+    let (m, n, k) = GEMM;
     let w = random(&mut rng, n * k);
     let (gp, gs, g2) = quant::quant_nvfp4(&w, n, k).map_err(shape)?;
     let d_a = gpu.stream.clone_htod(&random(&mut rng, m * k))?;
@@ -106,16 +178,10 @@ fn main() -> Result<(), KernelError> {
     let t = time(&gpu, || {
         gpu.launch_nvfp4_gemm(&d_a, &d_gp, &d_gs, g2, (m, n, k), &mut d_c)
     })?;
-    rows.push(Row {
-        what: format!("NVFP4 GEMM {m}x{n}x{k} (bf16 tensor cores)"),
-        seconds: t,
-        rate: 2.0 * (m * n * k) as f64 / t / 1e12,
-        unit: "TFLOP/s",
-    });
+    times.push(t);
     drop((d_a, d_gp, d_gs, d_c));
 
-    // Grouped MXFP4 GEMV: one token routed to 8 of 64 experts of 2048 x 7168.
-    let (experts, er, ec, pairs) = (64usize, 2048usize, 7168usize, 8usize);
+    let (experts, er, ec, pairs) = GROUPED;
     let one = random(&mut rng, er * ec);
     let (ep, es) = quant::quant_mxfp4(&one, er, ec).map_err(shape)?;
     let d_ep = gpu.stream.clone_htod(&ep.repeat(experts))?;
@@ -136,17 +202,10 @@ fn main() -> Result<(), KernelError> {
     let t = time(&gpu, || {
         gpu.launch_grouped_gemv(&stack, &d_ex, &d_token, &d_expert, pairs, &mut d_ey)
     })?;
-    let moved = (pairs * (ep.len() + es.len()) + 4 * (ec + pairs * er)) as f64;
-    rows.push(Row {
-        what: format!("MXFP4 grouped GEMV {pairs} of {experts} experts {er}x{ec}"),
-        seconds: t,
-        rate: moved / t / 1e9,
-        unit: "GB/s",
-    });
+    times.push(t);
     drop((d_ep, d_es));
 
-    // The output head: bf16 129280 x 4096 (DeepSeek-V4-Flash) for one decode token.
-    let (vocab, hidden) = (129_280usize, 4096usize);
+    let (vocab, hidden) = HEAD;
     let head: Vec<u16> = random(&mut rng, vocab * hidden)
         .into_iter()
         .map(engine::formats::f32_to_bf16)
@@ -157,17 +216,10 @@ fn main() -> Result<(), KernelError> {
     let t = time(&gpu, || {
         gpu.launch_bf16_gemv(&d_head, &d_hx, vocab, hidden, 1, &mut d_logits)
     })?;
-    let moved = (2 * vocab * hidden + 4 * (hidden + vocab)) as f64;
-    rows.push(Row {
-        what: format!("bf16 GEMV (output head) {vocab}x{hidden}"),
-        seconds: t,
-        rate: moved / t / 1e9,
-        unit: "GB/s",
-    });
+    times.push(t);
     drop((d_head, d_logits));
 
-    // Decode attention: 16 requests x 64 heads, 4096 rows of 512 f32 each.
-    let (batch, heads, dim, per) = (16usize, 64usize, 512usize, 4096usize);
+    let (batch, heads, dim, per) = ATTN;
     let pool_rows = batch * per;
     let pool: CudaSlice<u8> = gpu.stream.alloc_zeros(pool_rows * dim * 4)?;
     // Rows in a shuffled page order, as a real page table scatters them.
@@ -199,33 +251,22 @@ fn main() -> Result<(), KernelError> {
             &mut scratch,
         )
     })?;
-    let moved = (pool_rows * dim * 4 + offsets.len() * 8) as f64;
-    rows.push(Row {
-        what: format!("decode attention {batch}x{heads} heads, {per} rows of {dim}"),
-        seconds: t,
-        rate: moved / t / 1e9,
-        unit: "GB/s",
-    });
+    times.push(t);
 
-    rows.extend(engine_steps()?);
+    for (row, t) in rows.iter_mut().zip(&times) {
+        row.seconds = Some(*t);
+    }
+    let copy = rows[0].cost.bytes as f64 / times[0] / 1e9;
+    print_table(&rows, Some(copy));
 
-    println!(
-        "{:<56} {:>10} {:>12} {:>10}",
-        "kernel", "us/call", "rate", "% copy"
-    );
-    for row in &rows {
-        let share = if row.unit == "GB/s" {
-            format!("{:.0}%", 100.0 * row.rate / copy)
-        } else {
-            "-".to_owned()
-        };
+    println!("\n{:<58} {:>10} {:>12}", "engine", "us/step", "rate");
+    for row in engine_steps()? {
         println!(
-            "{:<56} {:>10.1} {:>7.1} {:<7} {:>7}",
+            "{:<58} {:>10.1} {:>7.1} {}",
             row.what,
             row.seconds * 1e6,
             row.rate,
-            row.unit,
-            share
+            row.unit
         );
     }
     Ok(())
@@ -234,7 +275,7 @@ fn main() -> Result<(), KernelError> {
 /// Whole engine steps on the `small` synthetic model (NVFP4 experts) on the CPU reference and
 /// with the CUDA backend in hybrid mode: a 256-token prefill, then decode steps of 8 sequences.
 /// On a model this small the device's per-op overhead shows, not its bandwidth.
-fn engine_steps() -> Result<Vec<Row>, KernelError> {
+fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
     use std::sync::Arc;
 
     use engine::{
@@ -274,7 +315,7 @@ fn engine_steps() -> Result<Vec<Row>, KernelError> {
             states.push(state);
         }
         let prefill = start.elapsed().as_secs_f64() / 8.0;
-        rows.push(Row {
+        rows.push(StepRow {
             what: format!("engine prefill, small model, 256 tokens ({name})"),
             seconds: prefill,
             rate: 256.0 / prefill,
@@ -298,7 +339,7 @@ fn engine_steps() -> Result<Vec<Row>, KernelError> {
                 .map_err(|e| fail(e.to_string()))?;
         }
         let step = start.elapsed().as_secs_f64() / f64::from(steps);
-        rows.push(Row {
+        rows.push(StepRow {
             what: format!("engine decode step, small model, batch 8 ({name})"),
             seconds: step,
             rate: 8.0 / step,
