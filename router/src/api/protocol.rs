@@ -266,9 +266,10 @@ pub fn prepare<P: Protocol>(
         return Err(ApiError::ContextLength {
             param: P::MAX_TOKENS.to_owned(),
             message: format!(
-                "`{}` = {m} exceeds this model's context of {} tokens",
-                P::MAX_TOKENS,
-                served.max_model_len()
+                "This model's maximum context length is {} tokens. However, you requested {m} \
+                 output tokens (`{}`), more than the whole context.",
+                served.max_model_len(),
+                P::MAX_TOKENS
             ),
         });
     }
