@@ -263,5 +263,7 @@ pub fn fit(
     }
 }
 
+pub mod shard;
+
 #[cfg(test)]
 mod tests;

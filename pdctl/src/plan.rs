@@ -16,6 +16,10 @@ use serde_json::{Value, json};
 
 use crate::PdctlError;
 
+mod group;
+
+use engine::plan::shard::Parallel;
+
 /// Arguments of `pdctl plan`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
@@ -44,14 +48,52 @@ pub struct PlanArgs {
     /// communication buffers).
     #[arg(long, default_value_t = 0.9, value_parser = parse_fraction)]
     pub utilization: f64,
+    /// Attention tensor parallelism: ranks sharing each request's heads. With `--ep` or
+    /// `--dp-attention`, a per-GPU section is printed and the group is `max(tp, ep)` GPUs.
+    #[arg(long, visible_alias = "tensor-parallel-size", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub tp: u32,
+    /// Expert parallelism: ranks holding disjoint routed experts.
+    #[arg(long, visible_alias = "expert-parallel-size", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub ep: u32,
+    /// Attention by requests: each of the `--ep` ranks runs whole requests (with `--tp 1`).
+    #[arg(long)]
+    pub dp_attention: bool,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
 }
 
+impl PlanArgs {
+    /// The group layout the flags name, when they name one.
+    fn parallel(&self, c: &ModelConfig) -> Result<Option<Parallel>, PdctlError> {
+        let p = Parallel {
+            tp: self.tp as usize,
+            ep: self.ep as usize,
+            dp_attention: self.dp_attention,
+        };
+        if p == Parallel::SINGLE {
+            return Ok(None);
+        }
+        p.validate(c).map_err(PdctlError::Model)?;
+        if self.gpus != 1 && self.gpus != p.gpus() as u64 {
+            return Err(PdctlError::Model(format!(
+                "--gpus {} disagrees with --tp {} --ep {} (a group of {} GPUs)",
+                self.gpus,
+                self.tp,
+                self.ep,
+                p.gpus()
+            )));
+        }
+        Ok(Some(p))
+    }
+}
+
 /// Runs `pdctl plan`.
 pub fn run(args: &PlanArgs) -> Result<(), PdctlError> {
     let config = read_config(&args.config)?;
+    let parallel = args.parallel(&config)?;
     let kv = kv_storage(&args.kv);
     let page_size = args.page_size as usize;
     let weights = plan::weights(&config);
@@ -63,13 +105,23 @@ pub fn run(args: &PlanArgs) -> Result<(), PdctlError> {
     } else {
         &f32_state
     };
+    let gpus = parallel.map_or(args.gpus, |p| p.gpus() as u64);
     let fit = args.gpu_memory.map(|memory| {
         plan::fit(
             &weights,
             chosen,
             memory,
-            args.gpus,
+            gpus,
             args.utilization,
+            args.context,
+        )
+    });
+    let group = parallel.map(|p| {
+        group::GroupReport::new(
+            &config,
+            p,
+            chosen,
+            args.gpu_memory.map(|m| (m, args.utilization)),
             args.context,
         )
     });
@@ -81,6 +133,8 @@ pub fn run(args: &PlanArgs) -> Result<(), PdctlError> {
         kv,
         context: args.context,
         fit: fit.as_ref(),
+        gpus,
+        group: group.as_ref(),
         args,
     };
     let text = if args.json {
@@ -171,6 +225,9 @@ struct Report<'a> {
     kv: KvStorage,
     context: u64,
     fit: Option<&'a Fit>,
+    /// GPUs in the group (`--gpus`, or the layout's).
+    gpus: u64,
+    group: Option<&'a group::GroupReport>,
     args: &'a PlanArgs,
 }
 
@@ -247,7 +304,7 @@ impl Report<'_> {
             "fit": self.fit.map(|f| json!({
                 "kv": kv_name(self.kv),
                 "gpu_memory_bytes": self.args.gpu_memory,
-                "gpus": self.args.gpus,
+                "gpus": self.gpus,
                 "utilization": self.args.utilization,
                 "usable_bytes": f.usable_bytes,
                 "weights_fit": f.weights_fit,
@@ -256,6 +313,7 @@ impl Report<'_> {
                 "tokens": f.tokens,
                 "requests_at_context": f.requests,
             })),
+            "per_gpu": self.group.map(group::GroupReport::json),
         })
     }
 
@@ -364,7 +422,7 @@ impl Report<'_> {
                 let _ = writeln!(
                     out,
                     "\nfit: {} GPU(s) of {:.1} GB at {:.0}% = {:.1} GB usable, state stored as {}",
-                    self.args.gpus,
+                    self.gpus,
                     gb(memory),
                     self.args.utilization * 100.0,
                     gb(f.usable_bytes),
@@ -395,6 +453,9 @@ impl Report<'_> {
                     (1.0 - self.args.utilization) * 100.0
                 );
             }
+        }
+        if let Some(group) = self.group {
+            group.text(&mut out);
         }
         out
     }

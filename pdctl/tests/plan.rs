@@ -109,3 +109,63 @@ fn bad_input_is_refused() {
         assert!(!out.stderr.is_empty(), "{args:?} failed without a message");
     }
 }
+
+/// `--tp` / `--ep` / `--dp-attention`: each GPU holds its share (whole experts by EP, heads by
+/// TP, the rest replicated), the JSON agrees with the engine's shard sizing, and splits that do
+/// not divide the model are refused with the reason.
+#[test]
+fn per_gpu_shares_follow_the_layout() {
+    let dir = configs().join("deepseek-v4-flash-nvfp4");
+    let dir = dir.to_str().unwrap();
+    let config = ModelConfig::from_dir(std::path::Path::new(dir)).unwrap();
+    let served = plan::weights(&config).served;
+    let group = |extra: &[&str]| {
+        let mut args = vec!["--config", dir, "--kv", "fp8", "--gpu-memory", "96GB"];
+        args.extend_from_slice(extra);
+        plan_json(&args)
+    };
+    let dp = group(&["--ep", "4", "--dp-attention"]);
+    let tp = group(&["--tensor-parallel-size", "4", "--expert-parallel-size", "4"]);
+    for v in [&dp, &tp] {
+        assert_eq!(v["fit"]["gpus"], 4, "the group is max(tp, ep) GPUs");
+        let per = v["per_gpu"]["weight_bytes"].as_u64().unwrap();
+        assert!(per < served / 3 && per > served / 4, "{per} of {served}");
+    }
+    let p = |tp, ep, dp_attention| plan::shard::Parallel {
+        tp,
+        ep,
+        dp_attention,
+    };
+    assert_eq!(
+        dp["per_gpu"]["weight_bytes"],
+        plan::shard::gpu_weights(&config, p(1, 4, true)).total
+    );
+    assert_eq!(
+        tp["per_gpu"]["weight_bytes"],
+        plan::shard::gpu_weights(&config, p(4, 4, false)).total
+    );
+    // Under DP-attention every rank's pool holds its own requests: 4x the tokens of TP's
+    // replicated state, less the larger replicated attention.
+    let tokens = |v: &Value| v["per_gpu"]["fit"]["tokens"].as_u64().unwrap();
+    assert!(
+        tokens(&dp) > 3 * tokens(&tp),
+        "{} vs {}",
+        tokens(&dp),
+        tokens(&tp)
+    );
+    for (extra, reason) in [
+        (&["--tp", "16"][..], "output groups"),
+        (&["--ep", "3"][..], "routed experts"),
+        (&["--tp", "2", "--dp-attention"][..], "tp must be 1"),
+        (&["--ep", "4", "--gpus", "2"][..], "disagrees"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_pdctl"))
+            .args(["plan", "--config", dir])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(reason), "{extra:?}: {err}");
+    }
+}
