@@ -157,6 +157,13 @@ where
         handle
             .set_model(fingerprint, layout, &worker.offered().kinds)
             .await;
+        // The first load goes with the model, so no `Info` of a ready worker lacks it.
+        let first = runner
+            .load()
+            .await
+            .map_err(|e| ServeError::Startup(e.to_string()))?;
+        metrics.set_load(&first);
+        handle.set_load(first).await;
         let reporter = handle.clone();
         tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
             let reporter = reporter.clone();
