@@ -7,6 +7,7 @@ pub mod formats;
 pub mod grammar;
 pub mod model;
 pub mod paged;
+pub mod parallel;
 pub mod plan;
 pub mod pool;
 pub mod quant;

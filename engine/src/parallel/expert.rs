@@ -1,0 +1,192 @@
+//! Expert parallelism: a layer's routed experts divided among the ranks by whole experts, each
+//! (token, expert) product computed on the rank that holds the expert and sent back to the
+//! token's rank, which sums in its own fixed slot order. Every product is the same
+//! [`moe::expert_many`] row a single rank computes (its rows do not depend on the other rows of
+//! the call), so the MoE output is bit-identical to the one-rank engine's.
+//!
+//! cudarc's NCCL has no all-to-all, so dispatch and combine are two [`Collective::exchange`]
+//! calls (grouped send/recv on GPUs). Every rank calls both each time, with or without tokens:
+//! a rank that skipped would leave the others waiting until their timeout.
+//!
+//! Dispatch framing, per destination: `[count, expert_1 .. expert_count, x_1 .. x_count]`,
+//! expert ids as `f32` (exact below 2^24), inputs of the hidden width each. The combine sends
+//! back, per source, the outputs in the order that source listed its pairs.
+
+use super::collective::{Collective, CollectiveError};
+use crate::{model::moe, weights::ExpertWeights};
+
+/// Which rank holds which experts: `experts / ranks` consecutive experts per rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertSplit {
+    experts: usize,
+    ranks: usize,
+}
+
+impl ExpertSplit {
+    /// The split of `experts` routed experts over `ranks` ranks; they must divide.
+    pub fn new(experts: usize, ranks: usize) -> Result<Self, String> {
+        if ranks == 0 || experts == 0 || !experts.is_multiple_of(ranks) {
+            return Err(format!(
+                "{experts} routed experts cannot be divided among {ranks} ranks"
+            ));
+        }
+        Ok(Self { experts, ranks })
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Experts each rank holds.
+    pub fn per_rank(&self) -> usize {
+        self.experts / self.ranks
+    }
+
+    /// The rank that holds `expert`.
+    pub fn owner(&self, expert: usize) -> usize {
+        expert / self.per_rank()
+    }
+
+    /// The experts rank `rank` holds.
+    pub fn held_by(&self, rank: usize) -> std::ops::Range<usize> {
+        rank * self.per_rank()..(rank + 1) * self.per_rank()
+    }
+}
+
+/// Why an expert-parallel MoE step failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExpertError {
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// A pair names a token or expert that does not exist, or a peer's message is malformed.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// This rank's share of one layer's routed experts.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertShard<'a> {
+    pub split: ExpertSplit,
+    /// The experts [`ExpertSplit::held_by`] this rank, in order.
+    pub experts: &'a [ExpertWeights],
+    /// The experts' SwiGLU clamp (`swiglu_limit`).
+    pub limit: f32,
+}
+
+impl ExpertShard<'_> {
+    /// Hidden width of the experts' inputs and outputs.
+    fn width(&self) -> usize {
+        self.experts.first().map_or(0, |e| e.w1.cols)
+    }
+}
+
+/// The outputs of this rank's `(token, expert)` `pairs` over its tokens `xs`, in pair order,
+/// each computed by the rank that holds the expert. Every rank of `coll` must call this for the
+/// same layer at the same time, with its own tokens (possibly none).
+pub fn routed_experts(
+    coll: &mut dyn Collective,
+    shard: &ExpertShard<'_>,
+    xs: &[Vec<f32>],
+    pairs: &[(usize, usize)],
+) -> Result<Vec<Vec<f32>>, ExpertError> {
+    let split = shard.split;
+    let ranks = coll.size();
+    let me = coll.rank();
+    if split.ranks() != ranks || shard.experts.len() != split.per_rank() {
+        return Err(ExpertError::Invalid(format!(
+            "rank {me} holds {} experts of a split over {} ranks in a group of {ranks}",
+            shard.experts.len(),
+            split.ranks()
+        )));
+    }
+    let width = shard.width();
+    // Dispatch: each pair's input to the expert's rank.
+    let mut dispatched: Vec<Vec<usize>> = vec![Vec::new(); ranks];
+    for (p, &(t, e)) in pairs.iter().enumerate() {
+        let ok = t < xs.len() && e < split.experts() && xs[t].len() == width;
+        if !ok {
+            return Err(ExpertError::Invalid(format!(
+                "pair {p} (token {t}, expert {e}) outside {} tokens of width {width} and {} experts",
+                xs.len(),
+                split.experts()
+            )));
+        }
+        dispatched[split.owner(e)].push(p);
+    }
+    let sends: Vec<Vec<f32>> = dispatched
+        .iter()
+        .map(|list| {
+            let mut msg = Vec::with_capacity(1 + list.len() * (1 + width));
+            msg.push(list.len() as f32);
+            msg.extend(list.iter().map(|&p| pairs[p].1 as f32));
+            for &p in list {
+                msg.extend_from_slice(&xs[pairs[p].0]);
+            }
+            msg
+        })
+        .collect();
+    let received = coll.exchange(sends)?;
+    // Compute: every received input, grouped by local expert, one call per expert.
+    let held = split.held_by(me);
+    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); held.len()];
+    let mut inputs: Vec<Vec<&[f32]>> = Vec::with_capacity(ranks);
+    for (source, msg) in received.iter().enumerate() {
+        let count = msg.first().copied().unwrap_or(0.0) as usize;
+        if msg.len() != 1 + count * (1 + width) {
+            return Err(ExpertError::Invalid(format!(
+                "rank {source} sent {} values for {count} inputs of width {width}",
+                msg.len()
+            )));
+        }
+        let mut mine = Vec::with_capacity(count);
+        for i in 0..count {
+            let e = msg[1 + i] as usize;
+            if !held.contains(&e) {
+                return Err(ExpertError::Invalid(format!(
+                    "rank {source} sent expert {e} to rank {me}, which holds {held:?}"
+                )));
+            }
+            by_expert[e - held.start].push((source, i));
+            let at = 1 + count + i * width;
+            mine.push(&msg[at..at + width]);
+        }
+        inputs.push(mine);
+    }
+    let mut outputs: Vec<Vec<Vec<f32>>> =
+        inputs.iter().map(|m| vec![Vec::new(); m.len()]).collect();
+    for (local, list) in by_expert.iter().enumerate() {
+        if list.is_empty() {
+            continue;
+        }
+        let xs: Vec<&[f32]> = list.iter().map(|&(s, i)| inputs[s][i]).collect();
+        let ys = moe::expert_many(&shard.experts[local], &xs, shard.limit);
+        for (&(s, i), y) in list.iter().zip(ys) {
+            outputs[s][i] = y;
+        }
+    }
+    // Combine: the outputs back to their tokens' ranks, in the order they were listed.
+    let sends: Vec<Vec<f32>> = outputs.into_iter().map(|o| o.concat()).collect();
+    let returned = coll.exchange(sends)?;
+    let mut result: Vec<Vec<f32>> = vec![Vec::new(); pairs.len()];
+    for (owner, list) in dispatched.iter().enumerate() {
+        let values = &returned[owner];
+        if values.len() != list.len() * width {
+            return Err(ExpertError::Invalid(format!(
+                "rank {owner} returned {} values for {} outputs of width {width}",
+                values.len(),
+                list.len()
+            )));
+        }
+        for (&p, y) in list.iter().zip(values.chunks_exact(width.max(1))) {
+            result[p] = y.to_vec();
+        }
+    }
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests;
