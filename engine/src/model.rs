@@ -29,6 +29,8 @@ pub struct Model {
     compress_rope: Rope,
     /// The compute backend for the ops it runs; `None`: everything on the CPU reference.
     backend: Option<Attached>,
+    /// This rank's share of the routed experts when they are spread over ranks.
+    expert_parallel: Option<std::sync::Arc<crate::parallel::expert::ExpertParallel>>,
 }
 
 /// Everything a sequence carries from one forward call to the next.
@@ -104,6 +106,7 @@ impl Model {
             main_rope,
             compress_rope,
             backend: None,
+            expert_parallel: None,
         }
     }
 
@@ -120,6 +123,35 @@ impl Model {
             plan: plan.clone(),
         });
         Ok(plan)
+    }
+
+    /// Spreads the routed experts over the ranks of `ep`'s group: every MoE layer's
+    /// (token, expert) products are computed by the rank that holds the expert. Every rank must
+    /// then run every step together ([`Self::idle_forward`] when it has no tokens).
+    pub fn set_expert_parallel(
+        &mut self,
+        ep: std::sync::Arc<crate::parallel::expert::ExpertParallel>,
+    ) {
+        self.expert_parallel = Some(ep);
+    }
+
+    /// The expert parallelism attached, if any.
+    pub fn expert_parallel(&self) -> Option<&crate::parallel::expert::ExpertParallel> {
+        self.expert_parallel.as_deref()
+    }
+
+    /// A step without tokens under expert parallelism: every MoE layer's exchanges with nothing
+    /// to send, so the ranks that have tokens get their experts computed here. Without expert
+    /// parallelism it does nothing.
+    pub fn idle_forward(&self) -> Result<(), ForwardError> {
+        let Some(ep) = self.expert_parallel.as_deref() else {
+            return Ok(());
+        };
+        for layer in &self.weights.layers {
+            ep.routed(&layer.moe.experts, self.config.swiglu_limit, &[], &[])
+                .map_err(|e| expert_failure(&e))?;
+        }
+        Ok(())
     }
 
     /// Where each op runs; `None` when no backend is attached (all on the CPU).
@@ -276,7 +308,17 @@ impl Model {
                 .as_ref()
                 .filter(|b| b.runs(Op::SharedExpert))
                 .map(|b| (b, i));
-            let ffn = moe::forward_many(&layer.moe, &ffn_inputs, &tokens, c, routed, shared_on)?;
+            let ffn = moe::forward_many(
+                &layer.moe,
+                &ffn_inputs,
+                &tokens,
+                c,
+                moe::Routed {
+                    backend: routed,
+                    expert_parallel: self.expert_parallel.as_deref(),
+                },
+                shared_on,
+            )?;
             streams
                 .par_iter_mut()
                 .zip(&ffn)
@@ -323,4 +365,13 @@ pub struct Step<'a> {
     /// The sequence's next tokens (a prefill chunk, or one decode token).
     pub tokens: &'a [u32],
     pub logits: Logits,
+}
+
+/// A failed expert-parallel exchange, as the forward pass reports it.
+pub(crate) fn expert_failure(e: &crate::parallel::expert::ExpertError) -> BackendError {
+    BackendError::Failed {
+        backend: "expert-parallel".to_owned(),
+        op: "routed experts",
+        message: e.to_string(),
+    }
 }

@@ -449,6 +449,11 @@ impl Engine {
             }
         }
         if plan.is_empty() {
+            // Under expert parallelism the other ranks' tokens need this rank's experts: it
+            // takes part in every step, with no tokens of its own.
+            if let Err(e) = self.model.idle_forward() {
+                tracing::error!(error = %e, "idle step of an expert-parallel rank failed");
+            }
             return 0;
         }
         let mut record = StepRecord {

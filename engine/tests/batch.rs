@@ -104,7 +104,8 @@ fn expert_major_moe_equals_token_major() {
         .collect();
     let tokens: Vec<u32> = (0..37).map(|_| (rng.next_u64() % 129_280) as u32).collect();
     for layer in &model.weights.layers {
-        let many = moe::forward_many(&layer.moe, &xs, &tokens, c, None, None).unwrap();
+        let many =
+            moe::forward_many(&layer.moe, &xs, &tokens, c, moe::Routed::default(), None).unwrap();
         for ((x, &t), got) in xs.iter().zip(&tokens).zip(&many) {
             assert!(moe::forward(&layer.moe, x, t, c) == *got);
         }

@@ -107,6 +107,15 @@ pub fn forward(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> Vec<f3
     out
 }
 
+/// Where a layer's routed experts run besides the CPU reference: a backend that runs them
+/// (with this layer's index), or the ranks of an expert-parallel group (which takes
+/// precedence: each rank's share runs where that rank computes).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Routed<'a> {
+    pub backend: Option<(&'a Attached, usize)>,
+    pub expert_parallel: Option<&'a crate::parallel::expert::ExpertParallel>,
+}
+
 /// The MoE outputs for many tokens at once, expert-major: each expert's weights are read once
 /// for all the tokens routed to it (the weights of all experts do not fit in cache, so the
 /// token-major order spends its time fetching them). Every token's result is bit-identical to
@@ -120,7 +129,7 @@ pub fn forward_many(
     xs: &[Vec<f32>],
     tokens: &[u32],
     c: &ModelConfig,
-    routed: Option<(&Attached, usize)>,
+    routed: Routed<'_>,
     shared_on: Option<(&Attached, usize)>,
 ) -> Result<Vec<Vec<f32>>, BackendError> {
     use rayon::prelude::*;
@@ -135,7 +144,22 @@ pub fn forward_many(
         .iter()
         .map(|(chosen, _)| vec![None; chosen.len()])
         .collect();
-    if let Some((backend, layer)) = routed {
+    if let Some(ep) = routed.expert_parallel {
+        let pairs: Vec<(usize, usize)> = routes
+            .iter()
+            .enumerate()
+            .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
+            .collect();
+        let ys = ep
+            .routed(&w.experts, c.swiglu_limit, xs, &pairs)
+            .map_err(|e| crate::model::expert_failure(&e))?;
+        let mut ys = ys.into_iter();
+        for slots in &mut per_token {
+            for slot in slots.iter_mut() {
+                *slot = ys.next();
+            }
+        }
+    } else if let Some((backend, layer)) = routed.backend {
         let pairs: Vec<(usize, usize)> = routes
             .iter()
             .enumerate()

@@ -188,5 +188,80 @@ pub fn routed_experts(
     Ok(result)
 }
 
+/// A model's expert parallelism: this rank's place in the split and its link to the others.
+/// Attached with [`crate::model::Model::set_expert_parallel`]; every MoE layer's routed
+/// experts then go through [`routed_experts`] over it.
+pub struct ExpertParallel {
+    collective: std::sync::Mutex<Box<dyn Collective>>,
+    split: ExpertSplit,
+    rank: usize,
+}
+
+impl std::fmt::Debug for ExpertParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertParallel")
+            .field("split", &self.split)
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExpertParallel {
+    /// This rank (`collective`'s) of a split of `experts` routed experts over its group.
+    pub fn new(collective: Box<dyn Collective>, experts: usize) -> Result<Self, String> {
+        let split = ExpertSplit::new(experts, collective.size())?;
+        Ok(Self {
+            rank: collective.rank(),
+            collective: std::sync::Mutex::new(collective),
+            split,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn split(&self) -> ExpertSplit {
+        self.split
+    }
+
+    /// The routed experts of one layer whose experts are `experts` (all of the layer's, in
+    /// order; this rank computes with its share).
+    pub fn routed(
+        &self,
+        experts: &[ExpertWeights],
+        limit: f32,
+        xs: &[Vec<f32>],
+        pairs: &[(usize, usize)],
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let held = self.split.held_by(self.rank);
+        let mine = experts.get(held.clone()).ok_or_else(|| {
+            ExpertError::Invalid(format!(
+                "the layer has {} experts; rank {} holds {held:?}",
+                experts.len(),
+                self.rank
+            ))
+        })?;
+        let shard = ExpertShard {
+            split: self.split,
+            experts: mine,
+            limit,
+        };
+        let mut collective = self
+            .collective
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        routed_experts(collective.as_mut(), &shard, xs, pairs)
+    }
+
+    /// Marks this rank failed, so its peers stop at once.
+    pub fn fail(&self, reason: &str) {
+        self.collective
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .fail(reason);
+    }
+}
+
 #[cfg(test)]
 mod tests;
