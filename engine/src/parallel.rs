@@ -1,5 +1,7 @@
-//! One worker over several ranks: the collectives they meet in ([`collective`]) and the
-//! expert-parallel MoE over them ([`expert`]).
+//! One worker over several ranks: the collectives they meet in ([`collective`]), the
+//! expert-parallel MoE over them ([`expert`]) and the engine threads that step together
+//! ([`ranks`]).
 
 pub mod collective;
 pub mod expert;
+pub mod ranks;

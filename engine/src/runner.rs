@@ -58,7 +58,7 @@ pub fn event_id(event: &Event) -> u64 {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Engine, &mut Subscribers) + Send>;
+pub(crate) type Job = Box<dyn FnOnce(&mut Engine, &mut Subscribers) + Send>;
 
 /// The engine thread has stopped (it panicked or the process is ending).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -69,6 +69,8 @@ pub struct Stopped;
 #[derive(Debug, Clone)]
 pub struct Runner {
     jobs: std_mpsc::Sender<Job>,
+    /// The rank group this engine steps with, woken by every job ([`crate::parallel::ranks`]).
+    wake: Option<std::sync::Arc<crate::parallel::ranks::Wake>>,
 }
 
 impl Runner {
@@ -78,7 +80,26 @@ impl Runner {
         std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || run(engine, &receiver))?;
-        Ok(Self { jobs })
+        Ok(Self { jobs, wake: None })
+    }
+
+    /// A handle over `jobs` whose sends also wake `wake`'s group.
+    pub(crate) fn ranked(
+        jobs: std_mpsc::Sender<Job>,
+        wake: std::sync::Arc<crate::parallel::ranks::Wake>,
+    ) -> Self {
+        Self {
+            jobs,
+            wake: Some(wake),
+        }
+    }
+
+    fn send(&self, job: Job) -> Result<(), Stopped> {
+        self.jobs.send(job).map_err(|_| Stopped)?;
+        if let Some(wake) = &self.wake {
+            wake.bump();
+        }
+        Ok(())
     }
 
     /// Runs `f` on the engine thread (between steps) and returns its result.
@@ -87,11 +108,9 @@ impl Runner {
         f: impl FnOnce(&mut Engine, &mut Subscribers) -> R + Send + 'static,
     ) -> Result<R, Stopped> {
         let (tx, rx) = oneshot::channel();
-        self.jobs
-            .send(Box::new(move |engine, subs| {
-                let _ = tx.send(f(engine, subs));
-            }))
-            .map_err(|_| Stopped)?;
+        self.send(Box::new(move |engine, subs| {
+            let _ = tx.send(f(engine, subs));
+        }))?;
         rx.await.map_err(|_| Stopped)
     }
 
@@ -130,7 +149,7 @@ impl Runner {
         &self,
         f: impl FnOnce(&mut Engine, &mut Subscribers) + Send + 'static,
     ) -> Result<(), Stopped> {
-        self.jobs.send(Box::new(f)).map_err(|_| Stopped)
+        self.send(Box::new(f))
     }
 }
 

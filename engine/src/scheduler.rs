@@ -333,6 +333,27 @@ impl Engine {
         Ok(())
     }
 
+    /// Ends every request (waiting, running, reserved) with [`Event::Failed`] saying `error`:
+    /// the engine can no longer step (its rank lost its group). Their pages return.
+    pub fn fail_all(&mut self, error: &str) -> Vec<Event> {
+        let ids: Vec<u64> = self
+            .waiting
+            .iter()
+            .map(|(r, ..)| r.id)
+            .chain(self.running.iter().map(|r| r.id))
+            .chain(self.reserved.iter().map(|(id, _)| *id))
+            .collect();
+        ids.into_iter()
+            .map(|id| {
+                let _ = self.cancel(id);
+                Event::Failed {
+                    id,
+                    error: error.to_owned(),
+                }
+            })
+            .collect()
+    }
+
     /// Removes a request wherever it is; its pages return to the pool.
     pub fn cancel(&mut self, id: u64) -> Option<Event> {
         if let Some(i) = self.waiting.iter().position(|(w, ..)| w.id == id) {

@@ -1,0 +1,155 @@
+//! The engines of a worker's ranks, each on its own thread with its own compute pool, stepping
+//! in lockstep: before every step the ranks agree (an all-gather on a control group) whether any
+//! of them has work; if one has, all step, and a rank without tokens runs an idle forward for
+//! the others' experts (expert parallelism needs every rank in every MoE exchange). When none
+//! has work they sleep until a job reaches any of them (every job wakes the whole group), so an
+//! idle worker does not poll.
+//!
+//! Each rank owns whole requests (data-parallel attention): callers address a rank's
+//! [`Runner`] directly. If the control group fails (a rank died or hung past the group's
+//! timeout), every rank fails its requests with that error and serves no more: the worker is
+//! unhealthy and must be restarted.
+
+use std::sync::{Arc, Condvar, Mutex, PoisonError, mpsc as std_mpsc};
+
+use super::collective::Collective;
+use crate::{
+    runner::{Job, Runner, Subscribers},
+    scheduler::Engine,
+};
+
+/// The group's wake-up: a counter every job bumps.
+#[derive(Debug, Default)]
+pub struct Wake {
+    epoch: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl Wake {
+    pub(crate) fn bump(&self) {
+        *self.epoch.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        self.changed.notify_all();
+    }
+
+    fn current(&self) -> u64 {
+        *self.epoch.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits until a job arrived after `seen` (or `limit` passed).
+    fn wait_past(&self, seen: u64, limit: std::time::Duration) {
+        let epoch = self.epoch.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = self
+            .changed
+            .wait_timeout_while(epoch, limit, |e| *e == seen)
+            .unwrap_or_else(PoisonError::into_inner);
+    }
+}
+
+/// How long an idle rank sleeps before it checks again without being woken (a safety net:
+/// every job wakes it at once).
+const IDLE_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Starts one thread per engine (rank `r` = `engines[r]`, meeting the others in
+/// `control[r]`), each with a compute pool of `threads` threads. Returns each rank's runner.
+pub fn start(
+    engines: Vec<Engine>,
+    control: Vec<Box<dyn Collective>>,
+    name: &str,
+    threads: usize,
+) -> std::io::Result<Vec<Runner>> {
+    if engines.len() != control.len() {
+        return Err(std::io::Error::other(format!(
+            "{} engines for {} control ranks",
+            engines.len(),
+            control.len()
+        )));
+    }
+    let wake = Arc::new(Wake::default());
+    let mut runners = Vec::with_capacity(engines.len());
+    for (rank, (engine, control)) in engines.into_iter().zip(control).enumerate() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(move |i| format!("rank{rank}-compute{i}"))
+            .build()
+            .map_err(std::io::Error::other)?;
+        let (jobs, receiver) = std_mpsc::channel::<Job>();
+        let group = Arc::clone(&wake);
+        std::thread::Builder::new()
+            .name(format!("{name}-rank{rank}"))
+            .spawn(move || run_rank(engine, &receiver, control, &group, &pool))?;
+        runners.push(Runner::ranked(jobs, Arc::clone(&wake)));
+    }
+    Ok(runners)
+}
+
+fn run_rank(
+    mut engine: Engine,
+    jobs: &std_mpsc::Receiver<Job>,
+    mut control: Box<dyn Collective>,
+    wake: &Wake,
+    pool: &rayon::ThreadPool,
+) {
+    let mut subs = Subscribers::default();
+    let mut broken: Option<String> = None;
+    loop {
+        let seen = wake.current();
+        let mut gone = false;
+        loop {
+            match jobs.try_recv() {
+                Ok(job) => job(&mut engine, &mut subs),
+                Err(std_mpsc::TryRecvError::Disconnected) => {
+                    gone = true;
+                    break;
+                }
+                Err(std_mpsc::TryRecvError::Empty) => break,
+            }
+        }
+        if let Some(reason) = &broken {
+            // No lockstep any more: whatever arrives fails at once.
+            for event in engine.fail_all(reason) {
+                subs.deliver(event);
+            }
+            if gone {
+                return;
+            }
+            match jobs.recv() {
+                Ok(job) => job(&mut engine, &mut subs),
+                Err(_) => return,
+            }
+            continue;
+        }
+        let busy = !engine.is_idle();
+        let vote = vec![f32::from(u8::from(busy)), f32::from(u8::from(gone))];
+        let votes = match control.all_gather(vote) {
+            Ok(votes) => votes,
+            Err(e) => {
+                let reason = format!("the worker's ranks lost lockstep: {e}");
+                tracing::error!(rank = control.rank(), %reason, "rank stops serving");
+                // Peers waiting in an expert exchange stop now, not at their timeout.
+                if let Some(ep) = engine.model().expert_parallel() {
+                    ep.fail(&reason);
+                }
+                for event in engine.fail_all(&reason) {
+                    subs.deliver(event);
+                }
+                broken = Some(reason);
+                continue;
+            }
+        };
+        if votes.iter().any(|v| v.first().is_some_and(|&b| b != 0.0)) {
+            let emitted = pool.install(|| engine.step_with(&mut |event| subs.deliver(event)));
+            if emitted == 0 && engine.load().0 == 0 && busy {
+                // Waiting for pages only a job can free: do not spin.
+                wake.wait_past(seen, std::time::Duration::from_millis(5));
+            }
+            continue;
+        }
+        if votes.iter().all(|v| v.get(1).is_some_and(|&g| g != 0.0)) {
+            return;
+        }
+        wake.wait_past(seen, IDLE_RECHECK);
+    }
+}
+
+#[cfg(test)]
+mod tests;
