@@ -41,13 +41,18 @@ struct Endpoint0 {
 }
 
 impl Endpoint0 {
-    fn new() -> Result<Self, TransferError> {
+    /// A context for RMA; `wakeup` also asks for event notification (the exporter sleeps on
+    /// it while no transfer arrives).
+    fn new(wakeup: bool) -> Result<Self, TransferError> {
         // SAFETY: plain FFI calls with zero-initialised parameter structs whose field masks
         // name exactly the fields set; every out-pointer is a valid local.
         unsafe {
             let mut params: sys::ucp_params_t = std::mem::zeroed();
             params.field_mask = u64::from(sys::ucp_params_field_UCP_PARAM_FIELD_FEATURES);
             params.features = u64::from(sys::ucp_feature_UCP_FEATURE_RMA);
+            if wakeup {
+                params.features |= u64::from(sys::ucp_feature_UCP_FEATURE_WAKEUP);
+            }
             let mut context: sys::ucp_context_h = std::ptr::null_mut();
             let status = sys::ucp_init_version(
                 sys::UCP_API_MAJOR,
@@ -71,6 +76,21 @@ impl Endpoint0 {
             }
             Ok(Self { context, worker })
         }
+    }
+
+    /// The worker's event file descriptor, when its transports can signal events.
+    fn event_fd(&self) -> Option<std::os::fd::RawFd> {
+        let mut fd: std::os::raw::c_int = -1;
+        // SAFETY: the worker is live; `fd` is a valid out-pointer; UCX owns the descriptor.
+        let status = unsafe { sys::ucp_worker_get_efd(self.worker, &raw mut fd) };
+        (status == sys::ucs_status_t_UCS_OK && fd >= 0).then_some(fd)
+    }
+
+    /// Arms the event descriptor for the next event; false while events are pending (progress
+    /// first) or when arming fails.
+    fn arm(&self) -> bool {
+        // SAFETY: the worker is live and used from this thread only.
+        unsafe { sys::ucp_worker_arm(self.worker) == sys::ucs_status_t_UCS_OK }
     }
 
     fn progress(&self) -> u32 {
@@ -229,7 +249,7 @@ fn export_thread(
     stop: &AtomicBool,
 ) {
     let setup = || -> Result<(Endpoint0, Vec<sys::ucp_mem_h>, UcxTarget), TransferError> {
-        let ep = Endpoint0::new()?;
+        let ep = Endpoint0::new(true)?;
         let mut handles = Vec::new();
         let mut out = Vec::new();
         for r in regions {
@@ -280,15 +300,42 @@ fn export_thread(
             return;
         }
     };
+    // Event-driven when idle: drain the worker, arm its event descriptor and sleep until a
+    // transport signals (a put arriving on an emulated-RMA transport) or a stop check is due.
+    // Transports without events fall back to a short sleep between progress calls.
+    let events = ep.event_fd();
+    if events.is_none() {
+        tracing::warn!("UCX transports offer no event descriptor: the exporter polls");
+    }
     while !stop.load(Ordering::Relaxed) {
-        if ep.progress() == 0 {
-            std::thread::sleep(Duration::from_micros(200));
+        if ep.progress() != 0 {
+            continue;
+        }
+        match events {
+            Some(fd) if ep.arm() => wait_readable(fd, STOP_CHECK),
+            Some(_) => {}
+            None => std::thread::sleep(Duration::from_micros(200)),
         }
     }
     for memh in handles {
         // SAFETY: mapped above with this context; unmapped once.
         unsafe { sys::ucp_mem_unmap(ep.context, memh) };
     }
+}
+
+/// How long an idle exporter sleeps on its event descriptor before checking for a stop.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// Waits until `fd` is readable or `limit` passes.
+fn wait_readable(fd: std::os::fd::RawFd, limit: Duration) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    // SAFETY: UCX keeps the descriptor open for the worker's lifetime, which outlasts this
+    // call on the worker's own thread.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let mut fds = [PollFd::new(borrowed, PollFlags::POLLIN)];
+    let timeout = PollTimeout::try_from(limit).unwrap_or(PollTimeout::MAX);
+    // An interrupted or failed poll only means progressing again sooner.
+    let _ = poll(&mut fds, timeout);
 }
 
 /// One put: `data` to `offset` bytes into region `region` of the target.
@@ -365,7 +412,7 @@ fn put_thread(
     ready: &mpsc::Sender<Result<(), TransferError>>,
     stop: &AtomicBool,
 ) {
-    let worker = match Endpoint0::new() {
+    let worker = match Endpoint0::new(false) {
         Ok(w) => {
             let _ = ready.send(Ok(()));
             w
