@@ -6,6 +6,7 @@
 pub mod bench_engine;
 pub mod bench_hidden;
 pub mod bench_mask;
+pub mod bench_ranks;
 pub mod bench_roofline;
 pub mod bench_transfer;
 pub mod cluster;
@@ -43,6 +44,9 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode tokens/s of the engine's CPU model.
     BenchEngine(bench_engine::BenchEngineArgs),
+    /// Measure decode tokens/s of one engine against N CPU ranks of one worker
+    /// (data-parallel attention, expert-parallel MoE) in the same run.
+    BenchRanks(bench_ranks::BenchRanksArgs),
     /// List a router's prefill and decode workers with their state and load.
     Workers(workers::WorkersArgs),
     /// A cluster at a glance: router readiness, model, traffic, errors and every worker's
@@ -151,6 +155,7 @@ pub fn main(cli: Cli) -> ExitCode {
             Command::GenModel(args) => model_cmds::gen_model(&args),
             Command::Logits(args) => model_cmds::logits(&args),
             Command::BenchEngine(args) => bench_engine::run(&args),
+            Command::BenchRanks(args) => bench_ranks::run(&args),
             Command::Generate(args) => generate::run(&args),
             Command::Workers(args) => workers::run(&args).await,
             Command::Status(args) => workers::status(&args).await,
