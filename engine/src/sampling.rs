@@ -353,16 +353,7 @@ impl Sampler {
             c.mask(&mut processed)?;
         }
         self.suppress_stops(&mut processed);
-        // Ids fit in u32: `new` bounds the vocabulary at 2^32.
-        let cands: Vec<(u32, f32)> = processed
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
-        if cands.is_empty() {
-            return Err(SamplingError::NoFiniteLogit);
-        }
+        let cands = finite_candidates(&processed)?;
         let u = self.rng.next_uniform();
         let lse = self.params.logprobs.then(|| log_sum_exp(&cands));
         let top_logprobs = lse.map_or_else(Vec::new, |lse| {
@@ -540,11 +531,9 @@ fn logprob_of(processed: Option<f32>, lse: f64) -> f32 {
     processed.map_or(f32::NEG_INFINITY, |l| (f64::from(l) - lse) as f32)
 }
 
-/// A prompt token's entry: `token`'s log-probability under the raw model distribution of
-/// `logits` (the row computed at the position before it: no bias, penalty, mask or
-/// temperature) and the `top` best alternatives. Non-finite logits have no probability, as in
-/// [`Sampler::sample`]; a row with none finite is an error.
-pub fn prompt_logprob(logits: &[f32], token: u32, top: usize) -> Result<Sampled, SamplingError> {
+/// The (id, logit) pairs of a row's finite logits; a row with none is an error. Ids fit in
+/// u32: `Sampler::new` bounds the vocabulary at 2^32.
+fn finite_candidates(logits: &[f32]) -> Result<Vec<(u32, f32)>, SamplingError> {
     let cands: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
@@ -554,6 +543,15 @@ pub fn prompt_logprob(logits: &[f32], token: u32, top: usize) -> Result<Sampled,
     if cands.is_empty() {
         return Err(SamplingError::NoFiniteLogit);
     }
+    Ok(cands)
+}
+
+/// A prompt token's entry: `token`'s log-probability under the raw model distribution of
+/// `logits` (the row computed at the position before it: no bias, penalty, mask or
+/// temperature) and the `top` best alternatives. Non-finite logits have no probability, as in
+/// [`Sampler::sample`]; a row with none finite is an error.
+pub fn prompt_logprob(logits: &[f32], token: u32, top: usize) -> Result<Sampled, SamplingError> {
+    let cands = finite_candidates(logits)?;
     let lse = log_sum_exp(&cands);
     let own = logits
         .get(token as usize)

@@ -78,7 +78,7 @@ fn config(batch: usize) -> EngineConfig {
     }
 }
 
-/// Steps `engine` until every request of it has its first token (the prefill, untimed).
+/// How many of `events` are first tokens (requests whose prefill ended).
 fn first_tokens(events: &[Event]) -> usize {
     events
         .iter()

@@ -244,14 +244,29 @@ mod tests {
         assert!(calls(std::iter::empty(), true, 9).is_err());
     }
 
+    /// V4's tokenizer and token table, built once for every test of this module.
+    fn v4() -> &'static (tokenizers::Tokenizer, engine::grammar::TokenTable) {
+        static V4: std::sync::OnceLock<(tokenizers::Tokenizer, engine::grammar::TokenTable)> =
+            std::sync::OnceLock::new();
+        V4.get_or_init(|| {
+            let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
+            let json = std::fs::read(&path).expect("tokenizer.json");
+            let table = engine::grammar::TokenTable::from_tokenizer_json(&json, 129_280, &[1])
+                .expect("table");
+            let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
+            (tokenizer, table)
+        })
+    }
+
+    /// The id of V4's `｜DSML｜` token.
+    fn dsml() -> u32 {
+        v4().0.token_to_id("｜DSML｜").expect("the DSML token")
+    }
+
     /// Whether V4's tokenizer's encoding of `text` is a complete output of `grammar`.
     fn accepts(grammar: &str, text: &str) -> Result<bool, String> {
         use proto::request::{Grammar, OutputConstraint};
-        let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
-        let json = std::fs::read(&path).expect("tokenizer.json");
-        let table =
-            engine::grammar::TokenTable::from_tokenizer_json(&json, 129_280, &[1]).expect("table");
-        let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
+        let (tokenizer, table) = v4();
         let ids = tokenizer
             .encode(text, false)
             .expect("encode")
@@ -272,9 +287,7 @@ mod tests {
 
     #[test]
     fn a_string_parameter_may_hold_any_text_up_to_its_closing_tag() {
-        let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
-        let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
-        let dsml = tokenizer.token_to_id("｜DSML｜").expect("the DSML token");
+        let dsml = dsml();
         let schema = json!({
             "type": "object",
             "properties": {"html": {"type": "string"}, "n": {"type": "integer"}},
@@ -310,9 +323,7 @@ mod tests {
 
     #[test]
     fn auto_over_strict_tools_allows_text_then_only_valid_calls() {
-        let path = common::assets::deepseek_v4_tokenizer().expect("run scripts/setup");
-        let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer");
-        let dsml = tokenizer.token_to_id("｜DSML｜").expect("the DSML token");
+        let dsml = dsml();
         let schema = json!({
             "type": "object",
             "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
