@@ -20,6 +20,10 @@ pub enum Fault {
     /// Decode: the engine thread stops answering one second after start, as if wedged (the
     /// watchdog must notice).
     StallEngine,
+    /// Decode, over several ranks: the rank of the first request to start decoding stops
+    /// answering, as if its GPU hung (the worker must fail its requests within the rank
+    /// timeout, that one included, and report itself failed).
+    StallRank,
     /// Either role: pauses [`SLOW_LOAD_PER_SHARD`] after each checkpoint shard is loaded, so
     /// tests can watch a worker in its loading state without depending on disk speed.
     SlowLoad,
@@ -40,12 +44,13 @@ pub enum FaultError {
 
 impl Fault {
     /// Every fault with its name.
-    pub const ALL: [(&'static str, Fault); 6] = [
+    pub const ALL: [(&'static str, Fault); 7] = [
         ("flip-page-byte", Fault::FlipPageByte),
         ("drop-slot", Fault::DropSlot),
         ("swap-pages", Fault::SwapPages),
         ("reorder-batch", Fault::ReorderBatch),
         ("stall-engine", Fault::StallEngine),
+        ("stall-rank", Fault::StallRank),
         ("slow-load", Fault::SlowLoad),
     ];
 
@@ -107,7 +112,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "PDSERVE_INJECT_FAULT: unknown fault \"flip\" (known: flip-page-byte, drop-slot, \
-             swap-pages, reorder-batch, stall-engine, slow-load)"
+             swap-pages, reorder-batch, stall-engine, stall-rank, slow-load)"
         );
     }
 }

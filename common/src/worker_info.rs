@@ -127,6 +127,11 @@ impl WorkerHandle {
         info.transports = transports.iter().map(|&t| t.into()).collect();
     }
 
+    /// Records how the model is spread over the worker's ranks.
+    pub async fn set_group(&self, group: proto::v1::GroupLayout) {
+        self.info.write().await.group = Some(group);
+    }
+
     pub async fn set_load(&self, load: Load) {
         *self
             .last_load
@@ -145,7 +150,7 @@ impl WorkerHandle {
 
     /// Requests still on this worker: running, queued, and reserved but not yet committed.
     pub async fn work_left(&self) -> u64 {
-        let load = self.info.read().await.load.unwrap_or_default();
+        let load = self.info.read().await.load.clone().unwrap_or_default();
         u64::from(load.running_requests)
             + u64::from(load.queued_requests)
             + u64::from(load.reservations)

@@ -48,7 +48,7 @@ pub async fn run(
         routes,
         |loaded: Loaded| async move {
             if loaded.fault == Some(Fault::StallEngine) {
-                stall_engine(loaded.engine.runner.clone());
+                stall_engine(loaded.engine.ranks.first().clone());
             }
             let (fault, draining) = (loaded.fault, loaded.draining);
             let worker = Arc::new(

@@ -55,6 +55,8 @@ struct Started {
 
 struct Reservation {
     engine_id: u64,
+    /// The rank whose pages hold the request (its engine runs it).
+    rank: usize,
     request: RequestId,
     prompt_len: usize,
     /// Pool page numbers in sequence order.
@@ -85,6 +87,8 @@ pub struct DecodeWorker {
     draining: common::worker_info::DrainingFlag,
     /// For [`Fault::ReorderBatch`]: the last token streamed, and to which engine request.
     last_token: Mutex<Option<(u64, GeneratedToken)>>,
+    /// For [`Fault::StallRank`]: the rank has been stalled.
+    stalled: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for DecodeWorker {
@@ -103,27 +107,29 @@ impl worker_core::RoleWorker for DecodeWorker {
 }
 
 impl DecodeWorker {
-    /// The worker over `engine`, offering `transports`. Offering UCX registers the engine's
-    /// page and slot pools for remote writes; if UCX cannot start here the worker offers the
-    /// rest (with a warning).
+    /// The worker over `engine`, offering `transports`. Offering UCX registers every rank's
+    /// page and slot pools for remote writes (rank `r`'s as regions `2r` and `2r + 1`); if UCX
+    /// cannot start here the worker offers the rest (with a warning).
     pub async fn new(
         engine: LoadedEngine,
         worker_id: String,
         address: String,
         mut transports: Vec<TransportKind>,
     ) -> Self {
-        let regions = if transports.contains(&TransportKind::Ucx) {
-            engine
-                .runner
-                .call(|engine, _| engine.state_memory())
-                .await
-                .map(|m| m.map(|(base, length)| Region { base, length }).to_vec())
-        } else {
-            Ok(Vec::new())
-        };
+        let mut regions = Ok(Vec::new());
+        if transports.contains(&TransportKind::Ucx) {
+            for runner in engine.ranks.runners() {
+                let memory = runner.call(|engine, _| engine.state_memory()).await;
+                if let (Ok(all), Ok(memory)) = (regions.as_mut(), memory) {
+                    all.extend(memory.map(|(base, length)| Region { base, length }));
+                } else {
+                    regions = Err(());
+                }
+            }
+        }
         let ucx = start_offered(&mut transports, TransportKind::Ucx, || match regions {
             Ok(regions) => Exporter::start(regions).map_err(|e| e.to_string()),
-            Err(_) => Err("the engine stopped".to_owned()),
+            Err(()) => Err("the engine stopped".to_owned()),
         });
         // Device 0: a worker sees its own GPU (CUDA_VISIBLE_DEVICES).
         #[cfg(feature = "nccl")]
@@ -147,6 +153,7 @@ impl DecodeWorker {
             fault: None,
             draining: common::worker_info::DrainingFlag::default(),
             last_token: Mutex::new(None),
+            stalled: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -186,8 +193,12 @@ impl DecodeWorker {
         &self.engine.layout
     }
 
-    fn runner(&self) -> &Runner {
-        &self.engine.runner
+    /// The runner of `rank` (a rank this worker has: reservations only name those).
+    fn runner(&self, rank: usize) -> &Runner {
+        self.engine
+            .ranks
+            .get(rank)
+            .unwrap_or_else(|| self.engine.ranks.first())
     }
 
     fn err(&self, kind: ErrorKind, message: impl Into<String>) -> Status {
@@ -219,12 +230,12 @@ impl DecodeWorker {
             r.started = true;
             match (r.commit.take(), r.generate.take()) {
                 (Some(commit), Some(generate)) => {
-                    Some((r.engine_id, r.prompt_len, commit, generate))
+                    Some((r.engine_id, r.rank, r.prompt_len, commit, generate))
                 }
                 _ => None,
             }
         };
-        let Some((engine_id, prompt_len, (first, seed), (request, reply))) = ready else {
+        let Some((engine_id, rank, prompt_len, (first, seed), (request, reply))) = ready else {
             return;
         };
         let sampling = proto::request::sampling_from_wire(&request.sampling.unwrap_or_default());
@@ -245,17 +256,20 @@ impl DecodeWorker {
                 stop,
             };
             let token = first.token_id;
-            self.runner()
-                .call(move |engine, subs| match engine.commit(req, token, seed) {
-                    Ok(None) => Ok(subs.subscribe(engine_id)),
-                    Ok(Some(done)) => {
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        let _ = tx.send(done);
-                        Ok(rx)
-                    }
-                    Err(e) => {
-                        engine.release_reservation(engine_id);
-                        Err(e)
+            self.engine
+                .ranks
+                .call(rank, move |engine, subs| {
+                    match engine.commit(req, token, seed) {
+                        Ok(None) => Ok(subs.subscribe(engine_id)),
+                        Ok(Some(done)) => {
+                            let (tx, rx) = mpsc::unbounded_channel();
+                            let _ = tx.send(done);
+                            Ok(rx)
+                        }
+                        Err(e) => {
+                            engine.release_reservation(engine_id);
+                            Err(e)
+                        }
                     }
                 })
                 .await
@@ -273,9 +287,12 @@ impl DecodeWorker {
         if result.is_err() {
             self.lock().remove(reservation_id);
             let _ = self
-                .runner()
-                .call(move |engine, _| engine.release_reservation(engine_id))
+                .engine
+                .ranks
+                .call(rank, move |engine, _| engine.release_reservation(engine_id))
                 .await;
+        } else if self.fault == Some(Fault::StallRank) {
+            self.stall_rank(rank);
         }
         let _ = reply.send(result.map(|events| Started { first, events }));
     }
@@ -287,6 +304,20 @@ impl DecodeWorker {
             _ => ErrorKind::InvalidArgument,
         };
         self.err(kind, e.to_string())
+    }
+
+    /// Under [`Fault::StallRank`]: `rank` (the first request's) stops answering, once, as if
+    /// its GPU hung mid-decode: it sends that request nothing more, and its peers time out.
+    fn stall_rank(&self, rank: usize) {
+        if self.stalled.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        tracing::warn!(rank, "fault stall-rank: the rank stops answering");
+        let _ = self.runner(rank).post(|_, _| {
+            loop {
+                std::thread::park();
+            }
+        });
     }
 
     /// Drops the bookkeeping of a request whose stream ended.
@@ -320,8 +351,9 @@ impl DecodeWorker {
                 tracing::warn!(reservation = %reservation_id, "reservation lease expired");
                 let id = r.engine_id;
                 let _ = this
-                    .runner()
-                    .call(move |engine, _| engine.release_reservation(id))
+                    .engine
+                    .ranks
+                    .call(r.rank, move |engine, _| engine.release_reservation(id))
                     .await;
                 this.admission.freed();
                 if let Some((_, reply)) = r.generate {
@@ -334,8 +366,12 @@ impl DecodeWorker {
         });
     }
 
-    /// Checks a call's reservation and request id; returns the engine id.
-    fn check(&self, reservation_id: &str, request: Option<&RequestId>) -> Result<u64, Status> {
+    /// Checks a call's reservation and request id; returns the engine id and its rank.
+    fn check(
+        &self,
+        reservation_id: &str,
+        request: Option<&RequestId>,
+    ) -> Result<(u64, usize), Status> {
         let map = self.lock();
         let r = map.get(reservation_id).ok_or_else(|| {
             self.err(
@@ -349,7 +385,31 @@ impl DecodeWorker {
                 format!("reservation {reservation_id:?} belongs to another request"),
             ));
         }
-        Ok(r.engine_id)
+        Ok((r.engine_id, r.rank))
+    }
+
+    /// The ranks to try for a new reservation, best first: the one the caller named, or every
+    /// rank by free pages.
+    async fn candidate_ranks(&self, named: Option<u32>) -> Result<Vec<usize>, Status> {
+        let ranks = &self.engine.ranks;
+        if let Some(rank) = named {
+            let rank = rank as usize;
+            if rank >= ranks.len() {
+                return Err(self.err(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "decode_rank {rank}: this worker has {} rank(s)",
+                        ranks.len()
+                    ),
+                ));
+            }
+            return Ok(vec![rank]);
+        }
+        if ranks.len() == 1 {
+            return Ok(vec![0]);
+        }
+        let loads = ranks.loads().await.map_err(|_| self.stopped())?;
+        Ok(engine::parallel::group::ranks_by_room(&loads))
     }
 }
 
@@ -387,22 +447,33 @@ impl Decode for DecodeService {
                     ),
                 )
             })?;
+        if let Some(reason) = w.engine.ranks.failure() {
+            return Err(w.err(ErrorKind::Unavailable, reason));
+        }
         let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
         let (prompt, max_new) = (req.prompt_tokens as usize, req.max_new_tokens as usize);
         // A full worker: wait in line (first come, first served) as long as the caller allows.
         let until = Instant::now() + Duration::from_millis(u64::from(req.queue_timeout_ms));
         let mut ticket = w.admission.ticket();
-        let reservation = loop {
+        let (rank, reservation) = 'placed: loop {
             if ticket.may_try() {
-                let tried = w
-                    .runner()
-                    .call(move |engine, _| engine.reserve(engine_id, prompt, max_new))
-                    .await
-                    .map_err(|_| w.stopped())?;
-                match tried {
-                    Ok(reservation) => break reservation,
-                    Err(EngineError::Pool(_)) if Instant::now() < until => {}
-                    Err(e) => return Err(w.engine_error(&e)),
+                let ranks = w.candidate_ranks(req.decode_rank).await?;
+                let last = ranks.len() - 1;
+                for (i, rank) in ranks.into_iter().enumerate() {
+                    let tried = w
+                        .engine
+                        .ranks
+                        .call(rank, move |engine, _| {
+                            engine.reserve(engine_id, prompt, max_new)
+                        })
+                        .await
+                        .map_err(|_| w.stopped())?;
+                    match tried {
+                        Ok(reservation) => break 'placed (rank, reservation),
+                        // Another rank may have room (each rank has its own pool).
+                        Err(EngineError::Pool(_)) if i < last || Instant::now() < until => {}
+                        Err(e) => return Err(w.engine_error(&e)),
+                    }
                 }
             }
             if !ticket.wait(until).await {
@@ -418,7 +489,10 @@ impl Decode for DecodeService {
         drop(ticket);
         let reservation_id = format!("{}-{engine_id}", w.worker_id);
         let lease_ms = req.lease_ms.clamp(LEASE_MS.0, LEASE_MS.1);
+        // Rank r's pages and slots are UCX regions 2r and 2r + 1.
+        let region = u32::try_from(2 * rank).unwrap_or(u32::MAX);
         let destination = TransferDescriptor {
+            decode_rank: u32::try_from(rank).unwrap_or(u32::MAX),
             transport: transport.into(),
             reservation_id: reservation_id.clone(),
             decode_worker_id: w.worker_id.clone(),
@@ -427,14 +501,14 @@ impl Decode for DecodeService {
                 .pages
                 .iter()
                 .map(|&(page, offset)| PageRef {
-                    region: 0,
+                    region,
                     page: u64::from(page),
                     offset_bytes: offset,
                 })
                 .collect(),
-            // Pages live in region 0 (the page pool), the slot in region 1 (the slot pool).
+            // Pages live in the rank's page pool, the slot in its slot pool.
             slot: Some(PageRef {
-                region: 1,
+                region: region + 1,
                 page: u64::from(reservation.slot.0),
                 offset_bytes: reservation.slot.1,
             }),
@@ -454,12 +528,14 @@ impl Decode for DecodeService {
             internal = %request_id.id,
             attempt = request_id.attempt,
             pages = reservation.pages.len(),
+            rank,
             "reserved pages for the prompt's state"
         );
         w.lock().insert(
             reservation_id.clone(),
             Reservation {
                 engine_id,
+                rank,
                 request: request_id,
                 prompt_len: prompt,
                 pages: reservation
@@ -484,11 +560,12 @@ impl Decode for DecodeService {
         let req = request.into_inner();
         w.check(&req.reservation_id, req.request_id.as_ref())?;
         if !req.checksums.is_empty() {
-            let engine_id = w.check(&req.reservation_id, req.request_id.as_ref())?;
+            let (engine_id, rank) = w.check(&req.reservation_id, req.request_id.as_ref())?;
             let checksums = req.checksums.clone();
             let verified = w
-                .runner()
-                .call(move |engine, _| {
+                .engine
+                .ranks
+                .call(rank, move |engine, _| {
                     kv_transfer::checksum::verify(&checksums, |page| {
                         engine.reserved_bytes(engine_id, page).ok()
                     })
@@ -499,8 +576,9 @@ impl Decode for DecodeService {
                 // The state is wrong: the request fails on both legs, its pages are freed.
                 let removed = w.lock().remove(&req.reservation_id);
                 let _ = w
-                    .runner()
-                    .call(move |engine, _| engine.release_reservation(engine_id))
+                    .engine
+                    .ranks
+                    .call(rank, move |engine, _| engine.release_reservation(engine_id))
                     .await;
                 let status = proto::error::to_status(&e.info(&w.worker_id));
                 if let Some((_, reply)) = removed.and_then(|r| r.generate) {
@@ -545,7 +623,7 @@ impl Decode for DecodeService {
         let span = tracing::info_span!("request", id = %proto::request_id_of(&request));
         common::logging::join_trace(request.metadata(), &span);
         let req = request.into_inner();
-        let engine_id = w.check(&req.reservation_id, req.request_id.as_ref())?;
+        let (engine_id, rank) = w.check(&req.reservation_id, req.request_id.as_ref())?;
         let reservation_id = req.reservation_id.clone();
         let request_id = req.request_id.clone();
         let (started_tx, started_rx) = oneshot::channel();
@@ -561,7 +639,9 @@ impl Decode for DecodeService {
         }
         w.try_start(&reservation_id).await;
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(stream_tokens(w, engine_id, request_id, started_rx, tx).instrument(span));
+        tokio::spawn(
+            stream_tokens(w, (engine_id, rank), request_id, started_rx, tx).instrument(span),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -584,8 +664,9 @@ impl Decode for DecodeService {
             // with FINISH_REASON_CANCELLED).
             let id = r.engine_id;
             let _ = w
-                .runner()
-                .call(move |engine, subs| {
+                .engine
+                .ranks
+                .call(r.rank, move |engine, subs| {
                     if let Some(event) = engine.cancel(id) {
                         subs.deliver(event);
                     }
@@ -602,24 +683,24 @@ impl Decode for DecodeService {
 /// request is cancelled and its pages freed.
 async fn stream_tokens(
     w: Arc<DecodeWorker>,
-    engine_id: u64,
+    (engine_id, rank): (u64, usize),
     request_id: Option<RequestId>,
     started: oneshot::Receiver<Result<Started, Status>>,
     tx: mpsc::Sender<Result<TokenBatch, Status>>,
 ) {
-    feed(&w, engine_id, request_id, started, tx).await;
+    feed(&w, (engine_id, rank), request_id, started, tx).await;
     w.forget(engine_id);
 }
 
 async fn feed(
     w: &Arc<DecodeWorker>,
-    engine_id: u64,
+    (engine_id, rank): (u64, usize),
     request_id: Option<RequestId>,
     started: oneshot::Receiver<Result<Started, Status>>,
     tx: mpsc::Sender<Result<TokenBatch, Status>>,
 ) {
     let cancel = |w: &Arc<DecodeWorker>| {
-        let _ = w.runner().post(move |engine, subs| {
+        let _ = w.runner(rank).post(move |engine, subs| {
             if let Some(event) = engine.cancel(engine_id) {
                 subs.deliver(event);
             }
@@ -658,6 +739,8 @@ async fn feed(
                 cancel(w);
                 return;
             }
+            // A hung rank sends nothing more: the group's failure ends its requests.
+            reason = w.engine.ranks.failed() => Some(Event::Failed { id: engine_id, error: reason }),
         };
         let last = match event {
             Some(Event::Token { sampled, .. }) => {
@@ -736,7 +819,7 @@ impl StateSink for DecodeWorker {
 
     fn write(&self, frame: PageWrite) -> BoxFuture<'_, Result<u64, Status>> {
         Box::pin(async move {
-            let (engine_id, index) = {
+            let (engine_id, rank, index) = {
                 let map = self.lock();
                 let r = map.get(&frame.reservation_id).ok_or_else(|| {
                     self.err(
@@ -769,12 +852,15 @@ impl StateSink for DecodeWorker {
                         )
                     })?)
                 };
-                (r.engine_id, index)
+                (r.engine_id, r.rank, index)
             };
             let offset = usize::try_from(frame.offset_bytes).unwrap_or(usize::MAX);
             let bytes = frame.data.len() as u64;
-            self.runner()
-                .call(move |engine, _| engine.write_state(engine_id, index, offset, &frame.data))
+            self.engine
+                .ranks
+                .call(rank, move |engine, _| {
+                    engine.write_state(engine_id, index, offset, &frame.data)
+                })
                 .await
                 .map_err(|_| self.stopped())?
                 .map_err(|e| self.err(ErrorKind::TransferFailed, e.to_string()))?;

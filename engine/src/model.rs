@@ -110,6 +110,13 @@ impl Model {
         }
     }
 
+    /// Another copy of this model for another rank: the same weights (borrowed from the same
+    /// mapping; small owned tensors copied), no backend and no expert parallelism attached.
+    #[must_use]
+    pub fn replica(&self) -> Self {
+        Self::new(self.config.clone(), self.weights.clone())
+    }
+
     /// Hands the ops `backend` runs to it. Ops it does not run stay on the CPU reference, which
     /// is refused unless `hybrid`; the returned plan says where each op runs (log it).
     pub fn attach_backend(

@@ -4,4 +4,5 @@
 
 pub mod collective;
 pub mod expert;
+pub mod group;
 pub mod ranks;

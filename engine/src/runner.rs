@@ -116,31 +116,22 @@ impl Runner {
 
     /// The engine's occupancy, as workers report it.
     pub async fn load(&self) -> Result<proto::v1::Load, Stopped> {
-        self.call(|engine, _| {
-            let (running, queued) = engine.load();
-            let pages = engine.store().pages();
-            let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
-            proto::v1::Load {
-                running_requests: n(running),
-                queued_requests: n(queued),
-                pages_total: pages.total() as u64,
-                pages_used: pages.used_count() as u64,
-                pages_cached: engine.store().prefix().len() as u64,
-                reservations: n(engine.reservations()),
-            }
-        })
-        .await
+        self.call(|engine, _| Self::load_of(engine)).await
     }
 
-    /// Keeps `publish` up to date with the engine's load (every `every`) until the engine stops.
-    pub async fn report_load<F, Fut>(self, every: std::time::Duration, publish: F)
-    where
-        F: Fn(proto::v1::Load) -> Fut,
-        Fut: std::future::Future<Output = ()>,
-    {
-        while let Ok(load) = self.load().await {
-            publish(load).await;
-            tokio::time::sleep(every).await;
+    /// `engine`'s occupancy (on its thread).
+    pub(crate) fn load_of(engine: &Engine) -> proto::v1::Load {
+        let (running, queued) = engine.load();
+        let pages = engine.store().pages();
+        let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        proto::v1::Load {
+            running_requests: n(running),
+            queued_requests: n(queued),
+            pages_total: pages.total() as u64,
+            pages_used: pages.used_count() as u64,
+            pages_cached: engine.store().prefix().len() as u64,
+            reservations: n(engine.reservations()),
+            ranks: Vec::new(),
         }
     }
 
@@ -157,7 +148,10 @@ impl Runner {
 /// about the model a worker needs.
 #[derive(Debug, Clone)]
 pub struct LoadedEngine {
-    pub runner: Runner,
+    /// One runner per rank (one for a one-GPU worker).
+    pub ranks: crate::parallel::group::Ranks,
+    /// How the model is spread over the ranks.
+    pub group: crate::parallel::group::GroupSpec,
     pub layout: proto::v1::StateLayout,
     pub eos_token_ids: Vec<u32>,
     pub vocab_size: usize,
@@ -181,6 +175,9 @@ pub enum StartError {
     /// The engine thread could not be started.
     #[error("cannot start the engine thread: {0}")]
     Thread(#[from] std::io::Error),
+    /// The worker's ranks could not start as configured.
+    #[error("{0}")]
+    Group(#[from] crate::parallel::group::GroupError),
 }
 
 /// Loads the checkpoint at `dir`, computes its fingerprint, builds the engine and starts its
@@ -191,7 +188,15 @@ pub fn start_from_dir(
     thread_name: &str,
 ) -> Result<LoadedEngine, StartError> {
     let progress = std::sync::Arc::new(crate::weights::LoadProgress::new());
-    start_with_backend(dir, config, thread_name, &|_, _| Ok(None), false, &progress)
+    start_with_backend(
+        dir,
+        config,
+        thread_name,
+        &|_, _| Ok(None),
+        false,
+        crate::parallel::group::GroupSpec::SINGLE,
+        &progress,
+    )
 }
 
 /// Opens a compute backend for a loaded model (`None`: the CPU reference only).
@@ -204,7 +209,8 @@ pub type OpenBackend<'a> = &'a dyn Fn(
 >;
 
 /// [`start_from_dir`] with the backend `open` returns attached to the model; a backend that
-/// does not run every op is refused unless `hybrid` (see `engine::backend`). How far the
+/// does not run every op is refused unless `hybrid` (see `engine::backend`). With more than
+/// one rank in `group`, one engine per rank starts in lockstep (CPU ranks only). How far the
 /// weights check is (the part of starting that takes minutes on a large checkpoint) shows in
 /// `progress` while this runs.
 pub fn start_with_backend(
@@ -213,26 +219,45 @@ pub fn start_with_backend(
     thread_name: &str,
     open: OpenBackend<'_>,
     hybrid: bool,
+    group: crate::parallel::group::GroupSpec,
     progress: &std::sync::Arc<crate::weights::LoadProgress>,
 ) -> Result<LoadedEngine, StartError> {
+    use crate::parallel::group::{self, GroupError};
     let fingerprint = crate::weights::fingerprint(dir)?;
     let mut model = crate::model::Model::load_with_progress(dir, progress)?;
+    group
+        .check(&model.config)
+        .map_err(|e| StartError::Group(GroupError::Refused(e)))?;
     let backend_plan = match open(dir, &model.config)? {
+        Some(_) if group.ranks() > 1 => {
+            return Err(StartError::Group(GroupError::Refused(format!(
+                "a group of {} ranks runs on the cpu backend only: GPU ranks need the NCCL \
+                 collectives, which are not built yet",
+                group.ranks()
+            ))));
+        }
         Some(backend) => Some(model.attach_backend(backend, hybrid)?),
         None => None,
     };
     let eos_token_ids = model.config.eos_token_ids.clone();
     let vocab_size = model.config.vocab_size;
-    let mut engine = Engine::new(model, config, &fingerprint)?;
-    engine.set_token_table(crate::grammar::TokenTableSource::from_dir(
-        dir,
-        vocab_size,
-        &eos_token_ids,
-    ));
-    let layout = engine.store().layout.to_proto();
-    let runner = Runner::start(engine, thread_name)?;
+    let table = crate::grammar::TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
+    let (ranks, layout) = if group.ranks() > 1 {
+        group::start(model, &config, &fingerprint, group, thread_name, &|e| {
+            e.set_token_table(table.clone());
+        })?
+    } else {
+        let mut engine = Engine::new(model, config, &fingerprint)?;
+        engine.set_token_table(table);
+        let layout = engine.store().layout.to_proto();
+        (
+            group::Ranks::single(Runner::start(engine, thread_name)?),
+            layout,
+        )
+    };
     Ok(LoadedEngine {
-        runner,
+        ranks,
+        group,
         layout,
         eos_token_ids,
         vocab_size,

@@ -58,6 +58,7 @@ fn leases_checksums_and_bounds() {
             queue_timeout_ms: 0,
             prefill_layout: Some(layout.clone()),
             transports: vec![TransportKind::Tcp.into()],
+            decode_rank: None,
         };
         let pages_used = |l: proto::v1::Load| (l.pages_used - l.pages_cached, l.reservations);
         let baseline = pages_used(

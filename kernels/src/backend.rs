@@ -110,6 +110,7 @@ pub fn start_engine(
     thread_name: &str,
     kind: BackendKind,
     hybrid: bool,
+    group: engine::parallel::group::GroupSpec,
     progress: &Arc<engine::weights::LoadProgress>,
 ) -> Result<engine::runner::LoadedEngine, engine::runner::StartError> {
     engine::runner::start_with_backend(
@@ -118,6 +119,7 @@ pub fn start_engine(
         thread_name,
         &|dir, model| open(kind, dir, model),
         hybrid,
+        group,
         progress,
     )
 }

@@ -72,6 +72,7 @@ mod tests {
     #[test]
     fn a_flipped_byte_or_swapped_pages_fail() {
         let descriptor = TransferDescriptor {
+            decode_rank: 0,
             pages: (0..2)
                 .map(|p| PageRef {
                     region: 0,

@@ -113,6 +113,7 @@ mod tests {
     #[test]
     fn frames_cover_every_page_and_the_slot_in_bounded_pieces() {
         let descriptor = TransferDescriptor {
+            decode_rank: 0,
             reservation_id: "r1".into(),
             pages: (0..3)
                 .map(|p| PageRef {

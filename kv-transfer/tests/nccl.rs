@@ -122,6 +122,7 @@ async fn pages_cross_between_two_gpus() {
     // Through a state stream, as the prefill worker sends: pieces in several groups, a page
     // sent again complete after a partial first version, the slot last.
     let descriptor = TransferDescriptor {
+        decode_rank: 0,
         transport: TransportKind::Nccl.into(),
         reservation_id: "r1".into(),
         pages: (0..PAGES as u64)

@@ -218,6 +218,7 @@ async fn measure(
                         queue_timeout_ms: 60_000,
                         prefill_layout: info.layout.clone(),
                         transports: vec![kind.into()],
+                        decode_rank: None,
                     })
                     .await
                     .map_err(|e| failed("reserve", e.message()))?
@@ -241,6 +242,7 @@ async fn measure(
                         decode_address: decode_addr.to_string(),
                         checksums: false,
                         deadline_ms: 0,
+                        prefill_rank: None,
                     })
                     .await
                     .map_err(|e| failed("prefill", e.message()))?

@@ -254,6 +254,7 @@ pub async fn run(args: &BenchTransferArgs) -> Result<(), PdctlError> {
     let best_ucx = best;
 
     let descriptor = TransferDescriptor {
+        decode_rank: 0,
         transport: TransportKind::Tcp.into(),
         reservation_id: "bench".to_owned(),
         pages: (0..messages)

@@ -397,11 +397,13 @@ pub(crate) async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
 /// Starts `decode` decode workers, `prefill` prefill workers and a router in front of them
 /// (HTTP on `http_listen`) from the binaries in `dir`, serving `model`; each started process
 /// is pushed onto `procs` (so the caller stops them even when a later one fails). All of them
-/// share `secret`.
+/// share `secret`. `groups` are the prefill and the decode workers' group flags.
+#[expect(clippy::too_many_arguments, reason = "the cluster's shape, then where it runs")]
 pub(crate) async fn start(
     dir: &Path,
     model: &Path,
     (prefill, decode): (u16, u16),
+    groups: (&[String], &[String]),
     http_listen: std::net::SocketAddr,
     secret: &LocalSecret,
     procs: &mut Vec<Proc>,
@@ -420,13 +422,23 @@ pub(crate) async fn start(
         "--cluster-secret-file",
         secret_arg.as_str(),
     ];
+    let with_group = |group: &[String]| -> Vec<String> {
+        worker_args
+            .iter()
+            .map(|a| (*a).to_owned())
+            .chain(group.iter().cloned())
+            .collect()
+    };
+    let (prefill_args, decode_args) = (with_group(groups.0), with_group(groups.1));
+    let prefill_args: Vec<&str> = prefill_args.iter().map(String::as_str).collect();
+    let decode_args: Vec<&str> = decode_args.iter().map(String::as_str).collect();
     // Every worker is started before any is waited for: they load their models at once.
     for i in 0..decode {
         procs.push(
             launch(
                 &dir.join("pdserve-decode"),
                 format!("decode-{i}"),
-                &worker_args,
+                &decode_args,
             )
             .await?,
         );
@@ -436,7 +448,7 @@ pub(crate) async fn start(
             launch(
                 &dir.join("pdserve-prefill"),
                 format!("prefill-{i}"),
-                &worker_args,
+                &prefill_args,
             )
             .await?,
         );
@@ -491,10 +503,15 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
             Some(dir) => dir.clone(),
             None => default_model()?,
         };
+        let groups = (
+            UpArgs::group_flags(args.prefill_tp, args.prefill_ep),
+            UpArgs::group_flags(args.decode_tp, args.decode_ep),
+        );
         start(
             &dir,
             &model,
             (args.prefill, args.decode),
+            (&groups.0, &groups.1),
             args.http_listen,
             &secret,
             &mut procs,

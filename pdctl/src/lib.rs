@@ -94,6 +94,37 @@ pub struct UpArgs {
     /// large checkpoint takes minutes). Their progress is printed while they load.
     #[arg(long, env = common::env::START_TIMEOUT, default_value_t = 600, value_name = "SECS")]
     pub start_timeout: u64,
+    /// Ranks of each prefill worker, each holding `1/N` of the routed experts, with attention
+    /// by requests (`--ep N --dp-attention` on the worker; CPU ranks here).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub prefill_ep: u32,
+    /// Ranks of each decode worker, as `--prefill-ep`.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub decode_ep: u32,
+    /// Attention tensor parallelism of each prefill worker (`--tp N` on the worker; workers
+    /// refuse more than 1 until it is built).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub prefill_tp: u32,
+    /// Attention tensor parallelism of each decode worker, as `--prefill-tp`.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub decode_tp: u32,
+}
+
+impl UpArgs {
+    /// The group flags of a role's workers, from its `--*-tp` and `--*-ep`.
+    pub fn group_flags(tp: u32, ep: u32) -> Vec<String> {
+        let mut flags = Vec::new();
+        if tp > 1 {
+            flags.extend(["--tp".to_owned(), tp.to_string()]);
+        }
+        if ep > 1 {
+            flags.extend(["--ep".to_owned(), ep.to_string()]);
+            if tp <= 1 {
+                flags.push("--dp-attention".to_owned());
+            }
+        }
+        flags
+    }
 }
 
 /// Arguments of `pdctl health`.

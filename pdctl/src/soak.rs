@@ -164,6 +164,7 @@ pub async fn run(args: &SoakArgs) -> Result<(), PdctlError> {
             &dir,
             &model,
             (args.prefill, args.decode),
+            (&[], &[]),
             SocketAddr::from(([127, 0, 0, 1], 0)),
             &secret,
             &mut procs,

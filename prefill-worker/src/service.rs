@@ -36,8 +36,8 @@ pub struct PrefillWorker {
     engine: LoadedEngine,
     worker_id: String,
     next_id: AtomicU64,
-    /// Engine ids of running prefills, by (request id, attempt).
-    running: Mutex<HashMap<(String, u32), u64>>,
+    /// Engine ids of running prefills and their ranks, by (request id, attempt).
+    running: Mutex<HashMap<(String, u32), (u64, usize)>>,
     /// Transports offered, in order of preference, and the UCX endpoint.
     offered: Offered<Putter>,
     /// The NCCL sender, when NCCL is offered.
@@ -183,8 +183,47 @@ impl PrefillWorker {
                     };
                 }
             }
-            Some(Fault::ReorderBatch | Fault::StallEngine | Fault::SlowLoad) | None => {}
+            Some(Fault::ReorderBatch | Fault::StallEngine | Fault::StallRank | Fault::SlowLoad)
+            | None => {}
         }
+    }
+
+    /// The rank to compute a prompt on: the one the caller named, or the least busy (fewest
+    /// requests, then most free pages).
+    async fn pick_rank(&self, named: Option<u32>) -> Result<usize, Status> {
+        let ranks = &self.engine.ranks;
+        if let Some(reason) = ranks.failure() {
+            return Err(self.err(ErrorKind::Unavailable, reason));
+        }
+        if let Some(rank) = named {
+            return if (rank as usize) < ranks.len() {
+                Ok(rank as usize)
+            } else {
+                Err(self.err(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "prefill_rank {rank}: this worker has {} rank(s)",
+                        ranks.len()
+                    ),
+                ))
+            };
+        }
+        if ranks.len() == 1 {
+            return Ok(0);
+        }
+        let loads = ranks
+            .loads()
+            .await
+            .map_err(|_| self.err(ErrorKind::Internal, "the engine thread stopped"))?;
+        Ok((0..loads.len())
+            .min_by_key(|&r| {
+                let l = &loads[r];
+                (
+                    l.running_requests.saturating_add(l.queued_requests),
+                    std::cmp::Reverse(engine::parallel::group::free_pages(l)),
+                )
+            })
+            .unwrap_or(0))
     }
 
     fn err(&self, kind: ErrorKind, message: impl Into<String>) -> Status {
@@ -195,7 +234,7 @@ impl PrefillWorker {
         })
     }
 
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u32), u64>> {
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u32), (u64, usize)>> {
         self.running
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -205,14 +244,15 @@ impl PrefillWorker {
     /// its first token and exported state.
     async fn compute(
         &self,
+        rank: usize,
         request: GenerationRequest,
         stream: &StateStream,
     ) -> Result<Prefilled, Status> {
         let (id, prompt_len) = (request.id, request.prompt.len());
         let mut events = self
             .engine
-            .runner
-            .call(move |engine, subs| {
+            .ranks
+            .call(rank, move |engine, subs| {
                 engine.add_prefill(request)?;
                 Ok::<_, engine::scheduler::EngineError>(subs.subscribe(id))
             })
@@ -225,7 +265,12 @@ impl PrefillWorker {
         let mut held: Vec<Piece> = Vec::new();
         let mut slot_sent = false;
         loop {
-            match events.recv().await {
+            let event = tokio::select! {
+                event = events.recv() => event,
+                // A hung rank sends nothing more: the group's failure ends its prompts.
+                reason = self.engine.ranks.failed() => Some(Event::Failed { id, error: reason }),
+            };
+            match event {
                 Some(Event::Token { sampled, .. }) => first = Some(sampled),
                 Some(Event::PromptLogprobs { entries, .. }) => prompt_logprobs = entries,
                 Some(Event::StatePart { writes, .. }) => {
@@ -324,11 +369,18 @@ impl Prefill for PrefillService {
             let sampling =
                 proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default())
                     .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?;
+            let rank = w.pick_rank(req.prefill_rank).await?;
+            let runner = w
+                .engine
+                .ranks
+                .get(rank)
+                .cloned()
+                .ok_or_else(|| w.err(ErrorKind::Internal, format!("no rank {rank}")))?;
             let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
             let key = (request_id.id.clone(), request_id.attempt);
-            w.running().insert(key.clone(), engine_id);
+            w.running().insert(key.clone(), (engine_id, rank));
             let mut guard = CancelOnDrop {
-                runner: w.engine.runner.clone(),
+                runner: runner.clone(),
                 engine_id,
                 armed: true,
             };
@@ -350,7 +402,7 @@ impl Prefill for PrefillService {
                 let opened =
                     StateStream::open(&destination, &request_id, &w.offered.kinds, &initiators);
                 let stream = opened.map_err(transfer_error)?;
-                let computed = w.compute(generation, &stream).await;
+                let computed = w.compute(rank, generation, &stream).await;
                 let forward_end = Instant::now();
                 let prefilled = match computed {
                     Ok(p) => p,
@@ -422,6 +474,7 @@ impl Prefill for PrefillService {
                     .await?;
                 let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
                 Ok::<_, Status>(PrefillResponse {
+                    prefill_rank: u32::try_from(rank).unwrap_or(u32::MAX),
                     request_id: Some(request_id.clone()),
                     first_token: Some(first_token),
                     seed: prefilled.seed,
@@ -467,6 +520,7 @@ impl Prefill for PrefillService {
                     attempt = request_id.attempt,
                     prompt_tokens = req.prompt_token_ids.len(),
                     cached = r.usage.map_or(0, |u| u.cached_prompt_tokens),
+                    rank,
                     transferred_bytes = r.transferred_bytes,
                     ms = started.elapsed().as_millis(),
                     "prefilled and handed over"
@@ -490,14 +544,17 @@ impl Prefill for PrefillService {
         let Some(RequestId { id, attempt }) = req.request_id else {
             return Ok(Response::new(Ack {}));
         };
-        let ids: Vec<u64> = w
+        let ids: Vec<(u64, usize)> = w
             .running()
             .iter()
             .filter(|((i, a), _)| *i == id && (*a == attempt || attempt == 0))
             .map(|(_, &e)| e)
             .collect();
-        for engine_id in ids {
-            let _ = w.engine.runner.post(move |engine, subs| {
+        for (engine_id, rank) in ids {
+            let Some(runner) = w.engine.ranks.get(rank) else {
+                continue;
+            };
+            let _ = runner.post(move |engine, subs| {
                 if let Some(event) = engine.cancel(engine_id) {
                     subs.deliver(event);
                 }

@@ -186,6 +186,7 @@ all_messages!(
     // worker.proto
     Load,
     LoadProgress,
+    GroupLayout,
     WorkerInfo,
     InfoRequest,
     DrainRequest,

@@ -6,7 +6,10 @@
 use std::{net::SocketAddr, path::PathBuf};
 
 use common::config::{Invalid, check_advertise, check_host_port, check_range};
-use engine::{paged::layout::KvStorage, scheduler::EngineConfig};
+use engine::{
+    paged::layout::KvStorage, parallel::group::GroupSpec, plan::shard::Parallel,
+    scheduler::EngineConfig,
+};
 use kernels::backend::BackendKind;
 use proto::v1::TransportKind;
 use serde::{Deserialize, Serialize};
@@ -127,6 +130,19 @@ pub struct WorkerSettings {
     /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
     pub hybrid: bool,
+    /// Attention tensor parallelism: ranks sharing each request's heads. Only 1 is built in
+    /// workers yet (a larger value is refused at start, with the layout to use instead).
+    pub tensor_parallel_size: u32,
+    /// Expert parallelism: the worker runs this many ranks (one per GPU of its group; CPU
+    /// ranks on the cpu backend), each holding `1/N` of the routed experts. Each rank has its
+    /// own pool of `engine_num_pages` pages and `max_running` requests.
+    pub expert_parallel_size: u32,
+    /// Attention by requests (data-parallel attention): each rank runs whole requests and holds
+    /// their pages. Required for a group of ranks while attention TP is not built.
+    pub dp_attention: bool,
+    /// Milliseconds a rank waits in a collective for the others before the worker fails its
+    /// requests and reports itself failed (a rank that died or hangs).
+    pub rank_timeout_ms: u64,
     /// File holding the cluster's shared secret (a line of 32+ visible characters, not
     /// readable by other users; further lines are secrets also accepted, for rotation). Every
     /// internal gRPC call carries it and calls without it are refused; all roles of a cluster
@@ -156,6 +172,10 @@ impl WorkerSettings {
             transports: vec![Transport(TransportKind::Ucx), Transport(TransportKind::Tcp)],
             backend: BackendKind::Cpu,
             hybrid: false,
+            tensor_parallel_size: 1,
+            expert_parallel_size: 1,
+            dp_attention: false,
+            rank_timeout_ms: 30_000,
             cluster_secret_file: None,
             tls: common::internal_tls::TlsSettings::default(),
         }
@@ -192,11 +212,77 @@ impl WorkerSettings {
                 "this binary was built without the CUDA backend (cargo feature `cuda`)",
             ));
         }
+        self.check_group()?;
         common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
         if let Some(router) = &self.router {
             check_host_port("router", router)?;
         }
         check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)
+    }
+
+    /// The group checks that need no model (the model's own run when it loads).
+    fn check_group(&self) -> Result<(), Invalid> {
+        check_range(
+            "tensor_parallel_size",
+            u64::from(self.tensor_parallel_size),
+            1,
+            64,
+        )?;
+        check_range(
+            "expert_parallel_size",
+            u64::from(self.expert_parallel_size),
+            1,
+            64,
+        )?;
+        check_range("rank_timeout_ms", self.rank_timeout_ms, 100, 3_600_000)?;
+        let spec = self.group_spec();
+        let refusal = |key: &'static str, e: String| Err(Invalid::new(key, e));
+        if spec.parallel.tp > 1 {
+            return refusal(
+                "tensor_parallel_size",
+                format!(
+                    "tensor-parallel attention is not built in workers yet; spread the group \
+                     with --expert-parallel-size {} --dp-attention",
+                    spec.ranks()
+                ),
+            );
+        }
+        if spec.ranks() > 1 && !self.dp_attention {
+            return refusal(
+                "dp_attention",
+                format!(
+                    "a group of {} ranks with tensor_parallel_size 1 runs attention by \
+                     requests: set dp_attention (--dp-attention)",
+                    spec.ranks()
+                ),
+            );
+        }
+        if spec.ranks() > 1 && self.backend != BackendKind::Cpu {
+            return refusal(
+                "backend",
+                format!(
+                    "a group of {} ranks runs on the cpu backend only: GPU ranks need the \
+                     NCCL collectives, which are not built yet",
+                    spec.ranks()
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// How the worker spreads its model over ranks; CPU ranks share the machine's cores.
+    pub fn group_spec(&self) -> GroupSpec {
+        let parallel = Parallel {
+            tp: self.tensor_parallel_size as usize,
+            ep: self.expert_parallel_size as usize,
+            dp_attention: self.dp_attention,
+        };
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        GroupSpec {
+            parallel,
+            timeout: std::time::Duration::from_millis(self.rank_timeout_ms),
+            threads_per_rank: (cores / parallel.gpus().max(1)).max(1),
+        }
     }
 
     /// The transports offered, in order of preference.
@@ -283,6 +369,23 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<bool>,
+    /// Attention tensor parallelism (`--tp`; only 1 is built yet).
+    #[arg(long, visible_alias = "tp", value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel_size: Option<u32>,
+    /// Ranks holding disjoint routed experts, one per GPU of the group (`--ep`).
+    #[arg(long, visible_alias = "ep", value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_parallel_size: Option<u32>,
+    /// Attention by requests: each rank runs whole requests (`--enable-dp-attention`:
+    /// SGLang's spelling).
+    #[arg(long, visible_alias = "enable-dp-attention")]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub dp_attention: bool,
+    /// Milliseconds a rank waits for the others in a collective before the worker fails.
+    #[arg(long, value_name = "MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank_timeout_ms: Option<u64>,
     #[command(flatten)]
     #[serde(flatten)]
     pub security: common::cluster_auth::SecurityFlags,
@@ -320,5 +423,32 @@ mod tests {
         let mut settings = WorkerSettings::listening_on(0);
         settings.transports.clear();
         assert_eq!(settings.validate().unwrap_err().key, "transports");
+    }
+
+    /// A group of ranks is honoured or refused with the setting to change, never run as
+    /// another layout.
+    #[test]
+    fn group_settings_are_checked_before_the_model_loads() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.expert_parallel_size = 4;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "dp_attention", "{e:?}");
+        settings.dp_attention = true;
+        assert!(settings.validate().is_ok());
+        let spec = settings.group_spec();
+        assert_eq!((spec.ranks(), spec.parallel.ep), (4, 4));
+        assert!(spec.threads_per_rank >= 1);
+        settings.tensor_parallel_size = 2;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "tensor_parallel_size", "{e:?}");
+        assert!(e.reason.contains("not built"), "{e:?}");
+        settings.tensor_parallel_size = 1;
+        settings.backend = BackendKind::Cuda;
+        let e = settings.validate().unwrap_err();
+        // Without the feature the backend itself is refused first.
+        assert_eq!(e.key, "backend", "{e:?}");
+        settings.backend = BackendKind::Cpu;
+        settings.rank_timeout_ms = 5;
+        assert_eq!(settings.validate().unwrap_err().key, "rank_timeout_ms");
     }
 }

@@ -125,24 +125,29 @@ where
     let worker_slot: Arc<OnceLock<Arc<W>>> = Arc::default();
     let loaded_worker = Arc::clone(&worker_slot);
     let (engine, backend, hybrid) = (settings.engine_config(), settings.backend, settings.hybrid);
+    let group = settings.group_spec();
     let transports = settings.transport_kinds();
     let loaded = async move {
         let shown = dir.display().to_string();
         let thread = spec.engine_thread;
         let loaded = load_on_thread("pdserve-load", move || {
-            kernels::backend::start_engine(&dir, engine, thread, backend, hybrid, &progress)
+            kernels::backend::start_engine(&dir, engine, thread, backend, hybrid, group, &progress)
         })
         .await
         .map_err(|e| ServeError::Startup(format!("model_dir {shown}: {e}")))?;
         log_backend_plan(loaded.backend_plan.as_ref());
         let info = handle.snapshot().await;
         let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
-        let runner = loaded.runner.clone();
-        let observer = metrics.observer();
-        runner
-            .call(move |engine, _| engine.set_step_observer(observer))
-            .await
-            .map_err(|e| ServeError::Startup(e.to_string()))?;
+        let ranks = loaded.ranks.clone();
+        log_group(&loaded.group);
+        for runner in ranks.runners() {
+            let observer = metrics.observer();
+            runner
+                .call(move |engine, _| engine.set_step_observer(observer))
+                .await
+                .map_err(|e| ServeError::Startup(e.to_string()))?;
+        }
+        let group_layout = loaded.group.to_proto();
         let worker = build(Loaded {
             engine: loaded,
             worker_id: info.worker_id,
@@ -157,19 +162,15 @@ where
         handle
             .set_model(fingerprint, layout, &worker.offered().kinds)
             .await;
+        handle.set_group(group_layout).await;
         // The first load goes with the model, so no `Info` of a ready worker lacks it.
-        let first = runner
+        let first = ranks
             .load()
             .await
             .map_err(|e| ServeError::Startup(e.to_string()))?;
         metrics.set_load(&first);
         handle.set_load(first).await;
-        let reporter = handle.clone();
-        tokio::spawn(runner.report_load(LOAD_EVERY, move |load| {
-            let reporter = reporter.clone();
-            metrics.set_load(&load);
-            async move { reporter.set_load(load).await }
-        }));
+        tokio::spawn(report_load(ranks, handle.clone(), metrics));
         let _ = loaded_worker.set(worker);
         Ok(())
     };
@@ -180,6 +181,43 @@ where
         worker.offered().stop();
     }
     served
+}
+
+/// Keeps the worker's `Info` and metrics up to date with its ranks' load. Once the ranks lost
+/// lockstep the worker reports itself failed (the router stops sending it requests) and stops
+/// reporting load, so a systemd watchdog sees a stale engine and restarts the unit.
+async fn report_load(
+    ranks: engine::parallel::group::Ranks,
+    handle: common::worker_info::WorkerHandle,
+    metrics: Arc<crate::metrics::WorkerMetrics>,
+) {
+    let watched = ranks.clone();
+    let failed = handle.clone();
+    tokio::spawn(async move {
+        let reason = watched.failed().await;
+        tracing::error!(%reason, "the worker failed; restart it");
+        failed.set_state(WorkerState::Failed).await;
+    });
+    while let Ok(load) = ranks.load().await {
+        metrics.set_load(&load);
+        handle.set_load(load).await;
+        tokio::time::sleep(LOAD_EVERY).await;
+    }
+}
+
+/// Says how the model is spread over the worker's ranks, when there are several.
+fn log_group(group: &engine::parallel::group::GroupSpec) {
+    if group.ranks() > 1 {
+        let p = group.parallel;
+        tracing::info!(
+            ranks = group.ranks(),
+            tp = p.tp,
+            ep = p.ep,
+            dp_attention = p.dp_attention,
+            threads_per_rank = group.threads_per_rank,
+            "model spread over ranks"
+        );
+    }
 }
 
 /// Where the model load counts its progress; under the `slow-load` fault it pauses after each

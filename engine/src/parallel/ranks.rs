@@ -12,7 +12,10 @@
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError, mpsc as std_mpsc};
 
-use super::collective::Collective;
+use super::{
+    collective::Collective,
+    group::{Failure, Ranks},
+};
 use crate::{
     runner::{Job, Runner, Subscribers},
     scheduler::Engine,
@@ -50,13 +53,13 @@ impl Wake {
 const IDLE_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Starts one thread per engine (rank `r` = `engines[r]`, meeting the others in
-/// `control[r]`), each with a compute pool of `threads` threads. Returns each rank's runner.
+/// `control[r]`), each with a compute pool of `threads` threads. Returns the ranks' runners.
 pub fn start(
     engines: Vec<Engine>,
     control: Vec<Box<dyn Collective>>,
     name: &str,
     threads: usize,
-) -> std::io::Result<Vec<Runner>> {
+) -> std::io::Result<Ranks> {
     if engines.len() != control.len() {
         return Err(std::io::Error::other(format!(
             "{} engines for {} control ranks",
@@ -65,6 +68,7 @@ pub fn start(
         )));
     }
     let wake = Arc::new(Wake::default());
+    let failure: Arc<Failure> = Arc::default();
     let mut runners = Vec::with_capacity(engines.len());
     for (rank, (engine, control)) in engines.into_iter().zip(control).enumerate() {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -74,12 +78,13 @@ pub fn start(
             .map_err(std::io::Error::other)?;
         let (jobs, receiver) = std_mpsc::channel::<Job>();
         let group = Arc::clone(&wake);
+        let failed = Arc::clone(&failure);
         std::thread::Builder::new()
             .name(format!("{name}-rank{rank}"))
-            .spawn(move || run_rank(engine, &receiver, control, &group, &pool))?;
+            .spawn(move || run_rank(engine, &receiver, control, &group, &pool, &failed))?;
         runners.push(Runner::ranked(jobs, Arc::clone(&wake)));
     }
-    Ok(runners)
+    Ok(Ranks::new(runners, failure))
 }
 
 fn run_rank(
@@ -88,6 +93,7 @@ fn run_rank(
     mut control: Box<dyn Collective>,
     wake: &Wake,
     pool: &rayon::ThreadPool,
+    failure: &Failure,
 ) {
     let mut subs = Subscribers::default();
     let mut broken: Option<String> = None;
@@ -132,6 +138,7 @@ fn run_rank(
                 for event in engine.fail_all(&reason) {
                     subs.deliver(event);
                 }
+                failure.set(&reason);
                 broken = Some(reason);
                 continue;
             }

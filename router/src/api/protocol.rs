@@ -459,7 +459,11 @@ where
     };
     if stream {
         let tail_failure = Arc::clone(&failure);
+        // The stream processor closes a stream that ends early with a finish chunk of its own:
+        // after a failure that would read as a normal end, so nothing follows a failure but
+        // its error event.
         let events = chunks
+            .take_while(move |_| futures::future::ready(chat::failed(&failure).is_none()))
             .map(|item| Ok::<_, Infallible>(chunk_event::<P, _>(item)))
             .chain(futures::stream::iter(
                 std::iter::from_fn(move || Some(stream_end::<P>(&tail_failure)))

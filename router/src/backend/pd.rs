@@ -244,6 +244,9 @@ impl PdBackend {
                     decode_address: decode.address.clone(),
                     checksums: self.checksums,
                     deadline_ms: 0,
+                    // The worker places the prompt on its least busy rank (it sees its ranks
+                    // now; this router's picture is a poll old) and says which in the answer.
+                    prefill_rank: None,
                 },
             )
             .await?;
@@ -303,6 +306,9 @@ impl PdBackend {
             lease_ms: LEASE_MS,
             queue_timeout_ms: u32::try_from(self.queue_timeout.as_millis()).unwrap_or(u32::MAX),
             prefill_layout: Some(layout),
+            // The worker places the request on its rank with the most free pages and names
+            // that rank in the descriptor, which the prefill worker writes by.
+            decode_rank: None,
             // The prefill worker's preference; TCP until its first `Info` says more.
             transports: {
                 let offered = lock(&prefill.transports).clone();

@@ -126,7 +126,8 @@ impl Worker {
             )
     }
 
-    /// `ready`, `draining`, `starting`, `loading` or `unreachable`, for listings and metrics.
+    /// `ready`, `draining`, `starting`, `loading`, `failed` or `unreachable`, for listings and
+    /// metrics.
     pub fn state_label(&self) -> &'static str {
         if !self.is_alive() {
             return "unreachable";
@@ -136,15 +137,24 @@ impl Worker {
             WorkerState::Starting | WorkerState::Unspecified => "starting",
             WorkerState::Loading => "loading",
             WorkerState::Ready => "ready",
+            WorkerState::Failed => "failed",
         }
     }
 
-    /// Load order: requests this router has in flight there, then pages it holds.
-    fn score(&self) -> (usize, u64) {
+    /// Load order: requests this router has in flight there, then pages held on its emptiest
+    /// rank (a request lives whole on one rank, so a worker with one free rank beats one whose
+    /// free pages are spread thin; a one-rank worker is its own emptiest rank).
+    fn score(&self) -> (usize, std::cmp::Reverse<u64>) {
         let load = lock(&self.load);
+        let room = load
+            .ranks
+            .iter()
+            .map(engine::parallel::group::free_pages)
+            .max()
+            .unwrap_or_else(|| engine::parallel::group::free_pages(&load));
         (
             self.in_flight.load(Ordering::Relaxed),
-            load.pages_used.saturating_sub(load.pages_cached),
+            std::cmp::Reverse(room),
         )
     }
 
@@ -385,7 +395,14 @@ impl Pool {
             .filter(|w| w.is_up())
             .filter_map(|w| {
                 let page_size = lock(&w.layout).as_ref()?.page_size_tokens;
-                let pages = lock(&w.load).pages_total;
+                // A request's state lives on one rank: its pool is what bounds a request.
+                let load = lock(&w.load);
+                let pages = load
+                    .ranks
+                    .iter()
+                    .map(|r| r.pages_total)
+                    .max()
+                    .unwrap_or(load.pages_total);
                 (pages > 0 && page_size > 0).then(|| pages.saturating_mul(u64::from(page_size)))
             })
             .max()
@@ -438,7 +455,7 @@ impl Workers {
             .into_iter()
             .flat_map(|(role, pool)| {
                 pool.snapshot().into_iter().map(move |w| {
-                    let load = *lock(&w.load);
+                    let load = lock(&w.load).clone();
                     // Only while loading: a ready worker's listing shows its load instead.
                     let loading = (w.state_label() == "loading")
                         .then(|| *lock(&w.load_progress))
@@ -457,6 +474,18 @@ impl Workers {
                         pages_used: load.pages_used,
                         pages_cached: load.pages_cached,
                         pages_total: load.pages_total,
+                        ranks: load
+                            .ranks
+                            .iter()
+                            .map(|r| RankListing {
+                                running_requests: r.running_requests,
+                                queued_requests: r.queued_requests,
+                                reservations: r.reservations,
+                                pages_used: r.pages_used,
+                                pages_cached: r.pages_cached,
+                                pages_total: r.pages_total,
+                            })
+                            .collect(),
                         load_progress: loading.map(|p| LoadProgressListing {
                             bytes_done: p.bytes_done,
                             bytes_total: p.bytes_total,
@@ -479,7 +508,7 @@ pub struct WorkerListing {
     pub role: &'static str,
     pub address: String,
     pub alive: bool,
-    /// `ready`, `draining`, `starting` or `unreachable`.
+    /// `ready`, `draining`, `starting`, `loading`, `failed` or `unreachable`.
     pub state: &'static str,
     pub registered: bool,
     pub in_flight: usize,
@@ -489,9 +518,23 @@ pub struct WorkerListing {
     pub pages_used: u64,
     pub pages_cached: u64,
     pub pages_total: u64,
+    /// A worker over several ranks: each rank's load (the fields above are their sums).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankListing>,
     /// How far a loading worker's model load is (absent once loaded).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub load_progress: Option<LoadProgressListing>,
+}
+
+/// One rank's load in `GET /workers`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RankListing {
+    pub running_requests: u32,
+    pub queued_requests: u32,
+    pub reservations: u32,
+    pub pages_used: u64,
+    pub pages_cached: u64,
+    pub pages_total: u64,
 }
 
 /// A loading worker's progress in `GET /workers`: `WorkerInfo.load_progress` as it came.
@@ -547,7 +590,10 @@ impl Registry for RegistryService {
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let req = request.into_inner();
         let state = WorkerState::try_from(req.state).ok();
-        let known = self.0.prefill.heartbeat(&req.worker_id, state, req.load)
+        let known = self
+            .0
+            .prefill
+            .heartbeat(&req.worker_id, state, req.load.clone())
             || self.0.decode.heartbeat(&req.worker_id, state, req.load);
         Ok(Response::new(HeartbeatResponse { known }))
     }

@@ -70,7 +70,10 @@ fn ranks(dir: &std::path::Path, ranks: usize, timeout: Duration) -> Vec<Runner> 
             Engine::new(model, config(), "ranks").expect("engine")
         })
         .collect();
-    start(engines, control, "test", 1).expect("start")
+    start(engines, control, "test", 1)
+        .expect("start")
+        .runners()
+        .to_vec()
 }
 
 /// Adds `req` on `runner` and gathers its events until its end.

@@ -1,0 +1,336 @@
+//! A worker's ranks as its services see them: one [`Runner`] per rank (rank `r` is the `r`-th
+//! GPU of the worker's group, or the `r`-th CPU rank), the group's failure once its lockstep is
+//! lost, and the per-rank load that places requests. Under data-parallel attention a request
+//! lives whole on one rank, so every call about it goes to that rank's runner.
+
+use std::{sync::Arc, time::Duration};
+
+use tokio::sync::watch;
+
+use super::{collective::InProcessGroup, expert::ExpertParallel};
+use crate::{
+    model::Model,
+    plan::shard::Parallel,
+    runner::{Runner, Stopped, Subscribers},
+    scheduler::{Engine, EngineConfig, EngineError},
+};
+
+/// How a worker spreads its model over ranks, validated against the model by [`GroupSpec::check`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// Attention heads (`tp`), experts (`ep`) and whether attention goes by requests.
+    pub parallel: Parallel,
+    /// How long a rank waits in a collective for its peers before the group fails.
+    pub timeout: Duration,
+    /// Compute threads of each rank's own pool (CPU ranks).
+    pub threads_per_rank: usize,
+}
+
+impl GroupSpec {
+    /// One rank: the plain engine.
+    pub const SINGLE: Self = Self {
+        parallel: Parallel::SINGLE,
+        timeout: Duration::from_secs(30),
+        threads_per_rank: 1,
+    };
+
+    pub fn ranks(&self) -> usize {
+        self.parallel.gpus()
+    }
+
+    /// Whether this group can serve `model`, with the reason when not. Attention split by heads
+    /// (`tp` > 1) is not built in workers: such a group is refused, never run as another one.
+    pub fn check(&self, model: &crate::config::ModelConfig) -> Result<(), String> {
+        let p = self.parallel;
+        p.validate(model)?;
+        if p.tp > 1 {
+            return Err(format!(
+                "tensor-parallel attention (tp {}) is not built in workers yet; spread the group \
+                 with expert parallelism and data-parallel attention (--ep {} --dp-attention)",
+                p.tp,
+                p.gpus()
+            ));
+        }
+        if self.ranks() > 1 && !p.dp_attention {
+            return Err(format!(
+                "a group of {} ranks with tp 1 runs attention by requests: add --dp-attention",
+                self.ranks()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The layout workers publish.
+    pub fn to_proto(self) -> proto::v1::GroupLayout {
+        let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        proto::v1::GroupLayout {
+            ranks: n(self.ranks()),
+            tp: n(self.parallel.tp),
+            ep: n(self.parallel.ep),
+            dp_attention: self.parallel.dp_attention,
+        }
+    }
+}
+
+/// Set once, when a group's ranks lost lockstep (a rank died or hung past the timeout): the
+/// ranks that still run failed their requests and serve none; a hung rank answers nothing.
+#[derive(Debug)]
+pub struct Failure(watch::Sender<Option<String>>);
+
+impl Default for Failure {
+    fn default() -> Self {
+        Self(watch::channel(None).0)
+    }
+}
+
+impl Failure {
+    /// Records `reason` (the first one stays).
+    pub fn set(&self, reason: &str) {
+        self.0
+            .send_if_modified(|f| f.is_none().then(|| *f = Some(reason.to_owned())).is_some());
+    }
+}
+
+/// Handles to a worker's ranks; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Ranks {
+    runners: Vec<Runner>,
+    failure: Arc<Failure>,
+}
+
+impl Ranks {
+    /// A one-rank worker.
+    pub fn single(runner: Runner) -> Self {
+        Self {
+            runners: vec![runner],
+            failure: Arc::default(),
+        }
+    }
+
+    pub(crate) fn new(runners: Vec<Runner>, failure: Arc<Failure>) -> Self {
+        Self { runners, failure }
+    }
+
+    pub fn len(&self) -> usize {
+        self.runners.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.runners.is_empty()
+    }
+
+    /// Rank `rank`'s runner.
+    pub fn get(&self, rank: usize) -> Option<&Runner> {
+        self.runners.get(rank)
+    }
+
+    /// Rank 0 (the only rank of a one-rank worker).
+    ///
+    /// # Panics
+    /// Never: a group has at least one rank.
+    pub fn first(&self) -> &Runner {
+        &self.runners[0]
+    }
+
+    pub fn runners(&self) -> &[Runner] {
+        &self.runners
+    }
+
+    /// Why the group stopped serving, once it has.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.0.borrow().clone()
+    }
+
+    /// Resolves when the group fails, with the reason (never, for a group that does not).
+    pub async fn failed(&self) -> String {
+        let mut rx = self.failure.0.subscribe();
+        let reason = rx
+            .wait_for(Option::is_some)
+            .await
+            .map(|reason| reason.clone().unwrap_or_default());
+        match reason {
+            Ok(reason) => reason,
+            // The sender lives as long as `self`: unreachable, but never resolve wrongly.
+            Err(_) => std::future::pending().await,
+        }
+    }
+
+    /// [`Runner::call`] on rank `rank`, which fails (rather than waiting forever on a hung
+    /// rank) once the group has failed.
+    pub async fn call<R: Send + 'static>(
+        &self,
+        rank: usize,
+        f: impl FnOnce(&mut Engine, &mut Subscribers) -> R + Send + 'static,
+    ) -> Result<R, Stopped> {
+        let runner = self.runners.get(rank).ok_or(Stopped)?;
+        if self.runners.len() == 1 {
+            return runner.call(f).await;
+        }
+        tokio::select! {
+            r = runner.call(f) => r,
+            _ = self.failed() => Err(Stopped),
+        }
+    }
+
+    /// Each rank's load, in rank order.
+    pub async fn loads(&self) -> Result<Vec<proto::v1::Load>, Stopped> {
+        let mut out = Vec::with_capacity(self.runners.len());
+        for rank in 0..self.runners.len() {
+            out.push(self.call(rank, |engine, _| Runner::load_of(engine)).await?);
+        }
+        Ok(out)
+    }
+
+    /// The worker's load: the ranks' sums, with each rank's own when there are several.
+    pub async fn load(&self) -> Result<proto::v1::Load, Stopped> {
+        Ok(sum_loads(self.loads().await?))
+    }
+}
+
+/// The sums of per-rank `loads`, listing them when there are several.
+pub fn sum_loads(loads: Vec<proto::v1::Load>) -> proto::v1::Load {
+    let mut total = proto::v1::Load::default();
+    for l in &loads {
+        total.running_requests = total.running_requests.saturating_add(l.running_requests);
+        total.queued_requests = total.queued_requests.saturating_add(l.queued_requests);
+        total.pages_total = total.pages_total.saturating_add(l.pages_total);
+        total.pages_used = total.pages_used.saturating_add(l.pages_used);
+        total.pages_cached = total.pages_cached.saturating_add(l.pages_cached);
+        total.reservations = total.reservations.saturating_add(l.reservations);
+    }
+    if loads.len() > 1 {
+        total.ranks = loads;
+    }
+    total
+}
+
+/// Pages a rank can still give (free, or held only by the prefix cache).
+pub fn free_pages(load: &proto::v1::Load) -> u64 {
+    load.pages_total
+        .saturating_sub(load.pages_used.saturating_sub(load.pages_cached))
+}
+
+/// The ranks of `loads` from the best place for a new request to the worst: most free pages
+/// first, then fewest requests, then lowest rank.
+pub fn ranks_by_room(loads: &[proto::v1::Load]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..loads.len()).collect();
+    order.sort_by_key(|&r| {
+        let l = &loads[r];
+        (
+            std::cmp::Reverse(free_pages(l)),
+            l.running_requests.saturating_add(l.queued_requests),
+            r,
+        )
+    });
+    order
+}
+
+/// Why a group did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    /// The group cannot serve this model (or this backend) as configured.
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("cannot start the ranks' threads: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// One engine per rank of `spec` over `model` (each rank a replica reading the same mapped
+/// checkpoint; with `ep` > 1 a rank computes only the experts it holds), started in lockstep.
+/// `prepare` runs on each engine before it starts (token tables, observers). Returns the ranks
+/// and their state layout (the same on every rank).
+pub fn start(
+    model: Model,
+    config: &EngineConfig,
+    fingerprint: &str,
+    spec: GroupSpec,
+    name: &str,
+    prepare: &dyn Fn(&mut Engine),
+) -> Result<(Ranks, proto::v1::StateLayout), GroupError> {
+    spec.check(&model.config).map_err(GroupError::Refused)?;
+    let n = spec.ranks();
+    let experts = model.config.n_routed_experts;
+    let expert_groups = (spec.parallel.ep > 1).then(|| InProcessGroup::new(n, spec.timeout));
+    let mut expert_ranks = expert_groups.map(Vec::into_iter);
+    let mut models: Vec<Model> = (1..n).map(|_| model.replica()).collect();
+    models.push(model);
+    let mut engines = Vec::with_capacity(n);
+    for mut replica in models {
+        if let Some(ranks) = expert_ranks.as_mut()
+            && let Some(rank) = ranks.next()
+        {
+            let ep = ExpertParallel::new(Box::new(rank), experts).map_err(GroupError::Refused)?;
+            replica.set_expert_parallel(Arc::new(ep));
+        }
+        let mut engine = Engine::new(replica, config.clone(), fingerprint)?;
+        prepare(&mut engine);
+        engines.push(engine);
+    }
+    let layout = engines
+        .first()
+        .map(|e| e.store().layout.to_proto())
+        .unwrap_or_default();
+    let control = InProcessGroup::new(n, spec.timeout)
+        .into_iter()
+        .map(|r| Box::new(r) as Box<dyn super::collective::Collective>)
+        .collect();
+    let ranks = super::ranks::start(engines, control, name, spec.threads_per_rank)?;
+    Ok((ranks, layout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(total: u64, used: u64, cached: u64, running: u32) -> proto::v1::Load {
+        proto::v1::Load {
+            running_requests: running,
+            pages_total: total,
+            pages_used: used,
+            pages_cached: cached,
+            ..proto::v1::Load::default()
+        }
+    }
+
+    #[test]
+    fn requests_go_where_the_most_pages_are_free() {
+        let loads = [
+            load(100, 90, 0, 1),
+            load(100, 50, 40, 3),
+            load(100, 50, 0, 0),
+        ];
+        // Rank 1's cached pages can be evicted: 90 free, against 50 and 10.
+        assert_eq!(ranks_by_room(&loads), vec![1, 2, 0]);
+        // Ties go to the rank with fewer requests, then the lower rank.
+        let loads = [load(10, 0, 0, 2), load(10, 0, 0, 1), load(10, 0, 0, 1)];
+        assert_eq!(ranks_by_room(&loads), vec![1, 2, 0]);
+        let total = sum_loads(loads.to_vec());
+        assert_eq!((total.pages_total, total.running_requests), (30, 4));
+        assert_eq!(total.ranks.len(), 3);
+        assert!(sum_loads(vec![load(10, 1, 0, 0)]).ranks.is_empty());
+    }
+
+    #[test]
+    fn a_group_is_refused_with_its_reason() {
+        let c = crate::synth::Preset::Tiny.config(crate::config::ExpertFormat::Nvfp4);
+        let spec = |tp, ep, dp_attention| GroupSpec {
+            parallel: Parallel {
+                tp,
+                ep,
+                dp_attention,
+            },
+            ..GroupSpec::SINGLE
+        };
+        assert_eq!(spec(1, 1, false).check(&c), Ok(()));
+        assert_eq!(spec(1, 2, true).check(&c), Ok(()));
+        let e = spec(1, 2, false).check(&c).unwrap_err();
+        assert!(e.contains("--dp-attention"), "{e}");
+        let e = spec(2, 2, false).check(&c).unwrap_err();
+        assert!(e.contains("not built"), "{e}");
+        let odd = c.n_routed_experts + 1;
+        let e = spec(1, odd, true).check(&c).unwrap_err();
+        assert!(e.contains("routed experts"), "{e}");
+    }
+}

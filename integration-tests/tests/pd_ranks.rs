@@ -1,0 +1,208 @@
+//! Workers over several CPU ranks (expert parallelism with data-parallel attention): a cluster
+//! whose prefill and decode workers have different rank layouts answers what the one-process
+//! engine answers, token for token and logprob for logprob, with the state written into the
+//! pages of the decode rank the reservation names (over TCP and over UCX, where rank `r`'s
+//! pages are their own registered regions); and a rank that hangs mid-decode fails the
+//! worker's requests within 2 s and the worker reports itself failed.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
+
+use std::{
+    io::Read,
+    time::{Duration, Instant},
+};
+
+use integration_tests::{
+    Service, http,
+    pd::{T, chat, essence, listed, model_arg, open_stream, post, wait_idle, worker_command},
+    start_router,
+};
+use serde_json::{Value, json};
+
+/// A decode and a prefill worker with their own extra flags, offering `transport` only, and a
+/// router over them.
+fn layout(prefill: &[&str], decode: &[&str], transport: &str) -> (Service, Service, Service) {
+    let common = ["--page-size", "16", "--transport", transport];
+    let mut decode = worker_command(
+        "pdserve-decode",
+        &[&common[..], &["--max-batch-tokens", "37"], decode].concat(),
+    );
+    // Its log says on which rank each reservation went.
+    decode.env("PDSERVE_LOG", "info");
+    let decode = Service::start(decode);
+    let prefill = Service::start(worker_command(
+        "pdserve-prefill",
+        &[&common[..], &["--max-batch-tokens", "37"], prefill].concat(),
+    ));
+    let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
+    (router, decode, prefill)
+}
+
+/// Sends every body to `addr` at once (each from its own thread); the answers in order.
+fn concurrently(addr: std::net::SocketAddr, bodies: &[Value]) -> Vec<Value> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || essence(&post(addr, "/v1/chat/completions", b))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// `text` without its terminal colour codes (`ESC [ ... m`).
+fn without_colours(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[test]
+fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers() {
+    let local = start_router(&["--model-dir", &model_arg()], true);
+    let bodies: Vec<Value> = [0usize, 1, 9, 30, 62, 130, 250, 400]
+        .into_iter()
+        .enumerate()
+        .map(|(i, words)| {
+            let temperature = if i % 2 == 0 { 0.0 } else { 0.9 };
+            chat(words, 300 + i as u64, temperature, 9)
+        })
+        .collect();
+    let want: Vec<Value> = bodies
+        .iter()
+        .map(|b| essence(&post(local.addr("http"), "/v1/chat/completions", b)))
+        .collect();
+    let ep = |n: &'static str| vec!["--ep", n, "--dp-attention"];
+    for (prefill, decode, ranks, transport) in
+        [(vec![], ep("2"), 2, "tcp"), (ep("2"), ep("4"), 4, "ucx")]
+    {
+        let (router, decode_worker, prefill_worker) = layout(&prefill, &decode, transport);
+        let addr = router.addr("http");
+        // One at a time, then all at once: requests on several ranks step together.
+        for (body, want) in bodies.iter().zip(&want) {
+            let got = essence(&post(addr, "/v1/chat/completions", body));
+            assert_eq!(&got, want, "{prefill:?} -> {decode:?} over {transport}");
+        }
+        let got = concurrently(addr, &bodies);
+        for (got, want) in got.iter().zip(&want) {
+            assert_eq!(
+                got, want,
+                "{prefill:?} -> {decode:?} over {transport}, together"
+            );
+        }
+        // Every state moved over the transport configured.
+        let metrics = http(addr, "GET", "/metrics", &[], b"", T).body;
+        let line = format!(
+            "pdserve_transfers_total{{transport=\"{transport}\"}} {}",
+            2 * bodies.len()
+        );
+        assert!(metrics.lines().any(|l| l == line), "no {line} in {metrics}");
+        // The router sees each decode rank's pool, and a request fits one rank's.
+        let decode_listing = listed(addr)
+            .into_iter()
+            .find(|w| w["role"] == "decode")
+            .unwrap();
+        let rank_loads = decode_listing["ranks"].as_array().unwrap();
+        assert_eq!(rank_loads.len(), ranks, "{decode_listing}");
+        let rank_pages = rank_loads[0]["pages_total"].as_u64().unwrap();
+        assert_eq!(
+            decode_listing["pages_total"].as_u64(),
+            Some(rank_pages * ranks as u64)
+        );
+        let models = http(addr, "GET", "/v1/models", &[], b"", T).json();
+        let context = models["data"][0]["max_model_len"].as_u64().unwrap();
+        assert!(context <= rank_pages * 16, "{context} > one rank's pool");
+        // Requests were placed on more than one rank, and every rank's pages came back.
+        let log = without_colours(&decode_worker.stderr());
+        for r in 0..2 {
+            assert!(
+                log.contains(&format!("rank={r}")),
+                "no request on decode rank {r}: {log}"
+            );
+        }
+        wait_idle(decode_worker.addr("grpc"), "decode");
+        wait_idle(prefill_worker.addr("grpc"), "prefill");
+    }
+}
+
+#[test]
+fn a_hung_rank_fails_the_workers_requests_within_two_seconds() {
+    let mut decode = worker_command(
+        "pdserve-decode",
+        &[
+            "--page-size",
+            "16",
+            "--ep",
+            "2",
+            "--dp-attention",
+            "--rank-timeout-ms",
+            "800",
+        ],
+    );
+    decode.env(common::env::INJECT_FAULT, "stall-rank");
+    let decode = Service::start(decode);
+    let prefill = Service::start(worker_command("pdserve-prefill", &["--page-size", "16"]));
+    let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
+    let addr = router.addr("http");
+    let mut body = chat(20, 3, 0.8, 10_000);
+    body["stream"] = json!(true);
+    body["logprobs"] = json!(false);
+    body.as_object_mut().unwrap().remove("top_logprobs");
+    // The first request to start decoding hangs the group's last rank.
+    let (mut conn, _) = open_stream(addr, &body);
+    let hung = Instant::now();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                rest.extend_from_slice(&buf[..n]);
+                if String::from_utf8_lossy(&rest).contains("\"error\"") {
+                    break;
+                }
+            }
+        }
+    }
+    let elapsed = hung.elapsed();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.contains("\"error\""), "no error event: {text}");
+    assert!(text.contains("lockstep"), "the error says why: {text}");
+    assert!(
+        !text.contains("[DONE]"),
+        "a failed stream must not end with [DONE]"
+    );
+    assert!(
+        !text.contains("\"finish_reason\":\"stop\""),
+        "a failed stream must not look finished: {text}"
+    );
+    assert!(elapsed < Duration::from_secs(2), "failed after {elapsed:?}");
+    // The worker reports itself failed, and the router sends it nothing more.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = listed(addr)
+            .into_iter()
+            .find(|w| w["role"] == "decode")
+            .map(|w| w["state"].clone());
+        if state == Some(json!("failed")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "decode worker state {state:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = post(addr, "/v1/chat/completions", &chat(3, 1, 0.0, 3));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("no live decode worker"), "{}", r.body);
+    // The prefill side holds nothing for the failed request.
+    wait_idle(prefill.addr("grpc"), "prefill");
+}
