@@ -31,6 +31,8 @@ pub struct Model {
     backend: Option<Attached>,
     /// This rank's share of the routed experts when they are spread over ranks.
     expert_parallel: Option<std::sync::Arc<crate::parallel::expert::ExpertParallel>>,
+    /// This rank's share of the attention heads under tensor parallelism.
+    tensor_parallel: Option<std::sync::Arc<crate::parallel::tensor::TensorParallel>>,
 }
 
 /// Everything a sequence carries from one forward call to the next.
@@ -107,6 +109,7 @@ impl Model {
             compress_rope,
             backend: None,
             expert_parallel: None,
+            tensor_parallel: None,
         }
     }
 
@@ -140,6 +143,20 @@ impl Model {
         ep: std::sync::Arc<crate::parallel::expert::ExpertParallel>,
     ) {
         self.expert_parallel = Some(ep);
+    }
+
+    /// Computes only `tp`'s share of every layer's attention heads, gathering the groups'
+    /// outputs from the other ranks of its group (which must run the same steps).
+    pub fn set_tensor_parallel(
+        &mut self,
+        tp: std::sync::Arc<crate::parallel::tensor::TensorParallel>,
+    ) {
+        self.tensor_parallel = Some(tp);
+    }
+
+    /// The tensor parallelism attached, if any.
+    pub fn tensor_parallel(&self) -> Option<&crate::parallel::tensor::TensorParallel> {
+        self.tensor_parallel.as_deref()
     }
 
     /// The expert parallelism attached, if any.
@@ -286,12 +303,20 @@ impl Model {
                         c,
                         &ropes,
                         device,
+                        self.tensor_parallel.as_deref(),
                     )
                 })
                 .collect::<Result<_, _>>()?;
             // The layer's state is final once its attention ran; its MoE does not touch it.
             after_layer(i, batch);
-            let attn: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
+            let mut lows: Vec<Vec<f32>> = attn.into_iter().flatten().collect();
+            if let Some(tp) = self.tensor_parallel.as_deref() {
+                lows = tp
+                    .gather(lows)
+                    .map_err(|e| parallel_failure("attention", &e))?;
+            }
+            // `wo_b` mixes every group, each token's row the same dot products as alone.
+            let attn = device.linear(crate::backend::LinearId::OB, &layer.attn.wo_b, &lows)?;
             streams
                 .par_iter_mut()
                 .zip(&attn)
@@ -375,6 +400,18 @@ pub struct Step<'a> {
 }
 
 /// A failed expert-parallel exchange, as the forward pass reports it.
+/// A collective of tensor-parallel `what` that failed, as the step's error.
+fn parallel_failure(
+    what: &'static str,
+    e: &crate::parallel::collective::CollectiveError,
+) -> BackendError {
+    BackendError::Failed {
+        backend: "tensor-parallel".to_owned(),
+        op: what,
+        message: e.to_string(),
+    }
+}
+
 pub(crate) fn expert_failure(e: &crate::parallel::expert::ExpertError) -> BackendError {
     BackendError::Failed {
         backend: "expert-parallel".to_owned(),

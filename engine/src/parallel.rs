@@ -1,8 +1,10 @@
 //! One worker over several ranks: the collectives they meet in ([`collective`]), the
-//! expert-parallel MoE over them ([`expert`]) and the engine threads that step together
-//! ([`ranks`]).
+//! expert-parallel MoE over them ([`expert`]), tensor-parallel attention ([`tensor`]), the
+//! engine threads that step together ([`ranks`]) and the group as a worker sees it
+//! ([`group`]).
 
 pub mod collective;
 pub mod expert;
 pub mod group;
 pub mod ranks;
+pub mod tensor;

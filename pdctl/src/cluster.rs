@@ -398,7 +398,10 @@ pub(crate) async fn stop(mut proc: Proc) -> Result<(), PdctlError> {
 /// (HTTP on `http_listen`) from the binaries in `dir`, serving `model`; each started process
 /// is pushed onto `procs` (so the caller stops them even when a later one fails). All of them
 /// share `secret`. `groups` are the prefill and the decode workers' group flags.
-#[expect(clippy::too_many_arguments, reason = "the cluster's shape, then where it runs")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the cluster's shape, then where it runs"
+)]
 pub(crate) async fn start(
     dir: &Path,
     model: &Path,

@@ -2,7 +2,8 @@
 //! weightless per-head norm, the shared K=V head, RoPE on the trailing dims, attention over the
 //! sliding window plus the compressed rows (all visible ones for HCA, the indexer's top-k for
 //! CSA) with a per-head sink in the denominator, inverse RoPE on the output, and the grouped
-//! low-rank output projection.
+//! low-rank output projection's first half (`wo_a`; the model applies `wo_b` to the whole
+//! layer's tokens at once, after tensor-parallel ranks gathered their groups).
 
 use rayon::prelude::*;
 
@@ -10,6 +11,7 @@ use super::compressor::{self, CompressorState, PendingState};
 use crate::{
     backend::{AttendBatch, BackendError, LayerDevice, LinearId, Op},
     config::{Attention, ModelConfig},
+    parallel::tensor::TensorParallel,
     rope::Rope,
     tensor::{axpy_many, dots, exp, exp_in_place, rms_norm, rms_norm_unweighted, top_k},
     weights::AttentionWeights,
@@ -68,10 +70,12 @@ struct Projected {
     q_residual: Vec<f32>,
 }
 
-/// Attention outputs (`hidden_size` each) for tokens at positions `start..start+xs.len()`;
-/// `xs` are the sublayer inputs (after `attn_norm`). The linears and the softmax over the keys
-/// run on `device`'s backend when it runs them (`Op::AttentionLinears`, `Op::AttentionCore`);
-/// everything else stays here. A backend failure leaves `state` partly advanced: discard it.
+/// The grouped low-rank outputs (`wo_a`'s, `o_lora_rank` per group: the rows `wo_b` takes) for
+/// tokens at positions `start..start+xs.len()`; `xs` are the sublayer inputs (after
+/// `attn_norm`). Under tensor parallelism (`shard`) only this rank's heads and groups are
+/// computed. The linears and the softmax over the keys run on `device`'s backend when it runs
+/// them (`Op::AttentionLinears`, `Op::AttentionCore`); everything else stays here. A backend
+/// failure leaves `state` partly advanced: discard it.
 #[expect(
     clippy::too_many_arguments,
     reason = "the layer's weights, state, inputs and the model-wide context"
@@ -85,6 +89,7 @@ pub fn forward(
     c: &ModelConfig,
     ropes: &Ropes<'_>,
     device: LayerDevice<'_>,
+    shard: Option<&TensorParallel>,
 ) -> Result<Vec<Vec<f32>>, BackendError> {
     let compress_rope = ropes.compress;
     let rope = if kind == Attention::Sliding {
@@ -92,7 +97,9 @@ pub fn forward(
     } else {
         compress_rope
     };
-    let (h, hd) = (c.num_heads, c.head_dim);
+    let hd = c.head_dim;
+    let heads = shard.map_or(0..c.num_heads, TensorParallel::heads);
+    let groups = shard.map_or(0..c.o_groups, TensorParallel::groups);
     let mut rows = std::mem::take(&mut state.window);
     // Only the last `sliding_window - 1` earlier rows can be attended to.
     let keep = (c.sliding_window - 1) * hd;
@@ -104,7 +111,12 @@ pub fn forward(
     q_residuals
         .par_iter_mut()
         .for_each(|q| rms_norm(q, &w.q_norm, c.rms_norm_eps));
-    let mut qs = device.linear(LinearId::QB, &w.wq_b, &q_residuals)?;
+    let mut qs = device.linear_rows(
+        LinearId::QB,
+        &w.wq_b,
+        heads.start * hd..heads.end * hd,
+        &q_residuals,
+    )?;
     qs.par_iter_mut().enumerate().for_each(|(t, q)| {
         let rotation = rope.at(start + t);
         for head in q.chunks_exact_mut(hd) {
@@ -275,12 +287,12 @@ pub fn forward(
             let queries: Vec<Vec<f32>> = projected.iter().map(|p| p.q.clone()).collect();
             backend.attend(AttendBatch {
                 layer: device.layer,
-                heads: h,
+                heads: heads.len(),
                 head_dim: hd,
                 rows: &distinct,
                 queries: &queries,
                 keys: &keys,
-                sinks: &w.sink,
+                sinks: &w.sink[heads.clone()],
                 scale,
             })?
         }
@@ -289,7 +301,7 @@ pub fn forward(
             .enumerate()
             .map(|(t, list)| {
                 let keys: Vec<&[f32]> = list.iter().map(key_row).collect();
-                attend(&projected[t].q, &keys, &w.sink, scale, hd)
+                attend(&projected[t].q, &keys, &w.sink[heads.clone()], scale, hd)
             })
             .collect(),
     };
@@ -309,7 +321,7 @@ pub fn forward(
             out
         })
         .collect();
-    let outputs = project_out(w, &outputs, c, device)?;
+    let outputs = project_groups(w, &outputs, c, groups, device)?;
     // The whole chunk's rows stay until the next call trims them, so a paged store can copy
     // every new row into its pages.
     state.window = rows;
@@ -376,23 +388,25 @@ enum Key {
     Compressed(usize),
 }
 
-/// The grouped low-rank output projection for every token of a chunk: each of `o_groups` head
-/// groups maps to `o_lora_rank` dims with its own block of `wo_a`, then `wo_b` mixes all groups.
-fn project_out(
+/// The first half of the grouped low-rank output projection for every token of a chunk: each
+/// head group of `groups` (the heads `outs` hold) maps to `o_lora_rank` dims with its own block
+/// of `wo_a`. The second half, `wo_b`, mixes all groups (in the model, over the whole layer).
+fn project_groups(
     w: &AttentionWeights,
     outs: &[Vec<f32>],
     c: &ModelConfig,
+    groups: std::ops::Range<usize>,
     device: LayerDevice<'_>,
 ) -> Result<Vec<Vec<f32>>, BackendError> {
     let Some(first) = outs.first() else {
         return Ok(Vec::new());
     };
-    let group_in = first.len() / c.o_groups;
-    let mut lows = vec![Vec::with_capacity(c.o_groups * c.o_lora_rank); outs.len()];
-    for g in 0..c.o_groups {
+    let group_in = first.len() / groups.len().max(1);
+    let mut lows = vec![Vec::with_capacity(groups.len() * c.o_lora_rank); outs.len()];
+    for (local, g) in groups.enumerate() {
         let parts: Vec<&[f32]> = outs
             .iter()
-            .map(|o| &o[g * group_in..(g + 1) * group_in])
+            .map(|o| &o[local * group_in..(local + 1) * group_in])
             .collect();
         let rows = g * c.o_lora_rank..(g + 1) * c.o_lora_rank;
         let group = device.linear_rows(LinearId::OA, &w.wo_a, rows, &parts)?;
@@ -400,7 +414,7 @@ fn project_out(
             low.extend_from_slice(&part);
         }
     }
-    device.linear(LinearId::OB, &w.wo_b, &lows)
+    Ok(lows)
 }
 
 /// `max(v, 0)` that keeps a NaN (`f32::max` would turn it into 0, and a poisoned key into a
