@@ -259,7 +259,7 @@ impl DecodeWorker {
             self.engine
                 .ranks
                 .call(rank, move |engine, subs| {
-                    match engine.commit(req, token, seed) {
+                    match engine.commit(req.clone(), token, seed) {
                         Ok(None) => Ok(subs.subscribe(engine_id)),
                         Ok(Some(done)) => {
                             let (tx, rx) = mpsc::unbounded_channel();
@@ -388,24 +388,62 @@ impl DecodeWorker {
         Ok((r.engine_id, r.rank))
     }
 
+    /// Reserves pages for a request on `rank` (on every rank of a replicated group, which
+    /// must all give the same pages: their pools saw the same calls in the same order).
+    async fn reserve_on(
+        &self,
+        rank: usize,
+        engine_id: u64,
+        prompt: usize,
+        max_new: usize,
+    ) -> Result<Result<engine::scheduler::Reservation, EngineError>, Status> {
+        let reserve = move |engine: &mut engine::scheduler::Engine, _: &mut _| {
+            engine.reserve(engine_id, prompt, max_new)
+        };
+        let ranks = &self.engine.ranks;
+        if !ranks.is_replicated() {
+            return ranks.call(rank, reserve).await.map_err(|_| self.stopped());
+        }
+        let all = ranks
+            .call_each(rank, reserve)
+            .await
+            .map_err(|_| self.stopped())?;
+        let mut all = all.into_iter();
+        let first = all.next().ok_or_else(|| self.stopped())?;
+        let same =
+            |other: &Result<engine::scheduler::Reservation, EngineError>| match (&first, other) {
+                (Ok(a), Ok(b)) => a.pages == b.pages && a.slot == b.slot,
+                (Err(_), Err(_)) => true,
+                _ => false,
+            };
+        if all.all(|other| same(&other)) {
+            Ok(first)
+        } else {
+            Err(self.err(
+                ErrorKind::Internal,
+                "the worker's ranks reserved different pages for the same request",
+            ))
+        }
+    }
+
     /// The ranks to try for a new reservation, best first: the one the caller named, or every
     /// rank by free pages.
     async fn candidate_ranks(&self, named: Option<u32>) -> Result<Vec<usize>, Status> {
         let ranks = &self.engine.ranks;
         if let Some(rank) = named {
             let rank = rank as usize;
-            if rank >= ranks.len() {
+            if rank >= ranks.placeable() {
                 return Err(self.err(
                     ErrorKind::InvalidArgument,
                     format!(
-                        "decode_rank {rank}: this worker has {} rank(s)",
-                        ranks.len()
+                        "decode_rank {rank}: this worker places requests on {} rank(s)",
+                        ranks.placeable()
                     ),
                 ));
             }
             return Ok(vec![rank]);
         }
-        if ranks.len() == 1 {
+        if ranks.placeable() == 1 {
             return Ok(vec![0]);
         }
         let loads = ranks.loads().await.map_err(|_| self.stopped())?;
@@ -460,14 +498,7 @@ impl Decode for DecodeService {
                 let ranks = w.candidate_ranks(req.decode_rank).await?;
                 let last = ranks.len() - 1;
                 for (i, rank) in ranks.into_iter().enumerate() {
-                    let tried = w
-                        .engine
-                        .ranks
-                        .call(rank, move |engine, _| {
-                            engine.reserve(engine_id, prompt, max_new)
-                        })
-                        .await
-                        .map_err(|_| w.stopped())?;
+                    let tried = w.reserve_on(rank, engine_id, prompt, max_new).await?;
                     match tried {
                         Ok(reservation) => break 'placed (rank, reservation),
                         // Another rank may have room (each rank has its own pool).
@@ -493,6 +524,12 @@ impl Decode for DecodeService {
         let region = u32::try_from(2 * rank).unwrap_or(u32::MAX);
         let destination = TransferDescriptor {
             decode_rank: u32::try_from(rank).unwrap_or(u32::MAX),
+            // A replicated group (tensor parallelism) holds a copy of the state on every rank.
+            replicas: if w.engine.ranks.is_replicated() {
+                u32::try_from(w.engine.ranks.len()).unwrap_or(u32::MAX)
+            } else {
+                1
+            },
             transport: transport.into(),
             reservation_id: reservation_id.clone(),
             decode_worker_id: w.worker_id.clone(),
@@ -562,16 +599,19 @@ impl Decode for DecodeService {
         if !req.checksums.is_empty() {
             let (engine_id, rank) = w.check(&req.reservation_id, req.request_id.as_ref())?;
             let checksums = req.checksums.clone();
+            // Every copy of the state is checked (each rank of a replicated group holds one).
             let verified = w
                 .engine
                 .ranks
-                .call(rank, move |engine, _| {
+                .call_each(rank, move |engine, _| {
                     kv_transfer::checksum::verify(&checksums, |page| {
                         engine.reserved_bytes(engine_id, page).ok()
                     })
                 })
                 .await
-                .map_err(|_| w.stopped())?;
+                .map_err(|_| w.stopped())?
+                .into_iter()
+                .collect::<Result<Vec<()>, _>>();
             if let Err(e) = verified {
                 // The state is wrong: the request fails on both legs, its pages are freed.
                 let removed = w.lock().remove(&req.reservation_id);
@@ -700,7 +740,7 @@ async fn feed(
     tx: mpsc::Sender<Result<TokenBatch, Status>>,
 ) {
     let cancel = |w: &Arc<DecodeWorker>| {
-        let _ = w.runner(rank).post(move |engine, subs| {
+        let _ = w.engine.ranks.post(rank, move |engine, subs| {
             if let Some(event) = engine.cancel(engine_id) {
                 subs.deliver(event);
             }

@@ -1,9 +1,10 @@
-//! Workers over several CPU ranks (expert parallelism with data-parallel attention): a cluster
-//! whose prefill and decode workers have different rank layouts answers what the one-process
-//! engine answers, token for token and logprob for logprob, with the state written into the
-//! pages of the decode rank the reservation names (over TCP and over UCX, where rank `r`'s
-//! pages are their own registered regions); and a rank that hangs mid-decode fails the
-//! worker's requests within 2 s and the worker reports itself failed.
+//! Workers over several CPU ranks (expert parallelism with data-parallel attention, and
+//! tensor-parallel attention): a cluster whose prefill and decode workers have different rank
+//! layouts answers what the one-process engine answers, token for token and logprob for
+//! logprob, with the state written into the pages of the decode rank the reservation names, or
+//! into every rank's copy under TP (over TCP and over UCX, where rank `r`'s pages are their own
+//! registered regions); and a rank that hangs mid-decode fails the worker's requests within
+//! 2 s and the worker reports itself failed.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
 use std::{
@@ -82,9 +83,16 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
         .map(|b| essence(&post(local.addr("http"), "/v1/chat/completions", b)))
         .collect();
     let ep = |n: &'static str| vec!["--ep", n, "--dp-attention"];
-    for (prefill, decode, ranks, transport) in
-        [(vec![], ep("2"), 2, "tcp"), (ep("2"), ep("4"), 4, "ucx")]
-    {
+    let tp = vec!["--tp", "2"];
+    // (prefill flags, decode flags, decode ranks holding requests apart, transport)
+    for (prefill, decode, spread, transport) in [
+        (vec![], ep("2"), 2, "tcp"),
+        (ep("2"), ep("4"), 4, "ucx"),
+        (tp.clone(), ep("2"), 2, "tcp"),
+        // Every decode rank holds a copy of each request's state: written to each over UCX.
+        (ep("2"), tp.clone(), 1, "ucx"),
+        (tp.clone(), tp.clone(), 1, "tcp"),
+    ] {
         let (router, decode_worker, prefill_worker) = layout(&prefill, &decode, transport);
         let addr = router.addr("http");
         // One at a time, then all at once: requests on several ranks step together.
@@ -106,24 +114,31 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
             2 * bodies.len()
         );
         assert!(metrics.lines().any(|l| l == line), "no {line} in {metrics}");
-        // The router sees each decode rank's pool, and a request fits one rank's.
+        // The router sees each decode rank's pool (a replicated group's is one pool), and a
+        // request fits one rank's.
         let decode_listing = listed(addr)
             .into_iter()
             .find(|w| w["role"] == "decode")
             .unwrap();
-        let rank_loads = decode_listing["ranks"].as_array().unwrap();
-        assert_eq!(rank_loads.len(), ranks, "{decode_listing}");
-        let rank_pages = rank_loads[0]["pages_total"].as_u64().unwrap();
-        assert_eq!(
-            decode_listing["pages_total"].as_u64(),
-            Some(rank_pages * ranks as u64)
-        );
+        let rank_pages = if spread > 1 {
+            let rank_loads = decode_listing["ranks"].as_array().unwrap();
+            assert_eq!(rank_loads.len(), spread, "{decode_listing}");
+            let pages = rank_loads[0]["pages_total"].as_u64().unwrap();
+            assert_eq!(
+                decode_listing["pages_total"].as_u64(),
+                Some(pages * spread as u64)
+            );
+            pages
+        } else {
+            assert!(decode_listing.get("ranks").is_none(), "{decode_listing}");
+            decode_listing["pages_total"].as_u64().unwrap()
+        };
         let models = http(addr, "GET", "/v1/models", &[], b"", T).json();
         let context = models["data"][0]["max_model_len"].as_u64().unwrap();
         assert!(context <= rank_pages * 16, "{context} > one rank's pool");
         // Requests were placed on more than one rank, and every rank's pages came back.
         let log = without_colours(&decode_worker.stderr());
-        for r in 0..2 {
+        for r in 0..spread.min(2) {
             assert!(
                 log.contains(&format!("rank={r}")),
                 "no request on decode rank {r}: {log}"

@@ -121,7 +121,13 @@ impl StateStream {
                 let putter = initiators.ucx.cloned().ok_or_else(|| {
                     TransferError::Descriptor("this worker does not offer UCX".to_owned())
                 })?;
-                tokio::spawn(run_ucx(putter, target.clone(), pages, rx))
+                tokio::spawn(run_ucx(
+                    putter,
+                    target.clone(),
+                    pages,
+                    destination.replicas,
+                    rx,
+                ))
             }
             #[cfg(feature = "nccl")]
             (Some(k @ TransportKind::Nccl), Some(Target::Nccl(target))) if offered.contains(&k) => {
@@ -235,6 +241,7 @@ async fn run_ucx(
     putter: Putter,
     target: UcxTarget,
     pages: Pages,
+    replicas: u32,
     mut rx: mpsc::UnboundedReceiver<Vec<Piece>>,
 ) -> Result<StreamReport, TransferError> {
     let (mut bytes, mut busy, mut done) = (0u64, Duration::ZERO, Instant::now());
@@ -243,17 +250,23 @@ async fn run_ucx(
             group.extend(more);
         }
         for group in groups(group) {
-            let puts = group
-                .into_iter()
-                .map(|piece| {
-                    let at = pages.get(piece.page)?;
-                    Ok(Put {
-                        region: at.region as usize,
+            // Each copy of the state (one per replica rank) lives two regions further on.
+            let mut puts = Vec::with_capacity(group.len() * replicas.max(1) as usize);
+            for piece in group {
+                let at = pages.get(piece.page)?;
+                for copy in 1..replicas.max(1) {
+                    puts.push(Put {
+                        region: (at.region + 2 * copy) as usize,
                         offset: at.offset_bytes + piece.offset,
-                        data: piece.data,
-                    })
-                })
-                .collect::<Result<Vec<_>, TransferError>>()?;
+                        data: piece.data.clone(),
+                    });
+                }
+                puts.push(Put {
+                    region: at.region as usize,
+                    offset: at.offset_bytes + piece.offset,
+                    data: piece.data,
+                });
+            }
             let started = Instant::now();
             bytes += putter.put(target.clone(), puts).await?;
             done = Instant::now();

@@ -16,7 +16,7 @@ use worker_core::transports::{Offered, start_offered};
 
 use common::fault::Fault;
 use engine::{
-    runner::{LoadedEngine, Runner},
+    runner::LoadedEngine,
     scheduler::{Event, GenerationRequest, PromptState},
 };
 use kv_transfer::{
@@ -72,7 +72,8 @@ impl worker_core::RoleWorker for PrefillWorker {
 
 /// Cancels the engine request when the RPC is dropped before it finished.
 struct CancelOnDrop {
-    runner: Runner,
+    ranks: engine::parallel::group::Ranks,
+    rank: usize,
     engine_id: u64,
     armed: bool,
 }
@@ -81,7 +82,7 @@ impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if self.armed {
             let id = self.engine_id;
-            let _ = self.runner.post(move |engine, subs| {
+            let _ = self.ranks.post(self.rank, move |engine, subs| {
                 subs.unsubscribe(id);
                 engine.cancel(id);
             });
@@ -196,7 +197,7 @@ impl PrefillWorker {
             return Err(self.err(ErrorKind::Unavailable, reason));
         }
         if let Some(rank) = named {
-            return if (rank as usize) < ranks.len() {
+            return if (rank as usize) < ranks.placeable() {
                 Ok(rank as usize)
             } else {
                 Err(self.err(
@@ -208,7 +209,7 @@ impl PrefillWorker {
                 ))
             };
         }
-        if ranks.len() == 1 {
+        if ranks.placeable() == 1 {
             return Ok(0);
         }
         let loads = ranks
@@ -253,7 +254,7 @@ impl PrefillWorker {
             .engine
             .ranks
             .call(rank, move |engine, subs| {
-                engine.add_prefill(request)?;
+                engine.add_prefill(request.clone())?;
                 Ok::<_, engine::scheduler::EngineError>(subs.subscribe(id))
             })
             .await
@@ -370,17 +371,12 @@ impl Prefill for PrefillService {
                 proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default())
                     .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?;
             let rank = w.pick_rank(req.prefill_rank).await?;
-            let runner = w
-                .engine
-                .ranks
-                .get(rank)
-                .cloned()
-                .ok_or_else(|| w.err(ErrorKind::Internal, format!("no rank {rank}")))?;
             let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
             let key = (request_id.id.clone(), request_id.attempt);
             w.running().insert(key.clone(), (engine_id, rank));
             let mut guard = CancelOnDrop {
-                runner: runner.clone(),
+                ranks: w.engine.ranks.clone(),
+                rank,
                 engine_id,
                 armed: true,
             };
@@ -551,10 +547,7 @@ impl Prefill for PrefillService {
             .map(|(_, &e)| e)
             .collect();
         for (engine_id, rank) in ids {
-            let Some(runner) = w.engine.ranks.get(rank) else {
-                continue;
-            };
-            let _ = runner.post(move |engine, subs| {
+            let _ = w.engine.ranks.post(rank, move |engine, subs| {
                 if let Some(event) = engine.cancel(engine_id) {
                     subs.deliver(event);
                 }

@@ -130,15 +130,16 @@ pub struct WorkerSettings {
     /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
     pub hybrid: bool,
-    /// Attention tensor parallelism: ranks sharing each request's heads. Only 1 is built in
-    /// workers yet (a larger value is refused at start, with the layout to use instead).
+    /// Attention tensor parallelism: ranks sharing each request's heads (every rank runs every
+    /// request and holds a copy of its state; bit-identical to one rank). Experts are then
+    /// replicated (`expert_parallel_size` 1) or split over the same ranks (equal sizes).
     pub tensor_parallel_size: u32,
     /// Expert parallelism: the worker runs this many ranks (one per GPU of its group; CPU
     /// ranks on the cpu backend), each holding `1/N` of the routed experts. Each rank has its
     /// own pool of `engine_num_pages` pages and `max_running` requests.
     pub expert_parallel_size: u32,
     /// Attention by requests (data-parallel attention): each rank runs whole requests and holds
-    /// their pages. Required for a group of ranks while attention TP is not built.
+    /// their pages. Required for a group of ranks without attention TP.
     pub dp_attention: bool,
     /// Milliseconds a rank waits in a collective for the others before the worker fails its
     /// requests and reports itself failed (a rank that died or hangs).
@@ -237,17 +238,28 @@ impl WorkerSettings {
         check_range("rank_timeout_ms", self.rank_timeout_ms, 100, 3_600_000)?;
         let spec = self.group_spec();
         let refusal = |key: &'static str, e: String| Err(Invalid::new(key, e));
-        if spec.parallel.tp > 1 {
+        let p = spec.parallel;
+        if p.tp > 1 && self.dp_attention {
             return refusal(
-                "tensor_parallel_size",
+                "dp_attention",
                 format!(
-                    "tensor-parallel attention is not built in workers yet; spread the group \
-                     with --expert-parallel-size {} --dp-attention",
-                    spec.ranks()
+                    "attention runs either by requests (dp_attention) or by heads \
+                     (tensor_parallel_size {}), not both",
+                    p.tp
                 ),
             );
         }
-        if spec.ranks() > 1 && !self.dp_attention {
+        if p.tp > 1 && p.ep > 1 && p.ep != p.tp {
+            return refusal(
+                "expert_parallel_size",
+                format!(
+                    "with tensor_parallel_size {} the experts are split over the same ranks: \
+                     expert_parallel_size must be 1 or {}",
+                    p.tp, p.tp
+                ),
+            );
+        }
+        if spec.ranks() > 1 && p.tp == 1 && !self.dp_attention {
             return refusal(
                 "dp_attention",
                 format!(
@@ -369,7 +381,7 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<bool>,
-    /// Attention tensor parallelism (`--tp`; only 1 is built yet).
+    /// Attention tensor parallelism: ranks sharing each request's heads (`--tp`).
     #[arg(long, visible_alias = "tp", value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tensor_parallel_size: Option<u32>,
@@ -439,10 +451,14 @@ mod tests {
         assert_eq!((spec.ranks(), spec.parallel.ep), (4, 4));
         assert!(spec.threads_per_rank >= 1);
         settings.tensor_parallel_size = 2;
-        let e = settings.validate().unwrap_err();
-        assert_eq!(e.key, "tensor_parallel_size", "{e:?}");
-        assert!(e.reason.contains("not built"), "{e:?}");
+        assert_eq!(settings.validate().unwrap_err().key, "dp_attention");
+        settings.dp_attention = false;
+        assert_eq!(settings.validate().unwrap_err().key, "expert_parallel_size");
+        settings.expert_parallel_size = 2;
+        assert!(settings.validate().is_ok());
+        assert_eq!(settings.group_spec().ranks(), 2);
         settings.tensor_parallel_size = 1;
+        settings.dp_attention = true;
         settings.backend = BackendKind::Cuda;
         let e = settings.validate().unwrap_err();
         // Without the feature the backend itself is refused first.

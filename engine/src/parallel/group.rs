@@ -7,11 +7,11 @@ use std::{sync::Arc, time::Duration};
 
 use tokio::sync::watch;
 
-use super::{collective::InProcessGroup, expert::ExpertParallel};
+use super::{collective::InProcessGroup, expert::ExpertParallel, tensor::TensorParallel};
 use crate::{
     model::Model,
     plan::shard::Parallel,
-    runner::{Runner, Stopped, Subscribers},
+    runner::{Job, Runner, Stopped, Subscribers},
     scheduler::{Engine, EngineConfig, EngineError},
 };
 
@@ -38,20 +38,17 @@ impl GroupSpec {
         self.parallel.gpus()
     }
 
-    /// Whether this group can serve `model`, with the reason when not. Attention split by heads
-    /// (`tp` > 1) is not built in workers: such a group is refused, never run as another one.
+    /// Whether this group can serve `model`, with the reason when not.
     pub fn check(&self, model: &crate::config::ModelConfig) -> Result<(), String> {
         let p = self.parallel;
         p.validate(model)?;
-        if p.tp > 1 {
+        if p.ep > 1 && p.tp > 1 && p.ep != p.tp {
             return Err(format!(
-                "tensor-parallel attention (tp {}) is not built in workers yet; spread the group \
-                 with expert parallelism and data-parallel attention (--ep {} --dp-attention)",
-                p.tp,
-                p.gpus()
+                "ep {} with tp {}: the experts are split over the same ranks as the heads",
+                p.ep, p.tp
             ));
         }
-        if self.ranks() > 1 && !p.dp_attention {
+        if self.ranks() > 1 && p.tp == 1 && !p.dp_attention {
             return Err(format!(
                 "a group of {} ranks with tp 1 runs attention by requests: add --dp-attention",
                 self.ranks()
@@ -96,6 +93,17 @@ impl Failure {
 pub struct Ranks {
     runners: Vec<Runner>,
     failure: Arc<Failure>,
+    /// Every rank runs every request (tensor parallelism): calls go to all ranks.
+    replicated: Option<Replicated>,
+}
+
+/// The group queue of a replicated group: jobs every rank applies before the same step.
+#[derive(Debug, Clone)]
+struct Replicated {
+    queues: Vec<std::sync::mpsc::Sender<Job>>,
+    wake: Arc<super::ranks::Wake>,
+    /// Held while a job is queued on every rank, so all ranks see the jobs in one order.
+    order: Arc<std::sync::Mutex<()>>,
 }
 
 impl Ranks {
@@ -104,11 +112,46 @@ impl Ranks {
         Self {
             runners: vec![runner],
             failure: Arc::default(),
+            replicated: None,
         }
     }
 
     pub(crate) fn new(runners: Vec<Runner>, failure: Arc<Failure>) -> Self {
-        Self { runners, failure }
+        Self {
+            runners,
+            failure,
+            replicated: None,
+        }
+    }
+
+    /// These ranks with every call going to all of them through their group `queues`.
+    pub(crate) fn replicated(
+        mut self,
+        queues: Vec<std::sync::mpsc::Sender<Job>>,
+        wake: Arc<super::ranks::Wake>,
+    ) -> Self {
+        self.replicated = Some(Replicated {
+            queues,
+            wake,
+            order: Arc::default(),
+        });
+        self
+    }
+
+    /// Whether every rank runs every request (tensor-parallel attention); callers then place
+    /// requests on rank 0, and their calls reach every rank.
+    pub fn is_replicated(&self) -> bool {
+        self.replicated.is_some()
+    }
+
+    /// Ranks a new request may be placed on: every rank, or rank 0 alone when every rank runs
+    /// every request.
+    pub fn placeable(&self) -> usize {
+        if self.is_replicated() {
+            1
+        } else {
+            self.runners.len()
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -156,8 +199,26 @@ impl Ranks {
     }
 
     /// [`Runner::call`] on rank `rank`, which fails (rather than waiting forever on a hung
-    /// rank) once the group has failed.
+    /// rank) once the group has failed. In a replicated group `f` runs on every rank, before
+    /// the same step, and rank 0's result is returned.
     pub async fn call<R: Send + 'static>(
+        &self,
+        rank: usize,
+        f: impl Fn(&mut Engine, &mut Subscribers) -> R + Send + Sync + 'static,
+    ) -> Result<R, Stopped> {
+        if self.replicated.is_some() {
+            return self
+                .call_each(0, f)
+                .await?
+                .into_iter()
+                .next()
+                .ok_or(Stopped);
+        }
+        self.call_one(rank, f).await
+    }
+
+    /// `f` on rank `rank` alone, failing once the group has failed.
+    async fn call_one<R: Send + 'static>(
         &self,
         rank: usize,
         f: impl FnOnce(&mut Engine, &mut Subscribers) -> R + Send + 'static,
@@ -172,18 +233,94 @@ impl Ranks {
         }
     }
 
-    /// Each rank's load, in rank order.
+    /// `f` on every rank of a replicated group (all before the same step), each rank's result
+    /// in rank order; on a group that is not replicated, on rank `rank` only.
+    pub async fn call_each<R: Send + 'static>(
+        &self,
+        rank: usize,
+        f: impl Fn(&mut Engine, &mut Subscribers) -> R + Send + Sync + 'static,
+    ) -> Result<Vec<R>, Stopped> {
+        let Some(group) = &self.replicated else {
+            return Ok(vec![self.call_one(rank, f).await?]);
+        };
+        let f = Arc::new(f);
+        let mut answers = Vec::with_capacity(group.queues.len());
+        {
+            let _order = group
+                .order
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for queue in &group.queues {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let f = Arc::clone(&f);
+                let job: Job = Box::new(move |engine, subs| {
+                    let _ = tx.send(f(engine, subs));
+                });
+                queue.send(job).map_err(|_| Stopped)?;
+                answers.push(rx);
+            }
+        }
+        group.wake.bump();
+        let all = async {
+            let mut out = Vec::with_capacity(answers.len());
+            for rx in answers {
+                out.push(rx.await.map_err(|_| Stopped)?);
+            }
+            Ok(out)
+        };
+        tokio::select! {
+            r = all => r,
+            _ = self.failed() => Err(Stopped),
+        }
+    }
+
+    /// [`Runner::post`] on rank `rank` (on every rank of a replicated group), without waiting.
+    pub fn post(
+        &self,
+        rank: usize,
+        f: impl Fn(&mut Engine, &mut Subscribers) + Send + Sync + 'static,
+    ) -> Result<(), Stopped> {
+        let Some(group) = &self.replicated else {
+            return self.runners.get(rank).ok_or(Stopped)?.post(f);
+        };
+        let f = Arc::new(f);
+        {
+            let _order = group
+                .order
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for queue in &group.queues {
+                let f = Arc::clone(&f);
+                queue
+                    .send(Box::new(move |engine, subs| f(engine, subs)))
+                    .map_err(|_| Stopped)?;
+            }
+        }
+        group.wake.bump();
+        Ok(())
+    }
+
+    /// Each rank's load, in rank order (read between steps, outside the group's order).
     pub async fn loads(&self) -> Result<Vec<proto::v1::Load>, Stopped> {
         let mut out = Vec::with_capacity(self.runners.len());
-        for rank in 0..self.runners.len() {
-            out.push(self.call(rank, |engine, _| Runner::load_of(engine)).await?);
+        for runner in &self.runners {
+            let load = runner.call(|engine, _| Runner::load_of(engine));
+            out.push(tokio::select! {
+                r = load => r?,
+                _ = self.failed() => return Err(Stopped),
+            });
         }
         Ok(out)
     }
 
-    /// The worker's load: the ranks' sums, with each rank's own when there are several.
+    /// The worker's load: the ranks' sums, with each rank's own when there are several (in a
+    /// replicated group, where every rank holds the same, rank 0's).
     pub async fn load(&self) -> Result<proto::v1::Load, Stopped> {
-        Ok(sum_loads(self.loads().await?))
+        let loads = self.loads().await?;
+        if self.is_replicated() {
+            return Ok(loads.into_iter().next().unwrap_or_default());
+        }
+        Ok(sum_loads(loads))
     }
 }
 
@@ -254,6 +391,8 @@ pub fn start(
     let experts = model.config.n_routed_experts;
     let expert_groups = (spec.parallel.ep > 1).then(|| InProcessGroup::new(n, spec.timeout));
     let mut expert_ranks = expert_groups.map(Vec::into_iter);
+    let head_groups = (spec.parallel.tp > 1).then(|| InProcessGroup::new(n, spec.timeout));
+    let mut head_ranks = head_groups.map(Vec::into_iter);
     let mut models: Vec<Model> = (1..n).map(|_| model.replica()).collect();
     models.push(model);
     let mut engines = Vec::with_capacity(n);
@@ -263,6 +402,13 @@ pub fn start(
         {
             let ep = ExpertParallel::new(Box::new(rank), experts).map_err(GroupError::Refused)?;
             replica.set_expert_parallel(Arc::new(ep));
+        }
+        if let Some(ranks) = head_ranks.as_mut()
+            && let Some(rank) = ranks.next()
+        {
+            let tp = TensorParallel::new(Box::new(rank), &replica.config)
+                .map_err(GroupError::Refused)?;
+            replica.set_tensor_parallel(Arc::new(tp));
         }
         let mut engine = Engine::new(replica, config.clone(), fingerprint)?;
         prepare(&mut engine);
@@ -276,7 +422,8 @@ pub fn start(
         .into_iter()
         .map(|r| Box::new(r) as Box<dyn super::collective::Collective>)
         .collect();
-    let ranks = super::ranks::start(engines, control, name, spec.threads_per_rank)?;
+    let replicated = spec.parallel.tp > 1;
+    let ranks = super::ranks::start(engines, control, name, spec.threads_per_rank, replicated)?;
     Ok((ranks, layout))
 }
 
@@ -327,8 +474,12 @@ mod tests {
         assert_eq!(spec(1, 2, true).check(&c), Ok(()));
         let e = spec(1, 2, false).check(&c).unwrap_err();
         assert!(e.contains("--dp-attention"), "{e}");
-        let e = spec(2, 2, false).check(&c).unwrap_err();
-        assert!(e.contains("not built"), "{e}");
+        assert_eq!(spec(2, 2, false).check(&c), Ok(()));
+        assert_eq!(spec(2, 1, false).check(&c), Ok(()));
+        let e = spec(2, 2, true).check(&c).unwrap_err();
+        assert!(e.contains("tp must be 1"), "{e}");
+        let e = spec(4, 1, false).check(&c).unwrap_err();
+        assert!(e.contains("output groups"), "{e}");
         let odd = c.n_routed_experts + 1;
         let e = spec(1, odd, true).check(&c).unwrap_err();
         assert!(e.contains("routed experts"), "{e}");

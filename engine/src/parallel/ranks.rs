@@ -10,7 +10,10 @@
 //! timeout), every rank fails its requests with that error and serves no more: the worker is
 //! unhealthy and must be restarted.
 
-use std::sync::{Arc, Condvar, Mutex, PoisonError, mpsc as std_mpsc};
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Condvar, Mutex, PoisonError, mpsc as std_mpsc},
+};
 
 use super::{
     collective::Collective,
@@ -54,11 +57,14 @@ const IDLE_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Starts one thread per engine (rank `r` = `engines[r]`, meeting the others in
 /// `control[r]`), each with a compute pool of `threads` threads. Returns the ranks' runners.
+/// With `replicated` every rank runs every request (tensor-parallel attention): the group's
+/// calls go to all ranks ([`Ranks::call`]) and each rank applies them at the same step.
 pub fn start(
     engines: Vec<Engine>,
     control: Vec<Box<dyn Collective>>,
     name: &str,
     threads: usize,
+    replicated: bool,
 ) -> std::io::Result<Ranks> {
     if engines.len() != control.len() {
         return Err(std::io::Error::other(format!(
@@ -70,6 +76,7 @@ pub fn start(
     let wake = Arc::new(Wake::default());
     let failure: Arc<Failure> = Arc::default();
     let mut runners = Vec::with_capacity(engines.len());
+    let mut shared = Vec::with_capacity(engines.len());
     for (rank, (engine, control)) in engines.into_iter().zip(control).enumerate() {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
@@ -77,19 +84,60 @@ pub fn start(
             .build()
             .map_err(std::io::Error::other)?;
         let (jobs, receiver) = std_mpsc::channel::<Job>();
+        let (shared_jobs, shared_receiver) = std_mpsc::channel::<Job>();
         let group = Arc::clone(&wake);
         let failed = Arc::clone(&failure);
         std::thread::Builder::new()
             .name(format!("{name}-rank{rank}"))
-            .spawn(move || run_rank(engine, &receiver, control, &group, &pool, &failed))?;
+            .spawn(move || {
+                let queues = Queues {
+                    local: receiver,
+                    shared: shared_receiver,
+                };
+                run_rank(engine, &queues, control, &group, &pool, &failed);
+            })?;
         runners.push(Runner::ranked(jobs, Arc::clone(&wake)));
+        shared.push(shared_jobs);
     }
-    Ok(Ranks::new(runners, failure))
+    let ranks = Ranks::new(runners, failure);
+    Ok(if replicated {
+        ranks.replicated(shared, wake)
+    } else {
+        ranks
+    })
+}
+
+/// A rank's job queues: its own (run between steps as they come) and the group's (jobs every
+/// rank receives in the same order; run only once every rank has them, so every rank applies
+/// them before the same step).
+struct Queues {
+    local: std_mpsc::Receiver<Job>,
+    shared: std_mpsc::Receiver<Job>,
+}
+
+impl Queues {
+    /// Runs the local jobs that arrived and moves the group's into `pending`; true when the
+    /// rank's handles are all gone.
+    fn drain(
+        &self,
+        engine: &mut Engine,
+        subs: &mut Subscribers,
+        pending: &mut VecDeque<Job>,
+    ) -> bool {
+        pending.extend(self.shared.try_iter());
+        loop {
+            match self.local.try_recv() {
+                Ok(job) => job(engine, subs),
+                Err(std_mpsc::TryRecvError::Disconnected) => return true,
+                Err(std_mpsc::TryRecvError::Empty) => return false,
+            }
+        }
+    }
 }
 
 fn run_rank(
     mut engine: Engine,
-    jobs: &std_mpsc::Receiver<Job>,
+    queues: &Queues,
     mut control: Box<dyn Collective>,
     wake: &Wake,
     pool: &rayon::ThreadPool,
@@ -97,43 +145,42 @@ fn run_rank(
 ) {
     let mut subs = Subscribers::default();
     let mut broken: Option<String> = None;
+    let mut pending: VecDeque<Job> = VecDeque::new();
     loop {
         let seen = wake.current();
-        let mut gone = false;
-        loop {
-            match jobs.try_recv() {
-                Ok(job) => job(&mut engine, &mut subs),
-                Err(std_mpsc::TryRecvError::Disconnected) => {
-                    gone = true;
-                    break;
-                }
-                Err(std_mpsc::TryRecvError::Empty) => break,
-            }
-        }
+        let gone = queues.drain(&mut engine, &mut subs, &mut pending);
         if let Some(reason) = &broken {
             // No lockstep any more: whatever arrives fails at once.
+            for job in pending.drain(..) {
+                job(&mut engine, &mut subs);
+            }
             for event in engine.fail_all(reason) {
                 subs.deliver(event);
             }
             if gone {
                 return;
             }
-            match jobs.recv() {
-                Ok(job) => job(&mut engine, &mut subs),
-                Err(_) => return,
-            }
+            wake.wait_past(seen, IDLE_RECHECK);
             continue;
         }
         let busy = !engine.is_idle();
-        let vote = vec![f32::from(u8::from(busy)), f32::from(u8::from(gone))];
+        let vote = vec![
+            f32::from(u8::from(busy)),
+            f32::from(u8::from(gone)),
+            pending.len() as f32,
+        ];
         let votes = match control.all_gather(vote) {
             Ok(votes) => votes,
             Err(e) => {
                 let reason = format!("the worker's ranks lost lockstep: {e}");
                 tracing::error!(rank = control.rank(), %reason, "rank stops serving");
-                // Peers waiting in an expert exchange stop now, not at their timeout.
+                // Peers waiting in an expert or attention exchange stop now, not at their
+                // timeout.
                 if let Some(ep) = engine.model().expert_parallel() {
                     ep.fail(&reason);
+                }
+                if let Some(tp) = engine.model().tensor_parallel() {
+                    tp.fail(&reason);
                 }
                 for event in engine.fail_all(&reason) {
                     subs.deliver(event);
@@ -143,12 +190,25 @@ fn run_rank(
                 continue;
             }
         };
-        if votes.iter().any(|v| v.first().is_some_and(|&b| b != 0.0)) {
+        // The group's jobs that every rank has, in their order: the same on every rank.
+        let agreed = votes
+            .iter()
+            .map(|v| v.get(2).map_or(0, |&n| n as usize))
+            .min()
+            .unwrap_or(0);
+        for job in pending.drain(..agreed.min(pending.len())) {
+            job(&mut engine, &mut subs);
+        }
+        let voted_busy = votes.iter().any(|v| v.first().is_some_and(|&b| b != 0.0));
+        if voted_busy || !engine.is_idle() {
             let emitted = pool.install(|| engine.step_with(&mut |event| subs.deliver(event)));
             if emitted == 0 && engine.load().0 == 0 && busy {
                 // Waiting for pages only a job can free: do not spin.
                 wake.wait_past(seen, std::time::Duration::from_millis(5));
             }
+            continue;
+        }
+        if agreed > 0 {
             continue;
         }
         if votes.iter().all(|v| v.get(1).is_some_and(|&g| g != 0.0)) {

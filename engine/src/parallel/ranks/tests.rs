@@ -70,7 +70,7 @@ fn ranks(dir: &std::path::Path, ranks: usize, timeout: Duration) -> Vec<Runner> 
             Engine::new(model, config(), "ranks").expect("engine")
         })
         .collect();
-    start(engines, control, "test", 1)
+    start(engines, control, "test", 1, false)
         .expect("start")
         .runners()
         .to_vec()
