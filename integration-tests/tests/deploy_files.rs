@@ -502,7 +502,10 @@ fn layout_files_load_with_their_roles_loader() {
         }
     }
     names.sort();
-    assert_eq!(names, ["one-node-8gpu", "one-node-8gpu-groups", "two-nodes"]);
+    assert_eq!(
+        names,
+        ["one-node-8gpu", "one-node-8gpu-groups", "two-nodes"]
+    );
 }
 
 // ------------------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod emulate;
 pub mod gpu_test;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 /// Embedded fatbins (empty when built without nvcc).
 pub mod fatbins {

@@ -22,6 +22,10 @@ pub enum CollectiveError {
         after: Duration,
         missing: Vec<usize>,
     },
+    /// The call's work did not finish in time (a rank died or hangs; a device collective
+    /// cannot say which).
+    #[error("{op}: did not complete within {after:?} (a rank died or hangs)")]
+    Stalled { op: &'static str, after: Duration },
     /// A rank failed (or a call of the group already did).
     #[error("rank {rank} failed: {reason}")]
     PeerFailed { rank: usize, reason: String },

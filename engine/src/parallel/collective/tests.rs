@@ -108,6 +108,7 @@ fn a_rank_that_never_arrives_times_the_others_out_naming_it() {
                 assert!(reason.contains("did not arrive"), "{reason}");
             }
             CollectiveError::Shape(s) => panic!("{s}"),
+            e @ CollectiveError::Stalled { .. } => panic!("in-process ranks name who: {e}"),
         }
     }
 }

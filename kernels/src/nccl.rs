@@ -1,0 +1,283 @@
+//! The ranks' collectives on GPUs: NCCL, one communicator per group with every GPU of the
+//! worker in it (`ncclCommInitAll`: the ranks are threads of one process), behind
+//! [`engine::parallel::collective::Collective`] so the engine's expert- and tensor-parallel code
+//! runs unchanged over it.
+//!
+//! cudarc has no all-to-all, so [`Collective::exchange`] is an all-gather of the sizes followed
+//! by grouped send/recv (`ncclGroupStart`, a send and a receive per peer, `ncclGroupEnd`).
+//! Payloads are host rows today (the engine's forward pass is on the host between ops); they
+//! are copied to the device, exchanged, and copied back.
+//!
+//! NCCL calls have no timeout of their own: each call records an event after its work and polls
+//! it until the group's timeout; a call that did not finish by then (a rank died or hangs)
+//! fails, this rank aborts its communicator, and every later call fails at once. NCCL's
+//! all-reduce is never used: its summation order is not the one-rank engine's.
+//!
+//! Built with the `nccl` feature; run only on a machine with 2+ GPUs (see
+//! `tests::a_group_over_the_visible_gpus_exchanges_like_the_in_process_one`).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use cudarc::{
+    driver::{CudaContext, CudaSlice, CudaStream},
+    nccl::Comm,
+};
+use engine::parallel::collective::{Collective, CollectiveError};
+
+/// A communicator that moves to its rank's thread.
+struct RankComm(Comm);
+
+// SAFETY: NCCL allows a communicator to be used from any thread, one call at a time; a
+// `RankComm` is owned by exactly one `NcclRank`, whose calls take `&mut self`, so it is never
+// used from two threads at once.
+unsafe impl Send for RankComm {}
+
+/// One rank of a group of GPUs of this process.
+pub struct NcclRank {
+    comm: Option<RankComm>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    failed: Option<String>,
+}
+
+impl std::fmt::Debug for NcclRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclRank")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The ranks of a group over the GPUs `ordinals` (as this process sees them), rank `r` on
+/// `ordinals[r]`, each call waiting at most `timeout` for the others.
+pub fn group(ordinals: &[usize], timeout: Duration) -> Result<Vec<NcclRank>, String> {
+    let streams = ordinals
+        .iter()
+        .map(|&o| {
+            CudaContext::new(o)
+                .and_then(|ctx| ctx.new_stream())
+                .map_err(|e| format!("GPU {o}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let comms = Comm::from_devices(streams.clone()).map_err(|e| format!("NCCL init: {e:?}"))?;
+    let size = comms.len();
+    Ok(comms
+        .into_iter()
+        .zip(streams)
+        .enumerate()
+        .map(|(rank, (comm, stream))| NcclRank {
+            comm: Some(RankComm(comm)),
+            stream,
+            rank,
+            size,
+            timeout,
+            failed: None,
+        })
+        .collect())
+}
+
+impl NcclRank {
+    fn failure(&self, op: &'static str) -> Result<&Comm, CollectiveError> {
+        match (&self.failed, &self.comm) {
+            (Some(reason), _) => Err(CollectiveError::PeerFailed {
+                rank: self.rank,
+                reason: format!("{op}: {reason}"),
+            }),
+            (None, Some(comm)) => Ok(&comm.0),
+            (None, None) => Err(CollectiveError::Shape(format!("{op}: no communicator"))),
+        }
+    }
+
+    /// Fails the group from this rank: aborting the communicator ends this rank's NCCL work.
+    fn abort(&mut self, reason: String) -> CollectiveError {
+        self.failed = Some(reason.clone());
+        drop(self.comm.take());
+        CollectiveError::PeerFailed {
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// Waits (at most the timeout) for the work queued on the stream so far.
+    fn wait(&mut self, op: &'static str) -> Result<(), CollectiveError> {
+        let event = match self.stream.record_event(None) {
+            Ok(e) => e,
+            Err(e) => return Err(self.abort(format!("{op}: {e}"))),
+        };
+        let started = Instant::now();
+        while !event.is_complete() {
+            if started.elapsed() > self.timeout {
+                let after = self.timeout;
+                let _ = self.abort(format!("{op} did not complete within {after:?}"));
+                return Err(CollectiveError::Stalled { op, after });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
+    }
+
+    fn device_error(&mut self, op: &'static str, e: impl std::fmt::Debug) -> CollectiveError {
+        self.abort(format!("{op}: {e:?}"))
+    }
+
+    /// Every rank's `sizes` row (`size` entries each), by rank.
+    fn gather_sizes(&mut self, sizes: &[u64]) -> Result<Vec<Vec<u64>>, CollectiveError> {
+        let n = self.size;
+        let stream = Arc::clone(&self.stream);
+        let send = stream
+            .clone_htod(sizes)
+            .map_err(|e| self.device_error("exchange sizes", e))?;
+        let mut recv: CudaSlice<u64> = stream
+            .alloc_zeros(n * n)
+            .map_err(|e| self.device_error("exchange sizes", e))?;
+        let gathered = self.failure("exchange sizes")?.all_gather(&send, &mut recv);
+        if let Err(e) = gathered {
+            return Err(self.device_error("exchange sizes", e));
+        }
+        self.wait("exchange sizes")?;
+        let all = stream
+            .clone_dtoh(&recv)
+            .map_err(|e| self.device_error("exchange sizes", e))?;
+        Ok(all.chunks_exact(n).map(<[u64]>::to_vec).collect())
+    }
+}
+
+impl Collective for NcclRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, mut sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CollectiveError> {
+        self.failure("exchange")?;
+        if sends.len() != self.size {
+            return Err(CollectiveError::Shape(format!(
+                "exchange: {} destinations for {} ranks",
+                sends.len(),
+                self.size
+            )));
+        }
+        let sizes: Vec<u64> = sends.iter().map(|s| s.len() as u64).collect();
+        let all_sizes = self.gather_sizes(&sizes)?;
+        let stream = Arc::clone(&self.stream);
+        let me = self.rank;
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); self.size];
+        out[me] = std::mem::take(&mut sends[me]);
+        // Device buffers for every peer, alive until the group's work is done.
+        let mut outgoing: Vec<(usize, CudaSlice<f32>)> = Vec::new();
+        let mut incoming: Vec<(usize, CudaSlice<f32>)> = Vec::new();
+        for peer in (0..self.size).filter(|&p| p != me) {
+            if !sends[peer].is_empty() {
+                let buffer = stream
+                    .clone_htod(&sends[peer])
+                    .map_err(|e| self.device_error("exchange", e))?;
+                outgoing.push((peer, buffer));
+            }
+            let count = usize::try_from(all_sizes[peer][me]).unwrap_or(usize::MAX);
+            if count > 0 {
+                let buffer = stream
+                    .alloc_zeros::<f32>(count)
+                    .map_err(|e| self.device_error("exchange", e))?;
+                incoming.push((peer, buffer));
+            }
+        }
+        let posted = {
+            let comm = self.failure("exchange")?;
+            let mut group = comm.group();
+            let mut posted = Ok(());
+            for (peer, buffer) in &outgoing {
+                if posted.is_ok() {
+                    posted = group
+                        .send(buffer.slice(..), *peer as i32)
+                        .map_err(|e| format!("{e:?}"));
+                }
+            }
+            for (peer, buffer) in &mut incoming {
+                if posted.is_ok() {
+                    posted = group
+                        .recv(buffer.slice_mut(..), *peer as i32)
+                        .map(|_| ())
+                        .map_err(|e| format!("{e:?}"));
+                }
+            }
+            posted
+        };
+        if let Err(e) = posted {
+            return Err(self.abort(format!("exchange: {e}")));
+        }
+        self.wait("exchange")?;
+        for (peer, buffer) in &incoming {
+            out[*peer] = stream
+                .clone_dtoh(buffer)
+                .map_err(|e| self.device_error("exchange", e))?;
+        }
+        drop(outgoing);
+        Ok(out)
+    }
+
+    fn fail(&mut self, reason: &str) {
+        let _ = self.abort(reason.to_owned());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
+
+    use super::*;
+
+    /// Every rank sends rank-and-destination-tagged rows of ragged sizes to every rank, as the
+    /// in-process group's tests do; needs 2 or more GPUs (skips with fewer, fails under
+    /// PDSERVE_REQUIRE_GPU=1 without any).
+    #[test]
+    fn a_group_over_the_visible_gpus_exchanges_like_the_in_process_one() {
+        let Some(gpu) = crate::cuda::Gpu::for_test("nccl exchange") else {
+            return;
+        };
+        drop(gpu);
+        let count = CudaContext::device_count().unwrap_or(0);
+        let count = usize::try_from(count).unwrap_or(0);
+        if count < 2 {
+            eprintln!("skipped: the NCCL group test needs 2 GPUs, {count} visible");
+            return;
+        }
+        let ranks = group(&(0..count).collect::<Vec<_>>(), Duration::from_secs(30)).unwrap();
+        let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|mut rank| {
+                    s.spawn(move || {
+                        let me = rank.rank();
+                        let sends = (0..rank.size())
+                            .map(|to| {
+                                (0..(me * 3 + to) % 5)
+                                    .map(|i| (me * 100 + to * 10 + i) as f32)
+                                    .collect()
+                            })
+                            .collect();
+                        rank.exchange(sends).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (me, got) in results.iter().enumerate() {
+            for (from, rows) in got.iter().enumerate() {
+                let want: Vec<f32> = (0..(from * 3 + me) % 5)
+                    .map(|i| (from * 100 + me * 10 + i) as f32)
+                    .collect();
+                assert_eq!(rows, &want, "rank {me} from {from}");
+            }
+        }
+    }
+}
