@@ -120,7 +120,7 @@ impl Runner {
     }
 
     /// `engine`'s occupancy (on its thread).
-    pub(crate) fn load_of(engine: &Engine) -> proto::v1::Load {
+    pub fn load_of(engine: &Engine) -> proto::v1::Load {
         let (running, queued) = engine.load();
         let pages = engine.store().pages();
         let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);

@@ -9,10 +9,15 @@
 //! - [`topk_rounds`]: `indexer.cu` `indexer_topk` over one request's scores.
 //! - [`nvfp4_gemm_w4a4_sm120`]: `nvfp4_gemm_sm120.cu`, its loads and stores around a model of
 //!   the block-scaled FP4 `mma.sync` fragments.
+//! - [`nvfp4_gemm_w4a4_sm100`]: `nvfp4_gemm_sm100.cu`, its shared-memory layout, descriptors,
+//!   Tensor Memory columns and epilogue around a model of `tcgen05.cp` and the block-scaled
+//!   `tcgen05.mma`.
 
 mod mma_sm120;
+mod tcgen05_sm100;
 
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
+pub use tcgen05_sm100::nvfp4_gemm_w4a4_sm100;
 
 /// Threads per block of `attn_decode_partial`.
 const ATTN_THREADS: usize = 128;

@@ -189,9 +189,10 @@ impl PrefillWorker {
         }
     }
 
-    /// The rank to compute a prompt on: the one the caller named, or the least busy (fewest
-    /// requests, then most free pages).
-    async fn pick_rank(&self, named: Option<u32>) -> Result<usize, Status> {
+    /// The rank to compute `prompt` on: the one the caller named, or by
+    /// [`engine::parallel::group::prompt_rank`] (where its prefix is cached, else the least
+    /// busy).
+    async fn pick_rank(&self, named: Option<u32>, prompt: &[u32]) -> Result<usize, Status> {
         let ranks = &self.engine.ranks;
         if let Some(reason) = ranks.failure() {
             return Err(self.err(ErrorKind::Unavailable, reason));
@@ -203,8 +204,8 @@ impl PrefillWorker {
                 Err(self.err(
                     ErrorKind::InvalidArgument,
                     format!(
-                        "prefill_rank {rank}: this worker has {} rank(s)",
-                        ranks.len()
+                        "prefill_rank {rank}: this worker places prompts on {} rank(s)",
+                        ranks.placeable()
                     ),
                 ))
             };
@@ -212,19 +213,25 @@ impl PrefillWorker {
         if ranks.placeable() == 1 {
             return Ok(0);
         }
-        let loads = ranks
-            .loads()
-            .await
-            .map_err(|_| self.err(ErrorKind::Internal, "the engine thread stopped"))?;
-        Ok((0..loads.len())
-            .min_by_key(|&r| {
-                let l = &loads[r];
-                (
-                    l.running_requests.saturating_add(l.queued_requests),
-                    std::cmp::Reverse(engine::parallel::group::free_pages(l)),
-                )
-            })
-            .unwrap_or(0))
+        let page_size = self.engine.layout.page_size_tokens as usize;
+        let keys = std::sync::Arc::new(engine::paged::prefix::block_keys(prompt, page_size.max(1)));
+        let mut loads = Vec::with_capacity(ranks.len());
+        let mut cached = Vec::with_capacity(ranks.len());
+        for rank in 0..ranks.len() {
+            let keys = std::sync::Arc::clone(&keys);
+            let (load, blocks) = ranks
+                .call(rank, move |engine, _| {
+                    (
+                        engine::runner::Runner::load_of(engine),
+                        engine.store().prefix().cached_blocks(&keys),
+                    )
+                })
+                .await
+                .map_err(|_| self.err(ErrorKind::Internal, "the engine thread stopped"))?;
+            loads.push(load);
+            cached.push(blocks);
+        }
+        Ok(engine::parallel::group::prompt_rank(&loads, &cached))
     }
 
     fn err(&self, kind: ErrorKind, message: impl Into<String>) -> Status {
@@ -370,7 +377,7 @@ impl Prefill for PrefillService {
             let sampling =
                 proto::request::sampling_from_wire(&req.sampling.clone().unwrap_or_default())
                     .map_err(|e| w.err(ErrorKind::InvalidArgument, e.to_string()))?;
-            let rank = w.pick_rank(req.prefill_rank).await?;
+            let rank = w.pick_rank(req.prefill_rank, &req.prompt_token_ids).await?;
             let engine_id = w.next_id.fetch_add(1, Ordering::Relaxed);
             let key = (request_id.id.clone(), request_id.attempt);
             w.running().insert(key.clone(), (engine_id, rank));

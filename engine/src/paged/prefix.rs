@@ -70,6 +70,14 @@ impl PrefixCache {
         Ok(Some(Hit { pages: out, slot }))
     }
 
+    /// How many of `keys`, from the first, are cached (a read: no page is retained and the
+    /// cache's statistics do not change).
+    pub fn cached_blocks(&self, keys: &[BlockKey]) -> usize {
+        keys.iter()
+            .take_while(|key| self.blocks.contains_key(*key))
+            .count()
+    }
+
     /// Records block `depth` of a sequence (its page and the slot at the block's end), unless
     /// already cached. The cache takes its own reference on the page.
     pub fn insert(

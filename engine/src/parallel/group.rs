@@ -362,6 +362,41 @@ pub fn ranks_by_room(loads: &[proto::v1::Load]) -> Vec<usize> {
     order
 }
 
+/// How many more requests than the least busy rank a rank holding a longer cached prefix of
+/// the prompt may have and still be chosen (computing a prefix costs more than waiting a little
+/// behind a few requests).
+pub const PREFIX_SLACK: u32 = 4;
+
+/// The rank to compute a prompt on, from each rank's load and how many of the prompt's blocks
+/// its prefix cache holds: the rank with the longest cached prefix unless it has more than
+/// [`PREFIX_SLACK`] requests beyond the least busy rank; otherwise the least busy (fewest
+/// requests, then most free pages, then the lowest rank).
+pub fn prompt_rank(loads: &[proto::v1::Load], cached: &[usize]) -> usize {
+    let busy = |r: usize| {
+        loads.get(r).map_or(u32::MAX, |l| {
+            l.running_requests.saturating_add(l.queued_requests)
+        })
+    };
+    let least = (0..loads.len())
+        .min_by_key(|&r| {
+            (
+                busy(r),
+                std::cmp::Reverse(loads.get(r).map_or(0, free_pages)),
+                r,
+            )
+        })
+        .unwrap_or(0);
+    let best = (0..loads.len())
+        .max_by_key(|&r| (cached.get(r).copied().unwrap_or(0), std::cmp::Reverse(r)))
+        .unwrap_or(0);
+    let longer = cached.get(best).copied().unwrap_or(0) > cached.get(least).copied().unwrap_or(0);
+    if longer && busy(best) <= busy(least).saturating_add(PREFIX_SLACK) {
+        best
+    } else {
+        least
+    }
+}
+
 /// Why a group did not start.
 #[derive(Debug, thiserror::Error)]
 pub enum GroupError {
@@ -457,6 +492,22 @@ mod tests {
         assert_eq!((total.pages_total, total.running_requests), (30, 4));
         assert_eq!(total.ranks.len(), 3);
         assert!(sum_loads(vec![load(10, 1, 0, 0)]).ranks.is_empty());
+    }
+
+    #[test]
+    fn a_prompt_goes_where_its_prefix_is_cached_unless_that_rank_is_much_busier() {
+        let loads = [load(100, 10, 0, 3), load(100, 0, 0, 0), load(100, 50, 0, 0)];
+        // Nothing cached: the least busy, then most free pages.
+        assert_eq!(prompt_rank(&loads, &[0, 0, 0]), 1);
+        // Rank 0 holds 5 blocks and has 3 requests more than the least busy: taken.
+        assert_eq!(prompt_rank(&loads, &[5, 0, 0]), 0);
+        // The longest prefix wins among several.
+        assert_eq!(prompt_rank(&loads, &[2, 0, 4]), 2);
+        // Beyond the slack, the prefix is computed again on the least busy rank.
+        let busy = [load(100, 10, 0, PREFIX_SLACK + 1), load(100, 0, 0, 0)];
+        assert_eq!(prompt_rank(&busy, &[5, 0]), 1);
+        // Equal prefixes: the least busy.
+        assert_eq!(prompt_rank(&loads, &[3, 3, 3]), 1);
     }
 
     #[test]

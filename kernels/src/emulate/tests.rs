@@ -291,3 +291,46 @@ fn a_wrong_fragment_layout_is_caught() {
         );
     }
 }
+
+/// The sm_100 kernel's shared-memory layout, descriptors, Tensor Memory columns and epilogue,
+/// read as the header documents, compute the reference product: across K stages (a last stage
+/// of fewer than 4 MMAs), tiles cut by m and n, and k = 0.
+#[test]
+fn the_sm100_kernels_descriptors_compute_the_reference_product() {
+    let mut rng = Rng::for_tensor(16, "emulate-sm100");
+    for shape in [
+        (1usize, 1usize, 64usize),
+        (130, 129, 320),
+        (128, 128, 256),
+        (3, 200, 64),
+    ] {
+        let (a, w, bound) = w4a4_operands(&mut rng, shape);
+        let got = nvfp4_gemm_w4a4_sm100((&a.0, &a.1, a.2), (&w.0, &w.1, w.2), shape).unwrap();
+        assert_eq!(w4a4_mismatches(&got, &a, &w, &bound, shape), 0, "{shape:?}");
+    }
+    let (a, w, _) = w4a4_operands(&mut rng, (5, 7, 64));
+    let empty = nvfp4_gemm_w4a4_sm100((&a.0, &a.1, a.2), (&w.0, &w.1, w.2), (5, 7, 0)).unwrap();
+    assert!(empty.iter().all(|&v| v == 0.0));
+}
+
+/// The check is sharp: each planted error in the kernel's index math or encodings gives a
+/// product that is not the reference (or a descriptor the model refuses).
+#[test]
+fn a_wrong_tcgen05_layout_is_caught() {
+    use tcgen05_sm100::Plant;
+    let mut rng = Rng::for_tensor(17, "emulate-sm100-plant");
+    let shape = (40, 136, 128);
+    let (a, w, bound) = w4a4_operands(&mut rng, shape);
+    for plant in [
+        Plant::StridesSwapped,
+        Plant::CoreMatrixTransposed,
+        Plant::ScaleWordsInRowOrder,
+        Plant::ScaleColumnsMixed,
+        Plant::InstrDescN,
+    ] {
+        let got = tcgen05_sm100::gemm_with((&a.0, &a.1, a.2), (&w.0, &w.1, w.2), shape, plant);
+        let caught =
+            got.is_err() || got.is_ok_and(|got| w4a4_mismatches(&got, &a, &w, &bound, shape) > 0);
+        assert!(caught, "{plant:?} went unnoticed");
+    }
+}
