@@ -11,7 +11,10 @@
 //
 // STATUS: this kernel has only been COMPILED (sm_100a SASS inspected for UTCMMA / UTCCP /
 // LDTM), never run. Until `kernels/tests/nvfp4_gemm_sm100.rs` passes on an sm_100 device,
-// every layout fact below is an unverified reading of the public sources named here.
+// every layout fact below is an unverified reading of the public sources named here. CI checks
+// that the kernel's index math is consistent with these facts: `kernels::emulate::
+// nvfp4_gemm_w4a4_sm100` runs its stores, descriptors, columns and epilogue against a model of
+// the tensor core that reads them as documented here (emulate/tcgen05_sm100.rs).
 //
 // Tiling: one CTA of 128 threads (4 warps) computes a 128 x 128 tile of C (M = 128 rows of A,
 // N_TILE = 128 rows of W) with `cta_group::1` MMAs of shape M128 N128 K64. K advances in stages

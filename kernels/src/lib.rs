@@ -18,8 +18,9 @@
 //!   stub elsewhere, and the wrapper refuses other architectures).
 //! - `nvfp4_gemm_sm100.cu` `nvfp4_gemm_w4a4_sm100` — [`cpu::nvfp4_gemm_w4a4`] (the same W4A4
 //!   GEMM on sm_100 5th-generation tensor cores: `tcgen05.mma` block-scaled, accumulator and
-//!   scales in Tensor Memory; compiled but not yet run on a device; a trapping stub elsewhere,
-//!   and the wrapper refuses other architectures).
+//!   scales in Tensor Memory; compiled but not yet run on a device, its index math emulated in
+//!   CI by [`emulate::nvfp4_gemm_w4a4_sm100`]; a trapping stub elsewhere, and the wrapper
+//!   refuses other architectures).
 //!
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).

@@ -2,7 +2,8 @@
 //! (data-parallel attention: each rank its share of the requests; expert-parallel MoE: each
 //! rank `1/N` of the routed experts), on the same checkpoint and requests, in the same run.
 //! The ranks step in lockstep as `engine::parallel::ranks` runs them; each has its own compute
-//! pool of `--threads-per-rank` threads.
+//! pool of `--threads-per-rank` threads. With `--tp`, tensor-parallel attention too (every rank
+//! every request, the heads and experts split).
 
 use std::{
     sync::Arc,
@@ -14,6 +15,7 @@ use engine::{
     parallel::{
         collective::{Collective, InProcessGroup},
         expert::ExpertParallel,
+        tensor::TensorParallel,
     },
     sampling::{SamplingParams, StopConditions},
     scheduler::{Engine, EngineConfig, Event, GenerationRequest},
@@ -43,6 +45,19 @@ pub struct BenchRanksArgs {
     /// Compute threads of each rank (default: the machine's cores divided by the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
+    /// Also time tensor-parallel attention over the same rank counts (every rank runs every
+    /// request with its share of the heads; the experts split over the same ranks).
+    #[arg(long)]
+    pub tp: bool,
+}
+
+/// How the ranks share the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Each rank its share of the requests, experts split (DP-attention + EP).
+    DataParallel,
+    /// Every rank every request, heads and experts split (TP + EP).
+    TensorParallel,
 }
 
 fn err(e: &dyn std::fmt::Display) -> PdctlError {
@@ -111,26 +126,42 @@ fn one_engine(args: &BenchRanksArgs) -> Result<f64, PdctlError> {
 }
 
 /// `ranks` ranks in lockstep: decode tokens/s of the whole batch, all ranks together.
-fn ranked(args: &BenchRanksArgs, ranks: usize, threads: usize) -> Result<f64, PdctlError> {
+fn ranked(
+    args: &BenchRanksArgs,
+    ranks: usize,
+    threads: usize,
+    layout: Layout,
+) -> Result<f64, PdctlError> {
     let timeout = Duration::from_secs(600);
     let experts_group = InProcessGroup::new(ranks, timeout);
     let control_group = InProcessGroup::new(ranks, timeout);
+    let mut heads_group =
+        (layout == Layout::TensorParallel).then(|| InProcessGroup::new(ranks, timeout).into_iter());
     let results: Vec<Result<(usize, f64), PdctlError>> = std::thread::scope(|s| {
         let handles: Vec<_> = experts_group
             .into_iter()
             .zip(control_group)
             .map(|(rank, mut control)| {
+                let heads = heads_group.as_mut().and_then(Iterator::next);
                 s.spawn(move || -> Result<(usize, f64), PdctlError> {
                     let me = rank.rank();
                     let mut model = Model::load(&args.model).map_err(|e| err(&e))?;
                     let (vocab, experts) = (model.config.vocab_size, model.config.n_routed_experts);
                     let ep = ExpertParallel::new(Box::new(rank), experts).map_err(|e| err(&e))?;
                     model.set_expert_parallel(Arc::new(ep));
+                    if let Some(heads) = heads {
+                        let tp = TensorParallel::new(Box::new(heads), &model.config)
+                            .map_err(|e| err(&e))?;
+                        model.set_tensor_parallel(Arc::new(tp));
+                    }
                     let mut engine =
                         Engine::new(model, config(args.batch), "bench").map_err(|e| err(&e))?;
+                    // Under TP every rank runs every request; rank 0's tokens are counted.
+                    let replicated = layout == Layout::TensorParallel;
+                    let counted = !replicated || me == 0;
                     let mine: Vec<GenerationRequest> = requests(args, vocab)
                         .into_iter()
-                        .filter(|r| r.id as usize % ranks == me)
+                        .filter(|r| replicated || r.id as usize % ranks == me)
                         .collect();
                     let expected = mine.len();
                     for r in mine {
@@ -164,7 +195,10 @@ fn ranked(args: &BenchRanksArgs, ranks: usize, threads: usize) -> Result<f64, Pd
                             .filter(|e| matches!(e, Event::Token { .. }))
                             .count();
                     }
-                    Ok((tokens, clock.elapsed().as_secs_f64()))
+                    Ok((
+                        if counted { tokens } else { 0 },
+                        clock.elapsed().as_secs_f64(),
+                    ))
                 })
             })
             .collect();
@@ -199,14 +233,20 @@ pub fn run(args: &BenchRanksArgs) -> Result<(), PdctlError> {
     );
     println!("{:<44} {:>12}", "layout", "tokens/s");
     println!("{:<44} {one:>12.1}", "one engine");
+    let mut layouts = vec![(Layout::DataParallel, "DP-attention + EP")];
+    if args.tp {
+        layouts.push((Layout::TensorParallel, "TP + EP"));
+    }
     for &ranks in &args.ranks {
         let threads = args.threads_per_rank.unwrap_or((cores / ranks).max(1));
-        let rate = ranked(args, ranks, threads)?;
-        println!(
-            "{:<44} {rate:>12.1}   ({:.2}x of one engine, same run)",
-            format!("{ranks} ranks, DP-attention + EP, {threads} thread(s) each"),
-            rate / one
-        );
+        for &(layout, name) in &layouts {
+            let rate = ranked(args, ranks, threads, layout)?;
+            println!(
+                "{:<44} {rate:>12.1}   ({:.2}x of one engine, same run)",
+                format!("{ranks} ranks, {name}, {threads} thread(s) each"),
+                rate / one
+            );
+        }
     }
     Ok(())
 }

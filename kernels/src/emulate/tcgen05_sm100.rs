@@ -167,7 +167,11 @@ fn mma(tmem: &mut Tmem, smem: &[u8], op: &Mma) -> Result<(), String> {
     let (a, b) = (decode_smem(op.a)?, decode_smem(op.b)?);
     let value = |tmem: &mut Tmem, m: Matrix, sf: usize, r: usize, k: usize| -> f64 {
         let byte = operand_byte(smem, m, r, k / 2);
-        let code = if k.is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
+        let code = if k.is_multiple_of(2) {
+            byte & 0xF
+        } else {
+            byte >> 4
+        };
         let scale = tmem.at(r, sf + r / 32).to_le_bytes()[k / 16];
         f64::from(e2m1_to_f32(code)) * f64::from(e4m3_to_f32(scale))
     };

@@ -161,3 +161,31 @@ async fn a_stalled_rank_fails_the_others_requests_within_the_timeout() {
     let later = generate_on(&runners[0], request(8, 5, 2)).await;
     assert!(later.expect_err("must fail").contains("lost lockstep"));
 }
+
+/// A rank whose thread dies (a panic in its engine, as a crashed GPU context would end it):
+/// the other ranks' requests fail within the timeout, and its own callers get an error rather
+/// than waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_rank_fails_the_group_within_the_timeout() {
+    let dir = checkpoint();
+    let runners = ranks(dir.path(), 2, Duration::from_millis(800));
+    let started = std::time::Instant::now();
+    let survivor = tokio::spawn({
+        let runner = runners[0].clone();
+        async move { generate_on(&runner, request(9, 30, 200)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    runners[1]
+        .post(|_, _| panic!("rank 1 dies (test)"))
+        .expect("post");
+    let error = survivor.await.expect("task").expect_err("must fail");
+    assert!(error.contains("lost lockstep"), "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    // The dead rank's callers are told at once.
+    let dead = runners[1].call(|engine, _| engine.is_idle()).await;
+    assert!(dead.is_err(), "a dead rank must not answer");
+}
