@@ -210,6 +210,27 @@ pub fn open_stream(addr: SocketAddr, body: &Value) -> (std::net::TcpStream, Stri
     (s, String::from_utf8_lossy(&seen).into_owned())
 }
 
+/// Reads a streamed answer (bounded: 5 s per read) until an `"error"` event or its end; the
+/// text read.
+pub fn read_until_error(conn: &mut std::net::TcpStream) -> String {
+    use std::io::Read;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                rest.extend_from_slice(&buf[..n]);
+                if String::from_utf8_lossy(&rest).contains("\"error\"") {
+                    break;
+                }
+            }
+        }
+    }
+    String::from_utf8_lossy(&rest).into_owned()
+}
+
 pub fn long_request() -> Value {
     // Fits the decode pool (1024 pages of 16 tokens) and runs far longer than the test.
     let mut body = chat(20, 3, 0.8, 10_000);

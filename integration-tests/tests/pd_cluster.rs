@@ -11,7 +11,7 @@ use integration_tests::{
     command, http,
     pd::{
         T, busy, chat, cluster, cluster_full, cluster_with, essence, listed, load, long_request,
-        model_arg, open_stream, post, wait_idle, wait_load, wait_ready, worker,
+        model_arg, open_stream, post, read_until_error, wait_idle, wait_load, wait_ready, worker,
     },
     start_router,
 };
@@ -188,7 +188,6 @@ fn client_disconnect_cancels_both_legs_and_frees_pages() {
 
 #[test]
 fn killed_decode_worker_fails_its_requests_and_new_ones_avoid_it() {
-    use std::io::Read;
     let mut cluster = cluster(1, 2);
     let router = cluster.router.addr("http");
     let (conn, _) = open_stream(router, &long_request());
@@ -212,22 +211,8 @@ fn killed_decode_worker_fails_its_requests_and_new_ones_avoid_it() {
     let _ = cluster.workers[victim].wait(Duration::from_secs(5));
     // The in-flight request ends with an error event, never [DONE], within 2 s.
     let mut conn = conn;
-    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut rest = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        match conn.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                rest.extend_from_slice(&buf[..n]);
-                if String::from_utf8_lossy(&rest).contains("\"error\"") {
-                    break;
-                }
-            }
-        }
-    }
+    let text = read_until_error(&mut conn);
     let elapsed = killed.elapsed();
-    let text = String::from_utf8_lossy(&rest);
     assert!(text.contains("\"error\""), "no error event: {text}");
     assert!(
         !text.contains("[DONE]"),

@@ -7,14 +7,14 @@
 //! 2 s and the worker reports itself failed.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
-use std::{
-    io::Read,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use integration_tests::{
     Service, http,
-    pd::{T, chat, essence, listed, model_arg, open_stream, post, wait_idle, worker_command},
+    pd::{
+        T, chat, essence, listed, model_arg, open_stream, post, read_until_error, wait_idle,
+        worker_command,
+    },
     start_router,
 };
 use serde_json::{Value, json};
@@ -175,22 +175,8 @@ fn a_hung_rank_fails_the_workers_requests_within_two_seconds() {
     // The first request to start decoding hangs the group's last rank.
     let (mut conn, _) = open_stream(addr, &body);
     let hung = Instant::now();
-    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut rest = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        match conn.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                rest.extend_from_slice(&buf[..n]);
-                if String::from_utf8_lossy(&rest).contains("\"error\"") {
-                    break;
-                }
-            }
-        }
-    }
+    let text = read_until_error(&mut conn);
     let elapsed = hung.elapsed();
-    let text = String::from_utf8_lossy(&rest);
     assert!(text.contains("\"error\""), "no error event: {text}");
     assert!(text.contains("lockstep"), "the error says why: {text}");
     assert!(
