@@ -348,6 +348,7 @@ impl Model {
                 moe::Routed {
                     backend: routed,
                     expert_parallel: self.expert_parallel.as_deref(),
+                    replicated_tokens: self.tensor_parallel.is_some(),
                 },
                 shared_on,
             )?;

@@ -114,6 +114,9 @@ pub fn forward(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> Vec<f3
 pub struct Routed<'a> {
     pub backend: Option<(&'a Attached, usize)>,
     pub expert_parallel: Option<&'a crate::parallel::expert::ExpertParallel>,
+    /// Every rank of the expert group holds the same tokens (tensor-parallel attention): each
+    /// product is computed on one rank only and the outputs are gathered.
+    pub replicated_tokens: bool,
 }
 
 /// The MoE outputs for many tokens at once, expert-major: each expert's weights are read once
@@ -150,9 +153,12 @@ pub fn forward_many(
             .enumerate()
             .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
             .collect();
-        let ys = ep
-            .routed(&w.experts, c.swiglu_limit, xs, &pairs)
-            .map_err(|e| crate::model::expert_failure(&e))?;
+        let ys = if routed.replicated_tokens {
+            ep.routed_replicated(&w.experts, c.swiglu_limit, xs, &pairs)
+        } else {
+            ep.routed(&w.experts, c.swiglu_limit, xs, &pairs)
+        }
+        .map_err(|e| crate::model::expert_failure(&e))?;
         let mut ys = ys.into_iter();
         for slots in &mut per_token {
             for slot in slots.iter_mut() {

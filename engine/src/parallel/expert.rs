@@ -254,6 +254,53 @@ impl ExpertParallel {
         routed_experts(collective.as_mut(), &shard, xs, pairs)
     }
 
+    /// [`Self::routed`] when every rank holds the same tokens and pairs (tensor-parallel
+    /// attention): each rank sends only every `size`-th pair (from its rank on), so each product
+    /// is computed once, and the ranks all-gather the outputs back into pair order. Every
+    /// output is the same product as one rank's, so the result is too.
+    pub fn routed_replicated(
+        &self,
+        experts: &[ExpertWeights],
+        limit: f32,
+        xs: &[Vec<f32>],
+        pairs: &[(usize, usize)],
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let size = self.split.ranks();
+        let mine: Vec<(usize, usize)> = pairs
+            .iter()
+            .skip(self.rank)
+            .step_by(size.max(1))
+            .copied()
+            .collect();
+        let outputs = self.routed(experts, limit, xs, &mine)?;
+        let width = outputs.first().map_or(0, Vec::len);
+        let gathered = self
+            .collective
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .all_gather(outputs.concat())?;
+        let mut result = vec![Vec::new(); pairs.len()];
+        for (rank, values) in gathered.iter().enumerate() {
+            let slots: Vec<usize> = (rank..pairs.len()).step_by(size.max(1)).collect();
+            let width = if slots.is_empty() {
+                width
+            } else {
+                values.len() / slots.len()
+            };
+            if values.len() != slots.len() * width {
+                return Err(ExpertError::Invalid(format!(
+                    "rank {rank} gathered {} values for {} outputs",
+                    values.len(),
+                    slots.len()
+                )));
+            }
+            for (slot, y) in slots.into_iter().zip(values.chunks_exact(width.max(1))) {
+                result[slot] = y.to_vec();
+            }
+        }
+        Ok(result)
+    }
+
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
         self.collective
