@@ -151,17 +151,19 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
 
 #[test]
 fn a_hung_rank_fails_the_workers_requests_within_two_seconds() {
+    hung_rank(&["--ep", "2", "--dp-attention"]);
+}
+
+#[test]
+fn a_hung_rank_fails_a_tensor_parallel_workers_requests_within_two_seconds() {
+    hung_rank(&["--tp", "2"]);
+}
+
+/// A decode worker of `group` whose rank holding the first request hangs.
+fn hung_rank(group: &[&str]) {
     let mut decode = worker_command(
         "pdserve-decode",
-        &[
-            "--page-size",
-            "16",
-            "--ep",
-            "2",
-            "--dp-attention",
-            "--rank-timeout-ms",
-            "800",
-        ],
+        &[&["--page-size", "16", "--rank-timeout-ms", "800"], group].concat(),
     );
     decode.env(common::env::INJECT_FAULT, "stall-rank");
     let decode = Service::start(decode);
@@ -172,7 +174,7 @@ fn a_hung_rank_fails_the_workers_requests_within_two_seconds() {
     body["stream"] = json!(true);
     body["logprobs"] = json!(false);
     body.as_object_mut().unwrap().remove("top_logprobs");
-    // The first request to start decoding hangs the group's last rank.
+    // The first request to start decoding hangs its rank.
     let (mut conn, _) = open_stream(addr, &body);
     let hung = Instant::now();
     let text = read_until_error(&mut conn);
