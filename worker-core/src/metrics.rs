@@ -11,6 +11,7 @@ use engine::scheduler::{StepObserver, StepRecord};
 use prometheus_client::{
     metrics::{
         counter::Counter,
+        family::Family,
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
@@ -35,7 +36,16 @@ pub const NAMES: &[&str] = &[
     "pdserve_engine_state_transfers_total",
     "pdserve_engine_state_transfer_bytes_total",
     "pdserve_engine_state_transfer_seconds",
+    "pdserve_engine_rank_requests_running",
+    "pdserve_engine_rank_pages",
+    "pdserve_engine_rank_pages_used",
 ];
+
+/// The `rank` label of a worker's per-rank families.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+struct RankLabel {
+    rank: u32,
+}
 
 /// One worker's metric families.
 #[derive(Debug)]
@@ -57,6 +67,9 @@ pub struct WorkerMetrics {
     transfers: Counter,
     transfer_bytes: Counter,
     transfer_seconds: Histogram,
+    rank_running: Family<RankLabel, Gauge>,
+    rank_pages_total: Family<RankLabel, Gauge>,
+    rank_pages_used: Family<RankLabel, Gauge>,
 }
 
 impl WorkerMetrics {
@@ -87,6 +100,9 @@ impl WorkerMetrics {
             reservations: Gauge::default(),
             transfers: Counter::default(),
             transfer_bytes: Counter::default(),
+            rank_running: Family::default(),
+            rank_pages_total: Family::default(),
+            rank_pages_used: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -162,6 +178,21 @@ impl WorkerMetrics {
             "Time the transport was busy sending one prompt's state",
             metrics.transfer_seconds.clone(),
         );
+        r.register(
+            "rank_requests_running",
+            "Requests running on each rank of a worker over several ranks (data-parallel)",
+            metrics.rank_running.clone(),
+        );
+        r.register(
+            "rank_pages",
+            "Pages in each rank's pool (a worker over several ranks, data-parallel)",
+            metrics.rank_pages_total.clone(),
+        );
+        r.register(
+            "rank_pages_used",
+            "Pages held on each rank (a worker over several ranks, data-parallel)",
+            metrics.rank_pages_used.clone(),
+        );
         Arc::new(Self {
             registry,
             ..metrics
@@ -195,6 +226,20 @@ impl WorkerMetrics {
         self.pages_used.set(g(load.pages_used));
         self.pages_cached.set(g(load.pages_cached));
         self.reservations.set(g(load.reservations.into()));
+        for (rank, l) in load.ranks.iter().enumerate() {
+            let label = RankLabel {
+                rank: u32::try_from(rank).unwrap_or(u32::MAX),
+            };
+            self.rank_running
+                .get_or_create(&label)
+                .set(g(l.running_requests.into()));
+            self.rank_pages_total
+                .get_or_create(&label)
+                .set(g(l.pages_total));
+            self.rank_pages_used
+                .get_or_create(&label)
+                .set(g(l.pages_used));
+        }
     }
 
     /// One prompt's state sent: its bytes and the transport's busy time.
@@ -252,9 +297,16 @@ mod tests {
             admitted: 2,
             cached_tokens: 64,
         });
+        let rank = |used| proto::v1::Load {
+            pages_total: 512,
+            pages_used: used,
+            running_requests: 1,
+            ..proto::v1::Load::default()
+        };
         m.set_load(&proto::v1::Load {
             pages_total: 1024,
             pages_used: 5,
+            ranks: vec![rank(2), rank(3)],
             ..proto::v1::Load::default()
         });
         m.transfer(4096, 0.002);
@@ -277,6 +329,8 @@ mod tests {
             "pdserve_engine_steps_total{role=\"prefill\"} 1",
             "pdserve_engine_pages{role=\"prefill\"} 1024",
             "pdserve_engine_pages_used{role=\"prefill\"} 5",
+            "pdserve_engine_rank_pages_used{role=\"prefill\",rank=\"1\"} 3",
+            "pdserve_engine_rank_pages{role=\"prefill\",rank=\"0\"} 512",
             "pdserve_engine_state_transfer_bytes_total{role=\"prefill\"} 4096",
             "pdserve_engine_step_seconds_count{role=\"prefill\"} 1",
             "pdserve_engine_step_batch_requests_sum{role=\"prefill\"} 2.0",

@@ -140,7 +140,13 @@ where
         let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
         let ranks = loaded.ranks.clone();
         log_group(&loaded.group);
-        for runner in ranks.runners() {
+        // Every rank of a replicated group (TP) runs every request: its steps are counted once.
+        let observed = if ranks.is_replicated() {
+            1
+        } else {
+            ranks.len()
+        };
+        for runner in &ranks.runners()[..observed] {
             let observer = metrics.observer();
             runner
                 .call(move |engine, _| engine.set_step_observer(observer))
