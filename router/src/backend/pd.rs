@@ -200,6 +200,7 @@ impl PdBackend {
         let mut legs = Legs::new(&decode, prefill, &request_id);
         let decode_guard = InFlight::new(&decode);
         let transport = reserved.destination.as_ref().map_or(0, |d| d.transport);
+        let decode_rank = reserved.destination.as_ref().map_or(0, |d| d.decode_rank);
         let destination = reserved.destination.ok_or_else(|| {
             Failed::final_(BackendError::unavailable(
                 "the decode worker returned no destination".to_owned(),
@@ -250,6 +251,15 @@ impl PdBackend {
                 },
             )
             .await?;
+        tracing::info!(
+            internal = %id,
+            attempt,
+            prefill = %prefill.address,
+            prefill_rank = prefilled.prefill_rank,
+            decode = %decode.address,
+            decode_rank,
+            "prompt state handed over"
+        );
         let cached = prefilled
             .usage
             .map_or(0, |u| u.cached_prompt_tokens as usize);
