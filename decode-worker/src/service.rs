@@ -19,17 +19,14 @@ use engine::{
     runner::{LoadedEngine, Runner},
     scheduler::{EngineError, Event, GenerationRequest, HandoffError},
 };
-use futures::future::BoxFuture;
 use kv_transfer::{
     handshake,
-    sink::StateSink,
     ucx::{Exporter, Region},
 };
 use proto::v1::{
-    Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, FinishReason, GenerateRequest,
-    GeneratedToken, PageRef, PageWrite, RequestId, ReserveRequest, ReserveResponse, StateLayout,
-    TcpTarget, TokenBatch, TransferDescriptor, TransferHello, TransferHelloReply, TransportKind,
-    decode_server::Decode, transfer_descriptor::Target,
+    Ack, CancelRequest, CommitRequest, ErrorInfo, ErrorKind, GenerateRequest, GeneratedToken,
+    PageRef, RequestId, ReserveRequest, ReserveResponse, StateLayout, TcpTarget, TokenBatch,
+    TransferDescriptor, TransportKind, decode_server::Decode, transfer_descriptor::Target,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -718,198 +715,7 @@ impl Decode for DecodeService {
     }
 }
 
-/// Feeds a `Generate` stream: waits for the start, sends the first token, then the engine's
-/// tokens; the last batch carries the finish reason and usage. If the client goes away the
-/// request is cancelled and its pages freed.
-async fn stream_tokens(
-    w: Arc<DecodeWorker>,
-    (engine_id, rank): (u64, usize),
-    request_id: Option<RequestId>,
-    started: oneshot::Receiver<Result<Started, Status>>,
-    tx: mpsc::Sender<Result<TokenBatch, Status>>,
-) {
-    feed(&w, (engine_id, rank), request_id, started, tx).await;
-    w.forget(engine_id);
-}
+mod feed;
+mod sink;
 
-async fn feed(
-    w: &Arc<DecodeWorker>,
-    (engine_id, rank): (u64, usize),
-    request_id: Option<RequestId>,
-    started: oneshot::Receiver<Result<Started, Status>>,
-    tx: mpsc::Sender<Result<TokenBatch, Status>>,
-) {
-    let cancel = |w: &Arc<DecodeWorker>| {
-        let _ = w.engine.ranks.post(rank, move |engine, subs| {
-            if let Some(event) = engine.cancel(engine_id) {
-                subs.deliver(event);
-            }
-        });
-    };
-    let started = tokio::select! {
-        started = started => started,
-        () = tx.closed() => {
-            // The client left before the start: drop the reservation (or the request, if the
-            // start raced with us).
-            cancel(w);
-            return;
-        }
-    };
-    let Started { first, mut events } = match started {
-        Ok(Ok(started)) => started,
-        Ok(Err(status)) => {
-            let _ = tx.send(Err(status)).await;
-            return;
-        }
-        Err(_) => {
-            let _ = tx.send(Err(w.stopped())).await;
-            return;
-        }
-    };
-    let batch = |tokens: Vec<GeneratedToken>| TokenBatch {
-        request_id: request_id.clone(),
-        tokens,
-        ..TokenBatch::default()
-    };
-    let mut pending = vec![first];
-    loop {
-        let event = tokio::select! {
-            event = events.recv() => event,
-            () = tx.closed() => {
-                cancel(w);
-                return;
-            }
-            // A hung rank sends nothing more: the group's failure ends its requests.
-            reason = w.engine.ranks.failed() => Some(Event::Failed { id: engine_id, error: reason }),
-        };
-        let last = match event {
-            Some(Event::Token { sampled, .. }) => {
-                pending.push(w.mix_up(engine_id, proto::request::token_to_wire(&sampled)));
-                // Send what has accumulated whenever the engine is ahead of nobody.
-                if events.is_empty()
-                    && tx
-                        .send(Ok(batch(std::mem::take(&mut pending))))
-                        .await
-                        .is_err()
-                {
-                    cancel(w);
-                    return;
-                }
-                continue;
-            }
-            Some(Event::Finished { reason, usage, .. }) => TokenBatch {
-                finish_reason: proto::request::finish_to_wire(reason).into(),
-                usage: Some(proto::request::usage_to_wire(&usage)),
-                ..batch(std::mem::take(&mut pending))
-            },
-            Some(Event::Failed { error, .. }) => TokenBatch {
-                finish_reason: FinishReason::Error.into(),
-                error: Some(ErrorInfo {
-                    kind: ErrorKind::Internal.into(),
-                    message: error,
-                    worker_id: w.worker_id.clone(),
-                }),
-                ..batch(std::mem::take(&mut pending))
-            },
-            Some(Event::Cancelled { .. }) => TokenBatch {
-                finish_reason: FinishReason::Cancelled.into(),
-                ..batch(std::mem::take(&mut pending))
-            },
-            // A resumed request's prompt was computed (and its log-probabilities reported) on
-            // the prefill worker: none of these can come from this engine.
-            Some(
-                Event::Prefilled { .. } | Event::StatePart { .. } | Event::PromptLogprobs { .. },
-            )
-            | None => TokenBatch {
-                finish_reason: FinishReason::Error.into(),
-                error: Some(ErrorInfo {
-                    kind: ErrorKind::Internal.into(),
-                    message: "the engine ended the request without a finish".to_owned(),
-                    worker_id: w.worker_id.clone(),
-                }),
-                ..batch(std::mem::take(&mut pending))
-            },
-        };
-        tracing::info!(
-            internal = %request_id.as_ref().map_or("-", |r| r.id.as_str()),
-            finish = ?FinishReason::try_from(last.finish_reason).unwrap_or(FinishReason::Unspecified),
-            completion_tokens = last.usage.map_or(0, |u| u.completion_tokens),
-            error = last.error.as_ref().map_or("", |e| e.message.as_str()),
-            "generation ended"
-        );
-        let _ = tx.send(Ok(last)).await;
-        return;
-    }
-}
-
-impl StateSink for DecodeWorker {
-    fn hello(&self, hello: TransferHello) -> BoxFuture<'_, Result<TransferHelloReply, Status>> {
-        Box::pin(async move {
-            handshake::check_layouts(self.layout(), &hello.layout.unwrap_or_default())
-                .map_err(|e| proto::error::to_status(&e.info(&self.worker_id)))?;
-            let transport = handshake::negotiate(&hello.transports, &self.offered.kinds)
-                .unwrap_or(TransportKind::Unspecified);
-            Ok(TransferHelloReply {
-                worker_id: self.worker_id.clone(),
-                layout: Some(self.layout().clone()),
-                transport: transport.into(),
-            })
-        })
-    }
-
-    fn write(&self, frame: PageWrite) -> BoxFuture<'_, Result<u64, Status>> {
-        Box::pin(async move {
-            let (engine_id, rank, index) = {
-                let map = self.lock();
-                let r = map.get(&frame.reservation_id).ok_or_else(|| {
-                    self.err(
-                        ErrorKind::NotFound,
-                        format!("no live reservation {:?}", frame.reservation_id),
-                    )
-                })?;
-                if frame.request_id.as_ref() != Some(&r.request) {
-                    return Err(self.err(
-                        ErrorKind::InvalidArgument,
-                        "the frame's request does not own the reservation",
-                    ));
-                }
-                if r.commit.is_some() || r.started {
-                    return Err(self.err(
-                        ErrorKind::InvalidArgument,
-                        "the reservation is already committed",
-                    ));
-                }
-                let index = if frame.slot {
-                    None
-                } else {
-                    let page = frame.page.map(|p| p.page).ok_or_else(|| {
-                        self.err(ErrorKind::InvalidArgument, "a page frame needs a page")
-                    })?;
-                    Some(r.pages.iter().position(|&p| p == page).ok_or_else(|| {
-                        self.err(
-                            ErrorKind::InvalidArgument,
-                            format!("page {page} is not part of the reservation"),
-                        )
-                    })?)
-                };
-                (r.engine_id, r.rank, index)
-            };
-            let offset = usize::try_from(frame.offset_bytes).unwrap_or(usize::MAX);
-            let bytes = frame.data.len() as u64;
-            self.engine
-                .ranks
-                .call(rank, move |engine, _| {
-                    engine.write_state(engine_id, index, offset, &frame.data)
-                })
-                .await
-                .map_err(|_| self.stopped())?
-                .map_err(|e| self.err(ErrorKind::TransferFailed, e.to_string()))?;
-            Ok(bytes)
-        })
-    }
-
-    #[cfg(feature = "nccl")]
-    fn nccl(&self) -> Option<&kv_transfer::nccl::NcclReceiver> {
-        self.nccl.as_ref()
-    }
-}
+use feed::stream_tokens;
