@@ -334,3 +334,82 @@ fn a_wrong_tcgen05_layout_is_caught() {
         assert!(caught, "{plant:?} went unnoticed");
     }
 }
+
+/// Activations, an NVFP4 weight (codes, scales, scale_2) and each output's error bound.
+type Bf16GemmCase = (Vec<f32>, (Vec<u8>, Vec<u8>, f32), Vec<f64>);
+
+fn bf16_gemm_operands(rng: &mut Rng, (m, n, k): (usize, usize, usize)) -> Bf16GemmCase {
+    let a: Vec<f32> = (0..m * k).map(|_| rng.normal() * 3.0).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+    let (packed, scales, scale_2) = quant::quant_nvfp4(&w, n, k).unwrap();
+    let deq = quant::dequant_nvfp4(&packed, &scales, scale_2, n, k).unwrap();
+    let a16: Vec<f32> = a
+        .iter()
+        .map(|&v| engine::formats::bf16_to_f32(engine::formats::f32_to_bf16(v)))
+        .collect();
+    let mut bound = Vec::with_capacity(m * n);
+    for i in 0..m {
+        for j in 0..n {
+            let mag: f64 = (0..k)
+                .map(|x| f64::from((a16[i * k + x] * deq[j * k + x]).abs()))
+                .sum();
+            bound.push(1e-5 * mag + 1e-30);
+        }
+    }
+    (a, (packed, scales, scale_2), bound)
+}
+
+fn bf16_gemm_mismatches(
+    got: &[f32],
+    a: &[f32],
+    w: &(Vec<u8>, Vec<u8>, f32),
+    bound: &[f64],
+    (m, n, k): (usize, usize, usize),
+) -> usize {
+    let want = cpu::nvfp4_gemm(a, &w.0, &w.1, w.2, m, n, k).unwrap();
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(&want)
+        .zip(bound)
+        .filter(|((g, w), b)| f64::from((*g - *w).abs()) > **b || g.is_nan())
+        .count()
+}
+
+/// The sm_90 path's staging, fragment origins and masked store, through the WMMA API's
+/// documented semantics, compute the reference product at shapes that are not tile multiples.
+#[test]
+fn the_bf16_tensor_core_kernels_tiles_compute_the_reference_product() {
+    let mut rng = Rng::for_tensor(18, "emulate-wmma");
+    for shape in [
+        (1usize, 1usize, 16usize),
+        (3, 5, 48),
+        (65, 130, 96),
+        (64, 64, 64),
+        (0, 8, 32),
+    ] {
+        let (a, w, bound) = bf16_gemm_operands(&mut rng, shape);
+        let got = nvfp4_gemm_bf16(&a, (&w.0, &w.1, w.2), shape);
+        assert_eq!(
+            bf16_gemm_mismatches(&got, &a, &w, &bound, shape),
+            0,
+            "{shape:?}"
+        );
+    }
+}
+
+/// The check is sharp: W's fragments of the wrong major-ness, two warps' origins exchanged, or
+/// a W block staged at the wrong offset give a product that is not the reference.
+#[test]
+fn a_wrong_wmma_staging_is_caught() {
+    use wmma_bf16::Plant;
+    let mut rng = Rng::for_tensor(19, "emulate-wmma-plant");
+    let shape = (70, 90, 64);
+    let (a, w, bound) = bf16_gemm_operands(&mut rng, shape);
+    for plant in [Plant::WRowMajor, Plant::WarpOrigin, Plant::WBlockOffset] {
+        let got = wmma_bf16::gemm_with(&a, (&w.0, &w.1, w.2), shape, plant);
+        assert!(
+            bf16_gemm_mismatches(&got, &a, &w, &bound, shape) > 0,
+            "{plant:?} went unnoticed"
+        );
+    }
+}

@@ -1,0 +1,171 @@
+//! `nvfp4_gemm.cu` (`nvfp4_gemm_bf16`, the dequantize-to-bf16 path that sm_90 runs, having no
+//! FP4 tensor cores) on the CPU: the kernel's own staging of A (rounded to bf16) and of the
+//! dequantized W into its shared tiles, its warps' fragment origins, and its masked store
+//! through the per-warp stage, around a model of the WMMA API as CUDA documents it (layout-
+//! agnostic: `load_matrix_sync` reads a 16 x 16 tile at `ptr` with leading dimension `ldm`,
+//! row-major `ptr[r * ldm + c]` or column-major `ptr[c * ldm + r]`; `mma_sync` is
+//! `D = A B + C` with f32 accumulation; `store_matrix_sync` writes row-major with `ldm`).
+//!
+//! If the kernel staged a value in the wrong place, gave a warp the wrong fragment origin,
+//! declared W's fragment with the wrong major-ness or stored to the wrong place, this
+//! emulation disagrees with [`crate::cpu::nvfp4_gemm`]; the tests plant such errors.
+
+use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, f32_to_bf16};
+
+const BM: usize = 64;
+const BN: usize = 64;
+const BK: usize = 32;
+const LDS: usize = BK + 8;
+const THREADS: usize = 128;
+
+/// A deliberate error in the kernel's index math, to show the emulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Plant {
+    None,
+    /// W's fragments declared row-major (W is `[n, k]`: the B operand is column-major).
+    WRowMajor,
+    /// Every warp given the other half's fragment origin along n (its store stays right).
+    WarpOrigin,
+    /// The second NVFP4 block of a W row staged over the first.
+    WBlockOffset,
+}
+
+/// The WMMA model's 16 x 16 tile of `tile` (rows of `LDS` bf16 values) at (`row`, `col`):
+/// element (r, c) of the fragment, row- or column-major.
+fn load(tile: &[[f32; LDS]], row: usize, col: usize, column_major: bool) -> [[f32; 16]; 16] {
+    let flat = |i: usize| tile[row + i / LDS][col + i % LDS];
+    let mut out = [[0.0f32; 16]; 16];
+    for (r, line) in out.iter_mut().enumerate() {
+        for (c, v) in line.iter_mut().enumerate() {
+            *v = if column_major {
+                flat(c * LDS + r)
+            } else {
+                flat(r * LDS + c)
+            };
+        }
+    }
+    out
+}
+
+/// `mma_sync`: `acc += a b` (a is 16 x K=16 by rows, b is K x 16 by rows), products exact,
+/// summed in f64 per step then added in f32 (the tensor cores' partial-sum rounding is within
+/// the tests' bound).
+fn mma(acc: &mut [[f32; 16]; 16], a: &[[f32; 16]; 16], b: &[[f32; 16]; 16]) {
+    for (i, row) in acc.iter_mut().enumerate() {
+        for (j, d) in row.iter_mut().enumerate() {
+            let sum: f64 = (0..16)
+                .map(|kk| f64::from(a[i][kk]) * f64::from(b[kk][j]))
+                .sum();
+            *d += sum as f32;
+        }
+    }
+}
+
+/// `nvfp4_gemm_bf16` over the whole grid with `plant` in its index math. Output poisoned with
+/// NaN first, as the wrapper does.
+pub(super) fn gemm_with(
+    a: &[f32],
+    (packed, scales, scale_2): (&[u8], &[u8], f32),
+    (m, n, k): (usize, usize, usize),
+    plant: Plant,
+) -> Vec<f32> {
+    let mut c = vec![f32::NAN; m * n];
+    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
+    for block_y in 0..m.div_ceil(BM) {
+        for block_x in 0..n.div_ceil(BN) {
+            let (row0, col0) = (block_y * BM, block_x * BN);
+            // Each warp's 2 x 2 accumulator fragments.
+            let mut accs = [[[[[0.0f32; 16]; 16]; 2]; 2]; THREADS / 32];
+            for k0 in (0..k).step_by(BK) {
+                let mut tile_a = vec![[0.0f32; LDS]; BM];
+                let mut tile_w = vec![[0.0f32; LDS]; BN];
+                for tid in 0..THREADS {
+                    for e in (tid..BM * BK).step_by(THREADS) {
+                        let (r, kk) = (e / BK, e % BK);
+                        let (gr, gk) = (row0 + r, k0 + kk);
+                        let v = if gr < m && gk < k {
+                            a[gr * k + gk]
+                        } else {
+                            0.0
+                        };
+                        tile_a[r][kk] = bf16(v);
+                    }
+                    let (r, blk) = (tid / 2, tid % 2);
+                    let (gn, gk) = (col0 + r, k0 + blk * 16);
+                    let at = if plant == Plant::WBlockOffset {
+                        0
+                    } else {
+                        blk * 16
+                    };
+                    if gn < n && gk < k {
+                        let s = e4m3_to_f32(scales[gn * (k / 16) + gk / 16]);
+                        let codes = &packed[gn * (k / 2) + gk / 2..];
+                        for i in 0..8 {
+                            let byte = codes[i];
+                            tile_w[r][at + 2 * i] = bf16(e2m1_to_f32(byte & 0xF) * s);
+                            tile_w[r][at + 2 * i + 1] = bf16(e2m1_to_f32(byte >> 4) * s);
+                        }
+                    } else {
+                        tile_w[r][at..at + 16].fill(0.0);
+                    }
+                }
+                for (warp, acc) in accs.iter_mut().enumerate() {
+                    let warp_m = warp / 2;
+                    let warp_n = if plant == Plant::WarpOrigin {
+                        1 - warp % 2
+                    } else {
+                        warp % 2
+                    };
+                    for kk in (0..BK).step_by(16) {
+                        let fa: Vec<_> = (0..2)
+                            .map(|i| load(&tile_a, warp_m * 32 + i * 16, kk, false))
+                            .collect();
+                        // The fragment model is indexed (K, n): the column-major B operand
+                        // reads W's row n, column kk + K.
+                        let fb: Vec<_> = (0..2)
+                            .map(|i| {
+                                load(&tile_w, warp_n * 32 + i * 16, kk, plant != Plant::WRowMajor)
+                            })
+                            .collect();
+                        for i in 0..2 {
+                            for j in 0..2 {
+                                mma(&mut acc[i][j], &fa[i], &fb[j]);
+                            }
+                        }
+                    }
+                }
+            }
+            // The store through the per-warp stage, masked at the edges.
+            for (warp, acc) in accs.iter().enumerate() {
+                let (warp_m, warp_n) = (warp / 2, warp % 2);
+                let mut stage = [[0.0f32; 32]; 32];
+                for i in 0..2 {
+                    for j in 0..2 {
+                        for r in 0..16 {
+                            for col in 0..16 {
+                                stage[i * 16 + r][j * 16 + col] = acc[i][j][r][col];
+                            }
+                        }
+                    }
+                }
+                for e in 0..32 * 32 {
+                    let (r, col) = (e / 32, e % 32);
+                    let (gr, gc) = (row0 + warp_m * 32 + r, col0 + warp_n * 32 + col);
+                    if gr < m && gc < n {
+                        c[gr * n + gc] = stage[r][col] * scale_2;
+                    }
+                }
+            }
+        }
+    }
+    c
+}
+
+/// `nvfp4_gemm_bf16` as the kernel computes it (arguments of [`crate::cpu::nvfp4_gemm`]).
+pub fn nvfp4_gemm_bf16(
+    a: &[f32],
+    w: (&[u8], &[u8], f32),
+    shape: (usize, usize, usize),
+) -> Vec<f32> {
+    gemm_with(a, w, shape, Plant::None)
+}
