@@ -535,4 +535,64 @@ mod tests {
         let e = spec(1, odd, true).check(&c).unwrap_err();
         assert!(e.contains("routed experts"), "{e}");
     }
+
+    mod placement {
+        use proptest::prelude::*;
+
+        use super::super::*;
+
+        fn loads() -> impl Strategy<Value = Vec<proto::v1::Load>> {
+            prop::collection::vec((0u64..100, 0u64..100, 0u64..100, 0u32..10, 0u32..10), 1..8)
+                .prop_map(|rows| {
+                    rows.into_iter()
+                        .map(|(total, used, cached, running, queued)| proto::v1::Load {
+                            pages_total: total,
+                            pages_used: used.min(total),
+                            pages_cached: cached.min(used.min(total)),
+                            running_requests: running,
+                            queued_requests: queued,
+                            ..proto::v1::Load::default()
+                        })
+                        .collect()
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            /// Every rank is tried once, the ones with more free pages first.
+            #[test]
+            fn ranks_by_room_is_a_permutation_by_free_pages(loads in loads()) {
+                let order = ranks_by_room(&loads);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                prop_assert_eq!(sorted, (0..loads.len()).collect::<Vec<_>>());
+                for pair in order.windows(2) {
+                    prop_assert!(free_pages(&loads[pair[0]]) >= free_pages(&loads[pair[1]]));
+                }
+            }
+
+            /// The chosen rank exists; it is never busier than the least busy by more than
+            /// the slack; and it holds at least as long a cached prefix as the least busy.
+            #[test]
+            fn a_prompts_rank_is_bounded_by_the_slack(
+                (loads, cached) in loads().prop_flat_map(|l| {
+                    let n = l.len();
+                    (Just(l), prop::collection::vec(0usize..6, n))
+                })
+            ) {
+                let chosen = prompt_rank(&loads, &cached);
+                prop_assert!(chosen < loads.len());
+                let busy = |l: &proto::v1::Load| l.running_requests + l.queued_requests;
+                let least = loads.iter().map(busy).min().unwrap_or(0);
+                prop_assert!(busy(&loads[chosen]) <= least + PREFIX_SLACK);
+                let least_cached = (0..loads.len())
+                    .filter(|&r| busy(&loads[r]) == least)
+                    .map(|r| cached[r])
+                    .min()
+                    .unwrap_or(0);
+                prop_assert!(cached[chosen] >= least_cached);
+            }
+        }
+    }
 }
