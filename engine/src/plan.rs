@@ -263,6 +263,7 @@ pub fn fit(
     }
 }
 
+pub mod host;
 pub mod shard;
 
 #[cfg(test)]

@@ -178,6 +178,9 @@ pub enum StartError {
     /// The worker's ranks could not start as configured.
     #[error("{0}")]
     Group(#[from] crate::parallel::group::GroupError),
+    /// The state pools would not fit the host's memory.
+    #[error("{0}")]
+    Memory(String),
 }
 
 /// Loads the checkpoint at `dir`, computes its fingerprint, builds the engine and starts its
@@ -228,6 +231,11 @@ pub fn start_with_backend(
     group
         .check(&model.config)
         .map_err(|e| StartError::Group(GroupError::Refused(e)))?;
+    // Refused now rather than killed later, when requests fill pools the host cannot hold.
+    if let Some(available) = crate::plan::host::available_memory() {
+        crate::plan::host::check_pools(&model.config, &config, group.ranks(), available)
+            .map_err(StartError::Memory)?;
+    }
     let backend_plan = match open(dir, &model.config)? {
         Some(_) if group.ranks() > 1 => {
             return Err(StartError::Group(GroupError::Refused(format!(

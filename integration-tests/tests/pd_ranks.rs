@@ -209,3 +209,26 @@ fn hung_rank(group: &[&str]) {
     // The prefill side holds nothing for the failed request.
     wait_idle(prefill.addr("grpc"), "prefill");
 }
+
+/// Pools larger than the host's memory are refused at start with the numbers, not allocated
+/// lazily and killed later when requests fill them.
+#[test]
+fn a_worker_whose_pools_do_not_fit_the_host_refuses_to_start() {
+    let cmd = worker_command(
+        "pdserve-decode",
+        &[
+            "--page-size",
+            "16",
+            "--ep",
+            "2",
+            "--dp-attention",
+            "--engine-num-pages",
+            "16000000",
+        ],
+    );
+    let (status, _, stderr) = integration_tests::run_to_exit(cmd, Duration::from_secs(60));
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("the state pools need"), "{stderr}");
+    assert!(stderr.contains("2 rank(s)"), "{stderr}");
+    assert!(stderr.contains("engine_num_pages"), "{stderr}");
+}
