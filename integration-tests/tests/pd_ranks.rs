@@ -120,19 +120,21 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
             .into_iter()
             .find(|w| w["role"] == "decode")
             .unwrap();
-        let rank_pages = if spread > 1 {
-            let rank_loads = decode_listing["ranks"].as_array().unwrap();
-            assert_eq!(rank_loads.len(), spread, "{decode_listing}");
-            let pages = rank_loads[0]["pages_total"].as_u64().unwrap();
-            assert_eq!(
-                decode_listing["pages_total"].as_u64(),
-                Some(pages * spread as u64)
-            );
-            pages
-        } else {
-            assert!(decode_listing.get("ranks").is_none(), "{decode_listing}");
-            decode_listing["pages_total"].as_u64().unwrap()
-        };
+        // A TP worker lists each rank too; every rank holds a copy, so its totals are one
+        // rank's pool.
+        let replicated = decode.contains(&"--tp");
+        let rank_loads = decode_listing["ranks"].as_array().unwrap();
+        assert_eq!(
+            rank_loads.len(),
+            if replicated { 2 } else { spread },
+            "{decode_listing}"
+        );
+        let rank_pages = rank_loads[0]["pages_total"].as_u64().unwrap();
+        let copies = if replicated { 1 } else { spread as u64 };
+        assert_eq!(
+            decode_listing["pages_total"].as_u64(),
+            Some(rank_pages * copies)
+        );
         let models = http(addr, "GET", "/v1/models", &[], b"", T).json();
         let context = models["data"][0]["max_model_len"].as_u64().unwrap();
         assert!(context <= rank_pages * 16, "{context} > one rank's pool");
@@ -231,4 +233,42 @@ fn a_worker_whose_pools_do_not_fit_the_host_refuses_to_start() {
     assert!(stderr.contains("the state pools need"), "{stderr}");
     assert!(stderr.contains("2 rank(s)"), "{stderr}");
     assert!(stderr.contains("engine_num_pages"), "{stderr}");
+}
+
+/// A client that goes away from a request on a tensor-parallel decode worker: the request is
+/// cancelled on every rank, and every rank's pages come back.
+#[test]
+fn a_disconnect_frees_every_tensor_parallel_ranks_pages() {
+    let decode = Service::start(worker_command(
+        "pdserve-decode",
+        &["--page-size", "16", "--tp", "2"],
+    ));
+    let prefill = Service::start(worker_command("pdserve-prefill", &["--page-size", "16"]));
+    let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
+    let mut body = chat(60, 3, 0.8, 10_000);
+    body["stream"] = json!(true);
+    body["logprobs"] = json!(false);
+    body.as_object_mut().unwrap().remove("top_logprobs");
+    let (conn, _) = open_stream(router.addr("http"), &body);
+    let grpc = decode.addr("grpc");
+    let held = |l: &proto::v1::Load| (l.pages_used - l.pages_cached, l.running_requests);
+    let wait = |what: &str, ok: &dyn Fn(&[proto::v1::Load]) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ranks = integration_tests::pd::load(grpc).ranks;
+            if ranks.len() == 2 && ok(&ranks) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: {ranks:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // Both ranks run the request and hold its pages.
+    wait("running on both ranks", &|r| {
+        r.iter().all(|l| held(l).1 == 1 && held(l).0 > 0)
+    });
+    drop(conn);
+    wait("freed on both ranks", &|r| {
+        r.iter().all(|l| held(l) == (0, 0))
+    });
 }

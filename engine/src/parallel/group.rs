@@ -313,12 +313,15 @@ impl Ranks {
         Ok(out)
     }
 
-    /// The worker's load: the ranks' sums, with each rank's own when there are several (in a
-    /// replicated group, where every rank holds the same, rank 0's).
+    /// The worker's load: the ranks' sums, with each rank's own when there are several. In a
+    /// replicated group every rank holds the same requests and a copy of their state, so the
+    /// totals are rank 0's (one pool's worth), with every rank's own listed.
     pub async fn load(&self) -> Result<proto::v1::Load, Stopped> {
         let loads = self.loads().await?;
         if self.is_replicated() {
-            return Ok(loads.into_iter().next().unwrap_or_default());
+            let mut first = loads.first().cloned().unwrap_or_default();
+            first.ranks = loads;
+            return Ok(first);
         }
         Ok(sum_loads(loads))
     }
