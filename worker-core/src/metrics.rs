@@ -180,17 +180,17 @@ impl WorkerMetrics {
         );
         r.register(
             "rank_requests_running",
-            "Requests running on each rank of a worker over several ranks (data-parallel)",
+            "Requests running on each rank of a worker over several ranks",
             metrics.rank_running.clone(),
         );
         r.register(
             "rank_pages",
-            "Pages in each rank's pool (a worker over several ranks, data-parallel)",
+            "Pages in each rank's pool (a worker over several ranks)",
             metrics.rank_pages_total.clone(),
         );
         r.register(
             "rank_pages_used",
-            "Pages held on each rank (a worker over several ranks, data-parallel)",
+            "Pages held on each rank (a worker over several ranks)",
             metrics.rank_pages_used.clone(),
         );
         Arc::new(Self {
