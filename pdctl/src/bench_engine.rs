@@ -102,7 +102,13 @@ fn decode_rate(
         req.sampling.constraint = constrained.map(|(_, c)| c.clone());
         engine.add(req).map_err(|e| err(&e))?;
     }
-    // Prefill until every request has its first token.
+    let rate = timed_decode(&mut engine, batch);
+    Ok((rate, engine.into_model()))
+}
+
+/// Steps `engine` (holding `batch` requests) until every request has its first token, untimed,
+/// then to the end: decode tokens per second of the timed part.
+pub(crate) fn timed_decode(engine: &mut Engine, batch: usize) -> f64 {
     let mut first = 0;
     while first < batch {
         first += engine
@@ -120,8 +126,7 @@ fn decode_rate(
             .filter(|e| matches!(e, Event::Token { .. }))
             .count();
     }
-    let rate = tokens as f64 / started.elapsed().as_secs_f64();
-    Ok((rate, engine.into_model()))
+    tokens as f64 / started.elapsed().as_secs_f64()
 }
 
 /// Mean KL(f32 ‖ fp8) of next-token distributions and top-1 agreement over a fixed prompt set:

@@ -109,20 +109,7 @@ fn one_engine(args: &BenchRanksArgs) -> Result<f64, PdctlError> {
     for r in requests(args, vocab) {
         engine.add(r).map_err(|e| err(&e))?;
     }
-    let mut started = 0;
-    while started < args.batch {
-        started += first_tokens(&engine.step());
-    }
-    let clock = Instant::now();
-    let mut tokens = 0usize;
-    while !engine.is_idle() {
-        tokens += engine
-            .step()
-            .iter()
-            .filter(|e| matches!(e, Event::Token { .. }))
-            .count();
-    }
-    Ok(tokens as f64 / clock.elapsed().as_secs_f64())
+    Ok(crate::bench_engine::timed_decode(&mut engine, args.batch))
 }
 
 /// `ranks` ranks in lockstep: decode tokens/s of the whole batch, all ranks together.

@@ -272,11 +272,14 @@ impl PrefillWorker {
         // Parts held back until the forward passes end, when not streaming.
         let mut held: Vec<Piece> = Vec::new();
         let mut slot_sent = false;
+        // Made once, not per event: it resolves when the worker's ranks lose lockstep.
+        let group_failed = self.engine.ranks.failed();
+        tokio::pin!(group_failed);
         loop {
             let event = tokio::select! {
                 event = events.recv() => event,
                 // A hung rank sends nothing more: the group's failure ends its prompts.
-                reason = self.engine.ranks.failed() => Some(Event::Failed { id, error: reason }),
+                reason = &mut group_failed => Some(Event::Failed { id, error: reason }),
             };
             match event {
                 Some(Event::Token { sampled, .. }) => first = Some(sampled),

@@ -63,6 +63,9 @@ async fn feed(
         ..TokenBatch::default()
     };
     let mut pending = vec![first];
+    // Made once, not per token: it resolves when the worker's ranks lose lockstep.
+    let group_failed = w.engine.ranks.failed();
+    tokio::pin!(group_failed);
     loop {
         let event = tokio::select! {
             event = events.recv() => event,
@@ -71,7 +74,7 @@ async fn feed(
                 return;
             }
             // A hung rank sends nothing more: the group's failure ends its requests.
-            reason = w.engine.ranks.failed() => Some(Event::Failed { id: engine_id, error: reason }),
+            reason = &mut group_failed => Some(Event::Failed { id: engine_id, error: reason }),
         };
         let last = match event {
             Some(Event::Token { sampled, .. }) => {
