@@ -196,6 +196,61 @@ pub fn attn_decode(
     out
 }
 
+/// Decode attention over FP8 rows (f64 reference of `attn_decode_fp8.cu`): request `b`'s rows
+/// are at byte offsets `row_offsets[starts[b]..starts[b + 1]]` of `pool`, each in the engine's
+/// FP8 K=V format of `shape` (decoded exactly, as `engine::paged::codec::decode` does). The
+/// query is rounded to bf16 as the kernel's MMA takes it; the rest is exact. Offset `-1` is an
+/// empty slot (skipped); any other negative offset is an undefined choice and makes every head
+/// of its request NaN. `[batch, heads, nope + rope]` out.
+///
+/// The kernel also rounds each tile's softmax weights to bf16 (and sums the rounded weights),
+/// so its output is a convex combination of the rows within `2^-8 · max |row value|` of this.
+pub fn attn_decode_fp8(
+    q: &[f32],
+    pool: &[u8],
+    row_offsets: &[i64],
+    starts: &[i64],
+    sinks: &[f32],
+    shape: &crate::attn_fp8::Fp8AttnShape,
+) -> Vec<f32> {
+    let format = engine::paged::layout::RowFormat::Fp8Kv {
+        nope: shape.nope,
+        rope: shape.rope,
+    };
+    let (heads, dim) = (shape.heads, shape.dim());
+    let batch = starts.len().saturating_sub(1);
+    let mut out = Vec::with_capacity(batch * heads * dim);
+    for b in 0..batch {
+        let mine = &row_offsets[starts[b] as usize..starts[b + 1] as usize];
+        if mine.iter().any(|&o| o < crate::attn_fp8::EMPTY_SLOT) {
+            out.extend(std::iter::repeat_n(f32::NAN, heads * dim));
+            continue;
+        }
+        let rows: Vec<Vec<f32>> = mine
+            .iter()
+            .filter(|&&o| o >= 0)
+            .map(|&o| {
+                let at = o as usize;
+                engine::paged::codec::decode(format, &pool[at..at + shape.row_bytes()], dim)
+            })
+            .collect();
+        let q_bf16: Vec<f32> = q[b * heads * dim..(b + 1) * heads * dim]
+            .iter()
+            .map(|&v| engine::formats::bf16_to_f32(engine::formats::f32_to_bf16(v)))
+            .collect();
+        let starts = [0, rows.len()];
+        out.extend(attn_decode(
+            &q_bf16,
+            &rows,
+            &starts,
+            sinks,
+            dim,
+            shape.scale,
+        ));
+    }
+    out
+}
+
 /// Lightning-indexer selection for one decode query (reference of `indexer.cu`): scores the
 /// first `visible` keys by `Σ_h w_h · ReLU(q_h · k) · scale` and returns the indices of the
 /// `min(k, visible)` best, ties to the lower index, in ascending index order. `None` when a

@@ -4,6 +4,7 @@
 //! the `launch_*` methods work on device buffers (benchmarks, the engine).
 
 mod attention;
+mod attention_fp8;
 mod backend;
 mod dense;
 mod fp4;
@@ -15,6 +16,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
+pub use attention_fp8::Fp8AttnScratch;
 pub use backend::CudaBackend;
 pub use dense::{DenseWeight, HostDense};
 pub use fp4::{DeviceExperts, GemvFormat};
@@ -50,6 +52,7 @@ pub struct Gpu {
     gemm_sm120: Arc<CudaModule>,
     gemm_sm100: Arc<CudaModule>,
     attn: Arc<CudaModule>,
+    attn_fp8: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
     moe_act: Arc<CudaModule>,
     dense: Arc<CudaModule>,
@@ -95,6 +98,7 @@ impl Gpu {
         let gemm_sm120 = load(fatbins::NVFP4_GEMM_SM120)?;
         let gemm_sm100 = load(fatbins::NVFP4_GEMM_SM100)?;
         let attn = load(fatbins::ATTN_DECODE)?;
+        let attn_fp8 = load(fatbins::ATTN_DECODE_FP8)?;
         let indexer = load(fatbins::INDEXER)?;
         let moe_act = load(fatbins::MOE_ACT)?;
         let dense = load(fatbins::DENSE_GEMV)?;
@@ -107,6 +111,7 @@ impl Gpu {
             gemm_sm120,
             gemm_sm100,
             attn,
+            attn_fp8,
             indexer,
             moe_act,
             dense,

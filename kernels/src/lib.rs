@@ -24,6 +24,11 @@
 //!
 //! - `attn_decode.cu` `attn_decode_partial` + `attn_decode_merge` — [`cpu::attn_decode`]
 //!   (split-KV decode attention with sinks over rows at 64-bit pool offsets).
+//! - `attn_decode_fp8.cu` `attn_fp8_plan` + `attn_fp8_partial` + `attn_fp8_combine` —
+//!   [`cpu::attn_decode_fp8`] (decode attention over the engine's FP8 K=V rows with all heads
+//!   of a request against each tile of rows at once: bf16 `mma.sync` tensor cores, a split plan
+//!   computed on the device; shapes in [`attn_fp8`], emulated in CI by
+//!   [`emulate::attn_decode_fp8`]).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
 //!   with the causal rule; ties to the lower index).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
@@ -49,6 +54,7 @@
 //! whose SASS lacks their architecture's MMA instruction.
 
 pub mod arch;
+pub mod attn_fp8;
 pub mod backend;
 pub mod compose;
 pub mod cost;
@@ -87,6 +93,7 @@ mod tests {
             super::fatbins::NVFP4_GEMM_SM120,
             super::fatbins::NVFP4_GEMM_SM100,
             super::fatbins::ATTN_DECODE,
+            super::fatbins::ATTN_DECODE_FP8,
             super::fatbins::INDEXER,
             super::fatbins::MOE_ACT,
             super::fatbins::DENSE_GEMV,

@@ -1,0 +1,191 @@
+//! Launch wrapper of `attn_decode_fp8.cu`: decode attention with all heads of a request against
+//! each tile of its FP8 rows on tensor cores (plan, partials, combine). Buffers are sized by
+//! (batch, parts) alone, so a graph can capture the three launches with lengths that change
+//! from step to step in device memory.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg, sys::CUfunction_attribute_enum};
+
+use super::{Gpu, KernelError, grid_dim, non_empty};
+use crate::attn_fp8::{Fp8AttnShape, THREADS, check_inputs};
+
+/// The plan, the partials and the output of decode attention for a fixed batch and shape.
+#[derive(Debug)]
+pub struct Fp8AttnScratch {
+    batch: usize,
+    shape: Fp8AttnShape,
+    items: CudaSlice<i64>,
+    split_starts: CudaSlice<i32>,
+    item_count: CudaSlice<i32>,
+    m: CudaSlice<f32>,
+    l: CudaSlice<f32>,
+    acc: CudaSlice<f32>,
+    /// `[batch, heads, nope + rope]` after a launch.
+    pub out: CudaSlice<f32>,
+}
+
+impl Gpu {
+    /// Decode attention over FP8 rows at byte offsets of `pool` (see `cpu::attn_decode_fp8`,
+    /// within `2^-8 · max |row value|` of it). `starts` has `batch + 1` entries into
+    /// `row_offsets`; offset -1 is an empty slot, other negative offsets poison their request.
+    /// Every input is checked first; outputs and partials are poisoned with NaN.
+    pub fn attn_decode_fp8(
+        &self,
+        q: &[f32],
+        pool: &[u8],
+        row_offsets: &[i64],
+        starts: &[i64],
+        sinks: &[f32],
+        shape: Fp8AttnShape,
+    ) -> Result<Vec<f32>, KernelError> {
+        let batch = check_inputs(
+            &shape,
+            q.len(),
+            pool.len(),
+            row_offsets,
+            starts,
+            sinks.len(),
+        )?;
+        let d_q = self.stream.clone_htod(&non_empty(q))?;
+        let d_pool = self.stream.clone_htod(&non_empty(pool))?;
+        let d_offsets = self.stream.clone_htod(&non_empty(row_offsets))?;
+        let d_starts = self.stream.clone_htod(starts)?;
+        let d_sinks = self.stream.clone_htod(sinks)?;
+        let mut scratch = self.attn_fp8_scratch(batch, shape)?;
+        self.launch_attn_decode_fp8(&d_q, &d_pool, &d_offsets, &d_starts, &d_sinks, &mut scratch)?;
+        let mut out = self.stream.clone_dtoh(&scratch.out)?;
+        out.truncate(batch * shape.heads * shape.dim());
+        Ok(out)
+    }
+
+    /// Plan, partials and output for `batch` requests of `shape`, poisoned with NaN.
+    pub fn attn_fp8_scratch(
+        &self,
+        batch: usize,
+        shape: Fp8AttnShape,
+    ) -> Result<Fp8AttnScratch, KernelError> {
+        shape.check()?;
+        let cap = shape.capacity(batch);
+        let (heads, dim) = (shape.heads, shape.dim());
+        let nan = |n: usize| self.stream.clone_htod(&vec![f32::NAN; n.max(1)]);
+        Ok(Fp8AttnScratch {
+            batch,
+            shape,
+            items: self.stream.clone_htod(&vec![-1i64; 3 * cap])?,
+            split_starts: self.stream.clone_htod(&vec![0i32; batch + 1])?,
+            item_count: self.stream.clone_htod(&[0i32])?,
+            m: nan(cap * heads)?,
+            l: nan(cap * heads)?,
+            acc: nan(cap * heads * dim)?,
+            out: nan(batch * heads * dim)?,
+        })
+    }
+
+    /// The three launches on device buffers; the result is in `scratch.out`. Every
+    /// non-negative offset must point at a whole row inside `pool` and `starts` must rise from
+    /// 0 (the host wrapper checks both; here they are the caller's contract).
+    pub fn launch_attn_decode_fp8(
+        &self,
+        q: &CudaSlice<f32>,
+        pool: &CudaSlice<u8>,
+        row_offsets: &CudaSlice<i64>,
+        starts: &CudaSlice<i64>,
+        sinks: &CudaSlice<f32>,
+        scratch: &mut Fp8AttnScratch,
+    ) -> Result<(), KernelError> {
+        let (batch, shape) = (scratch.batch, scratch.shape);
+        shape.check()?;
+        let (heads, dim) = (shape.heads, shape.dim());
+        let cap = shape.capacity(batch);
+        if starts.len() < batch + 1
+            || sinks.len() < heads
+            || q.len() < batch * heads * dim
+            || scratch.items.len() < 3 * cap
+            || scratch.m.len() < cap * heads
+            || scratch.acc.len() < cap * heads * dim
+            || scratch.out.len() < batch * heads * dim
+        {
+            return Err(KernelError::Shape("attn_decode_fp8 buffers".into()));
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let (batch_i, parts_i) = (
+            i32::try_from(batch).map_err(|_| KernelError::Shape("batch".into()))?,
+            shape.parts as i32,
+        );
+        let (heads_i, nope_i, rope_i, dim_i) = (
+            heads as i32,
+            shape.nope as i32,
+            shape.rope as i32,
+            dim as i32,
+        );
+        let plan = self.attn_fp8.load_function("attn_fp8_plan")?;
+        let mut launch = self.stream.launch_builder(&plan);
+        launch
+            .arg(starts)
+            .arg(&batch_i)
+            .arg(&parts_i)
+            .arg(&mut scratch.items)
+            .arg(&mut scratch.split_starts)
+            .arg(&mut scratch.item_count);
+        // SAFETY: argument types and order match `attn_fp8_plan`; `items` holds
+        // `batch + parts` items, the most the plan makes.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        let partial = self.attn_fp8.load_function("attn_fp8_partial")?;
+        let smem = shape.smem_bytes() as u32;
+        partial.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let mut launch = self.stream.launch_builder(&partial);
+        launch
+            .arg(q)
+            .arg(pool)
+            .arg(row_offsets)
+            .arg(starts)
+            .arg(&scratch.items)
+            .arg(&scratch.item_count)
+            .arg(&heads_i)
+            .arg(&nope_i)
+            .arg(&rope_i)
+            .arg(&shape.scale)
+            .arg(&mut scratch.m)
+            .arg(&mut scratch.l)
+            .arg(&mut scratch.acc);
+        // SAFETY: argument types and order match `attn_fp8_partial`; blocks past the plan's
+        // item count return at once; the shared memory is the kernel's layout for `shape`.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(cap, "attention work items")?, 1, 1),
+                block_dim: (THREADS as u32, 1, 1),
+                shared_mem_bytes: smem,
+            })?;
+        }
+        let combine = self.attn_fp8.load_function("attn_fp8_combine")?;
+        let mut launch = self.stream.launch_builder(&combine);
+        launch
+            .arg(&scratch.m)
+            .arg(&scratch.l)
+            .arg(&scratch.acc)
+            .arg(&scratch.split_starts)
+            .arg(sinks)
+            .arg(&heads_i)
+            .arg(&dim_i)
+            .arg(&mut scratch.out);
+        // SAFETY: argument types and order match `attn_fp8_combine`.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(batch * heads, "attention heads")?, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+}
