@@ -35,12 +35,20 @@ fn check(gpu: &Gpu, c: &Synthetic, with_emulation: bool) {
     let want = cpu::attn_decode_fp8(&c.q, &c.pool, &c.offsets, &c.starts, &c.sinks, &c.shape);
     let w = c.worst(&got, &want);
     eprintln!("{:?}: {w:.3} of the bound", c.shape);
-    assert!(w <= 1.0, "{:?}: {w} of the bound from the reference", c.shape);
+    assert!(
+        w <= 1.0,
+        "{:?}: {w} of the bound from the reference",
+        c.shape
+    );
     if with_emulation {
         let emulated =
             emulate::attn_decode_fp8(&c.q, &c.pool, &c.offsets, &c.starts, &c.sinks, &c.shape);
         let w = c.worst(&got, &emulated);
-        assert!(w <= 1.0, "{:?}: {w} of the bound from the emulation", c.shape);
+        assert!(
+            w <= 1.0,
+            "{:?}: {w} of the bound from the emulation",
+            c.shape
+        );
     }
 }
 

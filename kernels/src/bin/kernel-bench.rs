@@ -29,6 +29,9 @@ const GROUPED: (usize, usize, usize, usize) = (64, 2048, 7168, 8);
 const HEAD: (usize, usize) = (129_280, 4096);
 /// 16 requests x 64 heads over 4096 f32 rows of 512: (batch, heads, dim, rows per request).
 const ATTN: (usize, usize, usize, usize) = (16, 64, 512, 4096);
+/// Decode attention over the engine's 584-byte FP8 rows, all heads of a request per tile:
+/// 32 requests x 8192 rows, 64 heads (one GPU) and 16 (TP 4), 132 parts (an H100's SMs).
+const ATTN_FP8: (usize, usize, [usize; 2], usize) = (32, 8192, [64, 16], 132);
 
 /// The cases in table order, with their analytic costs.
 fn planned() -> Vec<Row> {
@@ -42,7 +45,7 @@ fn planned() -> Vec<Row> {
         cost,
         seconds: None,
     };
-    vec![
+    let mut out = vec![
         row(
             "device copy (1 GiB, read + write)".into(),
             cost::device_copy(COPY_BYTES),
@@ -64,7 +67,27 @@ fn planned() -> Vec<Row> {
             format!("decode attention {batch}x{heads} heads, {per} f32 rows of {dim}"),
             cost::attn_decode(batch, heads, dim, per, 4 * dim),
         ),
-    ]
+    ];
+    let (batch, per, heads_fp8, _) = ATTN_FP8;
+    for heads in heads_fp8 {
+        let shape = fp8_shape(heads);
+        out.push(row(
+            format!("decode attention FP8 {batch}x{heads} heads (MMA), {per} rows of 584 B"),
+            cost::attn_decode(batch, heads, shape.dim(), per, shape.row_bytes()),
+        ));
+    }
+    out
+}
+
+/// V4's attention rows: 448 e4m3 + 64 bf16 values.
+fn fp8_shape(heads: usize) -> kernels::attn_fp8::Fp8AttnShape {
+    kernels::attn_fp8::Fp8AttnShape {
+        heads,
+        nope: 448,
+        rope: 64,
+        scale: 1.0 / 512f32.sqrt(),
+        parts: ATTN_FP8.3,
+    }
 }
 
 /// Mean seconds per call of `run`, best of three timed batches.
@@ -252,6 +275,8 @@ fn main() -> Result<(), KernelError> {
         )
     })?;
     times.push(t);
+    drop((pool, d_offsets, d_starts, d_sinks, scratch));
+    times.extend(time_attn_fp8(&gpu, &mut rng)?);
 
     for (row, t) in rows.iter_mut().zip(&times) {
         row.seconds = Some(*t);
@@ -270,6 +295,32 @@ fn main() -> Result<(), KernelError> {
         );
     }
     Ok(())
+}
+
+/// Times FP8 decode attention at each head count of [`ATTN_FP8`] over one pool of
+/// `batch * per` encoded rows, the rows of each request scattered over the pool.
+fn time_attn_fp8(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
+    let (batch, per, heads_fp8, _) = ATTN_FP8;
+    let data = kernels::attn_fp8::synthetic(rng, fp8_shape(64), &vec![per; batch], 0);
+    let n = data.offsets.len();
+    // A fixed permutation (multiplying by a unit mod n), as a page table scatters rows.
+    let offsets: Vec<i64> = (0..n).map(|i| data.offsets[(i * 7919) % n]).collect();
+    let d_pool = gpu.stream.clone_htod(&data.pool)?;
+    let d_offsets = gpu.stream.clone_htod(&offsets)?;
+    let d_starts = gpu.stream.clone_htod(&data.starts)?;
+    let mut times = Vec::new();
+    for heads in heads_fp8 {
+        let shape = fp8_shape(heads);
+        let q = gpu
+            .stream
+            .clone_htod(&random(rng, batch * heads * shape.dim()))?;
+        let sinks = gpu.stream.clone_htod(&random(rng, heads))?;
+        let mut scratch = gpu.attn_fp8_scratch(batch, shape)?;
+        times.push(time(gpu, || {
+            gpu.launch_attn_decode_fp8(&q, &d_pool, &d_offsets, &d_starts, &sinks, &mut scratch)
+        })?);
+    }
+    Ok(times)
 }
 
 /// Whole engine steps on the `small` synthetic model (NVFP4 experts) on the CPU reference and
