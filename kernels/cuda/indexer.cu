@@ -1,11 +1,11 @@
 // DeepSeek-V4 lightning indexer for decode: score every visible compressed key of a request,
-// score_s = sum_h w_h * relu(q_h . k_s) * scale, then keep the top `k` (ties: lower index
-// first), where only the first `visible[b]` keys of request b exist for its query (causal
+// score_s = sum_h w_h * relu(q_h . k_s) * scale, then keep the top `k` by radix select (in
+// f32 total order, -0 below +0; ties: lower index first; linear in the keys), where only the first `visible[b]` keys of request b exist for its query (causal
 // rule: a compressed row is visible once its window has closed). NaN in, NaN out: the ReLU keeps
 // a NaN, and a request with a NaN among its visible scores gets TOPK_POISONED (-2) in every
 // slot instead of a selection. Index arithmetic is 64-bit. The CPU reference is
 // `kernels::cpu::indexer_topk` (same rule as the engine's CPU model); `kernels::emulate::
-// topk_rounds` is `indexer_topk` step by step in Rust, tested in CI.
+// topk_radix` is `indexer_topk` step by step in Rust, tested in CI.
 #include <stdint.h>
 #include <math.h>
 
@@ -46,68 +46,123 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q, const flo
     }
 }
 
-// One block per request: k rounds of (max score, lowest index) over the visible keys not yet
-// taken. Writes `min(k, visible)` indices (in selection order) and -1 for the rest; -2 in
-// every slot when a visible score is NaN (taken keys are then marked NaN).
-extern "C" __global__ void indexer_topk(float* __restrict__ scores, const int* __restrict__ visible,
-                                        long long max_keys, int k, int* __restrict__ out) {
+// Order-preserving key: a larger score gives a larger unsigned key, in the total order the
+// engine's top-k sorts by (`f32::total_cmp`: -0 below +0), so only identical scores tie.
+__device__ __forceinline__ unsigned int order_key(float v) {
+    const unsigned int bits = __float_as_uint(v);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Exclusive prefix sum of `v` over the block's threads (Hillis-Steele in `buf`); `total` gets
+// the sum over the block.
+__device__ __forceinline__ int block_scan(int v, int* buf, int* total) {
+    const int tid = threadIdx.x;
+    buf[tid] = v;
+    __syncthreads();
+    for (int off = 1; off < THREADS; off <<= 1) {
+        const int add = tid >= off ? buf[tid - off] : 0;
+        __syncthreads();
+        buf[tid] += add;
+        __syncthreads();
+    }
+    const int inclusive = buf[tid];
+    *total = buf[THREADS - 1];
+    __syncthreads();
+    return inclusive - v;
+}
+
+// One block per request: the top `k` of its `visible` scores by radix select, linear in the
+// candidates. Four passes histogram one byte each of the order-preserving key among the keys
+// that match the bytes chosen so far, which fixes the k-th largest key T and how many keys
+// equal to T are taken; a last pass writes, in ascending index order, every key above T and
+// the lowest-indexed keys equal to T. Writes `min(k, visible)` indices then -1; -2 in every
+// slot when a visible score is NaN. The scores are not modified.
+extern "C" __global__ void indexer_topk(const float* __restrict__ scores,
+                                        const int* __restrict__ visible, long long max_keys, int k,
+                                        int* __restrict__ out) {
+    const int tid = threadIdx.x;
     const int b = blockIdx.x;
-    const int n = visible[b];
-    float* row = scores + static_cast<long long>(b) * max_keys;
+    const long long n = visible[b];
+    const float* row = scores + static_cast<long long>(b) * max_keys;
     int* slots = out + static_cast<long long>(b) * k;
-    __shared__ float best_score[THREADS];
-    __shared__ int best_index[THREADS];
+    __shared__ unsigned int hist[256];
+    __shared__ int buf[THREADS];
+    __shared__ unsigned int s_prefix;
+    __shared__ unsigned int s_mask;
+    __shared__ long long s_remaining;
     int nan_seen = 0;
-    for (int s = threadIdx.x; s < n; s += THREADS) {
+    for (long long s = tid; s < n; s += THREADS) {
         nan_seen |= isnan(row[s]) ? 1 : 0;
     }
     if (__syncthreads_or(nan_seen)) {
-        for (int round = threadIdx.x; round < k; round += THREADS) {
-            slots[round] = -2;
+        for (int i = tid; i < k; i += THREADS) {
+            slots[i] = -2;
         }
         return;
     }
-    const int take = min(k, n);
-    for (int round = 0; round < k; ++round) {
-        if (round >= take) {
-            if (threadIdx.x == 0) {
-                slots[round] = -1;
-            }
-            continue;
+    const long long take = min(static_cast<long long>(k), n);
+    for (long long i = take + tid; i < k; i += THREADS) {
+        slots[i] = -1;
+    }
+    if (take == n) {
+        for (long long s = tid; s < n; s += THREADS) {
+            slots[s] = static_cast<int>(s);
         }
-        float bs = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int s = threadIdx.x; s < n; s += THREADS) {
-            const float v = row[s];
-            if (!isnan(v) && (v > bs || (v == bs && s < bi))) {
-                bs = v;
-                bi = s;
-            }
+        return;
+    }
+    if (tid == 0) {
+        s_prefix = 0u;
+        s_mask = 0u;
+        s_remaining = take;
+    }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += THREADS) {
+            hist[i] = 0u;
         }
-        best_score[threadIdx.x] = bs;
-        best_index[threadIdx.x] = bi;
         __syncthreads();
-        for (int stride = THREADS / 2; stride > 0; stride /= 2) {
-            if (threadIdx.x < stride) {
-                const float os = best_score[threadIdx.x + stride];
-                const int oi = best_index[threadIdx.x + stride];
-                if (os > best_score[threadIdx.x] ||
-                    (os == best_score[threadIdx.x] && oi < best_index[threadIdx.x])) {
-                    best_score[threadIdx.x] = os;
-                    best_index[threadIdx.x] = oi;
+        const unsigned int prefix = s_prefix;
+        const unsigned int mask = s_mask;
+        for (long long s = tid; s < n; s += THREADS) {
+            const unsigned int key = order_key(row[s]);
+            if ((key & mask) == prefix) {
+                atomicAdd(&hist[(key >> shift) & 0xFFu], 1u);
+            }
+        }
+        __syncthreads();
+        if (tid == 0) {
+            // The bin holding the remaining-th largest matching key, from the top.
+            const long long remaining = s_remaining;
+            long long above = 0;
+            int d = 255;
+            for (; d > 0; --d) {
+                if (above + hist[d] >= remaining) {
+                    break;
                 }
+                above += hist[d];
             }
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) {
-            // Always a visible index: no score is NaN and round < n keys remain untaken.
-            const int chosen = best_index[0];
-            const bool valid = chosen >= 0 && chosen < n;
-            slots[round] = valid ? chosen : -2;
-            if (valid) {
-                row[chosen] = NAN;  // taken
-            }
+            s_remaining = remaining - above;
+            s_prefix = prefix | (static_cast<unsigned int>(d) << shift);
+            s_mask = mask | (0xFFu << shift);
         }
         __syncthreads();
+    }
+    const unsigned int threshold = s_prefix;
+    const long long ties = s_remaining;  // keys equal to the threshold to take, lowest first
+    long long eq_before = 0;
+    long long picked_before = 0;
+    for (long long base = 0; base < n; base += THREADS) {
+        const long long s = base + tid;
+        const unsigned int key = s < n ? order_key(row[s]) : 0u;
+        const int eq = (s < n && key == threshold) ? 1 : 0;
+        int eq_total = 0;
+        const int eq_rank = block_scan(eq, buf, &eq_total);
+        const int pick = (s < n && (key > threshold || (eq && eq_before + eq_rank < ties))) ? 1 : 0;
+        int pick_total = 0;
+        const int at = block_scan(pick, buf, &pick_total);
+        if (pick) {
+            slots[picked_before + at] = static_cast<int>(s);
+        }
+        eq_before += eq_total;
+        picked_before += pick_total;
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! - [`split_range`], [`attn_decode`]: `attn_decode.cu` (`attn_decode_partial` then
 //!   `attn_decode_merge`).
-//! - [`topk_rounds`]: `indexer.cu` `indexer_topk` over one request's scores.
+//! - [`topk_radix`]: `indexer.cu` `indexer_topk` (radix select) over one request's scores.
 //! - [`nvfp4_gemm_w4a4_sm120`]: `nvfp4_gemm_sm120.cu`, its loads and stores around a model of
 //!   the block-scaled FP4 `mma.sync` fragments.
 //! - [`nvfp4_gemm_w4a4_sm100`]: `nvfp4_gemm_sm100.cu`, its shared-memory layout, descriptors,
@@ -21,11 +21,13 @@
 mod attn_fp8;
 mod mma_sm120;
 mod tcgen05_sm100;
+mod topk_radix;
 mod wmma_bf16;
 
 pub use attn_fp8::{Mma, Tamper, attn_decode_fp8};
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 pub use tcgen05_sm100::nvfp4_gemm_w4a4_sm100;
+pub use topk_radix::topk_radix;
 pub use wmma_bf16::nvfp4_gemm_bf16;
 
 /// Threads per block of `attn_decode_partial`.
@@ -168,44 +170,6 @@ pub fn attn_decode(
 pub const TOPK_POISONED: i32 = -2;
 /// The index `indexer_topk` writes in the slots past `min(k, visible)`.
 pub const TOPK_EMPTY: i32 = -1;
-
-/// `indexer_topk` for one request: `k` rounds of (highest score, lowest index) over the first
-/// `visible` scores not yet taken, in selection order; [`TOPK_EMPTY`] past `min(k, visible)`.
-/// A NaN among the visible scores poisons every slot ([`TOPK_POISONED`]).
-pub fn topk_rounds(scores: &[f32], visible: usize, k: usize) -> Vec<i32> {
-    let row = &scores[..visible];
-    if row.iter().any(|v| v.is_nan()) {
-        return vec![TOPK_POISONED; k];
-    }
-    let mut taken = vec![false; visible];
-    let mut out = Vec::with_capacity(k);
-    for round in 0..k {
-        if round >= k.min(visible) {
-            out.push(TOPK_EMPTY);
-            continue;
-        }
-        let mut best: Option<(f32, usize)> = None;
-        for (s, &v) in row.iter().enumerate() {
-            if taken[s] {
-                continue;
-            }
-            // The kernel's exact comparison: equal scores go to the lower index.
-            #[expect(
-                clippy::float_cmp,
-                reason = "ties are exact equality, as on the device"
-            )]
-            let better = best.is_none_or(|(bs, bi)| v > bs || (v == bs && s < bi));
-            if better {
-                best = Some((v, s));
-            }
-        }
-        // Some: `round < visible` leaves an untaken index.
-        let (_, chosen) = best.unwrap_or((0.0, 0));
-        taken[chosen] = true;
-        out.push(chosen as i32);
-    }
-    out
-}
 
 /// The checks `Gpu::indexer_topk` makes before a launch, as a pure function: every length
 /// agrees with the batch, `heads`, `dim` and `k` are not zero, and every request's visible

@@ -30,7 +30,7 @@
 //!   computed on the device; shapes in [`attn_fp8`], emulated in CI by
 //!   [`emulate::attn_decode_fp8`]).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
-//!   with the causal rule; ties to the lower index).
+//!   with the causal rule; top-k by radix select, linear in the keys; ties to the lower index).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,

@@ -140,3 +140,54 @@ fn gpu_indexer_poisons_a_request_with_a_nan_score() {
     assert_eq!(got[0].as_ref().map(Vec::len), Some(k));
     assert_eq!(got[2], Some(Vec::new()));
 }
+
+/// With one head of one dim, a query of 1 and a weight of 1, each key's score is exactly
+/// `max(key, 0)`: long rows (past one block, 2 of them past 8K keys) with heavy ties and k up to
+/// 512 give exactly the reference's choice from the radix select.
+#[test]
+fn gpu_topk_selects_exactly_on_long_tied_rows() {
+    let Some(gpu) = Gpu::for_test("gpu_topk_selects_exactly_on_long_tied_rows") else {
+        return;
+    };
+    let mut rng = Rng::for_tensor(6, "indexer-ties");
+    let visible = vec![0i32, 255, 256, 257, 3000, 8193, 20_000];
+    for k in [1usize, 64, 255, 512] {
+        let mut keys = Vec::new();
+        let mut key_starts = Vec::new();
+        for &v in &visible {
+            key_starts.push(keys.len() as i64);
+            keys.extend((0..v).map(|_| match rng.next_u64() % 4 {
+                0 => -1.0,
+                1 => [0.5f32, 1.0, 2.0][(rng.next_u64() % 3) as usize],
+                _ => rng.normal(),
+            }));
+        }
+        let n = visible.len();
+        let got = gpu
+            .indexer_topk(&IndexerBatch {
+                q: &vec![1.0; n],
+                w: &vec![1.0; n],
+                keys: &keys,
+                key_starts: &key_starts,
+                visible: &visible,
+                heads: 1,
+                dim: 1,
+                scale: 1.0,
+                top_k: k,
+            })
+            .unwrap();
+        for b in 0..n {
+            let start = key_starts[b] as usize;
+            let scores: Vec<f32> = keys[start..start + visible[b] as usize]
+                .iter()
+                .map(|v| v.max(0.0))
+                .collect();
+            assert_eq!(
+                got[b],
+                cpu::topk_of_scores(&scores, k),
+                "request {b} ({} keys), k {k}",
+                visible[b]
+            );
+        }
+    }
+}

@@ -263,7 +263,7 @@ impl Gpu {
             let topk = self.indexer.load_function("indexer_topk")?;
             let mut launch = self.stream.launch_builder(&topk);
             launch
-                .arg(&mut d_scores)
+                .arg(&d_scores)
                 .arg(&d_visible)
                 .arg(&max_keys_i)
                 .arg(&k_i)

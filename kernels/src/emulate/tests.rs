@@ -107,40 +107,77 @@ fn a_nan_reaches_the_head_it_entered() {
 }
 
 #[test]
-fn topk_rounds_pick_highest_then_lowest_index_and_poison_on_nan() {
+fn topk_radix_takes_the_highest_then_lowest_index_and_poisons_on_nan() {
     let scores = [1.0f32, 3.0, 3.0, f32::NEG_INFINITY, 2.0, 9.0];
-    assert_eq!(topk_rounds(&scores, 5, 3), vec![1, 2, 4]);
-    assert_eq!(topk_rounds(&scores, 5, 7), vec![1, 2, 4, 0, 3, -1, -1]);
-    assert_eq!(topk_rounds(&scores, 0, 2), vec![-1, -1]);
+    assert_eq!(topk_radix(&scores, 5, 3), vec![1, 2, 4]);
+    assert_eq!(topk_radix(&scores, 5, 2), vec![1, 2]);
+    assert_eq!(topk_radix(&scores, 5, 7), vec![0, 1, 2, 3, 4, -1, -1]);
+    assert_eq!(topk_radix(&scores, 0, 2), vec![-1, -1]);
+    // The engine's total order: +0 above -0, whatever their indices.
+    assert_eq!(topk_radix(&[0.0, -0.0, -1.0], 3, 1), vec![0]);
+    assert_eq!(topk_radix(&[-0.0, 0.0, -1.0], 3, 1), vec![1]);
     // A NaN past `visible` is not a key of this query; one inside poisons every slot.
     let mut nan = scores;
     nan[5] = f32::NAN;
-    assert_eq!(topk_rounds(&nan, 5, 2), vec![1, 2]);
+    assert_eq!(topk_radix(&nan, 5, 2), vec![1, 2]);
     nan[0] = f32::NAN;
-    assert_eq!(topk_rounds(&nan, 5, 2), vec![TOPK_POISONED; 2]);
-    assert_eq!(topk_rounds(&[f32::NAN; 3], 3, 4), vec![TOPK_POISONED; 4]);
+    assert_eq!(topk_radix(&nan, 5, 2), vec![TOPK_POISONED; 2]);
+    assert_eq!(topk_radix(&[f32::NAN; 3], 3, 4), vec![TOPK_POISONED; 4]);
 }
 
-/// The kernel's rounds choose what the CPU reference chooses (same scores), in random cases
-/// with many ties.
+/// Random scores with many ties (a few values, signed zeros, infinities), rows longer than a
+/// block: the radix select chooses what the CPU reference chooses.
+fn tie_heavy(rng: &mut Rng, n: usize) -> Vec<f32> {
+    const VALUES: [f32; 7] = [-2.0, -0.0, 0.0, 0.5, 1.0, f32::INFINITY, f32::NEG_INFINITY];
+    (0..n)
+        .map(|_| match rng.next_u64() % 3 {
+            0 => VALUES[(rng.next_u64() % 7) as usize],
+            _ => rng.normal(),
+        })
+        .collect()
+}
+
 #[test]
-fn topk_rounds_choose_the_references_keys() {
+fn topk_radix_chooses_the_references_keys() {
     let mut rng = Rng::for_tensor(13, "emulate-topk");
-    for _ in 0..200 {
-        let n = (rng.next_u64() % 40) as usize;
-        let k = 1 + (rng.next_u64() % 12) as usize;
-        let scores: Vec<f32> = (0..n).map(|_| (rng.next_u64() % 5) as f32 - 2.0).collect();
-        let mut got: Vec<usize> = topk_rounds(&scores, n, k)
-            .into_iter()
-            .filter(|&i| i >= 0)
-            .map(|i| i as usize)
+    for round in 0..300 {
+        let n = match round % 3 {
+            0 => (rng.next_u64() % 40) as usize,
+            1 => (rng.next_u64() % 600) as usize,
+            _ => 2000 + (rng.next_u64() % 3000) as usize,
+        };
+        let k = 1 + (rng.next_u64() % 520) as usize;
+        let scores = tie_heavy(&mut rng, n);
+        let got = topk_radix(&scores, n, k);
+        let want = cpu::topk_of_scores(&scores, k).unwrap();
+        let chosen: Vec<usize> = got
+            .iter()
+            .take_while(|&&i| i >= 0)
+            .map(|&i| i as usize)
             .collect();
-        got.sort_unstable();
-        assert_eq!(
-            Some(got),
-            cpu::topk_of_scores(&scores, k),
-            "{scores:?} k {k}"
-        );
+        assert_eq!(chosen, want, "round {round}: n {n} k {k}");
+        assert!(got[chosen.len()..].iter().all(|&i| i == TOPK_EMPTY));
+    }
+}
+
+/// Planted errors in the kernel's math are caught by the same comparison.
+#[test]
+fn a_wrong_radix_select_is_caught() {
+    use super::topk_radix::{Plant, topk_with};
+    let mut rng = Rng::for_tensor(14, "emulate-topk-plants");
+    for plant in [Plant::ZeroTie, Plant::TiesFromTop, Plant::BinOffByOne] {
+        let caught = (0..100).any(|_| {
+            let n = 300 + (rng.next_u64() % 700) as usize;
+            let k = 1 + (rng.next_u64() % 200) as usize;
+            let scores = tie_heavy(&mut rng, n);
+            let got: Vec<usize> = topk_with(&scores, n, k, plant)
+                .into_iter()
+                .take_while(|&i| i >= 0)
+                .map(|i| i as usize)
+                .collect();
+            Some(got) != cpu::topk_of_scores(&scores, k)
+        });
+        assert!(caught, "{plant:?} not caught");
     }
 }
 
