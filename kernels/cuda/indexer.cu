@@ -1,7 +1,8 @@
 // DeepSeek-V4 lightning indexer for decode: score every visible compressed key of a request,
 // score_s = sum_h w_h * relu(q_h . k_s) * scale, then keep the top `k` by radix select (in
-// f32 total order, -0 below +0; ties: lower index first; linear in the keys), where only the first `visible[b]` keys of request b exist for its query (causal
-// rule: a compressed row is visible once its window has closed). NaN in, NaN out: the ReLU keeps
+// f32 total order, -0 below +0; ties: lower index first; linear in the keys), where only the
+// first `visible[b]` keys of request b exist for its query (causal rule: a compressed row is
+// visible once its window has closed). NaN in, NaN out: the ReLU keeps
 // a NaN, and a request with a NaN among its visible scores gets TOPK_POISONED (-2) in every
 // slot instead of a selection. Index arithmetic is 64-bit. The CPU reference is
 // `kernels::cpu::indexer_topk` (same rule as the engine's CPU model); `kernels::emulate::
