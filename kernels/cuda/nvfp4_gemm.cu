@@ -29,10 +29,15 @@ constexpr int LDS = BK + 8;  // padded row (bf16 elements): a multiple of 8, as 
 constexpr int THREADS = 128;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    nvfp4_gemm_bf16(const float* __restrict__ a, const uint8_t* __restrict__ packed,
-                    const uint8_t* __restrict__ scales, float scale_2, long long m, long long n,
-                    long long k, float* __restrict__ c) {
+// The block's 64 x 64 tile of C: rows `a_row[r]` of A (-1: a zero row) times weight rows
+// col0.. of W, stored to rows `c_row[r]` of C (-1: not stored). Both row maps are in shared
+// memory, written by the caller before a barrier. A row's results depend only on its own A row
+// and W (each output is its own dot product), not on the tile's other rows.
+__device__ __forceinline__ void gemm_tile(const float* __restrict__ a, const long long* a_row,
+                                          const uint8_t* __restrict__ packed,
+                                          const uint8_t* __restrict__ scales, float scale_2,
+                                          long long n, long long k, long long col0,
+                                          float* __restrict__ c, const long long* c_row) {
     __shared__ __align__(32) __nv_bfloat16 tile_a[BM][LDS];
     __shared__ __align__(32) __nv_bfloat16 tile_w[BN][LDS];
     __shared__ __align__(32) float stage[THREADS / 32][32][32];
@@ -42,8 +47,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const int lane = tid % 32;
     const int warp_m = warp / 2;
     const int warp_n = warp % 2;
-    const long long row0 = static_cast<long long>(blockIdx.y) * BM;
-    const long long col0 = static_cast<long long>(blockIdx.x) * BN;
 
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
 #pragma unroll
@@ -59,9 +62,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         for (int e = tid; e < BM * BK; e += THREADS) {
             const int r = e / BK;
             const int kk = e % BK;
-            const long long gr = row0 + r;
+            const long long gr = a_row[r];
             const long long gk = k0 + kk;
-            const float v = (gr < m && gk < k) ? a[gr * k + gk] : 0.0f;
+            const float v = (gr >= 0 && gk < k) ? a[gr * k + gk] : 0.0f;
             tile_a[r][kk] = __float2bfloat16_rn(v);
         }
         // W slice: 64 rows x 2 NVFP4 blocks; one block (8 bytes, 16 values) per thread.
@@ -122,10 +125,57 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     for (int e = lane; e < 32 * 32; e += 32) {
         const int r = e / 32;
         const int col = e % 32;
-        const long long gr = row0 + warp_m * 32 + r;
+        const long long gr = c_row[warp_m * 32 + r];
         const long long gc = col0 + warp_n * 32 + col;
-        if (gr < m && gc < n) {
+        if (gr >= 0 && gc < n) {
             c[gr * n + gc] = stage[warp][r][col] * scale_2;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_gemm_bf16(const float* __restrict__ a, const uint8_t* __restrict__ packed,
+                    const uint8_t* __restrict__ scales, float scale_2, long long m, long long n,
+                    long long k, float* __restrict__ c) {
+    __shared__ long long rows[BM];
+    const long long row0 = static_cast<long long>(blockIdx.y) * BM;
+    if (threadIdx.x < BM) {
+        const long long r = row0 + threadIdx.x;
+        rows[threadIdx.x] = r < m ? r : -1;
+    }
+    __syncthreads();
+    gemm_tile(a, rows, packed, scales, scale_2, n, k, static_cast<long long>(blockIdx.x) * BN, c,
+              rows);
+}
+
+// The routed experts of a prefill chunk as one grouped GEMM: block (tile, column block) takes
+// the up to 64 pairs `sorted_pair[tile * 64 ..]` of expert `tile_expert[tile]` (see
+// `moe_align.cu`; -1 pads a tile), gathers their tokens' rows of A, and writes each pair's
+// output row `c[pair]`: out[p][j] = scale_2[e] * sum_k bf16(A[token(p)][k]) * W_e[j][k].
+// Experts are stacked `[experts, n, k]` (codes `k / 2` and e4m3 scales `k / 16` bytes per row).
+// Blocks past `*tile_count` return at once, so the grid can be sized for the most tiles.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_grouped_gemm_bf16(const float* __restrict__ a, const int* __restrict__ pair_token,
+                            const int* __restrict__ sorted_pair,
+                            const int* __restrict__ tile_expert,
+                            const int* __restrict__ tile_count,
+                            const uint8_t* __restrict__ packed,
+                            const uint8_t* __restrict__ scales,
+                            const float* __restrict__ scale_2, long long n, long long k,
+                            float* __restrict__ c) {
+    __shared__ long long a_rows[BM];
+    __shared__ long long c_rows[BM];
+    const int tile = blockIdx.x;
+    if (tile >= *tile_count) {
+        return;
+    }
+    const long long e = tile_expert[tile];
+    if (threadIdx.x < BM) {
+        const int p = sorted_pair[static_cast<long long>(tile) * BM + threadIdx.x];
+        a_rows[threadIdx.x] = p >= 0 ? pair_token[p] : -1;
+        c_rows[threadIdx.x] = p;
+    }
+    __syncthreads();
+    gemm_tile(a, a_rows, packed + e * n * (k / 2), scales + e * n * (k / 16), scale_2[e], n, k,
+              static_cast<long long>(blockIdx.y) * BN, c, c_rows);
 }

@@ -73,6 +73,17 @@ pub fn attn_decode(batch: usize, heads: usize, dim: usize, rows: usize, row_byte
     }
 }
 
+/// The grouped routed-expert GEMM of a prefill chunk: `pairs` (token, expert) products over
+/// `experts` NVFP4 experts of `[n, k]` that the routing used (each read once), `tokens` f32
+/// inputs, f32 outputs and two i32 indices per pair.
+pub fn grouped_gemm(pairs: usize, tokens: usize, experts: usize, nn: usize, k: usize) -> Cost {
+    let expert = n(nn) * n(k) / 2 + n(nn) * n(k) / 16 + 4;
+    Cost {
+        bytes: n(experts) * expert + 4 * n(tokens) * n(k) + 4 * n(pairs) * n(nn) + 8 * n(pairs),
+        flops: 2 * n(pairs) * n(nn) * n(k),
+    }
+}
+
 /// Lightning-indexer scores and top-k for one query over `keys` f32 keys of `dim`.
 pub fn indexer(keys: usize, heads: usize, dim: usize, top_k: usize) -> Cost {
     Cost {
@@ -108,5 +119,12 @@ mod tests {
         assert_eq!(bf16_gemv(10, 20, 3).bytes, 400 + 4 * 3 * 30);
         assert_eq!(nvfp4_gemm(2, 4, 32).flops, 2 * 2 * 4 * 32);
         assert_eq!(indexer(100, 8, 16, 4).flops, 2 * 100 * 8 * 16);
+        // Each expert once however many pairs use it.
+        let g = grouped_gemm(600, 100, 4, 64, 32);
+        assert_eq!(g.flops, 2 * 600 * 64 * 32);
+        assert_eq!(
+            grouped_gemm(1200, 100, 4, 64, 32).bytes - g.bytes,
+            600 * (4 * 64 + 8)
+        );
     }
 }

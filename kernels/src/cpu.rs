@@ -151,6 +151,38 @@ pub fn nvfp4_gemm(
     Ok(c)
 }
 
+/// The routed experts of a prefill chunk (reference of `nvfp4_grouped_gemm_bf16`): pair `p`
+/// multiplies token `pair_token[p]` of `a` (`[tokens, k]`, rounded to bf16) by expert
+/// `pair_expert[p]` of the stacked NVFP4 experts (`[experts, n, k]`, global scale per expert),
+/// in f64; `[pairs, n]`, a NaN row for a pair whose expert is outside the stack.
+pub fn grouped_gemm(
+    a: &[f32],
+    pair_token: &[i32],
+    pair_expert: &[i32],
+    (packed, scales, scale_2): (&[u8], &[u8], &[f32]),
+    (n, k): (usize, usize),
+) -> Result<Vec<f32>, QuantError> {
+    let (code_bytes, scale_bytes) = (n * k / 2, n * k / 16);
+    let mut out = Vec::with_capacity(pair_token.len() * n);
+    for (&t, &e) in pair_token.iter().zip(pair_expert) {
+        let Some(e) = usize::try_from(e).ok().filter(|&e| e < scale_2.len()) else {
+            out.extend(std::iter::repeat_n(f32::NAN, n));
+            continue;
+        };
+        let t = t as usize;
+        out.extend(nvfp4_gemm(
+            &a[t * k..(t + 1) * k],
+            &packed[e * code_bytes..(e + 1) * code_bytes],
+            &scales[e * scale_bytes..(e + 1) * scale_bytes],
+            scale_2[e],
+            1,
+            n,
+            k,
+        )?);
+    }
+    Ok(out)
+}
+
 /// Decode attention with sinks over gathered rows (f64 reference of `attn_decode.cu`):
 /// `q` is `[batch, heads, dim]`; request `b`'s rows are `rows[starts[b]..starts[b+1]]`, each
 /// `dim` values (K = V). Returns `[batch, heads, dim]`.

@@ -8,6 +8,7 @@ mod attention_fp8;
 mod backend;
 mod dense;
 mod fp4;
+mod moe;
 mod pages;
 mod sm100;
 
@@ -20,6 +21,7 @@ pub use attention_fp8::Fp8AttnScratch;
 pub use backend::CudaBackend;
 pub use dense::{DenseWeight, HostDense};
 pub use fp4::{DeviceExperts, GemvFormat};
+pub use moe::{DeviceStack, MoeGrouping};
 pub use pages::DevicePages;
 
 use crate::fatbins;
@@ -55,6 +57,7 @@ pub struct Gpu {
     attn_fp8: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
     moe_act: Arc<CudaModule>,
+    moe_align: Arc<CudaModule>,
     dense: Arc<CudaModule>,
 }
 
@@ -101,6 +104,7 @@ impl Gpu {
         let attn_fp8 = load(fatbins::ATTN_DECODE_FP8)?;
         let indexer = load(fatbins::INDEXER)?;
         let moe_act = load(fatbins::MOE_ACT)?;
+        let moe_align = load(fatbins::MOE_ALIGN)?;
         let dense = load(fatbins::DENSE_GEMV)?;
         Ok(Some(Self {
             ctx,
@@ -114,6 +118,7 @@ impl Gpu {
             attn_fp8,
             indexer,
             moe_act,
+            moe_align,
             dense,
         }))
     }

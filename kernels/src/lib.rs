@@ -31,6 +31,10 @@
 //!   [`emulate::attn_decode_fp8`]).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
 //!   with the causal rule; top-k by radix select, linear in the keys; ties to the lower index).
+//! - `moe_align.cu` + `nvfp4_gemm.cu` `nvfp4_grouped_gemm_bf16` — [`cpu::grouped_gemm`] (the
+//!   routed experts of a prefill chunk: pairs grouped by expert on the device, one WMMA GEMM
+//!   over every expert's tiles; grouping in [`moe_group`], emulated by
+//!   [`emulate::moe_grouped_gemm`]).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
@@ -63,6 +67,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod emulate;
 pub mod gpu_test;
+pub mod moe_group;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 
@@ -96,6 +101,7 @@ mod tests {
             super::fatbins::ATTN_DECODE_FP8,
             super::fatbins::INDEXER,
             super::fatbins::MOE_ACT,
+            super::fatbins::MOE_ALIGN,
             super::fatbins::DENSE_GEMV,
         ] {
             assert!(fatbin.len() > 16);

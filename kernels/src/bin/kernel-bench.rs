@@ -29,6 +29,9 @@ const GROUPED: (usize, usize, usize, usize) = (64, 2048, 7168, 8);
 const HEAD: (usize, usize) = (129_280, 4096);
 /// 16 requests x 64 heads over 4096 f32 rows of 512: (batch, heads, dim, rows per request).
 const ATTN: (usize, usize, usize, usize) = (16, 64, 512, 4096);
+/// A V4-Flash prefill chunk's routed experts, gate and up fused: (tokens, top-k, experts, n,
+/// k) = 2048 tokens to 6 of 256 experts of 4096 x 4096.
+const MOE_PREFILL: (usize, usize, usize, usize, usize) = (2048, 6, 256, 4096, 4096);
 /// Decode attention over the engine's 584-byte FP8 rows, all heads of a request per tile:
 /// 32 requests x 8192 rows, 64 heads (one GPU) and 16 (TP 4), 132 parts (an H100's SMs).
 const ATTN_FP8: (usize, usize, [usize; 2], usize) = (32, 8192, [64, 16], 132);
@@ -68,6 +71,11 @@ fn planned() -> Vec<Row> {
             cost::attn_decode(batch, heads, dim, per, 4 * dim),
         ),
     ];
+    let (tokens, top_k, experts, mn, mk) = MOE_PREFILL;
+    out.push(row(
+        format!("NVFP4 grouped GEMM {tokens} tokens x top-{top_k} of {experts} experts {mn}x{mk}"),
+        cost::grouped_gemm(tokens * top_k, tokens, experts, mn, mk),
+    ));
     let (batch, per, heads_fp8, _) = ATTN_FP8;
     for heads in heads_fp8 {
         let shape = fp8_shape(heads);
@@ -276,6 +284,7 @@ fn main() -> Result<(), KernelError> {
     })?;
     times.push(t);
     drop((pool, d_offsets, d_starts, d_sinks, scratch));
+    times.push(time_moe_prefill(&gpu, &mut rng)?);
     times.extend(time_attn_fp8(&gpu, &mut rng)?);
 
     for (row, t) in rows.iter_mut().zip(&times) {
@@ -295,6 +304,36 @@ fn main() -> Result<(), KernelError> {
         );
     }
     Ok(())
+}
+
+/// Times the grouped GEMM on [`MOE_PREFILL`] (uniform routing: every expert used).
+fn time_moe_prefill(gpu: &Gpu, rng: &mut Rng) -> Result<f64, KernelError> {
+    let (tokens, top_k, experts, n, k) = MOE_PREFILL;
+    let one = random(rng, n * k);
+    let (packed, scales, scale_2) = quant::quant_nvfp4(&one, n, k).map_err(shape)?;
+    drop(one);
+    let d_packed = gpu.stream.clone_htod(&packed.repeat(experts))?;
+    let d_scales = gpu.stream.clone_htod(&scales.repeat(experts))?;
+    let d_scale_2 = gpu.stream.clone_htod(&vec![scale_2; experts])?;
+    let pairs = tokens * top_k;
+    let token: Vec<i32> = (0..pairs).map(|p| (p / top_k) as i32).collect();
+    let expert: Vec<i32> = (0..pairs).map(|p| ((p * 37) % experts) as i32).collect();
+    let d_a = gpu.stream.clone_htod(&random(rng, tokens * k))?;
+    let d_token = gpu.stream.clone_htod(&token)?;
+    let d_expert = gpu.stream.clone_htod(&expert)?;
+    let mut out: CudaSlice<f32> = gpu.stream.alloc_zeros(pairs * n)?;
+    let mut grouping = gpu.moe_grouping(pairs, experts)?;
+    let stack = kernels::cuda::DeviceStack {
+        packed: &d_packed,
+        scales: &d_scales,
+        scale_2: &d_scale_2,
+        experts,
+        n,
+        k,
+    };
+    time(gpu, || {
+        gpu.launch_nvfp4_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)
+    })
 }
 
 /// Times FP8 decode attention at each head count of [`ATTN_FP8`] over one pool of

@@ -12,7 +12,7 @@
 
 use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, f32_to_bf16};
 
-const BM: usize = 64;
+pub(super) const BM: usize = 64;
 const BN: usize = 64;
 const BK: usize = 32;
 const LDS: usize = BK + 8;
@@ -61,101 +61,123 @@ fn mma(acc: &mut [[f32; 16]; 16], a: &[[f32; 16]; 16], b: &[[f32; 16]; 16]) {
     }
 }
 
+/// `gemm_tile`: the block's 64 x 64 tile of C at columns `col0..` for A rows `a_row[r]` (None:
+/// a zero row), stored to rows `c_row[r]` of C (None: not stored), with `plant` in its index
+/// math.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the device function's parameters"
+)]
+pub(super) fn gemm_tile(
+    a: &[f32],
+    a_row: &[Option<usize>; BM],
+    (packed, scales, scale_2): (&[u8], &[u8], f32),
+    (n, k): (usize, usize),
+    col0: usize,
+    c: &mut [f32],
+    c_row: &[Option<usize>; BM],
+    plant: Plant,
+) {
+    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
+    // Each warp's 2 x 2 accumulator fragments.
+    let mut accs = [[[[[0.0f32; 16]; 16]; 2]; 2]; THREADS / 32];
+    for k0 in (0..k).step_by(BK) {
+        let mut tile_a = vec![[0.0f32; LDS]; BM];
+        let mut tile_w = vec![[0.0f32; LDS]; BN];
+        for tid in 0..THREADS {
+            for e in (tid..BM * BK).step_by(THREADS) {
+                let (r, kk) = (e / BK, e % BK);
+                let gk = k0 + kk;
+                let v = match a_row[r] {
+                    Some(gr) if gk < k => a[gr * k + gk],
+                    _ => 0.0,
+                };
+                tile_a[r][kk] = bf16(v);
+            }
+            let (r, blk) = (tid / 2, tid % 2);
+            let (gn, gk) = (col0 + r, k0 + blk * 16);
+            let at = if plant == Plant::WBlockOffset {
+                0
+            } else {
+                blk * 16
+            };
+            if gn < n && gk < k {
+                let s = e4m3_to_f32(scales[gn * (k / 16) + gk / 16]);
+                let codes = &packed[gn * (k / 2) + gk / 2..];
+                for i in 0..8 {
+                    let byte = codes[i];
+                    tile_w[r][at + 2 * i] = bf16(e2m1_to_f32(byte & 0xF) * s);
+                    tile_w[r][at + 2 * i + 1] = bf16(e2m1_to_f32(byte >> 4) * s);
+                }
+            } else {
+                tile_w[r][at..at + 16].fill(0.0);
+            }
+        }
+        for (warp, acc) in accs.iter_mut().enumerate() {
+            let warp_m = warp / 2;
+            let warp_n = if plant == Plant::WarpOrigin {
+                1 - warp % 2
+            } else {
+                warp % 2
+            };
+            for kk in (0..BK).step_by(16) {
+                let fa: Vec<_> = (0..2)
+                    .map(|i| load(&tile_a, warp_m * 32 + i * 16, kk, false))
+                    .collect();
+                // The fragment model is indexed (K, n): the column-major B operand reads W's
+                // row n, column kk + K.
+                let fb: Vec<_> = (0..2)
+                    .map(|i| load(&tile_w, warp_n * 32 + i * 16, kk, plant != Plant::WRowMajor))
+                    .collect();
+                for i in 0..2 {
+                    for j in 0..2 {
+                        mma(&mut acc[i][j], &fa[i], &fb[j]);
+                    }
+                }
+            }
+        }
+    }
+    // The store through the per-warp stage, masked at the edges.
+    for (warp, acc) in accs.iter().enumerate() {
+        let (warp_m, warp_n) = (warp / 2, warp % 2);
+        let mut stage = [[0.0f32; 32]; 32];
+        for i in 0..2 {
+            for j in 0..2 {
+                for r in 0..16 {
+                    for col in 0..16 {
+                        stage[i * 16 + r][j * 16 + col] = acc[i][j][r][col];
+                    }
+                }
+            }
+        }
+        for e in 0..32 * 32 {
+            let (r, col) = (e / 32, e % 32);
+            let gc = col0 + warp_n * 32 + col;
+            if let Some(gr) = c_row[warp_m * 32 + r]
+                && gc < n
+            {
+                c[gr * n + gc] = stage[r][col] * scale_2;
+            }
+        }
+    }
+}
+
 /// `nvfp4_gemm_bf16` over the whole grid with `plant` in its index math. Output poisoned with
 /// NaN first, as the wrapper does.
 pub(super) fn gemm_with(
     a: &[f32],
-    (packed, scales, scale_2): (&[u8], &[u8], f32),
+    w: (&[u8], &[u8], f32),
     (m, n, k): (usize, usize, usize),
     plant: Plant,
 ) -> Vec<f32> {
     let mut c = vec![f32::NAN; m * n];
-    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
     for block_y in 0..m.div_ceil(BM) {
+        let rows: [Option<usize>; BM] = std::array::from_fn(|r| {
+            let gr = block_y * BM + r;
+            (gr < m).then_some(gr)
+        });
         for block_x in 0..n.div_ceil(BN) {
-            let (row0, col0) = (block_y * BM, block_x * BN);
-            // Each warp's 2 x 2 accumulator fragments.
-            let mut accs = [[[[[0.0f32; 16]; 16]; 2]; 2]; THREADS / 32];
-            for k0 in (0..k).step_by(BK) {
-                let mut tile_a = vec![[0.0f32; LDS]; BM];
-                let mut tile_w = vec![[0.0f32; LDS]; BN];
-                for tid in 0..THREADS {
-                    for e in (tid..BM * BK).step_by(THREADS) {
-                        let (r, kk) = (e / BK, e % BK);
-                        let (gr, gk) = (row0 + r, k0 + kk);
-                        let v = if gr < m && gk < k {
-                            a[gr * k + gk]
-                        } else {
-                            0.0
-                        };
-                        tile_a[r][kk] = bf16(v);
-                    }
-                    let (r, blk) = (tid / 2, tid % 2);
-                    let (gn, gk) = (col0 + r, k0 + blk * 16);
-                    let at = if plant == Plant::WBlockOffset {
-                        0
-                    } else {
-                        blk * 16
-                    };
-                    if gn < n && gk < k {
-                        let s = e4m3_to_f32(scales[gn * (k / 16) + gk / 16]);
-                        let codes = &packed[gn * (k / 2) + gk / 2..];
-                        for i in 0..8 {
-                            let byte = codes[i];
-                            tile_w[r][at + 2 * i] = bf16(e2m1_to_f32(byte & 0xF) * s);
-                            tile_w[r][at + 2 * i + 1] = bf16(e2m1_to_f32(byte >> 4) * s);
-                        }
-                    } else {
-                        tile_w[r][at..at + 16].fill(0.0);
-                    }
-                }
-                for (warp, acc) in accs.iter_mut().enumerate() {
-                    let warp_m = warp / 2;
-                    let warp_n = if plant == Plant::WarpOrigin {
-                        1 - warp % 2
-                    } else {
-                        warp % 2
-                    };
-                    for kk in (0..BK).step_by(16) {
-                        let fa: Vec<_> = (0..2)
-                            .map(|i| load(&tile_a, warp_m * 32 + i * 16, kk, false))
-                            .collect();
-                        // The fragment model is indexed (K, n): the column-major B operand
-                        // reads W's row n, column kk + K.
-                        let fb: Vec<_> = (0..2)
-                            .map(|i| {
-                                load(&tile_w, warp_n * 32 + i * 16, kk, plant != Plant::WRowMajor)
-                            })
-                            .collect();
-                        for i in 0..2 {
-                            for j in 0..2 {
-                                mma(&mut acc[i][j], &fa[i], &fb[j]);
-                            }
-                        }
-                    }
-                }
-            }
-            // The store through the per-warp stage, masked at the edges.
-            for (warp, acc) in accs.iter().enumerate() {
-                let (warp_m, warp_n) = (warp / 2, warp % 2);
-                let mut stage = [[0.0f32; 32]; 32];
-                for i in 0..2 {
-                    for j in 0..2 {
-                        for r in 0..16 {
-                            for col in 0..16 {
-                                stage[i * 16 + r][j * 16 + col] = acc[i][j][r][col];
-                            }
-                        }
-                    }
-                }
-                for e in 0..32 * 32 {
-                    let (r, col) = (e / 32, e % 32);
-                    let (gr, gc) = (row0 + warp_m * 32 + r, col0 + warp_n * 32 + col);
-                    if gr < m && gc < n {
-                        c[gr * n + gc] = stage[r][col] * scale_2;
-                    }
-                }
-            }
+            gemm_tile(a, &rows, w, (n, k), block_x * BN, &mut c, &rows, plant);
         }
     }
     c

@@ -1,0 +1,229 @@
+//! Launch wrapper of the grouped routed-expert GEMM for prefill chunks: `moe_align.cu` groups
+//! the pairs by expert on the device, `nvfp4_grouped_gemm_bf16` multiplies each expert's tiles.
+//! Every buffer is sized by (pairs, experts) alone, so a graph can capture the launches with a
+//! routing that changes from step to step in device memory.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{Gpu, KernelError, grid_dim, non_empty};
+use crate::moe_group::{TILE_ROWS, check, max_tiles};
+
+/// The grouping buffers for up to `pairs` pairs over `experts` experts.
+#[derive(Debug)]
+pub struct MoeGrouping {
+    pairs: usize,
+    experts: usize,
+    counts: CudaSlice<i32>,
+    cursor: CudaSlice<i32>,
+    tile_starts: CudaSlice<i32>,
+    tile_expert: CudaSlice<i32>,
+    tile_count: CudaSlice<i32>,
+    sorted_pair: CudaSlice<i32>,
+}
+
+/// Stacked NVFP4 experts on the device, `[experts, n, k]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceStack<'a> {
+    pub packed: &'a CudaSlice<u8>,
+    pub scales: &'a CudaSlice<u8>,
+    /// One global scale per expert.
+    pub scale_2: &'a CudaSlice<f32>,
+    pub experts: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+fn blocks(count: usize, per: usize) -> Result<u32, KernelError> {
+    grid_dim(count.div_ceil(per).max(1), "moe grouping")
+}
+
+impl Gpu {
+    /// The routed experts of a prefill chunk (see `cpu::grouped_gemm`): pair `p` multiplies
+    /// token `pair_token[p]` of `a` (`[tokens, k]`) by expert `pair_expert[p]` of the stack;
+    /// `[pairs, n]`, a NaN row for an expert outside the stack. Inputs checked first.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the chunk, its routing and the stack"
+    )]
+    pub fn nvfp4_grouped_gemm(
+        &self,
+        a: &[f32],
+        pair_token: &[i32],
+        pair_expert: &[i32],
+        (packed, scales, scale_2): (&[u8], &[u8], &[f32]),
+        tokens: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Vec<f32>, KernelError> {
+        let (pairs, experts) = (pair_token.len(), scale_2.len());
+        if pair_expert.len() != pairs {
+            return Err(KernelError::Shape("grouped gemm: pair lists differ".into()));
+        }
+        check(
+            (tokens, pairs, experts),
+            (n, k),
+            pair_token,
+            (a.len(), packed.len(), scales.len(), scale_2.len()),
+        )?;
+        let d_a = self.stream.clone_htod(&non_empty(a))?;
+        let d_token = self.stream.clone_htod(&non_empty(pair_token))?;
+        let d_expert = self.stream.clone_htod(&non_empty(pair_expert))?;
+        let d_packed = self.stream.clone_htod(packed)?;
+        let d_scales = self.stream.clone_htod(scales)?;
+        let d_scale_2 = self.stream.clone_htod(scale_2)?;
+        let mut grouping = self.moe_grouping(pairs, experts)?;
+        let mut out = self.stream.clone_htod(&vec![0.0f32; (pairs * n).max(1)])?;
+        let stack = DeviceStack {
+            packed: &d_packed,
+            scales: &d_scales,
+            scale_2: &d_scale_2,
+            experts,
+            n,
+            k,
+        };
+        self.launch_nvfp4_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)?;
+        let mut out = self.stream.clone_dtoh(&out)?;
+        out.truncate(pairs * n);
+        Ok(out)
+    }
+
+    /// Grouping buffers for up to `pairs` pairs over `experts` experts.
+    pub fn moe_grouping(&self, pairs: usize, experts: usize) -> Result<MoeGrouping, KernelError> {
+        let tiles = max_tiles(pairs, experts);
+        let zeros = |n: usize| self.stream.clone_htod(&vec![0i32; n.max(1)]);
+        Ok(MoeGrouping {
+            pairs,
+            experts,
+            counts: zeros(experts)?,
+            cursor: zeros(experts)?,
+            tile_starts: zeros(experts + 1)?,
+            tile_expert: zeros(tiles)?,
+            tile_count: zeros(1)?,
+            sorted_pair: self
+                .stream
+                .clone_htod(&vec![-1i32; (tiles * TILE_ROWS).max(1)])?,
+        })
+    }
+
+    /// The grouping and the grouped GEMM on device buffers: `out` (`[pairs, n]`) is filled with
+    /// NaN first, so a pair routed outside the stack shows. Tokens of `pair_token` must lie in
+    /// `a` (the host wrapper checks; here it is the caller's contract).
+    pub fn launch_nvfp4_grouped_gemm(
+        &self,
+        a: &CudaSlice<f32>,
+        pair_token: &CudaSlice<i32>,
+        pair_expert: &CudaSlice<i32>,
+        stack: &DeviceStack<'_>,
+        g: &mut MoeGrouping,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let (pairs, experts) = (g.pairs, g.experts);
+        let (n, k) = (stack.n, stack.k);
+        if experts != stack.experts
+            || !k.is_multiple_of(16)
+            || n == 0
+            || pair_token.len() < pairs
+            || pair_expert.len() < pairs
+            || out.len() < pairs * n
+            || stack.packed.len() < experts * n * k / 2
+            || stack.scales.len() < experts * n * k / 16
+            || stack.scale_2.len() < experts
+        {
+            return Err(KernelError::Shape(format!(
+                "grouped gemm: {pairs} pairs, {experts} experts of {n}x{k}"
+            )));
+        }
+        if pairs == 0 {
+            return Ok(());
+        }
+        let (pairs_i, experts_i) = (pairs as i32, experts as i32);
+        let len = (pairs * n) as i64;
+        let fill = self.moe_align.load_function("fill_nan")?;
+        let mut launch = self.stream.launch_builder(&fill);
+        launch.arg(&mut *out).arg(&len);
+        // SAFETY: `fill_nan(float*, long long)`; `out` holds `len` values (checked).
+        unsafe { launch.launch(LaunchConfig::for_num_elems(len as u32))? };
+        let zero = self.moe_align.load_function("moe_zero")?;
+        let mut launch = self.stream.launch_builder(&zero);
+        launch.arg(&mut g.counts).arg(&experts_i);
+        // SAFETY: `moe_zero(int*, int)`; `counts` holds `experts`.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(experts as u32))? };
+        let count = self.moe_align.load_function("moe_count")?;
+        let mut launch = self.stream.launch_builder(&count);
+        launch
+            .arg(pair_expert)
+            .arg(&pairs_i)
+            .arg(&experts_i)
+            .arg(&mut g.counts);
+        let by_pair = LaunchConfig {
+            grid_dim: (blocks(pairs, 256)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `moe_count(const int*, int, int, int*)`; sizes from the grouping.
+        unsafe { launch.launch(by_pair)? };
+        let align = self.moe_align.load_function("moe_align")?;
+        let mut launch = self.stream.launch_builder(&align);
+        launch
+            .arg(&g.counts)
+            .arg(&experts_i)
+            .arg(&mut g.tile_starts)
+            .arg(&mut g.tile_expert)
+            .arg(&mut g.tile_count)
+            .arg(&mut g.cursor)
+            .arg(&mut g.sorted_pair);
+        // SAFETY: `moe_align`'s parameters in order; `tile_expert` and `sorted_pair` hold the
+        // most tiles `pairs` pairs can make (`max_tiles`).
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        let scatter = self.moe_align.load_function("moe_scatter")?;
+        let mut launch = self.stream.launch_builder(&scatter);
+        launch
+            .arg(pair_expert)
+            .arg(&pairs_i)
+            .arg(&experts_i)
+            .arg(&g.tile_starts)
+            .arg(&mut g.cursor)
+            .arg(&mut g.sorted_pair);
+        // SAFETY: `moe_scatter`'s parameters in order; slots within the aligned tiles.
+        unsafe { launch.launch(by_pair)? };
+        let gemm = self.gemm.load_function("nvfp4_grouped_gemm_bf16")?;
+        let (n_i, k_i) = (n as i64, k as i64);
+        let mut launch = self.stream.launch_builder(&gemm);
+        launch
+            .arg(a)
+            .arg(pair_token)
+            .arg(&g.sorted_pair)
+            .arg(&g.tile_expert)
+            .arg(&g.tile_count)
+            .arg(stack.packed)
+            .arg(stack.scales)
+            .arg(stack.scale_2)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&mut *out);
+        let column_blocks = grid_dim(n.div_ceil(64), "grouped gemm columns")?;
+        if column_blocks > 65_535 {
+            return Err(KernelError::Shape(format!("grouped gemm n = {n}")));
+        }
+        // SAFETY: `nvfp4_grouped_gemm_bf16`'s parameters in order; blocks past the tile count
+        // return at once.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (
+                    grid_dim(max_tiles(pairs, experts), "tiles")?,
+                    column_blocks,
+                    1,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+}

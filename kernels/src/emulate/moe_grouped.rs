@@ -1,0 +1,91 @@
+//! `moe_align.cu` and `nvfp4_gemm.cu` `nvfp4_grouped_gemm_bf16` on the CPU: the grouping of the
+//! pairs by expert with the atomics' arrival order as a parameter ([`crate::moe_group::group`]),
+//! then every tile's row maps (token rows in, pair rows out) and expert slices around the same
+//! `gemm_tile` model as the plain GEMM.
+
+use super::wmma_bf16::{BM, Plant, gemm_tile};
+use crate::moe_group::{TILE_ROWS, group};
+
+/// A deliberate error in the grouped kernel's own index math, for the tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GroupPlant {
+    None,
+    /// Output rows indexed by token instead of pair.
+    StoreByToken,
+    /// The weights of the next expert.
+    NextExpert,
+}
+
+/// Stacked NVFP4 experts `[experts, n, k]`: codes, e4m3 scales, one global scale each.
+#[derive(Debug, Clone, Copy)]
+pub struct StackedExperts<'a> {
+    pub packed: &'a [u8],
+    pub scales: &'a [u8],
+    pub scale_2: &'a [f32],
+    pub n: usize,
+    pub k: usize,
+}
+
+pub(super) fn grouped_with(
+    a: &[f32],
+    pair_token: &[i32],
+    pair_expert: &[i32],
+    w: StackedExperts<'_>,
+    arrival: &[usize],
+    plant: GroupPlant,
+) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    let experts = w.scale_2.len();
+    let mut c = vec![f32::NAN; pair_token.len() * n];
+    let g = group(pair_expert, experts, arrival);
+    assert_eq!(BM, TILE_ROWS);
+    for (tile, &e) in g.tile_expert.iter().enumerate() {
+        let e = if plant == GroupPlant::NextExpert {
+            (e + 1) % experts
+        } else {
+            e
+        };
+        let slots = &g.sorted_pair[tile * TILE_ROWS..(tile + 1) * TILE_ROWS];
+        let a_rows: [Option<usize>; BM] =
+            std::array::from_fn(|r| slots[r].map(|p| pair_token[p] as usize));
+        let c_rows: [Option<usize>; BM] = if plant == GroupPlant::StoreByToken {
+            a_rows
+        } else {
+            std::array::from_fn(|r| slots[r])
+        };
+        let (code_bytes, scale_bytes) = (n * k / 2, n * k / 16);
+        let weights = (
+            &w.packed[e * code_bytes..(e + 1) * code_bytes],
+            &w.scales[e * scale_bytes..(e + 1) * scale_bytes],
+            w.scale_2[e],
+        );
+        for col0 in (0..n).step_by(64) {
+            gemm_tile(
+                a,
+                &a_rows,
+                weights,
+                (n, k),
+                col0,
+                &mut c,
+                &c_rows,
+                Plant::None,
+            );
+        }
+    }
+    c
+}
+
+/// The grouped GEMM as the kernels compute it, the atomics arriving in `arrival` order:
+/// `[pairs, n]`, NaN rows for pairs whose expert is outside the stack.
+pub fn moe_grouped_gemm(
+    a: &[f32],
+    pair_token: &[i32],
+    pair_expert: &[i32],
+    w: StackedExperts<'_>,
+    arrival: &[usize],
+) -> Vec<f32> {
+    grouped_with(a, pair_token, pair_expert, w, arrival, GroupPlant::None)
+}
+
+#[cfg(test)]
+mod tests;
