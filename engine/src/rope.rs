@@ -60,6 +60,11 @@ impl Rope {
         (main, compress)
     }
 
+    /// The inverse frequencies, one per rotated pair (a device computes its angles from them).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     pub fn rope_dim(&self) -> usize {
         self.inv_freq.len() * 2
     }

@@ -10,6 +10,7 @@ mod dense;
 mod fp4;
 mod moe;
 mod pages;
+mod rows;
 mod sm100;
 
 use std::sync::Arc;
@@ -59,6 +60,7 @@ pub struct Gpu {
     moe_act: Arc<CudaModule>,
     moe_align: Arc<CudaModule>,
     dense: Arc<CudaModule>,
+    rows: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -106,6 +108,7 @@ impl Gpu {
         let moe_act = load(fatbins::MOE_ACT)?;
         let moe_align = load(fatbins::MOE_ALIGN)?;
         let dense = load(fatbins::DENSE_GEMV)?;
+        let rows = load(fatbins::KV_ROWS)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -120,6 +123,7 @@ impl Gpu {
             moe_act,
             moe_align,
             dense,
+            rows,
         }))
     }
 }

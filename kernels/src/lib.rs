@@ -35,6 +35,9 @@
 //!   routed experts of a prefill chunk: pairs grouped by expert on the device, one WMMA GEMM
 //!   over every expert's tiles; grouping in [`moe_group`], emulated by
 //!   [`emulate::moe_grouped_gemm`]).
+//! - `kv_rows.cu` `norm_rope_rows`, `fp8_kv_encode` — [`rows::norm_rope_rows`] (per-head norm
+//!   and RoPE of query heads, K=V rows and attention outputs, within a bound) and
+//!   [`rows::fp8_kv_encode`] (`engine::paged::codec::encode` into pages, bit for bit).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
@@ -70,6 +73,7 @@ pub mod gpu_test;
 pub mod moe_group;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod rows;
 
 /// Embedded fatbins (empty when built without nvcc).
 pub mod fatbins {
@@ -102,6 +106,7 @@ mod tests {
             super::fatbins::INDEXER,
             super::fatbins::MOE_ACT,
             super::fatbins::MOE_ALIGN,
+            super::fatbins::KV_ROWS,
             super::fatbins::DENSE_GEMV,
         ] {
             assert!(fatbin.len() > 16);

@@ -1,0 +1,147 @@
+//! Launch wrappers of `kv_rows.cu`: per-head norm and RoPE of rows, FP8 encoding of K=V rows
+//! into the page pool.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{Gpu, KernelError, grid_dim, non_empty};
+use crate::rows::{NormRope, RowNorm, check_encode};
+
+impl Gpu {
+    /// [`crate::rows::norm_rope_rows`] on the device: `x` is `[positions, heads * head_dim]`,
+    /// `inv_freq` the engine's RoPE table (`Rope::inv_freq`).
+    pub fn norm_rope_rows(
+        &self,
+        x: &[f32],
+        spec: &NormRope<'_>,
+        positions: &[i64],
+        inv_freq: &[f32],
+    ) -> Result<Vec<f32>, KernelError> {
+        spec.check(x.len(), positions.len(), inv_freq.len())?;
+        let mut d_x = self.stream.clone_htod(&non_empty(x))?;
+        let weight = match spec.norm {
+            RowNorm::Weighted(w) => w.to_vec(),
+            _ => Vec::new(),
+        };
+        let d_w = self.stream.clone_htod(&non_empty(&weight))?;
+        let d_pos = self.stream.clone_htod(&non_empty(positions))?;
+        let d_freq = self.stream.clone_htod(&non_empty(inv_freq))?;
+        self.launch_norm_rope_rows(&mut d_x, spec, &d_w, &d_pos, &d_freq, positions.len())?;
+        let mut out = self.stream.clone_dtoh(&d_x)?;
+        out.truncate(x.len());
+        Ok(out)
+    }
+
+    /// [`Self::norm_rope_rows`] on device buffers for `rows` rows; `w` is read only for
+    /// [`RowNorm::Weighted`] (its values on the device; the spec's slice only gives the mode).
+    pub fn launch_norm_rope_rows(
+        &self,
+        x: &mut CudaSlice<f32>,
+        spec: &NormRope<'_>,
+        w: &CudaSlice<f32>,
+        positions: &CudaSlice<i64>,
+        inv_freq: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), KernelError> {
+        let norm: i32 = match spec.norm {
+            RowNorm::None => 0,
+            RowNorm::Unweighted => 1,
+            RowNorm::Weighted(_) => 2,
+        };
+        if x.len() < rows * spec.heads * spec.head_dim
+            || positions.len() < rows
+            || (norm == 2 && w.len() < spec.head_dim)
+            || 2 * inv_freq.len() > spec.head_dim
+        {
+            return Err(KernelError::Shape("norm_rope_rows buffers".into()));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (heads, head_dim) = (spec.heads as i32, spec.head_dim as i32);
+        let rope = 2 * inv_freq.len() as i32;
+        let inverse = i32::from(spec.inverse);
+        let f = self.rows.load_function("norm_rope_rows")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(x)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(w)
+            .arg(&norm)
+            .arg(&spec.eps)
+            .arg(positions)
+            .arg(inv_freq)
+            .arg(&rope)
+            .arg(&inverse);
+        // SAFETY: `norm_rope_rows`' parameters in order; buffers checked above.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(rows * spec.heads, "row heads")?, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`crate::rows::fp8_kv_encode`] on the device: returns `pool` with every row written at
+    /// its offset (negative: skipped). Checked first: whole rows inside the pool, no overlap.
+    pub fn fp8_kv_encode(
+        &self,
+        rows: &[f32],
+        (nope, rope): (usize, usize),
+        pool: &[u8],
+        offsets: &[i64],
+    ) -> Result<Vec<u8>, KernelError> {
+        check_encode(rows.len(), (nope, rope), offsets, pool.len())?;
+        let d_rows = self.stream.clone_htod(&non_empty(rows))?;
+        let mut d_pool = self.stream.clone_htod(&non_empty(pool))?;
+        let d_offsets = self.stream.clone_htod(&non_empty(offsets))?;
+        self.launch_fp8_kv_encode(
+            &d_rows,
+            (nope, rope),
+            &mut d_pool,
+            &d_offsets,
+            offsets.len(),
+        )?;
+        let mut out = self.stream.clone_dtoh(&d_pool)?;
+        out.truncate(pool.len());
+        Ok(out)
+    }
+
+    /// [`Self::fp8_kv_encode`] on device buffers for `count` rows; offsets are the caller's
+    /// contract here (inside the pool, not overlapping).
+    pub fn launch_fp8_kv_encode(
+        &self,
+        rows: &CudaSlice<f32>,
+        (nope, rope): (usize, usize),
+        pool: &mut CudaSlice<u8>,
+        offsets: &CudaSlice<i64>,
+        count: usize,
+    ) -> Result<(), KernelError> {
+        if rows.len() < count * (nope + rope) || offsets.len() < count {
+            return Err(KernelError::Shape("fp8_kv_encode buffers".into()));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let (nope_i, rope_i) = (nope as i32, rope as i32);
+        let f = self.rows.load_function("fp8_kv_encode")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(rows)
+            .arg(&nope_i)
+            .arg(&rope_i)
+            .arg(pool)
+            .arg(offsets);
+        // SAFETY: `fp8_kv_encode`'s parameters in order; 64 threads per row as it expects.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(count, "rows")?, 1, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+}
