@@ -8,6 +8,7 @@ mod attention_fp8;
 mod backend;
 mod dense;
 mod fp4;
+mod hyper;
 mod moe;
 mod pages;
 mod rows;
@@ -22,6 +23,7 @@ pub use attention_fp8::Fp8AttnScratch;
 pub use backend::CudaBackend;
 pub use dense::{DenseWeight, HostDense};
 pub use fp4::{DeviceExperts, GemvFormat};
+pub use hyper::{HyperPre, MAX_HC, Streams};
 pub use moe::{DeviceStack, MoeGrouping};
 pub use pages::DevicePages;
 
@@ -61,6 +63,7 @@ pub struct Gpu {
     moe_align: Arc<CudaModule>,
     dense: Arc<CudaModule>,
     rows: Arc<CudaModule>,
+    hyper: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -109,6 +112,7 @@ impl Gpu {
         let moe_align = load(fatbins::MOE_ALIGN)?;
         let dense = load(fatbins::DENSE_GEMV)?;
         let rows = load(fatbins::KV_ROWS)?;
+        let hyper = load(fatbins::HYPER)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -124,6 +128,7 @@ impl Gpu {
             moe_align,
             dense,
             rows,
+            hyper,
         }))
     }
 }

@@ -38,6 +38,9 @@
 //! - `kv_rows.cu` `norm_rope_rows`, `fp8_kv_encode` — [`rows::norm_rope_rows`] (per-head norm
 //!   and RoPE of query heads, K=V rows and attention outputs, within a bound) and
 //!   [`rows::fp8_kv_encode`] (`engine::paged::codec::encode` into pages, bit for bit).
+//! - `hyper.cu` `hyper_pre`, `hyper_post`, `hyper_head` — `engine::model::hyper` (the
+//!   hyper-connections' mixing from the mixing projections' outputs, bit for bit: `exact.cuh`
+//!   ports the engine's own `exp`, and no multiply-add is contracted).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
@@ -107,6 +110,7 @@ mod tests {
             super::fatbins::MOE_ACT,
             super::fatbins::MOE_ALIGN,
             super::fatbins::KV_ROWS,
+            super::fatbins::HYPER,
             super::fatbins::DENSE_GEMV,
         ] {
             assert!(fatbin.len() > 16);

@@ -44,7 +44,13 @@ pub fn pre_many(xs: &[Vec<f32>], w: &HyperWeights, c: &ModelConfig) -> Vec<(Mix,
         .collect()
 }
 
-fn pre_from_mixes(x: &[f32], mixes: &[f32], w: &HyperWeights, c: &ModelConfig) -> (Mix, Vec<f32>) {
+/// [`pre`] from the mixing projection's outputs `mixes` (`(2 + hc) * hc` values) of the normed streams.
+pub fn pre_from_mixes(
+    x: &[f32],
+    mixes: &[f32],
+    w: &HyperWeights,
+    c: &ModelConfig,
+) -> (Mix, Vec<f32>) {
     let hc = c.hc_mult;
     let d = x.len() / hc;
     let eps = c.hc_eps;

@@ -1,0 +1,65 @@
+// Device ports of the engine's own numeric definitions, bit for bit, so that element-wise ops
+// (sigmoid, softmax, the hyper-connections' mixing) give the CPU reference's bits on the GPU:
+// `exact::exp` is `engine::tensor::exp` (glibc's expf algorithm in double with the same fused
+// multiply-adds, constants, table and special cases). Every product and sum outside it is
+// written with the `_rn` intrinsics, so nvcc cannot contract a multiply and an add into an FMA
+// that the CPU does not do.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+namespace exact {
+
+__constant__ unsigned long long EXP_TABLE[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+__device__ __forceinline__ float exp(float x) {
+    const unsigned int top = (__float_as_uint(x) >> 20) & 0x7ffu;
+    if (top >= 0x42bu) {
+        if (x == -INFINITY) {
+            return 0.0f;
+        }
+        if (top > 0x7f7u) {
+            return x + x;
+        }
+        if (x > __uint_as_float(0x42b17217u)) {
+            return INFINITY;
+        }
+        if (x < __uint_as_float(0xc2cff1b4u)) {
+            return 0.0f;
+        }
+        if (x < __uint_as_float(0xc2ce8ecfu)) {
+            return __uint_as_float(1u);
+        }
+    }
+    const double inv_ln2_n = __longlong_as_double(0x40471547652b82feLL);
+    const double shift = __longlong_as_double(0x4338000000000000LL);
+    const double c0 = __longlong_as_double(0x3ebc6af84b912394LL);
+    const double c1 = __longlong_as_double(0x3f2ebfce50fac4f3LL);
+    const double c2 = __longlong_as_double(0x3f962e42ff0c52d6LL);
+    const double xd = static_cast<double>(x);
+    double kd = __fma_rn(inv_ln2_n, xd, shift);
+    const unsigned long long ki = static_cast<unsigned long long>(__double_as_longlong(kd));
+    kd = __dsub_rn(kd, shift);
+    const double r = __fma_rn(inv_ln2_n, xd, -kd);
+    const double s = __longlong_as_double(static_cast<long long>(EXP_TABLE[ki % 32u] + (ki << 47)));
+    const double p = __fma_rn(c0, r, c1);
+    const double q = __fma_rn(r, c2, 1.0);
+    const double y = __fma_rn(p, __dmul_rn(r, r), q);
+    return __double2float_rn(__dmul_rn(y, s));
+}
+
+// `engine::tensor::sigmoid`: 1 / (1 + exp(-x)).
+__device__ __forceinline__ float sigmoid(float x) {
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, exact::exp(-x)));
+}
+
+}  // namespace exact
