@@ -7,6 +7,7 @@ mod attention;
 mod attention_fp8;
 mod backend;
 mod dense;
+mod exact;
 mod fp4;
 mod hyper;
 mod moe;
@@ -22,6 +23,7 @@ pub use attention::{AttnScratch, AttnShape, IndexerBatch};
 pub use attention_fp8::Fp8AttnScratch;
 pub use backend::CudaBackend;
 pub use dense::{DenseWeight, HostDense};
+pub use exact::{DeviceRows, StoredRows};
 pub use fp4::{DeviceExperts, GemvFormat};
 pub use hyper::{HyperPre, MAX_HC, Streams};
 pub use moe::{DeviceStack, MoeGrouping};
@@ -64,6 +66,7 @@ pub struct Gpu {
     dense: Arc<CudaModule>,
     rows: Arc<CudaModule>,
     hyper: Arc<CudaModule>,
+    exact: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -113,6 +116,7 @@ impl Gpu {
         let dense = load(fatbins::DENSE_GEMV)?;
         let rows = load(fatbins::KV_ROWS)?;
         let hyper = load(fatbins::HYPER)?;
+        let exact = load(fatbins::EXACT_GEMV)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -129,6 +133,7 @@ impl Gpu {
             dense,
             rows,
             hyper,
+            exact,
         }))
     }
 }

@@ -14,6 +14,8 @@
 //!   `tcgen05.mma`.
 //! - [`attn_decode_fp8`]: `attn_decode_fp8.cu` (plan, heads-batched partials on a model of
 //!   bf16 `mma.sync.m16n8k16`, combine).
+//! - [`exact_dots`]: `exact_gemv.cu` (the engine's dot product definition, eight threads as its
+//!   eight lanes).
 //! - [`moe_grouped_gemm`]: `moe_align.cu` then `nvfp4_gemm.cu` `nvfp4_grouped_gemm_bf16`
 //!   (the routed experts of a prefill chunk grouped by expert, one tile model with the GEMM).
 //! - [`nvfp4_gemm_bf16`]: `nvfp4_gemm.cu` (the sm_90 path: FP4 dequantized to bf16 in shared
@@ -21,6 +23,7 @@
 //!   model of the WMMA API.
 
 mod attn_fp8;
+mod exact_dots;
 mod mma_sm120;
 mod moe_grouped;
 mod tcgen05_sm100;
@@ -28,6 +31,7 @@ mod topk_radix;
 mod wmma_bf16;
 
 pub use attn_fp8::{Mma, Tamper, attn_decode_fp8};
+pub use exact_dots::exact_dots;
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 pub use moe_grouped::{StackedExperts, moe_grouped_gemm};
 pub use tcgen05_sm100::nvfp4_gemm_w4a4_sm100;

@@ -38,6 +38,10 @@
 //! - `kv_rows.cu` `norm_rope_rows`, `fp8_kv_encode` — [`rows::norm_rope_rows`] (per-head norm
 //!   and RoPE of query heads, K=V rows and attention outputs, within a bound) and
 //!   [`rows::fp8_kv_encode`] (`engine::paged::codec::encode` into pages, bit for bit).
+//! - `exact_gemv.cu` `exact_gemv_{f32,bf16,fp8_block,nvfp4,mxfp4}` — `engine::tensor::
+//!   dots_source` bit for bit (the engine's one dot-product definition, eight threads as its
+//!   eight lanes), emulated by [`emulate::exact_dots`]: every linear on the device can give the
+//!   CPU reference's bits.
 //! - `hyper.cu` `hyper_pre`, `hyper_post`, `hyper_head` — `engine::model::hyper` (the
 //!   hyper-connections' mixing from the mixing projections' outputs, bit for bit: `exact.cuh`
 //!   ports the engine's own `exp`, and no multiply-add is contracted).
@@ -111,6 +115,7 @@ mod tests {
             super::fatbins::MOE_ALIGN,
             super::fatbins::KV_ROWS,
             super::fatbins::HYPER,
+            super::fatbins::EXACT_GEMV,
             super::fatbins::DENSE_GEMV,
         ] {
             assert!(fatbin.len() > 16);
