@@ -60,11 +60,6 @@ impl Rope {
         (main, compress)
     }
 
-    /// The inverse frequencies, one per rotated pair (a device computes its angles from them).
-    pub fn inv_freq(&self) -> &[f32] {
-        &self.inv_freq
-    }
-
     pub fn rope_dim(&self) -> usize {
         self.inv_freq.len() * 2
     }
@@ -99,6 +94,11 @@ pub struct RopeAt {
 }
 
 impl RopeAt {
+    /// The (sin, cos) of each rotated pair's angle (a device rotates with these values).
+    pub fn sin_cos(&self) -> &[(f32, f32)] {
+        &self.sin_cos
+    }
+
     /// Rotates the trailing dims of `x` (`inverse`: backwards).
     pub fn apply(&self, x: &mut [f32], inverse: bool) {
         let start = x.len() - self.sin_cos.len() * 2;

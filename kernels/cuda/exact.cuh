@@ -62,4 +62,25 @@ __device__ __forceinline__ float sigmoid(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, exact::exp(-x)));
 }
 
+// The engine's `dot(a, b)` (`engine::tensor::dots_source`'s definition) over `n` values,
+// computed by the eight threads of a group (`lane` 0..7, all eight calling with the same
+// arguments and the mask of the group's threads): lane k's fused multiply-add chain over
+// elements 8i + k, the halving k + 4, k + 2, k + 1, then the FMA tail. Valid in lane 0.
+__device__ __forceinline__ float dot_lanes(const float* __restrict__ a, const float* __restrict__ b,
+                                           long long n, int lane, unsigned int mask) {
+    const long long chunks = n / 8;
+    float acc = 0.0f;
+    for (long long i = 0; i < chunks; ++i) {
+        acc = __fmaf_rn(a[i * 8 + lane], b[i * 8 + lane], acc);
+    }
+    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 4, 8));
+    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 2, 8));
+    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 1, 8));
+    float tail = 0.0f;
+    for (long long c = chunks * 8; c < n; ++c) {
+        tail = __fmaf_rn(a[c], b[c], tail);
+    }
+    return __fadd_rn(acc, tail);
+}
+
 }  // namespace exact

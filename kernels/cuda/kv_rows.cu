@@ -3,11 +3,11 @@
 //
 // `norm_rope_rows`: each row holds `heads` heads of `head_dim` values; per head an RMS norm
 //   (none, unweighted, or weighted by `w`), then RoPE on its trailing `rope` dims (pairs
-//   interleaved, angle = position * inv_freq[i] in f32, the engine's `Rope` tables), forward or
-//   inverse. The query heads (unweighted norm, rope), the K=V row (weighted norm, rope) and the
-//   attention output (inverse rope only). References: `engine::tensor::rms_norm{,_unweighted}`
-//   and `engine::rope::RopeAt::apply`; the sum of squares and sin/cos differ from the CPU's in
-//   the last bits, so the tests bound the difference.
+//   interleaved) with the row's (sin, cos) pairs, forward or inverse. The query heads
+//   (unweighted norm, rope), the K=V row (weighted norm, rope) and the attention output
+//   (inverse rope only). Bit for bit `engine::tensor::rms_norm{,_unweighted}` then
+//   `engine::rope::RopeAt::apply`: the sum of squares is the engine's dot, the angles' sin and
+//   cos come from the host.
 //
 // `fp8_kv_encode`: each row into the engine's FP8 K=V format at a byte offset of the page pool
 //   (`engine::paged::codec::encode`, bit for bit: the same block maxima, the same ue8m0 scale
@@ -16,58 +16,47 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exact.cuh"
+
 #define ROW_THREADS 128
 
-// Sum over the block (ROW_THREADS threads) into every thread; `red` is ROW_THREADS floats.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    red[threadIdx.x] = v;
-    __syncthreads();
-    for (int stride = ROW_THREADS / 2; stride > 0; stride /= 2) {
-        if (threadIdx.x < stride) {
-            red[threadIdx.x] += red[threadIdx.x + stride];
-        }
-        __syncthreads();
-    }
-    const float total = red[0];
-    __syncthreads();
-    return total;
-}
-
-// One block per (row, head). norm: 0 none, 1 unweighted, 2 weighted by w[head_dim].
+// One block per (row, head). norm: 0 none, 1 unweighted, 2 weighted by w[head_dim]. The sum
+// of squares is the engine's dot (`exact::dot_lanes` on the first eight threads); the rotation
+// takes the row's (sin, cos) pairs from `sin_cos` ([rows, rope / 2, 2], the engine's
+// `RopeAt` values computed on the host with the positions), so the result is the CPU's bits.
 extern "C" __global__ void norm_rope_rows(float* __restrict__ x, int heads, int head_dim,
                                           const float* __restrict__ w, int norm, float eps,
-                                          const long long* __restrict__ positions,
-                                          const float* __restrict__ inv_freq, int rope,
+                                          const float* __restrict__ sin_cos, int rope,
                                           int inverse) {
-    __shared__ float red[ROW_THREADS];
+    __shared__ float sum_sq;
     const long long row = blockIdx.x / heads;
     const int head = blockIdx.x % heads;
     float* v = x + (row * heads + head) * head_dim;
     if (norm != 0) {
-        float part = 0.0f;
-        for (int d = threadIdx.x; d < head_dim; d += ROW_THREADS) {
-            part += v[d] * v[d];
+        if (threadIdx.x < 8) {
+            const float d = exact::dot_lanes(v, v, head_dim, threadIdx.x, 0xffu);
+            if (threadIdx.x == 0) {
+                sum_sq = d;
+            }
         }
-        const float mean = block_sum(part, red) / static_cast<float>(head_dim);
-        const float scale = 1.0f / sqrtf(mean + eps);
+        __syncthreads();
+        const float mean = __fdiv_rn(sum_sq, static_cast<float>(head_dim));
+        const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
         for (int d = threadIdx.x; d < head_dim; d += ROW_THREADS) {
-            const float scaled = v[d] * scale;
-            v[d] = norm == 2 ? w[d] * scaled : scaled;
+            const float scaled = __fmul_rn(v[d], scale);
+            v[d] = norm == 2 ? __fmul_rn(w[d], scaled) : scaled;
         }
         __syncthreads();
     }
-    const float pos = static_cast<float>(positions[row]);
     const int start = head_dim - rope;
+    const float* sc = sin_cos + row * rope;
     for (int i = threadIdx.x; i < rope / 2; i += ROW_THREADS) {
-        float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
-        if (inverse) {
-            s = -s;
-        }
+        const float s = inverse ? -sc[2 * i] : sc[2 * i];
+        const float c = sc[2 * i + 1];
         const float a = v[start + 2 * i];
         const float b = v[start + 2 * i + 1];
-        v[start + 2 * i] = a * c - b * s;
-        v[start + 2 * i + 1] = b * c + a * s;
+        v[start + 2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        v[start + 2 * i + 1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     }
 }
 

@@ -36,7 +36,7 @@
 //!   over every expert's tiles; grouping in [`moe_group`], emulated by
 //!   [`emulate::moe_grouped_gemm`]).
 //! - `kv_rows.cu` `norm_rope_rows`, `fp8_kv_encode` — [`rows::norm_rope_rows`] (per-head norm
-//!   and RoPE of query heads, K=V rows and attention outputs, within a bound) and
+//!   and RoPE of query heads, K=V rows and attention outputs, bit for bit) and
 //!   [`rows::fp8_kv_encode`] (`engine::paged::codec::encode` into pages, bit for bit).
 //! - `exact_gemv.cu` `exact_gemv_{f32,bf16,fp8_block,nvfp4,mxfp4}` — `engine::tensor::
 //!   dots_source` bit for bit (the engine's one dot-product definition, eight threads as its

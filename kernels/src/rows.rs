@@ -14,46 +14,65 @@ pub enum RowNorm<'a> {
 }
 
 /// One `norm_rope_rows` launch: rows of `heads` heads of `head_dim` values, RoPE on each head's
-/// trailing `2 * inv_freq.len()` dims.
+/// trailing `rope` dims.
 #[derive(Debug, Clone, Copy)]
 pub struct NormRope<'a> {
     pub heads: usize,
     pub head_dim: usize,
+    pub rope: usize,
     pub norm: RowNorm<'a>,
     pub eps: f32,
     pub inverse: bool,
 }
 
 impl NormRope<'_> {
-    /// Checks the values, positions and frequencies against the shape.
-    pub fn check(&self, values: usize, positions: usize, inv_freq: usize) -> Result<(), String> {
+    /// Checks the values and the rows' (sin, cos) table against the shape; the number of rows.
+    pub fn check(&self, values: usize, sin_cos: usize) -> Result<usize, String> {
         let width = self.heads * self.head_dim;
+        let rows = values / width.max(1);
         let weight_ok = match self.norm {
             RowNorm::Weighted(w) => w.len() == self.head_dim,
             _ => true,
         };
         if self.heads == 0
             || self.head_dim == 0
-            || 2 * inv_freq > self.head_dim
-            || values != positions * width
+            || !self.rope.is_multiple_of(2)
+            || self.rope > self.head_dim
+            || values != rows * width
+            || sin_cos != rows * self.rope
             || !weight_ok
         {
             return Err(format!(
-                "norm_rope_rows: {values} values, {positions} positions and {inv_freq} rope \
-                 pairs for rows of {} heads of {}",
-                self.heads, self.head_dim
+                "norm_rope_rows: {values} values and {sin_cos} sin/cos values for rows of {} \
+                 heads of {} with {} rope dims",
+                self.heads, self.head_dim, self.rope
             ));
         }
-        Ok(())
+        Ok(rows)
     }
+}
+
+/// The (sin, cos) pairs of `rope` at each position, `[positions, rope_dim]` interleaved: what
+/// the device rotates with (the engine's own values, so the rotation is bit for bit).
+pub fn sin_cos_table(rope: &Rope, positions: &[usize]) -> Vec<f32> {
+    positions
+        .iter()
+        .flat_map(|&p| {
+            rope.at(p)
+                .sin_cos()
+                .iter()
+                .flat_map(|&(s, c)| [s, c])
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// The reference of `norm_rope_rows`: per head the engine's norm, then `rope` at the row's
 /// position.
-pub fn norm_rope_rows(x: &mut [f32], spec: &NormRope<'_>, positions: &[i64], rope: &Rope) {
+pub fn norm_rope_rows(x: &mut [f32], spec: &NormRope<'_>, positions: &[usize], rope: &Rope) {
     let width = spec.heads * spec.head_dim;
     for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
-        let rotation = rope.at(pos as usize);
+        let rotation = rope.at(pos);
         for head in row.chunks_exact_mut(spec.head_dim) {
             match spec.norm {
                 RowNorm::None => {}
@@ -123,18 +142,30 @@ mod tests {
         let spec = NormRope {
             heads: 2,
             head_dim: 8,
+            rope: 4,
             norm: RowNorm::Weighted(&w),
             eps: 1e-6,
             inverse: false,
         };
-        assert_eq!(spec.check(32, 2, 4), Ok(()));
-        assert!(spec.check(32, 2, 5).is_err(), "rope wider than a head");
-        assert!(spec.check(31, 2, 4).is_err());
+        assert_eq!(spec.check(32, 8), Ok(2));
+        assert!(
+            NormRope { rope: 10, ..spec }.check(32, 20).is_err(),
+            "rope wider than a head"
+        );
+        assert!(
+            NormRope { rope: 3, ..spec }.check(32, 6).is_err(),
+            "odd rope"
+        );
+        assert!(spec.check(31, 8).is_err());
+        assert!(spec.check(32, 6).is_err(), "table short");
         let narrow = NormRope {
             norm: RowNorm::Weighted(&w[..7]),
             ..spec
         };
-        assert!(narrow.check(32, 2, 4).is_err());
+        assert!(narrow.check(32, 8).is_err());
+        let table = sin_cos_table(&Rope::plain(10_000.0, 4), &[0, 3]);
+        assert_eq!(table.len(), 8);
+        assert_eq!(&table[..4], &[0.0, 1.0, 0.0, 1.0]);
         // nope 24 + rope 8: 24 + 16 + 8 = 48 bytes a row.
         assert_eq!(check_encode(64, (24, 8), &[0, 48], 96), Ok(()));
         assert_eq!(check_encode(64, (24, 8), &[-1, 48], 96), Ok(()));

@@ -1,7 +1,7 @@
 //! The row ops of `kv_rows.cu` on the GPU: FP8 K=V rows encoded into the pool exactly as the
 //! engine encodes them (bytes equal, special values included, skipped rows and the bytes
-//! between rows untouched), and per-head norm + RoPE within 1e-5 of the engine's functions
-//! (query heads, K=V rows, inverse on outputs, positions up to 2^20). Skips without a GPU
+//! between rows untouched), and per-head norm + RoPE with the engine's bits (query heads, K=V rows,
+//! inverse on outputs, a head of 19 values, positions up to 2^20). Skips without a GPU
 //! (fails under `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
@@ -78,8 +78,8 @@ fn gpu_fp8_kv_encode_writes_the_engines_bytes() {
 }
 
 #[test]
-fn gpu_norm_rope_rows_match_the_engine() {
-    let Some(gpu) = Gpu::for_test("gpu_norm_rope_rows_match_the_engine") else {
+fn gpu_norm_rope_rows_give_the_engines_bits() {
+    let Some(gpu) = Gpu::for_test("gpu_norm_rope_rows_give_the_engines_bits") else {
         return;
     };
     let mut rng = Rng::for_tensor(62, "gpu-norm-rope");
@@ -91,28 +91,28 @@ fn gpu_norm_rope_rows_match_the_engine() {
         (1, 512, &rope, RowNorm::Weighted(&weight), false),
         (64, 512, &rope, RowNorm::None, true),
         (5, 64, &small, RowNorm::Unweighted, false),
-        (3, 16, &small, RowNorm::None, false),
+        (3, 19, &small, RowNorm::Unweighted, false),
     ] {
         let spec = NormRope {
             heads,
             head_dim,
+            rope: table.rope_dim(),
             norm,
             eps: 1e-6,
             inverse,
         };
-        let positions: Vec<i64> = vec![0, 1, 7, 4095, 65_537, 1 << 20];
+        let positions = [0usize, 1, 7, 4095, 65_537, 1 << 20];
         let x: Vec<f32> = (0..positions.len() * heads * head_dim)
             .map(|_| rng.normal() * 3.0)
             .collect();
         let mut want = x.clone();
         rows::norm_rope_rows(&mut want, &spec, &positions, table);
-        let got = gpu
-            .norm_rope_rows(&x, &spec, &positions, table.inv_freq())
-            .unwrap();
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                "{heads}x{head_dim} {norm:?} inverse {inverse}: [{i}] {g} vs {w}"
+        let sin_cos = rows::sin_cos_table(table, &positions);
+        let got = gpu.norm_rope_rows(&x, &spec, &sin_cos).unwrap();
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!(
+                "{heads}x{head_dim} {norm:?} inverse {inverse}: [{i}] {} vs the engine's {}",
+                got[i], want[i]
             );
         }
     }

@@ -7,25 +7,24 @@ use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::rows::{NormRope, RowNorm, check_encode};
 
 impl Gpu {
-    /// [`crate::rows::norm_rope_rows`] on the device: `x` is `[positions, heads * head_dim]`,
-    /// `inv_freq` the engine's RoPE table (`Rope::inv_freq`).
+    /// [`crate::rows::norm_rope_rows`] on the device, bit for bit: `x` is
+    /// `[rows, heads * head_dim]`, `sin_cos` the rows' rotation values
+    /// ([`crate::rows::sin_cos_table`]).
     pub fn norm_rope_rows(
         &self,
         x: &[f32],
         spec: &NormRope<'_>,
-        positions: &[i64],
-        inv_freq: &[f32],
+        sin_cos: &[f32],
     ) -> Result<Vec<f32>, KernelError> {
-        spec.check(x.len(), positions.len(), inv_freq.len())?;
+        let rows = spec.check(x.len(), sin_cos.len())?;
         let mut d_x = self.stream.clone_htod(&non_empty(x))?;
         let weight = match spec.norm {
             RowNorm::Weighted(w) => w.to_vec(),
             _ => Vec::new(),
         };
         let d_w = self.stream.clone_htod(&non_empty(&weight))?;
-        let d_pos = self.stream.clone_htod(&non_empty(positions))?;
-        let d_freq = self.stream.clone_htod(&non_empty(inv_freq))?;
-        self.launch_norm_rope_rows(&mut d_x, spec, &d_w, &d_pos, &d_freq, positions.len())?;
+        let d_sc = self.stream.clone_htod(&non_empty(sin_cos))?;
+        self.launch_norm_rope_rows(&mut d_x, spec, &d_w, &d_sc, rows)?;
         let mut out = self.stream.clone_dtoh(&d_x)?;
         out.truncate(x.len());
         Ok(out)
@@ -38,8 +37,7 @@ impl Gpu {
         x: &mut CudaSlice<f32>,
         spec: &NormRope<'_>,
         w: &CudaSlice<f32>,
-        positions: &CudaSlice<i64>,
-        inv_freq: &CudaSlice<f32>,
+        sin_cos: &CudaSlice<f32>,
         rows: usize,
     ) -> Result<(), KernelError> {
         let norm: i32 = match spec.norm {
@@ -48,17 +46,16 @@ impl Gpu {
             RowNorm::Weighted(_) => 2,
         };
         if x.len() < rows * spec.heads * spec.head_dim
-            || positions.len() < rows
+            || sin_cos.len() < rows * spec.rope
             || (norm == 2 && w.len() < spec.head_dim)
-            || 2 * inv_freq.len() > spec.head_dim
+            || spec.rope > spec.head_dim
         {
             return Err(KernelError::Shape("norm_rope_rows buffers".into()));
         }
         if rows == 0 {
             return Ok(());
         }
-        let (heads, head_dim) = (spec.heads as i32, spec.head_dim as i32);
-        let rope = 2 * inv_freq.len() as i32;
+        let (heads, head_dim, rope) = (spec.heads as i32, spec.head_dim as i32, spec.rope as i32);
         let inverse = i32::from(spec.inverse);
         let f = self.rows.load_function("norm_rope_rows")?;
         let mut launch = self.stream.launch_builder(&f);
@@ -69,8 +66,7 @@ impl Gpu {
             .arg(w)
             .arg(&norm)
             .arg(&spec.eps)
-            .arg(positions)
-            .arg(inv_freq)
+            .arg(sin_cos)
             .arg(&rope)
             .arg(&inverse);
         // SAFETY: `norm_rope_rows`' parameters in order; buffers checked above.
