@@ -4,6 +4,7 @@
 //! the `launch_*` methods work on device buffers (benchmarks, the engine).
 
 mod attention;
+mod attention_exact;
 mod attention_fp8;
 mod backend;
 mod dense;
@@ -60,6 +61,7 @@ pub struct Gpu {
     gemm_sm100: Arc<CudaModule>,
     attn: Arc<CudaModule>,
     attn_fp8: Arc<CudaModule>,
+    attn_exact: Arc<CudaModule>,
     indexer: Arc<CudaModule>,
     moe_act: Arc<CudaModule>,
     moe_align: Arc<CudaModule>,
@@ -110,6 +112,7 @@ impl Gpu {
         let gemm_sm100 = load(fatbins::NVFP4_GEMM_SM100)?;
         let attn = load(fatbins::ATTN_DECODE)?;
         let attn_fp8 = load(fatbins::ATTN_DECODE_FP8)?;
+        let attn_exact = load(fatbins::ATTN_EXACT)?;
         let indexer = load(fatbins::INDEXER)?;
         let moe_act = load(fatbins::MOE_ACT)?;
         let moe_align = load(fatbins::MOE_ALIGN)?;
@@ -127,6 +130,7 @@ impl Gpu {
             gemm_sm100,
             attn,
             attn_fp8,
+            attn_exact,
             indexer,
             moe_act,
             moe_align,

@@ -29,6 +29,8 @@
 //!   of a request against each tile of rows at once: bf16 `mma.sync` tensor cores, a split plan
 //!   computed on the device; shapes in [`attn_fp8`], emulated in CI by
 //!   [`emulate::attn_decode_fp8`]).
+//! - `attn_exact.cu` `attn_exact` — `engine::model::attention::attend` bit for bit (the
+//!   reference-exact decode attention a device forward uses in exact mode; CUDA cores).
 //! - `indexer.cu` `indexer_scores` + `indexer_topk` — [`cpu::indexer_topk`] (lightning indexer
 //!   with the causal rule; top-k by radix select, linear in the keys; ties to the lower index).
 //! - `moe_align.cu` + `nvfp4_gemm.cu` `nvfp4_grouped_gemm_bf16` — [`cpu::grouped_gemm`] (the
@@ -110,6 +112,7 @@ mod tests {
             super::fatbins::NVFP4_GEMM_SM100,
             super::fatbins::ATTN_DECODE,
             super::fatbins::ATTN_DECODE_FP8,
+            super::fatbins::ATTN_EXACT,
             super::fatbins::INDEXER,
             super::fatbins::MOE_ACT,
             super::fatbins::MOE_ALIGN,

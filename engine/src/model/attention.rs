@@ -333,7 +333,7 @@ pub fn forward(
 /// the keys, `heads * head_dim` values. The heads' maxima and denominators are accumulated side
 /// by side (one chain per head, each in key order), so the chains do not wait on each other;
 /// every head sees the same operations in the same order as it would alone.
-fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], scale: f32, hd: usize) -> Vec<f32> {
+pub fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], scale: f32, hd: usize) -> Vec<f32> {
     let heads: Vec<&[f32]> = q.chunks_exact(hd).collect();
     let (h, n) = (heads.len(), keys.len());
     // [head][key]
