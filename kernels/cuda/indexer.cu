@@ -10,39 +10,37 @@
 #include <stdint.h>
 #include <math.h>
 
+#include "exact.cuh"
+
 #define THREADS 256
 
-// One warp per (request, key). keys: f32 rows of `dim`, CSR by request (key_starts);
-// q: [B, heads, dim]; w: [B, heads] (already scaled by heads^-0.5).
+// One group of eight threads per (request, key), with the engine's bits (the `select` of
+// `engine::model::attention`): per head the engine's dot of the key and the head's query
+// (`exact::dot_lanes`), ReLU keeping a NaN, times scale, times the head's weight, summed over
+// the heads in order from -0 (as `Iterator::sum` does). keys: f32 rows of `dim`, CSR by request
+// (key_starts); q: [B, heads, dim] (rotated); w: [B, heads] (already scaled by heads^-0.5).
 extern "C" __global__ void indexer_scores(const float* __restrict__ q, const float* __restrict__ w,
                                           const float* __restrict__ keys,
                                           const long long* __restrict__ key_starts,
                                           const int* __restrict__ visible, int batch, int heads,
                                           int dim, float scale, long long max_keys,
                                           float* __restrict__ scores) {  // [B, max_keys]
-    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    const long long b = warp / max_keys;
-    const long long s = warp % max_keys;
-    if (b >= batch || s >= visible[b]) {
-        return;
-    }
-    const float* key = keys + (key_starts[b] + s) * dim;
-    float total = 0.0f;
+    const long long group = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 8;
+    const int lane = threadIdx.x % 8;
+    const long long b = group / max_keys;
+    const long long s = group % max_keys;
+    // Whole warps take part in the shuffles; groups without a key compute a throwaway score.
+    const bool live = b < batch && s < visible[b < batch ? b : 0];
+    const long long bb = live ? b : 0;
+    const float* key = keys + (live ? (key_starts[b] + s) : 0) * dim;
+    float total = -0.0f;
     for (int h = 0; h < heads; ++h) {
-        const float* qh = q + (b * heads + h) * dim;
-        float dotp = 0.0f;
-        for (int d = lane; d < dim; d += 32) {
-            dotp += qh[d] * key[d];
-        }
-        #pragma unroll
-        for (int off = 16; off > 0; off /= 2) {
-            dotp += __shfl_down_sync(0xffffffffu, dotp, off);
-        }
+        const float* qh = q + (bb * heads + h) * dim;
+        const float dotp = exact::dot_lanes(key, qh, dim, lane, 0xffffffffu);
         const float relu = isnan(dotp) ? dotp : fmaxf(dotp, 0.0f);
-        total += relu * scale * w[b * heads + h];
+        total = __fadd_rn(total, __fmul_rn(__fmul_rn(relu, scale), w[bb * heads + h]));
     }
-    if (lane == 0) {
+    if (live && lane == 0) {
         scores[b * max_keys + s] = total;
     }
 }

@@ -249,8 +249,9 @@ impl Gpu {
                 .arg(&batch.scale)
                 .arg(&max_keys_i)
                 .arg(&mut d_scores);
-            let warps = n * max_keys;
-            let grid = u32::try_from((warps * 32).div_ceil(256))
+            // A group of eight threads per (request, key).
+            let groups = n * max_keys;
+            let grid = u32::try_from((groups * 8).div_ceil(256))
                 .map_err(|_| KernelError::Shape("grid".into()))?;
             // SAFETY: argument types and order match `indexer_scores`; buffers sized above.
             unsafe {
