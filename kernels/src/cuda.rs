@@ -7,6 +7,7 @@ mod attention;
 mod attention_exact;
 mod attention_fp8;
 mod backend;
+mod compress;
 mod dense;
 mod exact;
 mod fp4;
@@ -23,6 +24,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 pub use attention::{AttnScratch, AttnShape, IndexerBatch};
 pub use attention_fp8::Fp8AttnScratch;
 pub use backend::CudaBackend;
+pub use compress::Windows;
 pub use dense::{DenseWeight, HostDense};
 pub use exact::{DeviceRows, StoredRows};
 pub use fp4::{DeviceExperts, GemvFormat};
@@ -69,6 +71,7 @@ pub struct Gpu {
     rows: Arc<CudaModule>,
     hyper: Arc<CudaModule>,
     exact: Arc<CudaModule>,
+    compress: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -120,6 +123,7 @@ impl Gpu {
         let rows = load(fatbins::KV_ROWS)?;
         let hyper = load(fatbins::HYPER)?;
         let exact = load(fatbins::EXACT_GEMV)?;
+        let compress = load(fatbins::COMPRESS)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -138,6 +142,7 @@ impl Gpu {
             rows,
             hyper,
             exact,
+            compress,
         }))
     }
 }

@@ -44,6 +44,8 @@
 //!   dots_source` bit for bit (the engine's one dot-product definition, eight threads as its
 //!   eight lanes), emulated by [`emulate::exact_dots`]: every linear on the device can give the
 //!   CPU reference's bits.
+//! - `compress.cu` `compress_pool` — `engine::model::compressor::pool_window` bit for bit (a
+//!   closed window's row before its norm and rotation, CSA with overlap and HCA without).
 //! - `hyper.cu` `hyper_pre`, `hyper_post`, `hyper_head` — `engine::model::hyper` (the
 //!   hyper-connections' mixing from the mixing projections' outputs, bit for bit: `exact.cuh`
 //!   ports the engine's own `exp`, and no multiply-add is contracted).
@@ -119,6 +121,7 @@ mod tests {
             super::fatbins::KV_ROWS,
             super::fatbins::HYPER,
             super::fatbins::EXACT_GEMV,
+            super::fatbins::COMPRESS,
             super::fatbins::DENSE_GEMV,
         ] {
             assert!(fatbin.len() > 16);

@@ -143,11 +143,7 @@ pub fn push_many(
     let emitted: Vec<Vec<f32>> = closed
         .par_iter()
         .map(|c| {
-            let mut row = if w.overlap {
-                overlapped(w, &c.prev, &c.kv, &c.gate)
-            } else {
-                pooled(w.head_dim, w.ratio, &c.kv, &c.gate, 0, width)
-            };
+            let mut row = pool_window(w, &c.prev, &c.kv, &c.gate);
             rms_norm(&mut row, &w.norm, eps);
             rope.apply(&mut row, c.window * w.ratio, false);
             row
@@ -155,6 +151,23 @@ pub fn push_many(
         .collect();
     for row in emitted {
         state.rows.extend_from_slice(&row);
+    }
+}
+
+/// A closed window's row before its norm and rotation: the per-channel softmax over the gate
+/// scores (`gate`, position bias added) weighting the slots' projected `kv` (`ratio` slots of
+/// `width` each); with overlap (CSA) the previous window's Ca slices `prev` (kv, gate; empty
+/// before the first window) come first.
+pub fn pool_window(
+    w: &CompressorWeights,
+    prev: &(Vec<f32>, Vec<f32>),
+    kv: &[f32],
+    gate: &[f32],
+) -> Vec<f32> {
+    if w.overlap {
+        overlapped(w, prev, kv, gate)
+    } else {
+        pooled(w.head_dim, w.ratio, kv, gate, 0, w.wkv.rows)
     }
 }
 
