@@ -10,7 +10,7 @@
 # (PDSERVE_REQUIRE_GPU=1: a run without a working GPU cannot pass). Takes a few minutes (the
 # bench about one).
 set -uo pipefail
-TESTS="nvfp4_quant fp4_gemv nvfp4_gemm nvfp4_gemm_sm100 moe_grouped attn_decode attn_decode_fp8 attn_exact kv_rows compress hyper exact_gemv indexer cuda_backend device_pages"
+TESTS="nvfp4_quant fp4_gemv nvfp4_gemm nvfp4_gemm_sm100 moe_grouped attn_decode attn_decode_fp8 attn_exact kv_rows compress hyper exact_gemv moe_exact indexer cuda_backend device_pages"
 if [ "${1:-}" = "--stage" ]; then
   OUT="${2:-gpu-bin}"
   rm -rf "$OUT" && mkdir -p "$OUT/deps" || exit 1

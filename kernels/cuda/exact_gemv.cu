@@ -121,3 +121,58 @@ EXACT_GEMV(exact_gemv_bf16, BF16)
 EXACT_GEMV(exact_gemv_fp8_block, FP8_BLOCK)
 EXACT_GEMV(exact_gemv_nvfp4, NVFP4)
 EXACT_GEMV(exact_gemv_mxfp4, MXFP4)
+
+// The routed experts of a step with the same definition: pair p's output row r is
+// dot(expert e_p's row r, x[token_p]) for the stacked experts `[experts, rows, cols]` (FP4
+// bytes per expert `rows * cols / 2`, scales `rows * cols / 16` (NVFP4, with a global scale per
+// expert) or `/ 32` (MXFP4)). Grid: (row blocks, pairs); a pair whose expert is outside the
+// stack is left as it is (NaN from the caller's fill).
+template <int FMT>
+__device__ __forceinline__ void exact_pairs(const uint8_t* __restrict__ packed,
+                                            const uint8_t* __restrict__ scales,
+                                            const float* __restrict__ scale_2, int experts,
+                                            long long rows, long long cols,
+                                            const int* __restrict__ pair_token,
+                                            const int* __restrict__ pair_expert,
+                                            const float* __restrict__ x, float* __restrict__ y) {
+    const long long p = blockIdx.y;
+    const int e = pair_expert[p];
+    if (e < 0 || e >= experts) {
+        return;
+    }
+    const long long per = rows * cols;
+    const Rows s{packed + e * per / 2, scales + e * per / (FMT == NVFP4 ? 16 : 32),
+                 FMT == NVFP4 ? scale_2[e] : 1.0f, cols};
+    exact_gemv<FMT>(s, 0, rows, x + static_cast<long long>(pair_token[p]) * cols, 1,
+                    y + p * rows);
+}
+
+#define EXACT_PAIRS(NAME, FMT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                           \
+        NAME(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scales,            \
+             const float* __restrict__ scale_2, int experts, long long rows, long long cols,    \
+             const int* __restrict__ pair_token, const int* __restrict__ pair_expert,           \
+             const float* __restrict__ x, float* __restrict__ y) {                              \
+        exact_pairs<FMT>(packed, scales, scale_2, experts, rows, cols, pair_token, pair_expert, \
+                         x, y);                                                                 \
+    }
+
+EXACT_PAIRS(exact_pairs_nvfp4, NVFP4)
+EXACT_PAIRS(exact_pairs_mxfp4, MXFP4)
+
+// The MoE output of every token with the engine's bits (`moe::forward_many`'s sum): from 0,
+// each routed slot's output times its weight added in slot order (a multiply then an add), then
+// the shared expert's output. ys: [tokens * k, hidden] (token-major slots); weights: [tokens, k].
+extern "C" __global__ void moe_combine(const float* __restrict__ ys,
+                                       const float* __restrict__ weights,
+                                       const float* __restrict__ shared, int k, long long hidden,
+                                       float* __restrict__ out) {
+    const long long t = blockIdx.x;
+    for (long long d = threadIdx.x; d < hidden; d += blockDim.x) {
+        float o = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            o = __fadd_rn(o, __fmul_rn(ys[(t * k + j) * hidden + d], weights[t * k + j]));
+        }
+        out[t * hidden + d] = __fadd_rn(o, shared[t * hidden + d]);
+    }
+}

@@ -27,6 +27,34 @@ pub enum StoredRows<'a> {
     },
 }
 
+impl<'a> StoredRows<'a> {
+    /// The stored form of an engine weight, as it is in the checkpoint's mapping.
+    pub fn of(w: &'a engine::tensor::Weight) -> Self {
+        use engine::tensor::WeightForm;
+        match w.form() {
+            WeightForm::F32(v) => StoredRows::F32(v),
+            WeightForm::Bf16(b) => StoredRows::Bf16(b.as_slice()),
+            WeightForm::Fp8Block { codes, scales } => StoredRows::Fp8Block {
+                codes: codes.as_slice(),
+                scales,
+            },
+            WeightForm::Nvfp4 {
+                packed,
+                scales,
+                scale_2,
+            } => StoredRows::Nvfp4 {
+                packed: packed.as_slice(),
+                scales: scales.as_slice(),
+                scale_2: *scale_2,
+            },
+            WeightForm::Mxfp4 { packed, scales } => StoredRows::Mxfp4 {
+                packed: packed.as_slice(),
+                scales: scales.as_slice(),
+            },
+        }
+    }
+}
+
 /// The same weight on the device: its bytes and scale bytes, its format.
 #[derive(Debug)]
 pub struct DeviceRows {
@@ -195,5 +223,153 @@ impl Gpu {
             })?;
         }
         Ok(())
+    }
+}
+
+/// Stacked FP4 experts on the host, `[experts, rows, cols]` each in its stored bytes.
+#[derive(Debug, Clone, Copy)]
+pub enum StoredExperts<'a> {
+    Nvfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+        /// One per expert.
+        scale_2: &'a [f32],
+    },
+    Mxfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+    },
+}
+
+impl Gpu {
+    /// Each pair's expert rows times its token's vector with the engine's bits (the routed
+    /// experts' projections, `Weight::apply` per pair): `x` is `[tokens, cols]`, the result
+    /// `[pairs, rows]`; a pair whose expert is outside the stack gets a NaN row.
+    pub fn exact_pairs(
+        &self,
+        stack: StoredExperts<'_>,
+        (experts, rows, cols): (usize, usize, usize),
+        pair_token: &[i32],
+        pair_expert: &[i32],
+        x: &[f32],
+        tokens: usize,
+    ) -> Result<Vec<f32>, KernelError> {
+        let per = rows * cols;
+        let (kernel, packed, scales, scale_2, ok) = match stack {
+            StoredExperts::Nvfp4 {
+                packed,
+                scales,
+                scale_2,
+            } => (
+                "exact_pairs_nvfp4",
+                packed,
+                scales,
+                scale_2.to_vec(),
+                cols.is_multiple_of(16)
+                    && scales.len() == experts * per / 16
+                    && scale_2.len() == experts,
+            ),
+            StoredExperts::Mxfp4 { packed, scales } => (
+                "exact_pairs_mxfp4",
+                packed,
+                scales,
+                vec![1.0; experts],
+                cols.is_multiple_of(32) && scales.len() == experts * per / 32,
+            ),
+        };
+        let pairs = pair_token.len();
+        if !ok
+            || packed.len() != experts * per / 2
+            || pair_expert.len() != pairs
+            || x.len() != tokens * cols
+            || pair_token.iter().any(|&t| t < 0 || t as usize >= tokens)
+            || pairs > 65_535
+        {
+            return Err(KernelError::Shape(format!(
+                "exact pairs: {pairs} pairs over {experts} experts of [{rows}, {cols}] and {tokens} \
+                 tokens (at most 65535 pairs a launch)"
+            )));
+        }
+        let mut d_y = self
+            .stream
+            .clone_htod(&vec![f32::NAN; (pairs * rows).max(1)])?;
+        if pairs > 0 && rows > 0 {
+            let d_packed = self.stream.clone_htod(&non_empty(packed))?;
+            let d_scales = self.stream.clone_htod(&non_empty(scales))?;
+            let d_s2 = self.stream.clone_htod(&non_empty(&scale_2))?;
+            let d_token = self.stream.clone_htod(pair_token)?;
+            let d_expert = self.stream.clone_htod(pair_expert)?;
+            let d_x = self.stream.clone_htod(&non_empty(x))?;
+            let (experts_i, rows_i, cols_i) = (experts as i32, rows as i64, cols as i64);
+            let f = self.exact.load_function(kernel)?;
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&d_packed)
+                .arg(&d_scales)
+                .arg(&d_s2)
+                .arg(&experts_i)
+                .arg(&rows_i)
+                .arg(&cols_i)
+                .arg(&d_token)
+                .arg(&d_expert)
+                .arg(&d_x)
+                .arg(&mut d_y);
+            // SAFETY: `exact_pairs_*`'s parameters in order; the stack's bytes checked above.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid_dim(rows.div_ceil(32), "rows")?, pairs as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let mut y = self.stream.clone_dtoh(&d_y)?;
+        y.truncate(pairs * rows);
+        Ok(y)
+    }
+
+    /// The MoE output of every token with the engine's bits: `ys` `[tokens * k, hidden]` (slot
+    /// outputs, token-major), `weights` `[tokens, k]`, `shared` `[tokens, hidden]`.
+    pub fn moe_combine(
+        &self,
+        ys: &[f32],
+        weights: &[f32],
+        shared: &[f32],
+        k: usize,
+    ) -> Result<Vec<f32>, KernelError> {
+        let tokens = weights.len().checked_div(k).unwrap_or(0);
+        let hidden = shared.len().checked_div(tokens).unwrap_or(0);
+        if k == 0 || weights.len() != tokens * k || ys.len() != tokens * k * hidden {
+            return Err(KernelError::Shape("moe_combine shapes".into()));
+        }
+        let mut d_out = self
+            .stream
+            .clone_htod(&vec![f32::NAN; shared.len().max(1)])?;
+        if tokens > 0 && hidden > 0 {
+            let d_ys = self.stream.clone_htod(ys)?;
+            let d_w = self.stream.clone_htod(weights)?;
+            let d_shared = self.stream.clone_htod(shared)?;
+            let (k_i, hidden_i) = (k as i32, hidden as i64);
+            let f = self.exact.load_function("moe_combine")?;
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&d_ys)
+                .arg(&d_w)
+                .arg(&d_shared)
+                .arg(&k_i)
+                .arg(&hidden_i)
+                .arg(&mut d_out);
+            // SAFETY: `moe_combine`'s parameters in order; shapes checked above.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid_dim(tokens, "tokens")?, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let mut out = self.stream.clone_dtoh(&d_out)?;
+        out.truncate(shared.len());
+        Ok(out)
     }
 }
