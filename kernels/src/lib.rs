@@ -66,10 +66,16 @@
 //! tensor-core kernel a device may run is decided by [`arch`].
 //!
 //! Without a GPU, CI still checks the device code: [`emulate`] runs the kernels' own index math
-//! and reduction steps on the CPU (decode attention's splits and merge, the indexer's top-k
-//! rounds, the sm_120 FP4 MMA's register loads and stores through its fragment layout) against
-//! the references, and `build.rs` refuses register spills, local memory and tensor-core kernels
-//! whose SASS lacks their architecture's MMA instruction.
+//! and reduction steps on the CPU (decode attention's splits and merge, the heads-batched FP8
+//! attention's plan and MMA fragments, the indexer's radix select, the grouped GEMM's grouping,
+//! the exact GEMV's lanes, the FP4 MMAs' register loads and stores through their fragment
+//! layouts) against the references, and `build.rs` refuses register spills, local memory and
+//! tensor-core kernels whose SASS lacks their architecture's MMA instruction.
+//!
+//! Two kinds of kernels: fast ones (tensor cores, FP8 rows) checked against f64 references
+//! within a stated bound, and exact ones (`exact.cuh` and the kernels built on it) that give
+//! the engine's own bits, so a device forward can be compared with the CPU bit for bit
+//! (`docs/architecture.md`, "The CPU engine's numbers").
 
 pub mod arch;
 pub mod attn_fp8;
