@@ -29,6 +29,9 @@ const GROUPED: (usize, usize, usize, usize) = (64, 2048, 7168, 8);
 const HEAD: (usize, usize) = (129_280, 4096);
 /// 16 requests x 64 heads over 4096 f32 rows of 512: (batch, heads, dim, rows per request).
 const ATTN: (usize, usize, usize, usize) = (16, 64, 512, 4096);
+/// The exact attention (rows read twice per head on CUDA cores): 4 requests x 64 heads over 1024
+/// f32 rows of 512.
+const EXACT_ATTN: (usize, usize, usize, usize) = (4, 64, 512, 1024);
 /// A V4-Flash prefill chunk's routed experts, gate and up fused: (tokens, top-k, experts, n,
 /// k) = 2048 tokens to 6 of 256 experts of 4096 x 4096.
 const MOE_PREFILL: (usize, usize, usize, usize, usize) = (2048, 6, 256, 4096, 4096);
@@ -84,6 +87,16 @@ fn planned() -> Vec<Row> {
             cost::attn_decode(batch, heads, shape.dim(), per, shape.row_bytes()),
         ));
     }
+    // The exact kernels (the engine's bits) at the shapes of their fast counterparts above.
+    out.push(row(
+        format!("exact GEMV bf16 (output head) {vocab}x{hidden}"),
+        cost::bf16_gemv(vocab, hidden, 1),
+    ));
+    let (batch, heads, dim, per) = EXACT_ATTN;
+    out.push(row(
+        format!("exact attention {batch}x{heads} heads, {per} f32 rows of {dim}"),
+        cost::attn_decode(batch, heads, dim, per, 4 * dim),
+    ));
     out
 }
 
@@ -286,6 +299,7 @@ fn main() -> Result<(), KernelError> {
     drop((pool, d_offsets, d_starts, d_sinks, scratch));
     times.push(time_moe_prefill(&gpu, &mut rng)?);
     times.extend(time_attn_fp8(&gpu, &mut rng)?);
+    times.extend(time_exact(&gpu, &mut rng)?);
 
     for (row, t) in rows.iter_mut().zip(&times) {
         row.seconds = Some(*t);
@@ -304,6 +318,54 @@ fn main() -> Result<(), KernelError> {
         );
     }
     Ok(())
+}
+
+/// Times the exact GEMV on the output head and the exact attention on [`EXACT_ATTN`].
+fn time_exact(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
+    let (vocab, hidden) = HEAD;
+    let head: Vec<u8> = random(rng, vocab * hidden)
+        .into_iter()
+        .flat_map(|v| engine::formats::f32_to_bf16(v).to_le_bytes())
+        .collect();
+    let w = gpu.upload_rows(kernels::cuda::StoredRows::Bf16(&head), vocab, hidden)?;
+    drop(head);
+    let x = gpu.stream.clone_htod(&random(rng, hidden))?;
+    let mut y: CudaSlice<f32> = gpu.stream.alloc_zeros(vocab)?;
+    let gemv = time(gpu, || gpu.launch_exact_gemv(&w, (0, vocab), &x, 1, &mut y))?;
+    drop((w, y));
+    let (batch, heads, dim, per) = EXACT_ATTN;
+    let rows = batch * per;
+    let pool = gpu.stream.clone_htod(&random(rng, rows * dim))?;
+    // The pool as bytes: f32 rows at byte offsets.
+    let pool: CudaSlice<u8> = {
+        let host: Vec<f32> = gpu.stream.clone_dtoh(&pool)?;
+        gpu.stream.clone_htod(
+            &host
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )?
+    };
+    let offsets: Vec<i64> = (0..rows)
+        .map(|i| ((i * 7919) % rows * dim * 4) as i64)
+        .collect();
+    let starts: Vec<i64> = (0..=batch).map(|b| (b * per) as i64).collect();
+    let q = gpu.stream.clone_htod(&random(rng, batch * heads * dim))?;
+    let sinks = gpu.stream.clone_htod(&random(rng, heads))?;
+    let (d_offsets, d_starts) = (
+        gpu.stream.clone_htod(&offsets)?,
+        gpu.stream.clone_htod(&starts)?,
+    );
+    let mut out: CudaSlice<f32> = gpu.stream.alloc_zeros(batch * heads * dim)?;
+    let attn = time(gpu, || {
+        gpu.launch_attn_exact(
+            (&q, &pool, &d_offsets, &d_starts, &sinks),
+            (batch, heads, dim, per),
+            1.0 / (dim as f32).sqrt(),
+            &mut out,
+        )
+    })?;
+    Ok(vec![gemv, attn])
 }
 
 /// Times the grouped GEMM on [`MOE_PREFILL`] (uniform routing: every expert used).
