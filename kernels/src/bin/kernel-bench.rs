@@ -335,17 +335,12 @@ fn time_exact(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
     drop((w, y));
     let (batch, heads, dim, per) = EXACT_ATTN;
     let rows = batch * per;
-    let pool = gpu.stream.clone_htod(&random(rng, rows * dim))?;
-    // The pool as bytes: f32 rows at byte offsets.
-    let pool: CudaSlice<u8> = {
-        let host: Vec<f32> = gpu.stream.clone_dtoh(&pool)?;
-        gpu.stream.clone_htod(
-            &host
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<u8>>(),
-        )?
-    };
+    // f32 rows at byte offsets of a byte pool.
+    let bytes: Vec<u8> = random(rng, rows * dim)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let pool = gpu.stream.clone_htod(&bytes)?;
     let offsets: Vec<i64> = (0..rows)
         .map(|i| ((i * 7919) % rows * dim * 4) as i64)
         .collect();
