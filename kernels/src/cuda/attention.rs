@@ -218,8 +218,10 @@ impl Gpu {
         let max_keys = batch.visible.iter().copied().max().unwrap_or(0).max(1) as usize;
         let d_q = self.stream.clone_htod(batch.q)?;
         let d_w = self.stream.clone_htod(batch.w)?;
+        // At least one whole row: groups without a key read the first row (their dot is
+        // thrown away, but every thread of a warp takes part in the shuffles).
         let d_keys = self.stream.clone_htod(&if batch.keys.is_empty() {
-            vec![0.0]
+            vec![0.0; batch.dim]
         } else {
             batch.keys.to_vec()
         })?;
