@@ -234,20 +234,8 @@ impl Synthetic {
     /// stated bound, `2^-8 · max |row value|` of the request plus 1e-6; NaN where exactly one
     /// of them is NaN.
     pub fn worst(&self, got: &[f32], want: &[f32]) -> f32 {
-        assert_eq!(got.len(), want.len(), "output lengths");
         let per_request = self.shape.heads * self.shape.dim();
-        let mut worst = 0f32;
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            if g.is_nan() || w.is_nan() {
-                if g.is_nan() != w.is_nan() {
-                    return f32::NAN;
-                }
-                continue;
-            }
-            let bound = self.amax[i / per_request] / 256.0 + 1e-6;
-            worst = worst.max((g - w).abs() / bound);
-        }
-        worst
+        crate::cpu::worst_ratio(got, want, |i| self.amax[i / per_request] / 256.0 + 1e-6)
     }
 }
 

@@ -7,24 +7,12 @@
 
 use engine::{
     synth::Rng,
-    tensor::{
-        dots_source,
-        rows::{Bf16Rows, F32Rows, Fp8BlockRows, Mxfp4Rows, Nvfp4Rows, RowSource},
-    },
+    tensor::rows::{Bf16Rows, F32Rows, Fp8BlockRows, Mxfp4Rows, Nvfp4Rows},
 };
-use kernels::cuda::{Gpu, StoredRows};
-
-fn engine<S: RowSource>(
-    src: &S,
-    (row0, rows): (usize, usize),
-    x: &[f32],
-    vectors: usize,
-) -> Vec<f32> {
-    let xs: Vec<&[f32]> = x.chunks_exact(src.cols()).take(vectors).collect();
-    let mut out = vec![0f32; rows * vectors];
-    dots_source(src, row0, rows, &xs, &mut out);
-    out
-}
+use kernels::{
+    cpu::engine_dots,
+    cuda::{Gpu, StoredRows},
+};
 
 fn same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
@@ -60,7 +48,7 @@ fn gpu_exact_gemv_gives_the_engines_bits() {
             .unwrap();
         same_bits(
             &got,
-            &engine(&src, range, &x, vectors),
+            &engine_dots(&src, range, &x, vectors),
             &format!("f32 {what}"),
         );
         let bf16: Vec<u8> = w
@@ -73,7 +61,7 @@ fn gpu_exact_gemv_gives_the_engines_bits() {
         let src = Bf16Rows { bytes: &bf16, cols };
         same_bits(
             &got,
-            &engine(&src, range, &x, vectors),
+            &engine_dots(&src, range, &x, vectors),
             &format!("bf16 {what}"),
         );
         let codes: Vec<u8> = (0..total * cols)
@@ -105,7 +93,7 @@ fn gpu_exact_gemv_gives_the_engines_bits() {
         };
         same_bits(
             &got,
-            &engine(&src, range, &x, vectors),
+            &engine_dots(&src, range, &x, vectors),
             &format!("fp8 {what}"),
         );
         let cols4 = cols.next_multiple_of(32);
@@ -134,7 +122,7 @@ fn gpu_exact_gemv_gives_the_engines_bits() {
         let got = gpu.exact_gemv(nv, shape4, range, &x4, vectors).unwrap();
         same_bits(
             &got,
-            &engine(&src, range, &x4, vectors),
+            &engine_dots(&src, range, &x4, vectors),
             &format!("nvfp4 {what}"),
         );
         let mx = StoredRows::Mxfp4 {
@@ -149,7 +137,7 @@ fn gpu_exact_gemv_gives_the_engines_bits() {
         let got = gpu.exact_gemv(mx, shape4, range, &x4, vectors).unwrap();
         same_bits(
             &got,
-            &engine(&src, range, &x4, vectors),
+            &engine_dots(&src, range, &x4, vectors),
             &format!("mxfp4 {what}"),
         );
     }

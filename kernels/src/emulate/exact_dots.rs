@@ -106,27 +106,11 @@ pub fn exact_dots(
 mod tests {
     use engine::{
         synth::Rng,
-        tensor::{
-            dots_source,
-            rows::{Bf16Rows, F32Rows, Fp8BlockRows, Mxfp4Rows, Nvfp4Rows, RowSource},
-        },
+        tensor::rows::{Bf16Rows, F32Rows, Fp8BlockRows, Mxfp4Rows, Nvfp4Rows, RowSource},
     };
 
     use super::*;
-
-    /// The engine's outputs for `src` rows `row0..row0 + rows` against the vectors.
-    fn engine<S: RowSource>(
-        src: &S,
-        (row0, rows): (usize, usize),
-        x: &[f32],
-        vectors: usize,
-    ) -> Vec<f32> {
-        let cols = src.cols();
-        let xs: Vec<&[f32]> = x.chunks_exact(cols).take(vectors).collect();
-        let mut out = vec![0f32; rows * vectors];
-        dots_source(src, row0, rows, &xs, &mut out);
-        out
-    }
+    use crate::cpu::engine_dots;
 
     fn element_of<S: RowSource>(src: &S) -> impl Fn(usize, usize) -> f32 + '_ {
         move |r, c| S::get(src.row(r), c)
@@ -184,17 +168,17 @@ mod tests {
             check(
                 "f32",
                 &element_of(&f32_rows),
-                engine(&f32_rows, (row0, rows), &x, vectors),
+                engine_dots(&f32_rows, (row0, rows), &x, vectors),
             );
             check(
                 "bf16",
                 &element_of(&bf16_rows),
-                engine(&bf16_rows, (row0, rows), &x, vectors),
+                engine_dots(&bf16_rows, (row0, rows), &x, vectors),
             );
             check(
                 "fp8",
                 &element_of(&fp8_rows),
-                engine(&fp8_rows, (row0, rows), &x, vectors),
+                engine_dots(&fp8_rows, (row0, rows), &x, vectors),
             );
             // FP4 formats need whole blocks of 16 / 32 values.
             let cols4 = cols.next_multiple_of(32);
@@ -223,12 +207,12 @@ mod tests {
                 (
                     "nvfp4",
                     &element_of(&nv) as &dyn Fn(usize, usize) -> f32,
-                    engine(&nv, (row0, rows), &x4, vectors),
+                    engine_dots(&nv, (row0, rows), &x4, vectors),
                 ),
                 (
                     "mxfp4",
                     &element_of(&mx),
-                    engine(&mx, (row0, rows), &x4, vectors),
+                    engine_dots(&mx, (row0, rows), &x4, vectors),
                 ),
             ] {
                 let got = exact_dots(e, cols4, (row0, rows), &x4, vectors);
@@ -247,7 +231,7 @@ mod tests {
             rows: |r: usize| &w[r * cols..(r + 1) * cols],
             cols,
         };
-        let want = engine(&src, (0, rows), &x, vectors);
+        let want = engine_dots(&src, (0, rows), &x, vectors);
         for plant in [Plant::HalvingUpwards, Plant::EarlyTail] {
             let got = exact_with(&element_of(&src), cols, (0, rows), &x, vectors, plant);
             assert_ne!(bits(&got), bits(&want), "{plant:?} not caught");
