@@ -33,6 +33,8 @@ pub struct Model {
     expert_parallel: Option<std::sync::Arc<crate::parallel::expert::ExpertParallel>>,
     /// This rank's share of the attention heads under tensor parallelism.
     tensor_parallel: Option<std::sync::Arc<crate::parallel::tensor::TensorParallel>>,
+    /// This rank's slice of every routed expert (expert tensor parallelism).
+    sliced_experts: Option<std::sync::Arc<crate::parallel::sliced::SlicedExperts>>,
 }
 
 /// Everything a sequence carries from one forward call to the next.
@@ -110,6 +112,7 @@ impl Model {
             backend: None,
             expert_parallel: None,
             tensor_parallel: None,
+            sliced_experts: None,
         }
     }
 
@@ -152,6 +155,21 @@ impl Model {
         tp: std::sync::Arc<crate::parallel::tensor::TensorParallel>,
     ) {
         self.tensor_parallel = Some(tp);
+    }
+
+    /// Slices every routed expert over the ranks of `sliced`'s group (which must run the same
+    /// requests in the same steps, as under tensor parallelism): each rank computes its slice
+    /// of every pair and the ranks sum the gathered partials in rank order.
+    pub fn set_sliced_experts(
+        &mut self,
+        sliced: std::sync::Arc<crate::parallel::sliced::SlicedExperts>,
+    ) {
+        self.sliced_experts = Some(sliced);
+    }
+
+    /// The expert slicing attached, if any.
+    pub fn sliced_experts(&self) -> Option<&crate::parallel::sliced::SlicedExperts> {
+        self.sliced_experts.as_deref()
     }
 
     /// The tensor parallelism attached, if any.
@@ -349,6 +367,7 @@ impl Model {
                     backend: routed,
                     expert_parallel: self.expert_parallel.as_deref(),
                     replicated_tokens: self.tensor_parallel.is_some(),
+                    sliced: self.sliced_experts.as_deref(),
                 },
                 shared_on,
             )?;

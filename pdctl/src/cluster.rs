@@ -507,8 +507,8 @@ pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
             None => default_model()?,
         };
         let groups = (
-            UpArgs::group_flags(args.prefill_tp, args.prefill_ep),
-            UpArgs::group_flags(args.decode_tp, args.decode_ep),
+            UpArgs::group_flags(args.prefill_tp, args.prefill_ep, args.moe_tp),
+            UpArgs::group_flags(args.decode_tp, args.decode_ep, args.moe_tp),
         );
         start(
             &dir,

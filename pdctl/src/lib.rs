@@ -101,21 +101,29 @@ pub struct UpArgs {
     /// Ranks of each decode worker, as `--prefill-ep`.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub decode_ep: u32,
-    /// Attention tensor parallelism of each prefill worker (`--tp N` on the worker; workers
-    /// refuse more than 1 until it is built).
+    /// Attention tensor parallelism of each prefill worker (`--tp N` on the worker: every rank
+    /// runs every request with `1/N` of the heads).
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub prefill_tp: u32,
     /// Attention tensor parallelism of each decode worker, as `--prefill-tp`.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub decode_tp: u32,
+    /// With `--prefill-tp`/`--decode-tp`: every routed expert sliced over each such worker's
+    /// ranks (`--moe-tp` on the worker), instead of whole experts per rank (`--*-ep` equal to
+    /// `--*-tp`) or every expert on every rank.
+    #[arg(long)]
+    pub moe_tp: bool,
 }
 
 impl UpArgs {
-    /// The group flags of a role's workers, from its `--*-tp` and `--*-ep`.
-    pub fn group_flags(tp: u32, ep: u32) -> Vec<String> {
+    /// The group flags of a role's workers, from its `--*-tp` and `--*-ep` and `--moe-tp`.
+    pub fn group_flags(tp: u32, ep: u32, moe_tp: bool) -> Vec<String> {
         let mut flags = Vec::new();
         if tp > 1 {
             flags.extend(["--tp".to_owned(), tp.to_string()]);
+            if moe_tp {
+                flags.push("--moe-tp".to_owned());
+            }
         }
         if ep > 1 {
             flags.extend(["--ep".to_owned(), ep.to_string()]);

@@ -60,6 +60,9 @@ pub struct PlanArgs {
     /// Attention by requests: each of the `--ep` ranks runs whole requests (with `--tp 1`).
     #[arg(long)]
     pub dp_attention: bool,
+    /// Every routed expert sliced over the `--tp` ranks (with `--ep 1`).
+    #[arg(long, visible_alias = "moe-tensor-parallel")]
+    pub moe_tp: bool,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -72,6 +75,7 @@ impl PlanArgs {
             tp: self.tp as usize,
             ep: self.ep as usize,
             dp_attention: self.dp_attention,
+            moe_tp: self.moe_tp,
         };
         if p == Parallel::SINGLE {
             return Ok(None);

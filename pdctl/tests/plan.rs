@@ -132,6 +132,7 @@ fn per_gpu_shares_follow_the_layout() {
         assert!(per < served / 3 && per > served / 4, "{per} of {served}");
     }
     let p = |tp, ep, dp_attention| plan::shard::Parallel {
+        moe_tp: false,
         tp,
         ep,
         dp_attention,
@@ -143,6 +144,23 @@ fn per_gpu_shares_follow_the_layout() {
     assert_eq!(
         tp["per_gpu"]["weight_bytes"],
         plan::shard::gpu_weights(&config, p(4, 4, false)).total
+    );
+    // Sliced experts: each GPU holds a quarter of every expert, as many bytes as TP + EP.
+    let sliced = group(&["--tp", "4", "--moe-tp"]);
+    assert_eq!(
+        sliced["per_gpu"]["weight_bytes"],
+        plan::shard::gpu_weights(
+            &config,
+            plan::shard::Parallel {
+                moe_tp: true,
+                ..p(4, 1, false)
+            }
+        )
+        .total
+    );
+    assert_eq!(
+        sliced["per_gpu"]["weight_bytes"],
+        tp["per_gpu"]["weight_bytes"]
     );
     // Under DP-attention every rank's pool holds its own requests: 4x the tokens of TP's
     // replicated state, less the larger replicated attention.
@@ -157,6 +175,10 @@ fn per_gpu_shares_follow_the_layout() {
         (&["--tp", "16"][..], "output groups"),
         (&["--ep", "3"][..], "routed experts"),
         (&["--tp", "2", "--dp-attention"][..], "tp must be 1"),
+        (
+            &["--tp", "2", "--ep", "2", "--moe-tp"][..],
+            "needs tp > 1 and ep 1",
+        ),
         (&["--ep", "4", "--gpus", "2"][..], "disagrees"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_pdctl"))

@@ -85,6 +85,10 @@ impl Serialize for PrefixCachingFlags {
 /// `common::config::load` fills every key from them and refuses unknown keys (no
 /// `deny_unknown_fields` here: serde does not allow it beside `flatten`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[expect(
+    clippy::struct_excessive_bools,
+    reason = "each is an on/off key of the configuration file, named as operators write it"
+)]
 pub struct WorkerSettings {
     /// Where the gRPC server (the role's service, Worker, health) listens. Port 0 picks a free
     /// port.
@@ -141,6 +145,11 @@ pub struct WorkerSettings {
     /// Attention by requests (data-parallel attention): each rank runs whole requests and holds
     /// their pages. Required for a group of ranks without attention TP.
     pub dp_attention: bool,
+    /// With `tensor_parallel_size` N (and `expert_parallel_size` 1): every routed expert sliced
+    /// over the N ranks (`1/N` of its intermediate dimension each), what SGLang's and vLLM's
+    /// `--tp` does to the experts. Not bit-identical to one rank (the partial sums are added
+    /// in rank order): deterministic, within a stated bound, the same greedy tokens in tests.
+    pub moe_tensor_parallel: bool,
     /// Milliseconds a rank waits in a collective for the others before the worker fails its
     /// requests and reports itself failed (a rank that died or hangs).
     pub rank_timeout_ms: u64,
@@ -176,6 +185,7 @@ impl WorkerSettings {
             tensor_parallel_size: 1,
             expert_parallel_size: 1,
             dp_attention: false,
+            moe_tensor_parallel: false,
             rank_timeout_ms: 30_000,
             cluster_secret_file: None,
             tls: common::internal_tls::TlsSettings::default(),
@@ -249,6 +259,16 @@ impl WorkerSettings {
                 ),
             );
         }
+        if self.moe_tensor_parallel && (p.tp < 2 || p.ep != 1) {
+            return refusal(
+                "moe_tensor_parallel",
+                format!(
+                    "moe_tensor_parallel slices the experts over the tensor-parallel ranks: it \
+                     needs tensor_parallel_size > 1 and expert_parallel_size 1 (got {} and {})",
+                    p.tp, p.ep
+                ),
+            );
+        }
         if p.tp > 1 && p.ep > 1 && p.ep != p.tp {
             return refusal(
                 "expert_parallel_size",
@@ -288,6 +308,7 @@ impl WorkerSettings {
             tp: self.tensor_parallel_size as usize,
             ep: self.expert_parallel_size as usize,
             dp_attention: self.dp_attention,
+            moe_tp: self.moe_tensor_parallel,
         };
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
         GroupSpec {
@@ -394,6 +415,10 @@ pub struct WorkerFlags {
     #[arg(long, visible_alias = "enable-dp-attention")]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub dp_attention: bool,
+    /// With `--tp N`: every routed expert sliced over the N ranks (`--moe-tp`).
+    #[arg(long, visible_alias = "moe-tp")]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub moe_tensor_parallel: bool,
     /// Milliseconds a rank waits for the others in a collective before the worker fails.
     #[arg(long, value_name = "MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -466,5 +491,23 @@ mod tests {
         settings.backend = BackendKind::Cpu;
         settings.rank_timeout_ms = 5;
         assert_eq!(settings.validate().unwrap_err().key, "rank_timeout_ms");
+    }
+
+    /// Sliced experts need tensor-parallel ranks and no expert parallelism; with them the
+    /// group's layout carries the slicing.
+    #[test]
+    fn sliced_experts_need_tensor_parallel_ranks() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.moe_tensor_parallel = true;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "moe_tensor_parallel", "{e:?}");
+        assert!(e.reason.contains("tensor_parallel_size > 1"), "{e:?}");
+        settings.tensor_parallel_size = 2;
+        assert!(settings.validate().is_ok());
+        let spec = settings.group_spec();
+        assert!(spec.parallel.moe_tp);
+        assert_eq!(spec.ranks(), 2);
+        settings.expert_parallel_size = 2;
+        assert_eq!(settings.validate().unwrap_err().key, "moe_tensor_parallel");
     }
 }

@@ -220,6 +220,7 @@ fn log_group(group: &engine::parallel::group::GroupSpec) {
             tp = p.tp,
             ep = p.ep,
             dp_attention = p.dp_attention,
+            moe_tp = p.moe_tp,
             threads_per_rank = group.threads_per_rank,
             "model spread over ranks"
         );

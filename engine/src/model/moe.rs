@@ -117,6 +117,9 @@ pub struct Routed<'a> {
     /// Every rank of the expert group holds the same tokens (tensor-parallel attention): each
     /// product is computed on one rank only and the outputs are gathered.
     pub replicated_tokens: bool,
+    /// Every expert sliced over the ranks (which hold the same tokens): each rank computes its
+    /// slice of every pair and the partials are summed in rank order. Takes precedence.
+    pub sliced: Option<&'a crate::parallel::sliced::SlicedExperts>,
 }
 
 /// The MoE outputs for many tokens at once, expert-major: each expert's weights are read once
@@ -147,7 +150,24 @@ pub fn forward_many(
         .iter()
         .map(|(chosen, _)| vec![None; chosen.len()])
         .collect();
-    if let Some(ep) = routed.expert_parallel {
+    let pairs_of = |routes: &[(Vec<usize>, Vec<f32>)]| -> Vec<(usize, usize)> {
+        routes
+            .iter()
+            .enumerate()
+            .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
+            .collect()
+    };
+    if let Some(sliced) = routed.sliced {
+        let ys = sliced
+            .routed(&w.experts, c.swiglu_limit, xs, &pairs_of(&routes))
+            .map_err(|e| crate::model::expert_failure(&e))?;
+        let mut ys = ys.into_iter();
+        for slots in &mut per_token {
+            for slot in slots.iter_mut() {
+                *slot = ys.next();
+            }
+        }
+    } else if let Some(ep) = routed.expert_parallel {
         let pairs: Vec<(usize, usize)> = routes
             .iter()
             .enumerate()

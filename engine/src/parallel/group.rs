@@ -431,6 +431,12 @@ pub fn start(
     let mut expert_ranks = expert_groups.map(Vec::into_iter);
     let head_groups = (spec.parallel.tp > 1).then(|| InProcessGroup::new(n, spec.timeout));
     let mut head_ranks = head_groups.map(Vec::into_iter);
+    let slice_groups = spec
+        .parallel
+        .moe_tp
+        .then(|| InProcessGroup::new(n, spec.timeout));
+    let mut slice_ranks = slice_groups.map(Vec::into_iter);
+    let inter = model.config.moe_intermediate_size;
     let mut models: Vec<Model> = (1..n).map(|_| model.replica()).collect();
     models.push(model);
     let mut engines = Vec::with_capacity(n);
@@ -447,6 +453,13 @@ pub fn start(
             let tp = TensorParallel::new(Box::new(rank), &replica.config)
                 .map_err(GroupError::Refused)?;
             replica.set_tensor_parallel(Arc::new(tp));
+        }
+        if let Some(ranks) = slice_ranks.as_mut()
+            && let Some(rank) = ranks.next()
+        {
+            let sliced = crate::parallel::sliced::SlicedExperts::new(Box::new(rank), inter)
+                .map_err(GroupError::Refused)?;
+            replica.set_sliced_experts(Arc::new(sliced));
         }
         let mut engine = Engine::new(replica, config.clone(), fingerprint)?;
         prepare(&mut engine);
@@ -521,6 +534,7 @@ mod tests {
                 tp,
                 ep,
                 dp_attention,
+                moe_tp: false,
             },
             ..GroupSpec::SINGLE
         };

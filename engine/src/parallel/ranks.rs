@@ -179,6 +179,9 @@ fn run_rank(
                 if let Some(ep) = engine.model().expert_parallel() {
                     ep.fail(&reason);
                 }
+                if let Some(sliced) = engine.model().sliced_experts() {
+                    sliced.fail(&reason);
+                }
                 if let Some(tp) = engine.model().tensor_parallel() {
                     tp.fail(&reason);
                 }

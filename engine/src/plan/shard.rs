@@ -24,6 +24,9 @@ pub struct Parallel {
     pub ep: usize,
     /// Attention by requests: each of the `ep` ranks runs whole requests (`tp` must be 1).
     pub dp_attention: bool,
+    /// Every routed expert sliced over the `tp` ranks (its intermediate dimension), instead of
+    /// replicated (`ep` 1) or divided by whole experts (`ep` = `tp`).
+    pub moe_tp: bool,
 }
 
 impl Parallel {
@@ -32,6 +35,7 @@ impl Parallel {
         tp: 1,
         ep: 1,
         dp_attention: false,
+        moe_tp: false,
     };
 
     /// GPUs in the group.
@@ -45,6 +49,7 @@ impl Parallel {
             tp,
             ep,
             dp_attention,
+            moe_tp,
         } = *self;
         if tp == 0 || ep == 0 {
             return Err("tp and ep must be at least 1".to_owned());
@@ -72,6 +77,18 @@ impl Parallel {
                 c.o_groups, c.o_groups
             ));
         }
+        if moe_tp && (tp < 2 || ep != 1) {
+            return Err(format!(
+                "moe-tp slices the experts over the tp ranks: it needs tp > 1 and ep 1 (got tp \
+                 {tp}, ep {ep})"
+            ));
+        }
+        if moe_tp && !c.moe_intermediate_size.is_multiple_of(tp) {
+            return Err(format!(
+                "moe-tp {tp} must divide the experts' {} intermediate values",
+                c.moe_intermediate_size
+            ));
+        }
         if !c.n_routed_experts.is_multiple_of(ep) {
             return Err(format!(
                 "ep {ep} must divide the {} routed experts",
@@ -85,7 +102,8 @@ impl Parallel {
     fn share(&self, spec: &TensorSpec) -> f64 {
         let n = spec.name.as_str();
         if n.contains(".ffn.experts.") {
-            1.0 / self.ep as f64
+            let ranks = if self.moe_tp { self.tp } else { self.ep };
+            1.0 / ranks as f64
         } else if n.contains(".attn.wq_b") || n.contains(".attn.wo_a") {
             1.0 / self.tp as f64
         } else {
@@ -189,6 +207,7 @@ mod tests {
             tp: 1,
             ep: 4,
             dp_attention: true,
+            moe_tp: false,
         };
         ep.validate(&c).unwrap();
         let four = gpu_weights(&c, ep);
@@ -209,6 +228,7 @@ mod tests {
             tp: 2,
             ep: 2,
             dp_attention: false,
+            moe_tp: false,
         };
         tp.validate(&c).unwrap();
         let two = gpu_weights(&c, tp);
@@ -229,6 +249,7 @@ mod tests {
             tp,
             ep,
             dp_attention,
+            moe_tp: false,
         };
         assert!(p(3, 1, false).validate(&c).is_err(), "heads");
         assert!(
@@ -251,11 +272,13 @@ mod tests {
             tp: 1,
             ep: 4,
             dp_attention: true,
+            moe_tp: false,
         };
         let tp = Parallel {
             tp: 4,
             ep: 4,
             dp_attention: false,
+            moe_tp: false,
         };
         let f = |p| gpu_fit(&w, p, 1000, 1.0, (100, 10, 300));
         assert_eq!(f(dp).pages_per_gpu, 9);
@@ -263,5 +286,38 @@ mod tests {
         assert_eq!(f(tp).tokens, 90);
         assert_eq!(f(dp).requests, 4 * 3);
         assert_eq!(f(tp).requests, 3);
+    }
+
+    /// Sliced experts put 1/tp of every expert on each GPU; slicing needs tp > 1 without ep and
+    /// an intermediate dimension the ranks divide.
+    #[test]
+    fn sliced_experts_divide_every_expert_by_tp() {
+        let c = Preset::Small.config(ExpertFormat::Nvfp4);
+        let one = gpu_weights(&c, Parallel::SINGLE);
+        let sliced = Parallel {
+            tp: 2,
+            ep: 1,
+            dp_attention: false,
+            moe_tp: true,
+        };
+        sliced.validate(&c).unwrap();
+        let two = gpu_weights(&c, sliced);
+        let experts = bytes_of(&one, WeightClass::RoutedExperts);
+        assert_eq!(bytes_of(&two, WeightClass::RoutedExperts), experts / 2);
+        for (bad, what) in [
+            (Parallel { ep: 2, ..sliced }, "ep 1"),
+            (Parallel { tp: 1, ..sliced }, "tp > 1"),
+        ] {
+            let err = bad.validate(&c).unwrap_err();
+            assert!(err.contains(what), "{err}");
+        }
+        let mut odd = c.clone();
+        odd.moe_intermediate_size = 33;
+        assert!(
+            sliced
+                .validate(&odd)
+                .unwrap_err()
+                .contains("33 intermediate")
+        );
     }
 }

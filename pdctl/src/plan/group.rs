@@ -60,7 +60,12 @@ impl GroupReport {
         } else {
             format!("attention TP {}", p.tp)
         };
-        format!("{} GPUs: {attention}, routed experts EP {}", p.gpus(), p.ep)
+        let experts = if p.moe_tp {
+            format!("routed experts sliced over {} ranks (MoE TP)", p.tp)
+        } else {
+            format!("routed experts EP {}", p.ep)
+        };
+        format!("{} GPUs: {attention}, {experts}", p.gpus())
     }
 
     pub fn json(&self) -> Value {
@@ -69,6 +74,7 @@ impl GroupReport {
             "tp": self.parallel.tp,
             "ep": self.parallel.ep,
             "dp_attention": self.parallel.dp_attention,
+            "moe_tp": self.parallel.moe_tp,
             "weight_bytes": self.weights.total,
             "classes": self.weights.classes.iter().map(|(k, b)| json!({
                 "class": k.name(),
