@@ -65,6 +65,7 @@ impl GroupSpec {
             tp: n(self.parallel.tp),
             ep: n(self.parallel.ep),
             dp_attention: self.parallel.dp_attention,
+            moe_tp: self.parallel.moe_tp,
         }
     }
 }
