@@ -3,7 +3,8 @@
 //! rank `1/N` of the routed experts), on the same checkpoint and requests, in the same run.
 //! The ranks step in lockstep as `engine::parallel::ranks` runs them; each has its own compute
 //! pool of `--threads-per-rank` threads. With `--tp`, tensor-parallel attention too (every rank
-//! every request, the heads and experts split).
+//! every request, the heads and experts split); with `--moe-tp`, tensor-parallel attention with
+//! every expert sliced over the ranks.
 
 use std::{
     sync::Arc,
@@ -15,6 +16,7 @@ use engine::{
     parallel::{
         collective::{Collective, InProcessGroup},
         expert::ExpertParallel,
+        sliced::SlicedExperts,
         tensor::TensorParallel,
     },
     sampling::{SamplingParams, StopConditions},
@@ -49,6 +51,10 @@ pub struct BenchRanksArgs {
     /// request with its share of the heads; the experts split over the same ranks).
     #[arg(long)]
     pub tp: bool,
+    /// Also time tensor-parallel attention with every expert sliced over the ranks (`--tp N
+    /// --moe-tp` on a worker).
+    #[arg(long)]
+    pub moe_tp: bool,
 }
 
 /// How the ranks share the work.
@@ -58,6 +64,8 @@ enum Layout {
     DataParallel,
     /// Every rank every request, heads and experts split (TP + EP).
     TensorParallel,
+    /// Every rank every request, heads split and every expert sliced (TP + MoE TP).
+    SlicedExperts,
 }
 
 fn err(e: &dyn std::fmt::Display) -> PdctlError {
@@ -122,20 +130,31 @@ fn ranked(
     let timeout = Duration::from_secs(600);
     let experts_group = InProcessGroup::new(ranks, timeout);
     let control_group = InProcessGroup::new(ranks, timeout);
-    let mut heads_group =
-        (layout == Layout::TensorParallel).then(|| InProcessGroup::new(ranks, timeout).into_iter());
+    let replicated = layout != Layout::DataParallel;
+    let mut heads_group = replicated.then(|| InProcessGroup::new(ranks, timeout).into_iter());
+    let mut slices_group =
+        (layout == Layout::SlicedExperts).then(|| InProcessGroup::new(ranks, timeout).into_iter());
     let results: Vec<Result<(usize, f64), PdctlError>> = std::thread::scope(|s| {
         let handles: Vec<_> = experts_group
             .into_iter()
             .zip(control_group)
             .map(|(rank, mut control)| {
                 let heads = heads_group.as_mut().and_then(Iterator::next);
+                let slices = slices_group.as_mut().and_then(Iterator::next);
                 s.spawn(move || -> Result<(usize, f64), PdctlError> {
                     let me = rank.rank();
                     let mut model = Model::load(&args.model).map_err(|e| err(&e))?;
                     let (vocab, experts) = (model.config.vocab_size, model.config.n_routed_experts);
-                    let ep = ExpertParallel::new(Box::new(rank), experts).map_err(|e| err(&e))?;
-                    model.set_expert_parallel(Arc::new(ep));
+                    if let Some(slices) = slices {
+                        let inter = model.config.moe_intermediate_size;
+                        let sliced =
+                            SlicedExperts::new(Box::new(slices), inter).map_err(|e| err(&e))?;
+                        model.set_sliced_experts(Arc::new(sliced));
+                    } else {
+                        let ep =
+                            ExpertParallel::new(Box::new(rank), experts).map_err(|e| err(&e))?;
+                        model.set_expert_parallel(Arc::new(ep));
+                    }
                     if let Some(heads) = heads {
                         let tp = TensorParallel::new(Box::new(heads), &model.config)
                             .map_err(|e| err(&e))?;
@@ -144,7 +163,6 @@ fn ranked(
                     let mut engine =
                         Engine::new(model, config(args.batch), "bench").map_err(|e| err(&e))?;
                     // Under TP every rank runs every request; rank 0's tokens are counted.
-                    let replicated = layout == Layout::TensorParallel;
                     let counted = !replicated || me == 0;
                     let mine: Vec<GenerationRequest> = requests(args, vocab)
                         .into_iter()
@@ -223,6 +241,9 @@ pub fn run(args: &BenchRanksArgs) -> Result<(), PdctlError> {
     let mut layouts = vec![(Layout::DataParallel, "DP-attention + EP")];
     if args.tp {
         layouts.push((Layout::TensorParallel, "TP + EP"));
+    }
+    if args.moe_tp {
+        layouts.push((Layout::SlicedExperts, "TP + MoE TP (experts sliced)"));
     }
     for &ranks in &args.ranks {
         let threads = args.threads_per_rank.unwrap_or((cores / ranks).max(1));
