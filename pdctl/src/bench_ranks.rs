@@ -243,7 +243,7 @@ pub fn run(args: &BenchRanksArgs) -> Result<(), PdctlError> {
         layouts.push((Layout::TensorParallel, "TP + EP"));
     }
     if args.moe_tp {
-        layouts.push((Layout::SlicedExperts, "TP + MoE TP (experts sliced)"));
+        layouts.push((Layout::SlicedExperts, "TP + MoE TP"));
     }
     for &ranks in &args.ranks {
         let threads = args.threads_per_rank.unwrap_or((cores / ranks).max(1));
