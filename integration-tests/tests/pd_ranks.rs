@@ -3,8 +3,9 @@
 //! layouts answers what the one-process engine answers, token for token and logprob for
 //! logprob, with the state written into the pages of the decode rank the reservation names, or
 //! into every rank's copy under TP (over TCP and over UCX, where rank `r`'s pages are their own
-//! registered regions); and a rank that hangs mid-decode fails the worker's requests within
-//! 2 s and the worker reports itself failed.
+//! registered regions); workers with sliced experts (`--moe-tp`) answer greedy requests as one
+//! engine does, logprobs within 1e-4; and a rank that hangs mid-decode fails the worker's
+//! requests within 2 s and the worker reports itself failed.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
 use std::time::{Duration, Instant};
@@ -149,6 +150,64 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
         wait_idle(decode_worker.addr("grpc"), "decode");
         wait_idle(prefill_worker.addr("grpc"), "prefill");
     }
+}
+
+/// Every logprob of a chat answer's tokens and their alternatives, in order.
+fn logprobs(answer: &Value) -> Vec<f64> {
+    answer["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|t| {
+            std::iter::once(t["logprob"].as_f64().unwrap()).chain(
+                t["top_logprobs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a["logprob"].as_f64().unwrap()),
+            )
+        })
+        .collect()
+}
+
+/// Workers whose experts are sliced over their tensor-parallel ranks (`--moe-tp`) answer greedy
+/// requests with one engine's text, tokens and alternatives, every logprob within 1e-4 (the
+/// sliced sums differ from one engine's in the last bits; `engine/tests/sliced_experts.rs`).
+#[test]
+fn sliced_experts_answer_greedy_requests_as_one_engine_does() {
+    let local = start_router(&["--model-dir", &model_arg()], true);
+    let bodies: Vec<Value> = [1usize, 30, 250]
+        .into_iter()
+        .enumerate()
+        .map(|(i, words)| chat(words, 700 + i as u64, 0.0, 7))
+        .collect();
+    let sliced = ["--tp", "2", "--moe-tp"];
+    let (router, decode_worker, prefill_worker) = layout(&sliced, &sliced, "tcp");
+    for body in &bodies {
+        let want = essence(&post(local.addr("http"), "/v1/chat/completions", body));
+        let got = essence(&post(router.addr("http"), "/v1/chat/completions", body));
+        assert_eq!(got["message"], want["message"], "{body}");
+        assert_eq!(got["finish"], want["finish"]);
+        let (a, b) = (logprobs(&got), logprobs(&want));
+        assert_eq!(a.len(), b.len());
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(worst <= 1e-4, "a logprob {worst} from one engine's: {body}");
+        let tokens = |v: &Value| -> Vec<Value> {
+            v["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["token"].clone())
+                .collect()
+        };
+        assert_eq!(tokens(&got), tokens(&want));
+    }
+    wait_idle(decode_worker.addr("grpc"), "decode");
+    wait_idle(prefill_worker.addr("grpc"), "prefill");
 }
 
 #[test]
