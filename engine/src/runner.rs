@@ -239,8 +239,8 @@ pub fn start_with_backend(
     let backend_plan = match open(dir, &model.config)? {
         Some(_) if group.ranks() > 1 => {
             return Err(StartError::Group(GroupError::Refused(format!(
-                "a group of {} ranks runs on the cpu backend only: GPU ranks need the NCCL \
-                 collectives, which are not built yet",
+                "a group of {} ranks runs on the cpu backend only: GPU ranks (a device and an \
+                 NCCL communicator per rank) are not wired into workers yet",
                 group.ranks()
             ))));
         }

@@ -293,8 +293,8 @@ impl WorkerSettings {
             return refusal(
                 "backend",
                 format!(
-                    "a group of {} ranks runs on the cpu backend only: GPU ranks need the \
-                     NCCL collectives, which are not built yet",
+                    "a group of {} ranks runs on the cpu backend only: GPU ranks (a device \
+                     and an NCCL communicator per rank) are not wired into workers yet",
                     spec.ranks()
                 ),
             );
