@@ -11,9 +11,9 @@
 //! batch-invariant: every pair's partials are the same dot products whatever the batch, summed
 //! in a fixed order.
 //!
-//! A CPU rank reads its slice from the shared mapping; `w2`'s columns outside the slice are
-//! multiplied by zeros rather than skipped (the engine's weights are read by rows), which
-//! costs the time of the whole `w2` on every rank, not memory.
+//! A CPU rank reads only its slice from the shared mapping: its rows of `w1` and `w3`, and its
+//! window of `w2`'s columns (`Weight::apply_cols_many`). A slice is a multiple of 8 values,
+//! so every window starts where the engine's dot product starts a lane.
 
 use std::ops::Range;
 
@@ -41,9 +41,10 @@ impl SlicedExperts {
     /// its group; they must divide.
     pub fn new(collective: Box<dyn Collective>, inter: usize) -> Result<Self, String> {
         let (rank, size) = (collective.rank(), collective.size());
-        if size == 0 || !inter.is_multiple_of(size) {
+        if size == 0 || !inter.is_multiple_of(size) || !(inter / size).is_multiple_of(8) {
             return Err(format!(
-                "moe tp {size} must divide the experts' {inter} intermediate values"
+                "moe tp {size} must divide the experts' {inter} intermediate values into \
+                 slices of a multiple of 8"
             ));
         }
         Ok(Self {
@@ -126,23 +127,22 @@ impl SlicedExperts {
             .collect())
     }
 
-    /// One expert's output over this rank's slice for each input: `w2 · act`, where `act` is
-    /// the clamped SwiGLU of this slice's `w1` and `w3` rows and zero elsewhere.
+    /// One expert's output over this rank's slice for each input: this slice's columns of
+    /// `w2` times the clamped SwiGLU of this slice's rows of `w1` and `w3`.
     fn partial(&self, w: &ExpertWeights, limit: f32, xs: &[&[f32]]) -> Vec<Vec<f32>> {
-        let inter = w.w1.rows;
-        let slice = self.slice(inter);
+        let slice = self.slice(w.w1.rows);
         let gates = w.w1.apply_rows_many(slice.start, slice.len(), xs);
         let ups = w.w3.apply_rows_many(slice.start, slice.len(), xs);
         let acts: Vec<Vec<f32>> = gates
             .iter()
             .zip(&ups)
             .map(|(g, u)| {
-                let mut act = vec![0.0f32; inter];
-                moe::swiglu(g, u, limit, &mut act[slice.clone()]);
+                let mut act = vec![0.0f32; slice.len()];
+                moe::swiglu(g, u, limit, &mut act);
                 act
             })
             .collect();
-        w.w2.apply_many(&acts)
+        w.w2.apply_cols_many(slice.start, slice.len(), &acts)
     }
 
     /// Marks this rank failed, so its peers stop at once.

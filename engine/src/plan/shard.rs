@@ -83,9 +83,13 @@ impl Parallel {
                  {tp}, ep {ep})"
             ));
         }
-        if moe_tp && !c.moe_intermediate_size.is_multiple_of(tp) {
+        if moe_tp
+            && (!c.moe_intermediate_size.is_multiple_of(tp)
+                || !(c.moe_intermediate_size / tp).is_multiple_of(8))
+        {
             return Err(format!(
-                "moe-tp {tp} must divide the experts' {} intermediate values",
+                "moe-tp {tp} must divide the experts' {} intermediate values into slices of a \
+                 multiple of 8",
                 c.moe_intermediate_size
             ));
         }

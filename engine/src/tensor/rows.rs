@@ -69,6 +69,61 @@ pub trait RowSource: Sync {
     }
 }
 
+/// Columns `start..start + cols` of every row of `src`: a product with part of each row (a
+/// rank's slice of an expert's down projection). `start` is a multiple of [`LANES`], so every
+/// chunk lies where the source's own chunks lie (inside one FP8 tile, one FP4 scale block).
+#[derive(Debug, Clone, Copy)]
+pub struct ColumnWindow<'s, S> {
+    pub src: &'s S,
+    pub start: usize,
+    pub cols: usize,
+}
+
+impl<'s, S: RowSource> ColumnWindow<'s, S> {
+    /// The window, or `None` when it leaves the rows or `start` is not a multiple of 8.
+    pub fn new(src: &'s S, start: usize, cols: usize) -> Option<Self> {
+        (start.is_multiple_of(LANES) && start + cols <= src.cols()).then_some(Self {
+            src,
+            start,
+            cols,
+        })
+    }
+}
+
+impl<'s, S: RowSource> RowSource for ColumnWindow<'s, S> {
+    type Row<'a>
+        = (S::Row<'s>, usize)
+    where
+        Self: 'a;
+    const DECODES: bool = S::DECODES;
+
+    fn row(&self, r: usize) -> (S::Row<'s>, usize) {
+        (self.src.row(r), self.start)
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    #[inline(always)]
+    fn chunk((row, start): (S::Row<'s>, usize), at: usize) -> [f32; LANES] {
+        S::chunk(row, start + at)
+    }
+
+    #[inline(always)]
+    fn get((row, start): (S::Row<'s>, usize), c: usize) -> f32 {
+        S::get(row, start + c)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn chunk_avx2((row, start): (S::Row<'s>, usize), at: usize) -> __m256 {
+        // SAFETY: at + 8 <= cols (caller), so start + at + 8 <= the source's columns (`new`);
+        // start + at is a multiple of 8 as the source's chunks are; the features (caller).
+        unsafe { S::chunk_avx2(row, start + at) }
+    }
+}
+
 /// f32 rows given by a function (activations, expanded small weights).
 #[derive(Debug, Clone, Copy)]
 pub struct F32Rows<F> {

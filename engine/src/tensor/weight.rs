@@ -328,6 +328,29 @@ impl Weight {
         with_rows!(self, src => rows_times(&src, r0, n, xs))
     }
 
+    /// Columns `c0..c0 + n` of every row times each of `xs` (`n` values each): the product of
+    /// part of each row, with the engine's dot product over those columns. `c0` must be a
+    /// multiple of 8.
+    pub fn apply_cols_many<V: AsRef<[f32]> + Sync>(
+        &self,
+        c0: usize,
+        n: usize,
+        xs: &[V],
+    ) -> Vec<Vec<f32>> {
+        let refs: Vec<&[f32]> = xs.iter().map(AsRef::as_ref).collect();
+        let rows = self.rows;
+        let flat = with_rows!(self, src => {
+            let window = super::rows::ColumnWindow::new(&src, c0, n).unwrap_or_else(|| {
+                panic!("columns {c0}..{} of {} (from a multiple of 8)", c0 + n, self.cols)
+            });
+            rows_times(&window, 0, rows, &refs)
+        });
+        if rows == 0 {
+            return vec![Vec::new(); xs.len()];
+        }
+        flat.chunks_exact(rows).map(<[f32]>::to_vec).collect()
+    }
+
     /// Row `r` decoded to f32 (an embedding lookup).
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
         let mut out = vec![0.0f32; self.cols];
@@ -473,6 +496,21 @@ mod tests {
                 let part = w.apply_rows_many(1, w.rows - 2, &xs);
                 let full_part = m.apply_rows_many(1, w.rows - 2, &xs);
                 assert_eq!(part, full_part);
+            }
+            // A window of columns from 8, ending 3 short (a tail): the product of the
+            // expansion's same columns.
+            if w.cols >= 16 {
+                let (c0, n) = (8, w.cols - 11);
+                let window: Vec<f32> = expanded
+                    .chunks_exact(w.cols)
+                    .flat_map(|row| row[c0..c0 + n].iter().copied())
+                    .collect();
+                let xs = vectors(rng, count, n);
+                let got = w.apply_cols_many(c0, n, &xs);
+                let want = Matrix::new(w.rows, n, window).apply_many(&xs);
+                for (g, e) in got.iter().flatten().zip(want.iter().flatten()) {
+                    assert_eq!(g.to_bits(), e.to_bits(), "columns {c0}+{n} of {}", w.cols);
+                }
             }
         }
         assert_eq!(
