@@ -4,8 +4,10 @@
 # attention and FP4 GEMV GB/s next to the measured copy bandwidth, NVFP4 GEMM TFLOP/s).
 #   build here:  cargo test -p kernels --features cuda --release --no-run
 #                cargo build -p kernels --features cuda --release --bins
-#   stage here:  kernels/gpu-check.sh --stage gpu-bin   (stripped copies, small enough to carry)
-#   run there:   kernels/gpu-check.sh gpu-bin           (or target/release)
+#   stage here:  kernels/gpu-check.sh --stage gpu-bin   (stripped copies, and gpu-bin.tar.gz:
+#                every test binary embeds every fatbin, so the folder alone is over the device
+#                tool's 64 MiB carry limit; the archive is about a third of it: carry that)
+#   run there:   kernels/gpu-check.sh gpu-bin.tar.gz    (or a folder: gpu-bin, target/release)
 # Exits non-zero when any test fails, when nvidia-smi fails, and when a test binary finds no GPU
 # (PDSERVE_REQUIRE_GPU=1: a run without a working GPU cannot pass). Takes a few minutes (the
 # bench about one).
@@ -21,10 +23,18 @@ if [ "${1:-}" = "--stage" ]; then
     cp "$bin" "$OUT/deps/" && strip "$OUT/deps/$(basename "$bin")"
   done
   cp target/release/kernel-bench "$OUT/" && strip "$OUT/kernel-bench" || exit 1
-  du -sh "$OUT"
+  tar -czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")" || exit 1
+  du -sh "$OUT" "$OUT.tar.gz"
   exit 0
 fi
 DIR="${1:-target/release}"
+if [ -f "$DIR" ] && [ "${DIR%.tar.gz}" != "$DIR" ]; then
+  # A staged archive: unpack it beside a temporary folder and run from there.
+  unpacked=$(mktemp -d) || exit 1
+  trap 'rm -rf "$unpacked"' EXIT
+  tar -xzf "$DIR" -C "$unpacked" || { echo "cannot unpack $DIR" >&2; exit 1; }
+  DIR="$unpacked/$(basename "${DIR%.tar.gz}")"
+fi
 export PDSERVE_REQUIRE_GPU=1
 status=0
 if ! nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader; then
