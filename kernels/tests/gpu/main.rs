@@ -1,0 +1,23 @@
+//! The GPU tests, one binary: every test binary embeds every fatbin, so one binary keeps the
+//! stripped copies that `kernels/gpu-check.sh --stage` carries to a lent device small. Each
+//! module tests one kernel family on the device against its CPU reference (bit for bit for the
+//! exact kernels, within the stated bound for the fast ones). Without the `cuda` feature the
+//! modules are empty; without a device the tests skip, and fail under `PDSERVE_REQUIRE_GPU=1`
+//! (`kernels::gpu_test`), as `gpu-check.sh` sets it.
+
+mod attn_decode;
+mod attn_decode_fp8;
+mod attn_exact;
+mod compress;
+mod cuda_backend;
+mod device_pages;
+mod exact_gemv;
+mod fp4_gemv;
+mod hyper;
+mod indexer;
+mod kv_rows;
+mod moe_exact;
+mod moe_grouped;
+mod nvfp4_gemm;
+mod nvfp4_gemm_sm100;
+mod nvfp4_quant;
