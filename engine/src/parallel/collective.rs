@@ -60,6 +60,36 @@ pub trait Collective: Send {
     fn fail(&mut self, reason: &str);
 }
 
+/// A rank's collective as a model's parallel parts hold it: shared by the forward pass and the
+/// lockstep loop (which fails it when the ranks lose lockstep), so behind a lock that a
+/// panicking holder does not poison for the others.
+pub struct SharedCollective(std::sync::Mutex<Box<dyn Collective>>);
+
+impl std::fmt::Debug for SharedCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not locked: a holder may be waiting in a call.
+        f.debug_struct("SharedCollective").finish_non_exhaustive()
+    }
+}
+
+impl SharedCollective {
+    pub fn new(collective: Box<dyn Collective>) -> Self {
+        Self(std::sync::Mutex::new(collective))
+    }
+
+    /// The collective, for one call.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Box<dyn Collective>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Marks this rank failed, so its peers stop at once.
+    pub fn fail(&self, reason: &str) {
+        self.lock().fail(reason);
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Ranks are depositing their sends.

@@ -12,7 +12,7 @@
 //! expert ids as `f32` (exact below 2^24), inputs of the hidden width each. The combine sends
 //! back, per source, the outputs in the order that source listed its pairs.
 
-use super::collective::{Collective, CollectiveError};
+use super::collective::{Collective, CollectiveError, SharedCollective};
 use crate::{model::moe, weights::ExpertWeights};
 
 /// Which rank holds which experts: `experts / ranks` consecutive experts per rank.
@@ -191,19 +191,11 @@ pub fn routed_experts(
 /// A model's expert parallelism: this rank's place in the split and its link to the others.
 /// Attached with [`crate::model::Model::set_expert_parallel`]; every MoE layer's routed
 /// experts then go through [`routed_experts`] over it.
+#[derive(Debug)]
 pub struct ExpertParallel {
-    collective: std::sync::Mutex<Box<dyn Collective>>,
+    collective: SharedCollective,
     split: ExpertSplit,
     rank: usize,
-}
-
-impl std::fmt::Debug for ExpertParallel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExpertParallel")
-            .field("split", &self.split)
-            .field("rank", &self.rank)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ExpertParallel {
@@ -212,7 +204,7 @@ impl ExpertParallel {
         let split = ExpertSplit::new(experts, collective.size())?;
         Ok(Self {
             rank: collective.rank(),
-            collective: std::sync::Mutex::new(collective),
+            collective: SharedCollective::new(collective),
             split,
         })
     }
@@ -247,10 +239,7 @@ impl ExpertParallel {
             experts: mine,
             limit,
         };
-        let mut collective = self
-            .collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut collective = self.collective.lock();
         routed_experts(collective.as_mut(), &shard, xs, pairs)
     }
 
@@ -274,11 +263,7 @@ impl ExpertParallel {
             .collect();
         let outputs = self.routed(experts, limit, xs, &mine)?;
         let width = outputs.first().map_or(0, Vec::len);
-        let gathered = self
-            .collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .all_gather(outputs.concat())?;
+        let gathered = self.collective.lock().all_gather(outputs.concat())?;
         let mut result = vec![Vec::new(); pairs.len()];
         for (rank, values) in gathered.iter().enumerate() {
             let slots: Vec<usize> = (rank..pairs.len()).step_by(size.max(1)).collect();
@@ -303,10 +288,7 @@ impl ExpertParallel {
 
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
-        self.collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .fail(reason);
+        self.collective.fail(reason);
     }
 }
 

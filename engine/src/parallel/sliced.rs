@@ -17,23 +17,18 @@
 
 use std::ops::Range;
 
-use super::{collective::Collective, expert::ExpertError};
+use super::{
+    collective::{Collective, SharedCollective},
+    expert::ExpertError,
+};
 use crate::{model::moe, weights::ExpertWeights};
 
 /// This rank's slice of every routed expert's intermediate dimension.
+#[derive(Debug)]
 pub struct SlicedExperts {
-    collective: std::sync::Mutex<Box<dyn Collective>>,
+    collective: SharedCollective,
     rank: usize,
     size: usize,
-}
-
-impl std::fmt::Debug for SlicedExperts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SlicedExperts")
-            .field("rank", &self.rank)
-            .field("size", &self.size)
-            .finish_non_exhaustive()
-    }
 }
 
 impl SlicedExperts {
@@ -48,7 +43,7 @@ impl SlicedExperts {
             ));
         }
         Ok(Self {
-            collective: std::sync::Mutex::new(collective),
+            collective: SharedCollective::new(collective),
             rank,
             size,
         })
@@ -100,11 +95,7 @@ impl SlicedExperts {
                 partials[p * width..(p + 1) * width].copy_from_slice(&y);
             }
         }
-        let gathered = self
-            .collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .all_gather(partials)?;
+        let gathered = self.collective.lock().all_gather(partials)?;
         for (rank, values) in gathered.iter().enumerate() {
             if values.len() != pairs.len() * width {
                 return Err(ExpertError::Invalid(format!(
@@ -147,9 +138,6 @@ impl SlicedExperts {
 
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
-        self.collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .fail(reason);
+        self.collective.fail(reason);
     }
 }

@@ -13,27 +13,17 @@
 
 use std::ops::Range;
 
-use super::collective::{Collective, CollectiveError};
+use super::collective::{Collective, CollectiveError, SharedCollective};
 use crate::config::ModelConfig;
 
 /// This rank's share of every layer's attention heads.
+#[derive(Debug)]
 pub struct TensorParallel {
-    collective: std::sync::Mutex<Box<dyn Collective>>,
+    collective: SharedCollective,
     rank: usize,
     size: usize,
     heads: Range<usize>,
     groups: Range<usize>,
-}
-
-impl std::fmt::Debug for TensorParallel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TensorParallel")
-            .field("rank", &self.rank)
-            .field("size", &self.size)
-            .field("heads", &self.heads)
-            .field("groups", &self.groups)
-            .finish_non_exhaustive()
-    }
 }
 
 impl TensorParallel {
@@ -49,7 +39,7 @@ impl TensorParallel {
         }
         let (heads, groups) = (c.num_heads / size, c.o_groups / size);
         Ok(Self {
-            collective: std::sync::Mutex::new(collective),
+            collective: SharedCollective::new(collective),
             rank,
             size,
             heads: rank * heads..(rank + 1) * heads,
@@ -81,11 +71,7 @@ impl TensorParallel {
         let tokens = lows.len();
         let width = lows.first().map_or(0, Vec::len);
         let flat: Vec<f32> = lows.into_iter().flatten().collect();
-        let parts = self
-            .collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .all_gather(flat)?;
+        let parts = self.collective.lock().all_gather(flat)?;
         let mut out = vec![Vec::with_capacity(width * self.size); tokens];
         for part in &parts {
             if part.len() != tokens * width {
@@ -103,9 +89,6 @@ impl TensorParallel {
 
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
-        self.collective
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .fail(reason);
+        self.collective.fail(reason);
     }
 }
