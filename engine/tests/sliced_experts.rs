@@ -10,101 +10,18 @@
 use std::{sync::Arc, thread, time::Duration};
 
 use engine::{
-    config::ExpertFormat,
     model::Model,
     parallel::{collective::InProcessGroup, sliced::SlicedExperts, tensor::TensorParallel},
-    sampling::{SamplingParams, StopConditions},
-    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
-    synth::{GenerateOptions, Preset, Rng, generate},
-    tensor::Weight,
+    scheduler::{Engine, GenerationRequest},
+    synth::{Preset, Rng},
 };
+use ranks_common::{Output, bits, checkpoint, config, outputs, spoil_outside};
 
-fn checkpoint() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Small,
-        seed: 31,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
-    dir
-}
+mod ranks_common;
 
-/// Greedy requests with log-probabilities, prompts of awkward lengths.
+/// Greedy requests with log-probabilities.
 fn requests() -> Vec<GenerationRequest> {
-    let mut rng = Rng::for_tensor(6, "sliced-requests");
-    [5usize, 70, 1, 150, 33]
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| GenerationRequest {
-            id: i as u64 + 1,
-            prompt: (0..len)
-                .map(|_| (rng.next_u64() % 129_280) as u32)
-                .collect(),
-            sampling: SamplingParams {
-                temperature: 0.0,
-                logprobs: true,
-                top_logprobs: 2,
-                ..SamplingParams::default()
-            },
-            stop: StopConditions {
-                max_tokens: 4 + (i as u32 % 3),
-                min_tokens: 0,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                eos_token_ids: vec![1],
-            },
-        })
-        .collect()
-}
-
-fn config() -> EngineConfig {
-    EngineConfig {
-        page_size: 16,
-        max_batch_tokens: 40,
-        ..EngineConfig::default()
-    }
-}
-
-/// Each token event's (request, token, log-probabilities).
-type Output = (u64, u32, Vec<f32>);
-
-fn outputs(events: &[Event]) -> Vec<Output> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Token { id, sampled, .. } => Some((
-                *id,
-                sampled.token,
-                sampled
-                    .logprob
-                    .into_iter()
-                    .chain(sampled.top_logprobs.iter().map(|(_, l)| *l))
-                    .collect(),
-            )),
-            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
-            _ => None,
-        })
-        .collect()
-}
-
-fn bits(out: &[Output]) -> Vec<(u64, u32, Vec<u32>)> {
-    out.iter()
-        .map(|(id, t, l)| (*id, *t, l.iter().map(|v| v.to_bits()).collect()))
-        .collect()
-}
-
-/// `w` with rows outside `keep` scaled by 3.
-fn spoil_outside(w: &Weight, keep: std::ops::Range<usize>) -> Weight {
-    let mut m = w.to_f32();
-    for r in (0..w.rows).filter(|r| !keep.contains(r)) {
-        for v in &mut m[r * w.cols..(r + 1) * w.cols] {
-            *v *= 3.0;
-        }
-    }
-    Weight::f32(w.rows, w.cols, m).unwrap()
+    ranks_common::requests(&mut Rng::for_tensor(6, "sliced-requests"), false)
 }
 
 fn run_ranks(
@@ -162,7 +79,7 @@ fn one_rank(dir: &std::path::Path) -> Vec<Output> {
 
 #[test]
 fn sliced_experts_are_deterministic_batch_invariant_and_within_their_bound() {
-    let dir = checkpoint();
+    let dir = checkpoint(Preset::Small, 31);
     let want = one_rank(dir.path());
     assert!(want.len() >= 20, "{want:?}");
     for n in [2, 4] {

@@ -10,97 +10,21 @@
 use std::{sync::Arc, thread, time::Duration};
 
 use engine::{
-    config::ExpertFormat,
     model::Model,
     parallel::{collective::InProcessGroup, expert::ExpertParallel, tensor::TensorParallel},
-    sampling::{SamplingParams, StopConditions},
-    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
-    synth::{GenerateOptions, Preset, Rng, generate},
-    tensor::Weight,
+    scheduler::{Engine, GenerationRequest},
+    synth::{Preset, Rng},
 };
+use ranks_common::{bits, checkpoint, config, outputs, spoil_outside};
 
-fn checkpoint(preset: Preset) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset,
-        seed: 29,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
-    dir
-}
-
-fn requests() -> Vec<GenerationRequest> {
-    let mut rng = Rng::for_tensor(4, "tp-requests");
-    [5usize, 70, 1, 150, 33]
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| GenerationRequest {
-            id: i as u64 + 1,
-            prompt: (0..len)
-                .map(|_| (rng.next_u64() % 129_280) as u32)
-                .collect(),
-            sampling: SamplingParams {
-                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
-                seed: Some(i as u64 * 11),
-                logprobs: true,
-                top_logprobs: 2,
-                ..SamplingParams::default()
-            },
-            stop: StopConditions {
-                max_tokens: 3 + (i as u32 % 3),
-                min_tokens: 0,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                eos_token_ids: vec![1],
-            },
-        })
-        .collect()
-}
-
-fn config() -> EngineConfig {
-    EngineConfig {
-        page_size: 16,
-        // Chunks end inside pages and prompts share steps with decodes.
-        max_batch_tokens: 40,
-        ..EngineConfig::default()
-    }
-}
+mod ranks_common;
 
 /// Every token event's request, token and log-probabilities (as bits), in order.
 type Output = (u64, u32, Vec<u32>);
 
-fn outputs(events: &[Event]) -> Vec<Output> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Token { id, sampled, .. } => Some((
-                *id,
-                sampled.token,
-                sampled
-                    .logprob
-                    .into_iter()
-                    .chain(sampled.top_logprobs.iter().map(|(_, l)| *l))
-                    .map(f32::to_bits)
-                    .collect(),
-            )),
-            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
-            _ => None,
-        })
-        .collect()
-}
-
-/// `w` with rows outside `keep` scaled by 3 (wrong values where this rank must not read).
-fn spoil_outside(w: &Weight, keep: std::ops::Range<usize>) -> Weight {
-    let mut m = w.to_f32();
-    for r in (0..w.rows).filter(|r| !keep.contains(r)) {
-        for v in &mut m[r * w.cols..(r + 1) * w.cols] {
-            *v *= 3.0;
-        }
-    }
-    Weight::f32(w.rows, w.cols, m).unwrap()
+/// Greedy and sampled requests with log-probabilities.
+fn requests() -> Vec<GenerationRequest> {
+    ranks_common::requests(&mut Rng::for_tensor(4, "tp-requests"), true)
 }
 
 fn run_ranks(dir: &std::path::Path, ranks: usize, with_ep: bool) -> Vec<Vec<Output>> {
@@ -138,7 +62,7 @@ fn run_ranks(dir: &std::path::Path, ranks: usize, with_ep: bool) -> Vec<Vec<Outp
                         .num_threads(1)
                         .build()
                         .unwrap();
-                    outputs(&pool.install(|| engine.run_to_completion()))
+                    bits(&outputs(&pool.install(|| engine.run_to_completion())))
                 })
             })
             .collect();
@@ -151,13 +75,13 @@ fn one_rank(dir: &std::path::Path) -> Vec<Output> {
     for r in requests() {
         engine.add(r).unwrap();
     }
-    outputs(&engine.run_to_completion())
+    bits(&outputs(&engine.run_to_completion()))
 }
 
 #[test]
 fn tensor_parallel_attention_is_bit_identical_to_one_rank() {
     for (preset, ranks) in [(Preset::Tiny, vec![2]), (Preset::Small, vec![2, 4])] {
-        let dir = checkpoint(preset);
+        let dir = checkpoint(preset, 29);
         let want = one_rank(dir.path());
         assert!(want.len() >= 15, "{want:?}");
         for n in ranks {
@@ -176,7 +100,7 @@ fn tensor_parallel_attention_is_bit_identical_to_one_rank() {
 /// A rank whose wrong rows were read would change the answer: the test can fail.
 #[test]
 fn spoiled_rows_change_the_one_rank_answer() {
-    let dir = checkpoint(Preset::Tiny);
+    let dir = checkpoint(Preset::Tiny, 29);
     let want = one_rank(dir.path());
     let mut model = Model::load(dir.path()).unwrap();
     let hd = model.config.head_dim;
@@ -187,5 +111,5 @@ fn spoiled_rows_change_the_one_rank_answer() {
     for r in requests() {
         engine.add(r).unwrap();
     }
-    assert_ne!(outputs(&engine.run_to_completion()), want);
+    assert_ne!(bits(&outputs(&engine.run_to_completion())), want);
 }
