@@ -150,56 +150,41 @@ pub fn forward_many(
         .iter()
         .map(|(chosen, _)| vec![None; chosen.len()])
         .collect();
-    let pairs_of = |routes: &[(Vec<usize>, Vec<f32>)]| -> Vec<(usize, usize)> {
-        routes
-            .iter()
-            .enumerate()
-            .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
-            .collect()
-    };
-    if let Some(sliced) = routed.sliced {
-        let ys = sliced
-            .routed(&w.experts, c.swiglu_limit, xs, &pairs_of(&routes))
-            .map_err(|e| crate::model::expert_failure(&e))?;
-        let mut ys = ys.into_iter();
-        for slots in &mut per_token {
-            for slot in slots.iter_mut() {
-                *slot = ys.next();
-            }
-        }
+    // Every (token, expert) pair in token and slot order, for the ranks or the backend.
+    let pairs: Vec<(usize, usize)> = routes
+        .iter()
+        .enumerate()
+        .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
+        .collect();
+    let elsewhere = if let Some(sliced) = routed.sliced {
+        Some(
+            sliced
+                .routed(&w.experts, c.swiglu_limit, xs, &pairs)
+                .map_err(|e| crate::model::expert_failure(&e))?,
+        )
     } else if let Some(ep) = routed.expert_parallel {
-        let pairs: Vec<(usize, usize)> = routes
-            .iter()
-            .enumerate()
-            .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
-            .collect();
-        let ys = if routed.replicated_tokens {
-            ep.routed_replicated(&w.experts, c.swiglu_limit, xs, &pairs)
-        } else {
-            ep.routed(&w.experts, c.swiglu_limit, xs, &pairs)
-        }
-        .map_err(|e| crate::model::expert_failure(&e))?;
-        let mut ys = ys.into_iter();
-        for slots in &mut per_token {
-            for slot in slots.iter_mut() {
-                *slot = ys.next();
+        Some(
+            if routed.replicated_tokens {
+                ep.routed_replicated(&w.experts, c.swiglu_limit, xs, &pairs)
+            } else {
+                ep.routed(&w.experts, c.swiglu_limit, xs, &pairs)
             }
-        }
+            .map_err(|e| crate::model::expert_failure(&e))?,
+        )
     } else if let Some((backend, layer)) = routed.backend {
-        let pairs: Vec<(usize, usize)> = routes
-            .iter()
-            .enumerate()
-            .flat_map(|(t, (chosen, _))| chosen.iter().map(move |&e| (t, e)))
-            .collect();
         let width = xs.first().map_or(0, Vec::len);
-        let ys = backend.routed_experts(
+        Some(backend.routed_experts(
             ExpertBatch {
                 layer,
                 xs,
                 pairs: &pairs,
             },
             width,
-        )?;
+        )?)
+    } else {
+        None
+    };
+    if let Some(ys) = elsewhere {
         let mut ys = ys.into_iter();
         for slots in &mut per_token {
             for slot in slots.iter_mut() {
