@@ -19,7 +19,7 @@ impl From<String> for ShapeError {
 
 /// A projection of an expert: gate `w1` `[inter, hidden]`, down `w2` `[hidden, inter]`, up
 /// `w3` `[inter, hidden]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Proj {
     Gate,
     Down,

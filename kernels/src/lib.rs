@@ -91,6 +91,7 @@ pub mod moe_group;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rows;
+pub mod step;
 
 /// Embedded fatbins (empty when built without nvcc).
 pub mod fatbins {

@@ -428,18 +428,34 @@ fn relu(v: f32) -> f32 {
 /// ascending row order (the order the attention sums in); `None` when a score is NaN (no
 /// choice is defined, and the caller makes the token's attention NaN rather than attend to
 /// rows picked by a NaN).
-struct IndexQuery<'a> {
+#[derive(Debug, Clone, Copy)]
+pub struct IndexQuery<'a> {
     /// The token's indexer query (`wq_b` of its Q residual), before RoPE.
-    q: &'a [f32],
+    pub q: &'a [f32],
     /// `weights_proj` of the token's input, before the head scale.
-    weights: &'a [f32],
-    visible: usize,
-    pos: usize,
+    pub weights: &'a [f32],
+    /// Compressed rows the token sees.
+    pub visible: usize,
+    /// The token's position.
+    pub pos: usize,
 }
 
 fn select(
     is: &CompressorState,
     query: &IndexQuery<'_>,
+    c: &ModelConfig,
+    compress_rope: &Rope,
+) -> Option<Vec<usize>> {
+    let di = c.index_head_dim;
+    index_choice(query, |s| is.row(s, di), c, compress_rope)
+}
+
+/// The indexer's choice for one token (see [`IndexQuery`]) over the compressed indexer rows
+/// `row(0..visible)`: the rows in ascending order, or `None` when a score is NaN. Public so a
+/// device's decode step, which keeps the rows in its own pages, is checked against these bits.
+pub fn index_choice<'r>(
+    query: &IndexQuery<'_>,
+    row: impl Fn(usize) -> &'r [f32] + Sync,
     c: &ModelConfig,
     compress_rope: &Rope,
 ) -> Option<Vec<usize>> {
@@ -463,7 +479,7 @@ fn select(
     let softmax_scale = 1.0 / (di as f32).sqrt();
     let heads: Vec<&[f32]> = q.chunks_exact(di).collect();
     let mut head_scores = vec![0.0f32; heads.len() * visible];
-    dots(|s| is.row(s, di), visible, &heads, &mut head_scores);
+    dots(row, visible, &heads, &mut head_scores);
     let scores: Vec<f32> = (0..visible)
         .map(|s| {
             (0..heads.len())

@@ -61,8 +61,9 @@ pub fn route(w: &MoeWeights, x: &[f32], token: u32, c: &ModelConfig) -> (Vec<usi
     route_logits(w, &w.gate.apply(x), token, c)
 }
 
-/// Routing from the gate's logits for one token.
-fn route_logits(
+/// Routing from the gate's logits for one token: the chosen experts in slot order and their
+/// weights.
+pub fn route_logits(
     w: &MoeWeights,
     logits: &[f32],
     token: u32,

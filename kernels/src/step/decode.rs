@@ -1,0 +1,370 @@
+//! The decode step over [`StepOps`]: the engine's forward pass (`engine::model`) for one token
+//! of each sequence, in the same operations and order, with the attention state in the arenas
+//! of a [`StateLayout`].
+
+use engine::{
+    backend::LinearId,
+    config::{Attention, ModelConfig},
+};
+
+use super::{
+    Comp, Compressed, IndexAt, Lin, Mixed, Norm, Proj, RopeKind, RowOp, StepOps, Sub, TokenKeys,
+    Vector, View, layout::StateLayout,
+};
+
+/// A sequence in a slot of the arenas: its slot and its length (the next token's position).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seat {
+    pub slot: usize,
+    pub len: usize,
+}
+
+/// A step that cannot run: its inputs (in words), or an op that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError<E: std::fmt::Display> {
+    #[error("{0}")]
+    Input(String),
+    #[error("device: {0}")]
+    Device(E),
+}
+
+impl<E: std::fmt::Display> From<E> for StepError<E> {
+    fn from(e: E) -> Self {
+        Self::Device(e)
+    }
+}
+
+/// One decode step: token `tokens[i]` of the sequence in `seats[i]`. Returns each sequence's
+/// logits and advances its length; on an error the sequences' state must be discarded.
+pub fn decode_step<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    layout: &StateLayout,
+    arenas: &mut [O::Buf],
+    seats: &mut [Seat],
+    tokens: &[u32],
+) -> Result<Vec<Vec<f32>>, StepError<O::Error>> {
+    check(c, layout, seats, tokens).map_err(StepError::Input)?;
+    let n = tokens.len();
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let d = c.hidden_size;
+    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    let ids = ops.put_idx(&ids)?;
+    let mut x = ops.embed(&ids, n)?;
+    for (l, arena) in arenas.iter_mut().enumerate() {
+        let m = mix_in(ops, c, l, Sub::Attn, &x, n)?;
+        let a = attention(ops, c, layout, l, arena, seats, &m.input)?;
+        x = ops.hyper_post(&x, &a, &m.post, &m.comb, n)?;
+        let m = mix_in(ops, c, l, Sub::Ffn, &x, n)?;
+        let y = moe(ops, c, l, &m.input, &ids, n)?;
+        x = ops.hyper_post(&x, &y, &m.post, &m.comb, n)?;
+    }
+    let mut h = ops.hyper_head(&x, n)?;
+    ops.norm_rope(&mut h, &normed(d, Vector::FinalNorm), n)?;
+    let v = c.vocab_size;
+    let mut logits = ops.alloc(n * v)?;
+    ops.linear(
+        Lin::Head,
+        0..v,
+        &h,
+        View::rows(d),
+        &mut logits,
+        View::rows(v),
+        n,
+    )?;
+    let flat = ops.get(&logits, 0..n * v)?;
+    for seat in seats.iter_mut() {
+        seat.len += 1;
+    }
+    Ok(flat.chunks_exact(v).map(<[f32]>::to_vec).collect())
+}
+
+fn check(
+    c: &ModelConfig,
+    layout: &StateLayout,
+    seats: &[Seat],
+    tokens: &[u32],
+) -> Result<(), String> {
+    if seats.len() != tokens.len() || layout.layers.len() != c.layers.len() {
+        return Err(format!(
+            "{} tokens for {} sequences",
+            tokens.len(),
+            seats.len()
+        ));
+    }
+    if let Some(t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        return Err(format!(
+            "token id {t} is outside the vocabulary (size {})",
+            c.vocab_size
+        ));
+    }
+    let mut slots: Vec<usize> = seats.iter().map(|s| s.slot).collect();
+    slots.sort_unstable();
+    if slots.windows(2).any(|w| w[0] == w[1]) {
+        return Err("two sequences in one slot".into());
+    }
+    if let Some(s) = seats
+        .iter()
+        .find(|s| s.slot >= layout.slots || s.len >= layout.tokens)
+    {
+        return Err(format!(
+            "slot {} at {} tokens: the arenas hold {} slots of {} tokens",
+            s.slot, s.len, layout.slots, layout.tokens
+        ));
+    }
+    Ok(())
+}
+
+/// One row of `width` normed by a weight vector, no rotation.
+fn normed(width: usize, v: Vector) -> RowOp<'static> {
+    RowOp {
+        heads: 1,
+        head_dim: width,
+        norm: Norm::Weighted(v),
+        rope: None,
+        inverse: false,
+    }
+}
+
+/// `rows` of `w` times `n` whole rows of `x`, as a new buffer `[n, rows.len()]`.
+fn project<O: StepOps>(
+    ops: &O,
+    w: Lin,
+    rows: std::ops::Range<usize>,
+    x: &O::Buf,
+    cols: usize,
+    n: usize,
+) -> Result<O::Buf, O::Error> {
+    let width = rows.len();
+    let mut y = ops.alloc(n * width)?;
+    ops.linear(w, rows, x, View::rows(cols), &mut y, View::rows(width), n)?;
+    Ok(y)
+}
+
+/// A sublayer's input from the streams (normed by the sublayer's norm), post and comb, as
+/// `hyper::pre_many` and the norm compute them.
+fn mix_in<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    l: usize,
+    sub: Sub,
+    x: &O::Buf,
+    n: usize,
+) -> Result<Mixed<O::Buf>, O::Error> {
+    let (hc, d) = (c.hc_mult, c.hidden_size);
+    let mut flat = ops.copy(x, n * hc * d)?;
+    let unit = RowOp {
+        heads: 1,
+        head_dim: hc * d,
+        norm: Norm::Unweighted,
+        rope: None,
+        inverse: false,
+    };
+    ops.norm_rope(&mut flat, &unit, n)?;
+    let mixes = project(ops, Lin::Mix(l, sub), 0..(2 + hc) * hc, &flat, hc * d, n)?;
+    let mut mixed = ops.hyper_pre(l, sub, x, &mixes, n)?;
+    let norm = match sub {
+        Sub::Attn => Vector::AttnNorm(l),
+        Sub::Ffn => Vector::FfnNorm(l),
+    };
+    ops.norm_rope(&mut mixed.input, &normed(d, norm), n)?;
+    Ok(mixed)
+}
+
+/// Layer `l`'s attention for every token (`attention::forward` and the model's `wo_b`):
+/// `[n, D]`. Writes the tokens' rows into the arena.
+fn attention<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    layout: &StateLayout,
+    l: usize,
+    arena: &mut O::Buf,
+    seats: &[Seat],
+    h: &O::Buf,
+) -> Result<O::Buf, O::Error> {
+    let n = seats.len();
+    let (d, hd, heads) = (c.hidden_size, c.head_dim, c.num_heads);
+    let kind = layout.layers[l].kind;
+    let rope = if kind == Attention::Sliding {
+        RopeKind::Main
+    } else {
+        RopeKind::Compress
+    };
+    let positions: Vec<usize> = seats.iter().map(|s| s.len).collect();
+    let lin = |id| Lin::Attn(l, id);
+    let mut qr = project(ops, lin(LinearId::QA), 0..c.q_lora_rank, h, d, n)?;
+    ops.norm_rope(&mut qr, &normed(c.q_lora_rank, Vector::QNorm(l)), n)?;
+    let mut q = project(ops, lin(LinearId::QB), 0..heads * hd, &qr, c.q_lora_rank, n)?;
+    let rotated = |norm| RowOp {
+        heads,
+        head_dim: hd,
+        norm,
+        rope: Some((rope, &positions)),
+        inverse: false,
+    };
+    ops.norm_rope(&mut q, &rotated(Norm::Unweighted), n)?;
+    let mut kv = project(ops, lin(LinearId::Kv), 0..hd, h, d, n)?;
+    let kv_op = RowOp {
+        heads: 1,
+        ..rotated(Norm::Weighted(Vector::KvNorm(l)))
+    };
+    ops.norm_rope(&mut kv, &kv_op, n)?;
+    let ring: Vec<i64> = seats
+        .iter()
+        .map(|s| layout.window_row(l, s.slot, s.len))
+        .collect();
+    ops.write_rows(&kv, hd, arena, &ring)?;
+    let region = layout.layers[l];
+    let compressors = [
+        (
+            region.compressor,
+            Comp::Attn,
+            LinearId::CompressorKv,
+            LinearId::CompressorGate,
+        ),
+        (
+            region.indexer,
+            Comp::Index,
+            LinearId::IndexerCompressorKv,
+            LinearId::IndexerCompressorGate,
+        ),
+    ];
+    for (r, comp, kv_id, gate_id) in compressors {
+        let Some(r) = r else { continue };
+        let slot_of = |s: &Seat, gate: bool| {
+            let base = layout.base(l, s.slot) + r.pending;
+            let gate = if gate { r.ratio * r.width } else { 0 };
+            (base + gate + (s.len % r.ratio) * r.width) as i64
+        };
+        for (id, gate) in [(kv_id, false), (gate_id, true)] {
+            let y = project(ops, lin(id), 0..r.width, h, d, n)?;
+            let at: Vec<i64> = seats.iter().map(|s| slot_of(s, gate)).collect();
+            ops.write_rows(&y, r.width, arena, &at)?;
+        }
+        let closing: Vec<(&Seat, super::WindowClose)> = seats
+            .iter()
+            .filter_map(|s| {
+                layout
+                    .close_at(&r, layout.base(l, s.slot), s.len)
+                    .map(|close| (s, close))
+            })
+            .collect();
+        if closing.is_empty() {
+            continue;
+        }
+        let closes: Vec<_> = closing.iter().map(|(_, close)| *close).collect();
+        let mut rows = ops.close_windows(l, comp, arena, &closes)?;
+        let window_pos: Vec<usize> = closing.iter().map(|(s, _)| s.len + 1 - r.ratio).collect();
+        let row_op = RowOp {
+            heads: 1,
+            head_dim: r.d,
+            norm: Norm::Weighted(Vector::CompressorNorm(l, comp)),
+            rope: Some((RopeKind::Compress, &window_pos)),
+            inverse: false,
+        };
+        ops.norm_rope(&mut rows, &row_op, closing.len())?;
+        let at: Vec<i64> = closing
+            .iter()
+            .map(|(s, _)| (layout.base(l, s.slot) + r.rows + (s.len / r.ratio) * r.d) as i64)
+            .collect();
+        ops.write_rows(&rows, r.d, arena, &at)?;
+    }
+    let chosen = match region.indexer {
+        Some(ir) => {
+            let (hi, di) = (c.index_n_heads, c.index_head_dim);
+            let iq = project(
+                ops,
+                lin(LinearId::IndexerQB),
+                0..hi * di,
+                &qr,
+                c.q_lora_rank,
+                n,
+            )?;
+            let iw = project(ops, lin(LinearId::IndexerWeights), 0..hi, h, d, n)?;
+            let at: Vec<IndexAt> = seats
+                .iter()
+                .map(|s| IndexAt {
+                    pos: s.len,
+                    rows: (layout.base(l, s.slot) + ir.rows) as i64,
+                    visible: (s.len + 1) / ir.ratio,
+                })
+                .collect();
+            Some(ops.index_select(&iq, &iw, arena, &at, c.index_topk)?)
+        }
+        None => None,
+    };
+    let keys: Vec<TokenKeys> = seats
+        .iter()
+        .map(|s| {
+            let rows =
+                |r: &super::layout::CompressorRegion| (layout.base(l, s.slot) + r.rows) as i64;
+            TokenKeys {
+                window: layout.window_keys(l, s.slot, s.len),
+                compressed: match (kind, region.compressor) {
+                    (Attention::Csa { .. }, Some(r)) => Compressed::Chosen { rows: rows(&r) },
+                    (_, Some(r)) => Compressed::All {
+                        rows: rows(&r),
+                        count: (s.len + 1) / r.ratio,
+                    },
+                    (_, None) => Compressed::None,
+                },
+            }
+        })
+        .collect();
+    let chosen = chosen.as_ref().map(|idx| (idx, c.index_topk));
+    let mut out = ops.attend(l, &q, arena, &keys, chosen)?;
+    let back = RowOp {
+        norm: Norm::None,
+        inverse: true,
+        ..rotated(Norm::None)
+    };
+    ops.norm_rope(&mut out, &back, n)?;
+    // The grouped low-rank output projection: each group's heads to its block of `wo_a`.
+    let (groups, rank) = (c.o_groups, c.o_lora_rank);
+    let group_in = heads * hd / groups;
+    let mut lows = ops.alloc(n * groups * rank)?;
+    for g in 0..groups {
+        ops.linear(
+            lin(LinearId::OA),
+            g * rank..(g + 1) * rank,
+            &out,
+            View {
+                stride: heads * hd,
+                start: g * group_in,
+            },
+            &mut lows,
+            View {
+                stride: groups * rank,
+                start: g * rank,
+            },
+            n,
+        )?;
+    }
+    project(ops, lin(LinearId::OB), 0..d, &lows, groups * rank, n)
+}
+
+/// Layer `l`'s MoE for every token (`moe::forward_many`): `[n, D]`.
+fn moe<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    l: usize,
+    h: &O::Buf,
+    ids: &O::Idx,
+    n: usize,
+) -> Result<O::Buf, O::Error> {
+    let (d, inter, k) = (c.hidden_size, c.moe_intermediate_size, c.experts_per_token);
+    let logits = project(ops, Lin::Gate(l), 0..c.n_routed_experts, h, d, n)?;
+    let (experts, weights) = ops.route(l, &logits, ids, n)?;
+    let pairs = n * k;
+    let gate = ops.expert_pairs(l, Proj::Gate, h, &experts, k, pairs)?;
+    let up = ops.expert_pairs(l, Proj::Up, h, &experts, k, pairs)?;
+    let act = ops.swiglu(&gate, &up, pairs, inter)?;
+    let ys = ops.expert_pairs(l, Proj::Down, &act, &experts, 1, pairs)?;
+    let shared_gate = project(ops, Lin::Shared(l, Proj::Gate), 0..inter, h, d, n)?;
+    let shared_up = project(ops, Lin::Shared(l, Proj::Up), 0..inter, h, d, n)?;
+    let shared_act = ops.swiglu(&shared_gate, &shared_up, n, inter)?;
+    let shared = project(ops, Lin::Shared(l, Proj::Down), 0..d, &shared_act, inter, n)?;
+    ops.combine(&ys, &weights, &shared, n, k)
+}

@@ -1,0 +1,213 @@
+//! The decode step over the engine's ops against the engine's forward pass: the same logits and
+//! the same state, bit for bit, for sequences of every awkward length in any slot order; a step
+//! reads nothing back but its logits; planted errors are caught.
+
+use engine::{
+    config::ExpertFormat,
+    model::{Logits, Model, SequenceState, Step},
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+
+use super::{
+    cpu_ops::{CpuStepOps, Plant},
+    decode::{Seat, StepError, decode_step},
+    layout::StateLayout,
+};
+
+fn model(format: ExpertFormat) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 29,
+        experts: format,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    (dir, model)
+}
+
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut rng = Rng::for_tensor(seed, "prompt");
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// The engine's state after `prompt`, fed in two chunks (so the window holds a chunk's rows
+/// beyond what decode needs, as after a real prefill).
+fn prefilled(model: &Model, prompt: &[u32]) -> SequenceState {
+    let mut state = model.new_state();
+    let cut = prompt.len() / 3;
+    for chunk in [&prompt[..cut], &prompt[cut..]] {
+        if !chunk.is_empty() {
+            model.forward(&mut state, chunk, Logits::None).unwrap();
+        }
+    }
+    state
+}
+
+/// Sequences of these lengths in these slots: empty, shorter than the window, past the CSA
+/// indexer's top-k, and one whose decode closes the first HCA window (ratio 128).
+const LENGTHS: [usize; 4] = [0, 3, 23, 126];
+const SLOTS: [usize; 4] = [2, 0, 3, 1];
+const STEPS: usize = 4;
+
+/// The engine's and the device step's logits of every step, and the final states.
+struct Runs {
+    engine: Vec<Vec<Vec<f32>>>,
+    device: Vec<Vec<Vec<f32>>>,
+    engine_states: Vec<SequenceState>,
+    device_states: Vec<SequenceState>,
+    reads: Vec<(usize, usize)>,
+}
+
+fn run(model: &Model, plant: Option<Plant>) -> Runs {
+    let c = &model.config;
+    let ops = CpuStepOps::new(model);
+    ops.plant(plant);
+    let layout = StateLayout::new(c, 4, 140);
+    let mut arenas = layout.arenas(&ops).unwrap();
+    let mut states: Vec<SequenceState> = LENGTHS
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| prefilled(model, &tokens(len, i as u64, c.vocab_size)))
+        .collect();
+    let mut seats: Vec<Seat> = Vec::new();
+    for (state, &slot) in states.iter().zip(&SLOTS) {
+        layout.load(&ops, &mut arenas, slot, state).unwrap();
+        seats.push(Seat {
+            slot,
+            len: state.len,
+        });
+    }
+    ops.take_reads();
+    let mut runs = Runs {
+        engine: Vec::new(),
+        device: Vec::new(),
+        engine_states: Vec::new(),
+        device_states: Vec::new(),
+        reads: Vec::new(),
+    };
+    for step in 0..STEPS {
+        let next = tokens(states.len(), 100 + step as u64, c.vocab_size);
+        let mut batch: Vec<Step<'_>> = states
+            .iter_mut()
+            .zip(&next)
+            .map(|(state, t)| Step {
+                state,
+                tokens: std::slice::from_ref(t),
+                logits: Logits::Last,
+            })
+            .collect();
+        let engine: Vec<Vec<f32>> = model
+            .forward_batch(&mut batch)
+            .unwrap()
+            .into_iter()
+            .map(|mut l| l.pop().unwrap())
+            .collect();
+        let device = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+        runs.reads.push(ops.take_reads());
+        runs.engine.push(engine);
+        runs.device.push(device);
+    }
+    for (state, seat) in states.iter().zip(&seats) {
+        assert_eq!(state.len, seat.len);
+        runs.engine_states.push(state.normalized(c));
+        runs.device_states
+            .push(layout.read(&ops, &arenas, seat.slot, seat.len).unwrap());
+    }
+    runs
+}
+
+/// Equal bits, any NaN equal to any NaN.
+fn same_value(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+fn same(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| same_value(*x, *y))
+}
+
+fn logits_equal(runs: &Runs) -> bool {
+    runs.engine
+        .iter()
+        .zip(&runs.device)
+        .all(|(e, d)| e.len() == d.len() && e.iter().zip(d).all(|(a, b)| same(a, b)))
+}
+
+#[test]
+fn decode_steps_give_the_engines_logits_and_state_bit_for_bit() {
+    for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+        let (_dir, model) = model(format);
+        let runs = run(&model, None);
+        let vocab = model.config.vocab_size;
+        for (step, (e, d)) in runs.engine.iter().zip(&runs.device).enumerate() {
+            for (s, (a, b)) in e.iter().zip(d).enumerate() {
+                assert!(a.iter().all(|v| v.is_finite()), "{format:?} step {step}");
+                assert!(same(a, b), "{format:?}: step {step}, sequence {s}");
+            }
+        }
+        for (s, (e, d)) in runs
+            .engine_states
+            .iter()
+            .zip(&runs.device_states)
+            .enumerate()
+        {
+            assert_eq!(e, d, "{format:?}: sequence {s}'s state");
+        }
+        // One read a step: the logits.
+        assert!(
+            runs.reads.iter().all(|&r| r == (1, LENGTHS.len() * vocab)),
+            "{:?}",
+            runs.reads
+        );
+    }
+}
+
+#[test]
+fn planted_errors_are_caught() {
+    let (_dir, model) = model(ExpertFormat::Nvfp4);
+    for plant in Plant::ALL {
+        let runs = run(&model, Some(plant));
+        let caught = !logits_equal(&runs) || runs.engine_states != runs.device_states;
+        assert!(caught, "{plant:?} went unnoticed");
+    }
+}
+
+#[test]
+fn bad_steps_are_refused_before_anything_runs() {
+    let (_dir, model) = model(ExpertFormat::Nvfp4);
+    let c = &model.config;
+    let ops = CpuStepOps::new(&model);
+    let layout = StateLayout::new(c, 2, 8);
+    let mut arenas = layout.arenas(&ops).unwrap();
+    let vocab = c.vocab_size as u32;
+    let cases: [(&[Seat], &[u32], &str); 4] = [
+        (
+            &[Seat { slot: 0, len: 0 }],
+            &[vocab],
+            "outside the vocabulary",
+        ),
+        (
+            &[Seat { slot: 1, len: 0 }, Seat { slot: 1, len: 3 }],
+            &[1, 2],
+            "one slot",
+        ),
+        (&[Seat { slot: 2, len: 0 }], &[1], "2 slots"),
+        (&[Seat { slot: 0, len: 8 }], &[1], "8 tokens"),
+    ];
+    for (seats, toks, words) in cases {
+        let mut seats = seats.to_vec();
+        let err = decode_step(&ops, c, &layout, &mut arenas, &mut seats, toks).unwrap_err();
+        assert!(
+            matches!(&err, StepError::Input(m) if m.contains(words)),
+            "{err}"
+        );
+        assert_eq!(ops.take_reads(), (0, 0));
+    }
+    // A state longer than a slot holds is refused when loaded.
+    let state = prefilled(&model, &tokens(9, 1, c.vocab_size));
+    assert!(layout.load(&ops, &mut arenas, 0, &state).is_err());
+}
