@@ -4,11 +4,13 @@
 
 mod exp;
 mod gemm;
+mod log1p;
 pub mod rows;
 mod weight;
 
 pub use exp::{exp, exp_in_place};
 pub use gemm::{dot, dots, dots_source};
+pub use log1p::ln_1p;
 pub use weight::{SharedBytes, Weight, WeightForm};
 
 /// Multiply-adds below which a product runs on the calling thread.
@@ -159,9 +161,10 @@ pub fn silu(x: f32) -> f32 {
     x * sigmoid(x)
 }
 
-/// `torch.nn.functional.softplus` with beta 1 and threshold 20.
+/// `torch.nn.functional.softplus` with beta 1 and threshold 20, from the engine's own `exp`
+/// and `ln_1p` (so a device computes the same bits).
 pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { exp(x).ln_1p() }
+    if x > 20.0 { x } else { ln_1p(exp(x)) }
 }
 
 /// Softmax in place, max-subtracted.

@@ -57,6 +57,62 @@ __device__ __forceinline__ float exp(float x) {
     return __double2float_rn(__dmul_rn(y, s));
 }
 
+// `engine::tensor::ln_1p`: ln(1 + x) in double, u = 1 + x = 2^k m with m in [sqrt(1/2),
+// sqrt(2)), the atanh series of s = (m - 1) / (m + 1) to twelve terms, k ln2 in two parts, the
+// double rounded to float once; every operation as the CPU does it, in its order.
+__device__ __forceinline__ float ln_1p(float x) {
+    if (isnan(x)) {
+        return x;
+    }
+    if (fabsf(x) < __uint_as_float(0x31000000u)) {
+        return x;
+    }
+    if (x == -1.0f) {
+        return -INFINITY;
+    }
+    if (x < -1.0f) {
+        return __uint_as_float(0x7fc00000u);
+    }
+    if (x == INFINITY) {
+        return x;
+    }
+    const double u = __dadd_rn(1.0, static_cast<double>(x));
+    const unsigned long long bits = static_cast<unsigned long long>(__double_as_longlong(u));
+    long long k = static_cast<long long>((bits >> 52) & 0x7ffull) - 1023;
+    const unsigned long long mantissa = bits & 0x000fffffffffffffull;
+    double m;
+    if (mantissa > 0x0006a09e667f3bcdull) {
+        k += 1;
+        m = __longlong_as_double(static_cast<long long>(mantissa | 0x3fe0000000000000ull));
+    } else {
+        m = __longlong_as_double(static_cast<long long>(mantissa | 0x3ff0000000000000ull));
+    }
+    const double f = __dsub_rn(m, 1.0);
+    const double s = __ddiv_rn(f, __dadd_rn(2.0, f));
+    const double z = __dmul_rn(s, s);
+    double r = 0.0;
+    for (int i = 12; i >= 1; --i) {
+        r = __dmul_rn(__dadd_rn(r, __ddiv_rn(2.0, static_cast<double>(2 * i + 1))), z);
+    }
+    const double ln_m = __dadd_rn(__dmul_rn(2.0, s), __dmul_rn(s, r));
+    const double kd = static_cast<double>(k);
+    const double ln2_hi = __longlong_as_double(0x3fe62e42fee00000LL);
+    const double ln2_lo = __longlong_as_double(0x3dea39ef35793c76LL);
+    return __double2float_rn(
+        __dadd_rn(__dmul_rn(kd, ln2_hi), __dadd_rn(ln_m, __dmul_rn(kd, ln2_lo))));
+}
+
+// `engine::tensor::softplus`: x above 20, else ln_1p(exp(x)).
+__device__ __forceinline__ float softplus(float x) {
+    return x > 20.0f ? x : exact::ln_1p(exact::exp(x));
+}
+
+// `f32::total_cmp`'s order as an unsigned key: -NaN < -inf < ... < -0 < +0 < ... < +inf < NaN.
+__device__ __forceinline__ unsigned int total_key(float v) {
+    const unsigned int b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
 // `engine::tensor::sigmoid`: 1 / (1 + exp(-x)).
 __device__ __forceinline__ float sigmoid(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, exact::exp(-x)));

@@ -16,6 +16,7 @@
 // engine.
 #include <stdint.h>
 
+#include "exact.cuh"
 #include "fp4.cuh"
 
 #define GROUPS 32  // rows per block of 256 threads
@@ -174,5 +175,76 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys,
             o = __fadd_rn(o, __fmul_rn(ys[(t * k + j) * hidden + d], weights[t * k + j]));
         }
         out[t * hidden + d] = __fadd_rn(o, shared[t * hidden + d]);
+    }
+}
+
+// `engine::model::moe::route_logits` for every token, one thread a token: scores
+// sqrt(softplus(logit)); the chosen experts from the hash table's row of the token
+// (`tid2eid`, [table_rows, k]) or the top k of score + bias (`bias` may be null) in
+// `total_cmp` order, the lower expert first among equals; each chosen score over their sum
+// (summed in slot order from -0, plus 1e-20) times `scaling`. `scores`: scratch
+// [tokens, experts]. A token whose table row or entry is outside the table gets experts -1
+// and NaN weights (the combine then turns the token NaN instead of routing it anywhere).
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int tokens, int experts,
+                                     int k, const float* __restrict__ bias,
+                                     const unsigned int* __restrict__ tid2eid, long long table_rows,
+                                     const int* __restrict__ token_ids, float scaling,
+                                     float* __restrict__ scores, int* __restrict__ chosen,
+                                     float* __restrict__ weights) {
+    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (t >= tokens) {
+        return;
+    }
+    float* s = scores + t * experts;
+    int* out = chosen + t * k;
+    float* w = weights + t * k;
+    for (int e = 0; e < experts; ++e) {
+        s[e] = __fsqrt_rn(exact::softplus(logits[t * experts + e]));
+    }
+    bool bad = false;
+    if (tid2eid != nullptr) {
+        const long long row = token_ids[t];
+        bad = row < 0 || row >= table_rows;
+        for (int j = 0; j < k; ++j) {
+            const unsigned int e = bad ? 0u : tid2eid[row * k + j];
+            bad = bad || e >= static_cast<unsigned int>(experts);
+            out[j] = static_cast<int>(e);
+        }
+    } else {
+        for (int j = 0; j < k; ++j) {
+            int best = -1;
+            unsigned int best_key = 0;
+            for (int e = 0; e < experts; ++e) {
+                bool taken = false;
+                for (int i = 0; i < j; ++i) {
+                    taken = taken || out[i] == e;
+                }
+                if (taken) {
+                    continue;
+                }
+                const float v = bias != nullptr ? __fadd_rn(s[e], bias[e]) : s[e];
+                const unsigned int key = exact::total_key(v);
+                if (best < 0 || key > best_key) {
+                    best = e;
+                    best_key = key;
+                }
+            }
+            out[j] = best;
+        }
+    }
+    if (bad) {
+        for (int j = 0; j < k; ++j) {
+            out[j] = -1;
+            w[j] = __uint_as_float(0x7fc00000u);
+        }
+        return;
+    }
+    float sum = -0.0f;
+    for (int j = 0; j < k; ++j) {
+        sum = __fadd_rn(sum, s[out[j]]);
+    }
+    sum = __fadd_rn(sum, 1e-20f);
+    for (int j = 0; j < k; ++j) {
+        w[j] = __fmul_rn(__fdiv_rn(s[out[j]], sum), scaling);
     }
 }

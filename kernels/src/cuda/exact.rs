@@ -373,3 +373,100 @@ impl Gpu {
         Ok(out)
     }
 }
+
+/// How a MoE layer routes (`engine::weights::MoeWeights`'s gate parts).
+#[derive(Debug, Clone, Copy)]
+pub struct Routing<'a> {
+    pub experts: usize,
+    /// Experts a token goes to.
+    pub k: usize,
+    /// Top-k layers' selection bias (`None`: the scores alone).
+    pub bias: Option<&'a [f32]>,
+    /// Hash layers' table `[vocab, k]` (takes precedence over the bias).
+    pub tid2eid: Option<&'a [u32]>,
+    pub scaling: f32,
+}
+
+impl Gpu {
+    /// `moe::route_logits` of every token with the engine's bits: `logits` `[tokens, experts]`;
+    /// the chosen experts `[tokens, k]` in slot order and their weights. A token outside the
+    /// hash table gets experts -1 and NaN weights.
+    pub fn moe_route(
+        &self,
+        logits: &[f32],
+        token_ids: &[u32],
+        r: &Routing<'_>,
+    ) -> Result<(Vec<i32>, Vec<f32>), KernelError> {
+        let tokens = token_ids.len();
+        if r.k == 0
+            || r.k > r.experts
+            || logits.len() != tokens * r.experts
+            || r.bias.is_some_and(|b| b.len() != r.experts)
+            || r.tid2eid.is_some_and(|t| !t.len().is_multiple_of(r.k))
+            || i32::try_from(r.experts).is_err()
+        {
+            return Err(KernelError::Shape(format!(
+                "moe_route: {} logits for {tokens} tokens of {} experts, top {}",
+                logits.len(),
+                r.experts,
+                r.k
+            )));
+        }
+        let s = &self.stream;
+        let ids: Vec<i32> = token_ids
+            .iter()
+            .map(|&t| i32::try_from(t).unwrap_or(-1))
+            .collect();
+        let d_logits = s.clone_htod(&non_empty(logits))?;
+        let d_ids = s.clone_htod(&non_empty(&ids))?;
+        let d_bias = s.clone_htod(&non_empty(r.bias.unwrap_or(&[])))?;
+        let d_table = s.clone_htod(&non_empty(r.tid2eid.unwrap_or(&[])))?;
+        let mut d_scores = s.alloc_zeros::<f32>((tokens * r.experts).max(1))?;
+        let mut d_chosen = s.alloc_zeros::<i32>((tokens * r.k).max(1))?;
+        let mut d_weights = s.alloc_zeros::<f32>((tokens * r.k).max(1))?;
+        if tokens > 0 {
+            let (tokens_i, experts_i, k_i) = (tokens as i32, r.experts as i32, r.k as i32);
+            let table_rows = r.tid2eid.map_or(0, |t| (t.len() / r.k) as i64);
+            let f = self.exact.load_function("moe_route")?;
+            let mut launch = s.launch_builder(&f);
+            launch
+                .arg(&d_logits)
+                .arg(&tokens_i)
+                .arg(&experts_i)
+                .arg(&k_i);
+            // Null device pointers select the other routing modes.
+            let null: u64 = 0;
+            if r.bias.is_some() {
+                launch.arg(&d_bias);
+            } else {
+                launch.arg(&null);
+            }
+            if r.tid2eid.is_some() {
+                launch.arg(&d_table);
+            } else {
+                launch.arg(&null);
+            }
+            launch
+                .arg(&table_rows)
+                .arg(&d_ids)
+                .arg(&r.scaling)
+                .arg(&mut d_scores)
+                .arg(&mut d_chosen)
+                .arg(&mut d_weights);
+            // SAFETY: `moe_route`'s parameters in order (a null pointer where a mode is off);
+            // the buffers hold `tokens` rows, checked above.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid_dim(tokens.div_ceil(128), "tokens")?, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
+            }
+        }
+        let mut chosen = s.clone_dtoh(&d_chosen)?;
+        let mut weights = s.clone_dtoh(&d_weights)?;
+        chosen.truncate(tokens * r.k);
+        weights.truncate(tokens * r.k);
+        Ok((chosen, weights))
+    }
+}

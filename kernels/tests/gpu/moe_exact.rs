@@ -2,8 +2,9 @@
 //! (`exact_gemv`), every routed pair's gate, up and down projections (`exact_pairs`), the
 //! clamped SwiGLU, the shared expert and the weighted sum (`moe_combine`) equal
 //! `engine::model::moe::forward` for tokens of a synthetic checkpoint in both expert formats,
-//! on a hash-routed and a top-k layer. Routing itself stays on the host here (its sqrt-softplus
-//! uses the platform's `ln_1p`). Skips without a GPU (fails under `PDSERVE_REQUIRE_GPU=1`).
+//! on a hash-routed and a top-k layer, the routing included (`moe_route`: sqrt-softplus with
+//! the engine's own `exp` and `ln_1p`, top-k in `total_cmp` order). Skips without a GPU (fails
+//! under `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -14,7 +15,7 @@ use engine::{
     tensor::{Weight, WeightForm},
     weights::ExpertWeights,
 };
-use kernels::cuda::{Gpu, StoredExperts, StoredRows};
+use kernels::cuda::{Gpu, Routing, StoredExperts, StoredRows};
 
 fn same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
@@ -93,6 +94,74 @@ fn pairs_of(
     .unwrap()
 }
 
+fn routing<'a>(w: &'a engine::weights::MoeWeights, c: &engine::config::ModelConfig) -> Routing<'a> {
+    Routing {
+        experts: w.experts.len(),
+        k: c.experts_per_token,
+        bias: w.bias.as_deref(),
+        tid2eid: w.tid2eid.as_deref(),
+        scaling: c.routed_scaling_factor,
+    }
+}
+
+/// Routing of awkward logits (ties, past softplus's threshold of 20, far below it, -0, NaN)
+/// with and without the bias and by hash: the engine's experts and weights, bit for bit.
+#[test]
+fn gpu_routing_gives_the_engines_bits() {
+    let Some(gpu) = Gpu::for_test("gpu_routing_gives_the_engines_bits") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pdserve-route-{}", std::process::id()));
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 5,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.clone(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(&dir).unwrap();
+    let c = &model.config;
+    let mut rng = Rng::for_tensor(77, "gpu-route");
+    let experts = c.n_routed_experts;
+    let tokens: Vec<u32> = (0..40).map(|i| i * 37 % 1000).collect();
+    let mut logits: Vec<f32> = (0..tokens.len() * experts)
+        .map(|_| rng.normal() * 6.0)
+        .collect();
+    let specials = [20.0f32, 20.5, 25.0, -100.0, -0.0, 0.0, 1e-30];
+    for i in 0..logits.len() {
+        match i % 11 {
+            0 => logits[i] = specials[(i / 11) % specials.len()],
+            // A tie with the previous expert.
+            1 | 5 => logits[i] = logits[i - 1],
+            _ => {}
+        }
+    }
+    logits[3 * experts + 1] = f32::NAN;
+    for layer in [0, c.layers.len() - 1] {
+        let w = &model.weights.layers[layer].moe;
+        let (chosen, weights) = gpu.moe_route(&logits, &tokens, &routing(w, c)).unwrap();
+        let k = c.experts_per_token;
+        for (i, &token) in tokens.iter().enumerate() {
+            let (want, ws) =
+                moe::route_logits(w, &logits[i * experts..(i + 1) * experts], token, c);
+            let want: Vec<i32> = want.iter().map(|&e| e as i32).collect();
+            assert_eq!(
+                &chosen[i * k..(i + 1) * k],
+                &want[..],
+                "layer {layer} token {i}"
+            );
+            for (j, (a, b)) in weights[i * k..(i + 1) * k].iter().zip(&ws).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "layer {layer} token {i} slot {j}: {a} vs the engine's {b}"
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn gpu_moe_block_gives_the_engines_bits() {
     let Some(gpu) = Gpu::for_test("gpu_moe_block_gives_the_engines_bits") else {
@@ -122,10 +191,11 @@ fn gpu_moe_block_gives_the_engines_bits() {
             let hidden = c.hidden_size;
             let x: Vec<f32> = (0..t * hidden).map(|_| rng.normal()).collect();
             let what = format!("{format:?} layer {layer}");
-            // The gate on the device, the routing on the host.
+            // The gate and the routing on the device.
             let logits = linear(&gpu, &w.gate, &x, t);
-            let (mut pair_token, mut pair_expert, mut weights) =
-                (Vec::new(), Vec::new(), Vec::new());
+            let k = c.experts_per_token;
+            let (pair_expert, weights) = gpu.moe_route(&logits, &tokens, &routing(w, c)).unwrap();
+            let mut pair_token = Vec::new();
             for (i, &token) in tokens.iter().enumerate() {
                 let xi = &x[i * hidden..(i + 1) * hidden];
                 same_bits(
@@ -134,13 +204,19 @@ fn gpu_moe_block_gives_the_engines_bits() {
                     &what,
                 );
                 let (chosen, ws) = moe::route(w, xi, token, c);
-                for e in chosen {
-                    pair_token.push(i as i32);
-                    pair_expert.push(e as i32);
-                }
-                weights.extend(ws);
+                let mine: Vec<i32> = chosen.iter().map(|&e| e as i32).collect();
+                assert_eq!(
+                    &pair_expert[i * k..(i + 1) * k],
+                    &mine[..],
+                    "{what} token {i}"
+                );
+                same_bits(
+                    &weights[i * k..(i + 1) * k],
+                    &ws,
+                    &format!("{what} weights {i}"),
+                );
+                pair_token.extend(std::iter::repeat_n(i as i32, k));
             }
-            let k = c.experts_per_token;
             let pairs = (pair_token.as_slice(), pair_expert.as_slice());
             let gate = pairs_of(&gpu, &w.experts, |e| &e.w1, pairs, &x, t);
             let up = pairs_of(&gpu, &w.experts, |e| &e.w3, pairs, &x, t);
