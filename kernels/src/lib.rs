@@ -43,7 +43,9 @@
 //! - `exact_gemv.cu` `exact_gemv_{f32,bf16,fp8_block,nvfp4,mxfp4}` — `engine::tensor::
 //!   dots_source` bit for bit (the engine's one dot-product definition, eight threads as its
 //!   eight lanes), emulated by [`emulate::exact_dots`]: every linear on the device can give the
-//!   CPU reference's bits.
+//!   CPU reference's bits. `exact_pairs_*` (the routed experts' projections per pair),
+//!   `moe_combine` (the weighted sum) and `moe_route` (`engine::model::moe::route_logits`: the
+//!   sqrt-softplus scores with the engine's own `exp` and `ln_1p`, hash or top-k) likewise.
 //! - `compress.cu` `compress_pool` — `engine::model::compressor::pool_window` bit for bit (a
 //!   closed window's row before its norm and rotation, CSA with overlap and HCA without).
 //! - `hyper.cu` `hyper_pre`, `hyper_post`, `hyper_head` — `engine::model::hyper` (the
@@ -53,6 +55,10 @@
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
 //!   the shared expert, attention's linears).
+//!
+//! [`step`] is the decode step written once over the device ops it needs, its state in
+//! per-layer arenas; over the engine's own ops ([`step::cpu_ops`]) it is `Model::forward` bit
+//! for bit, and each op maps to the exact kernels above.
 //!
 //! `cuda::CudaBackend` is the engine's CUDA backend: the routed experts of every layer on the
 //! device in their stored FP4 form, run as grouped GEMVs, the shared expert, attention's

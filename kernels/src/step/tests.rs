@@ -63,7 +63,10 @@ struct Runs {
     reads: Vec<(usize, usize)>,
 }
 
-fn run(model: &Model, plant: Option<Plant>) -> Runs {
+/// Runs [`STEPS`] steps of the sequences of [`LENGTHS`] on the engine and on the device step
+/// (with `plant` in its ops); `poison` puts a NaN into the first indexer row of the third
+/// sequence's first CSA layer before it is loaded.
+fn run(model: &Model, plant: Option<Plant>, poison: bool) -> Runs {
     let c = &model.config;
     let ops = CpuStepOps::new(model);
     ops.plant(plant);
@@ -74,6 +77,14 @@ fn run(model: &Model, plant: Option<Plant>) -> Runs {
         .enumerate()
         .map(|(i, &len)| prefilled(model, &tokens(len, i as u64, c.vocab_size)))
         .collect();
+    if poison {
+        let csa = c
+            .layers
+            .iter()
+            .position(|l| matches!(l.attention, engine::config::Attention::Csa { .. }))
+            .unwrap();
+        states[2].layers[csa].indexer.as_mut().unwrap().rows[0] = f32::NAN;
+    }
     let mut seats: Vec<Seat> = Vec::new();
     for (state, &slot) in states.iter().zip(&SLOTS) {
         layout.load(&ops, &mut arenas, slot, state).unwrap();
@@ -141,7 +152,7 @@ fn logits_equal(runs: &Runs) -> bool {
 fn decode_steps_give_the_engines_logits_and_state_bit_for_bit() {
     for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
         let (_dir, model) = model(format);
-        let runs = run(&model, None);
+        let runs = run(&model, None, false);
         let vocab = model.config.vocab_size;
         for (step, (e, d)) in runs.engine.iter().zip(&runs.device).enumerate() {
             for (s, (a, b)) in e.iter().zip(d).enumerate() {
@@ -170,9 +181,25 @@ fn decode_steps_give_the_engines_logits_and_state_bit_for_bit() {
 fn planted_errors_are_caught() {
     let (_dir, model) = model(ExpertFormat::Nvfp4);
     for plant in Plant::ALL {
-        let runs = run(&model, Some(plant));
+        let runs = run(&model, Some(plant), false);
         let caught = !logits_equal(&runs) || runs.engine_states != runs.device_states;
         assert!(caught, "{plant:?} went unnoticed");
+    }
+}
+
+/// A NaN in a sequence's indexer rows leaves its choice undefined: the engine makes that
+/// token's attention NaN, and so does the step (every chosen slot poisoned), without touching
+/// the other sequences of the batch.
+#[test]
+fn an_undefined_indexer_choice_is_nan_as_in_the_engine() {
+    let (_dir, model) = model(ExpertFormat::Nvfp4);
+    let runs = run(&model, None, true);
+    assert!(logits_equal(&runs));
+    for (e, d) in runs.engine.iter().zip(&runs.device) {
+        for (s, (a, b)) in e.iter().zip(d).enumerate() {
+            assert_eq!(s == 2, a.iter().all(|v| v.is_nan()), "engine, sequence {s}");
+            assert_eq!(s == 2, b.iter().all(|v| v.is_nan()), "step, sequence {s}");
+        }
     }
 }
 
