@@ -16,6 +16,9 @@ mod moe;
 mod pages;
 mod rows;
 mod sm100;
+mod step_close;
+mod step_model;
+mod step_ops;
 
 use std::sync::Arc;
 
@@ -31,6 +34,7 @@ pub use fp4::{DeviceExperts, GemvFormat};
 pub use hyper::{HyperPre, MAX_HC, Streams};
 pub use moe::{DeviceStack, MoeGrouping};
 pub use pages::DevicePages;
+pub use step_ops::CudaStepOps;
 
 use crate::fatbins;
 
@@ -72,6 +76,7 @@ pub struct Gpu {
     hyper: Arc<CudaModule>,
     exact: Arc<CudaModule>,
     compress: Arc<CudaModule>,
+    step: Arc<CudaModule>,
 }
 
 impl Gpu {
@@ -124,6 +129,7 @@ impl Gpu {
         let hyper = load(fatbins::HYPER)?;
         let exact = load(fatbins::EXACT_GEMV)?;
         let compress = load(fatbins::COMPRESS)?;
+        let step = load(fatbins::STEP)?;
         Ok(Some(Self {
             ctx,
             stream,
@@ -143,6 +149,7 @@ impl Gpu {
             hyper,
             exact,
             compress,
+            step,
         }))
     }
 }

@@ -136,6 +136,7 @@ mod tests {
             super::fatbins::EXACT_GEMV,
             super::fatbins::COMPRESS,
             super::fatbins::DENSE_GEMV,
+            super::fatbins::STEP,
         ] {
             assert!(fatbin.len() > 16);
             assert_eq!(&fatbin[..4], &0xBA55_ED50u32.to_le_bytes());

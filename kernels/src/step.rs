@@ -140,9 +140,11 @@ pub enum Compressed {
         rows: i64,
         count: usize,
     },
-    /// The indexer's choice (the token's row of the chosen indices) from offset `rows`.
+    /// The indexer's choice (the token's row of the chosen indices) from offset `rows`: `count`
+    /// rows (the top-k or the rows the token sees, the fewer), ascending.
     Chosen {
         rows: i64,
+        count: usize,
     },
 }
 

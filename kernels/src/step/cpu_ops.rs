@@ -510,12 +510,17 @@ impl StepOps for CpuStepOps<'_> {
                         rows.push(row(base + (i * hd) as i64)?);
                     }
                 }
-                Compressed::Chosen { rows: base } => {
+                Compressed::Chosen { rows: base, count } => {
                     let (idx, k) = chosen.ok_or_else(|| short("attend without a choice"))?;
                     let mine = idx
                         .get(t * k..(t + 1) * k)
                         .ok_or_else(|| short("attend choice"))?;
                     poisoned = mine.contains(&CHOSEN_POISONED);
+                    if !poisoned && mine.iter().filter(|&&i| i >= 0).count() != count {
+                        return Err(ShapeError(format!(
+                            "attend: token {t} has a choice of other than {count} rows"
+                        )));
+                    }
                     for &i in mine.iter().filter(|&&i| i >= 0) {
                         rows.push(row(base + i64::from(i) * hd as i64)?);
                     }

@@ -303,7 +303,10 @@ fn attention<O: StepOps>(
             TokenKeys {
                 window: layout.window_keys(l, s.slot, s.len),
                 compressed: match (kind, region.compressor) {
-                    (Attention::Csa { .. }, Some(r)) => Compressed::Chosen { rows: rows(&r) },
+                    (Attention::Csa { .. }, Some(r)) => Compressed::Chosen {
+                        rows: rows(&r),
+                        count: ((s.len + 1) / r.ratio).min(c.index_topk),
+                    },
                     (_, Some(r)) => Compressed::All {
                         rows: rows(&r),
                         count: (s.len + 1) / r.ratio,

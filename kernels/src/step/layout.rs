@@ -35,7 +35,8 @@ impl CompressorRegion {
     fn new(ratio: usize, d: usize, overlap: bool, tokens: usize, at: &mut usize) -> Self {
         let width = if overlap { 2 * d } else { d };
         let capacity = tokens / ratio;
-        let rows = *at;
+        // Rows start at a multiple of their width, so a kernel can address them by row index.
+        let rows = at.next_multiple_of(d);
         let pending = rows + capacity * d;
         let prev = pending + 2 * ratio * width;
         *at = prev + if overlap { 2 * ratio * d } else { 0 };
@@ -88,9 +89,15 @@ impl StateLayout {
                 let indexer = matches!(kind, Attention::Csa { .. }).then(|| {
                     CompressorRegion::new(kind.ratio(), c.index_head_dim, true, tokens, &mut at)
                 });
+                // Every slot's rows at the same alignment as the first slot's.
+                let align = if indexer.is_some() {
+                    lcm(c.head_dim, c.index_head_dim)
+                } else {
+                    c.head_dim
+                };
                 LayerRegion {
                     kind,
-                    per_slot: at,
+                    per_slot: at.next_multiple_of(align.max(1)),
                     compressor,
                     indexer,
                 }
@@ -222,6 +229,20 @@ impl StateLayout {
             layers.push(state);
         }
         Ok(SequenceState { len, layers })
+    }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    if a == 0 || b == 0 {
+        0
+    } else {
+        a / gcd(a, b) * b
     }
 }
 

@@ -15,9 +15,13 @@ use super::{
 };
 
 fn model(format: ExpertFormat) -> (tempfile::TempDir, Model) {
+    model_of(Preset::Tiny, format)
+}
+
+fn model_of(preset: Preset, format: ExpertFormat) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     generate(&GenerateOptions {
-        preset: Preset::Tiny,
+        preset,
         seed: 29,
         experts: format,
         out: dir.path().to_path_buf(),
@@ -67,12 +71,23 @@ struct Runs {
 /// (with `plant` in its ops); `poison` puts a NaN into the first indexer row of the third
 /// sequence's first CSA layer before it is loaded.
 fn run(model: &Model, plant: Option<Plant>, poison: bool) -> Runs {
+    run_sequences(model, (&LENGTHS, &SLOTS, STEPS), plant, poison)
+}
+
+/// [`run`] for sequences of `lengths` in `slots`, `steps` steps.
+fn run_sequences(
+    model: &Model,
+    (lengths, slots, steps): (&[usize], &[usize], usize),
+    plant: Option<Plant>,
+    poison: bool,
+) -> Runs {
     let c = &model.config;
     let ops = CpuStepOps::new(model);
     ops.plant(plant);
-    let layout = StateLayout::new(c, 4, 140);
+    let most = lengths.iter().max().copied().unwrap_or(0) + steps + 1;
+    let layout = StateLayout::new(c, slots.iter().max().unwrap() + 1, most);
     let mut arenas = layout.arenas(&ops).unwrap();
-    let mut states: Vec<SequenceState> = LENGTHS
+    let mut states: Vec<SequenceState> = lengths
         .iter()
         .enumerate()
         .map(|(i, &len)| prefilled(model, &tokens(len, i as u64, c.vocab_size)))
@@ -86,7 +101,7 @@ fn run(model: &Model, plant: Option<Plant>, poison: bool) -> Runs {
         states[2].layers[csa].indexer.as_mut().unwrap().rows[0] = f32::NAN;
     }
     let mut seats: Vec<Seat> = Vec::new();
-    for (state, &slot) in states.iter().zip(&SLOTS) {
+    for (state, &slot) in states.iter().zip(slots) {
         layout.load(&ops, &mut arenas, slot, state).unwrap();
         seats.push(Seat {
             slot,
@@ -101,7 +116,7 @@ fn run(model: &Model, plant: Option<Plant>, poison: bool) -> Runs {
         device_states: Vec::new(),
         reads: Vec::new(),
     };
-    for step in 0..STEPS {
+    for step in 0..steps {
         let next = tokens(states.len(), 100 + step as u64, c.vocab_size);
         let mut batch: Vec<Step<'_>> = states
             .iter_mut()
@@ -177,6 +192,23 @@ fn decode_steps_give_the_engines_logits_and_state_bit_for_bit() {
     }
 }
 
+/// The small model: a wider window (64), more indexer rows (top 16), eight layers; sequences
+/// past the window, past the top-k, closing the first HCA window.
+#[test]
+fn decode_steps_of_the_small_model_give_the_engines_bits() {
+    let (_dir, model) = model_of(Preset::Small, ExpertFormat::Nvfp4);
+    let runs = run_sequences(&model, (&[1, 70, 127], &[1, 2, 0], 3), None, false);
+    assert!(logits_equal(&runs));
+    assert!(
+        runs.engine
+            .iter()
+            .flatten()
+            .flatten()
+            .all(|v| v.is_finite())
+    );
+    assert_eq!(runs.engine_states, runs.device_states);
+}
+
 #[test]
 fn planted_errors_are_caught() {
     let (_dir, model) = model(ExpertFormat::Nvfp4);
@@ -237,4 +269,34 @@ fn bad_steps_are_refused_before_anything_runs() {
     // A state longer than a slot holds is refused when loaded.
     let state = prefilled(&model, &tokens(9, 1, c.vocab_size));
     assert!(layout.load(&ops, &mut arenas, 0, &state).is_err());
+}
+
+/// Every slot's compressed rows start at a multiple of their width (the device's indexer
+/// addresses them by row index), and regions of different slots and layers' parts never
+/// overlap.
+#[test]
+fn arena_regions_are_aligned_and_apart() {
+    for preset in [Preset::Tiny, Preset::Small] {
+        let c = preset.config(ExpertFormat::Nvfp4);
+        let layout = StateLayout::new(&c, 3, 301);
+        for (l, region) in layout.layers.iter().enumerate() {
+            let mut parts = vec![(0, layout.window * layout.head_dim)];
+            for r in [region.compressor, region.indexer].into_iter().flatten() {
+                for slot in 0..3 {
+                    assert_eq!((layout.base(l, slot) + r.rows) % r.d, 0, "{preset:?} {l}");
+                }
+                assert_eq!(r.capacity, 301 / r.ratio);
+                let prev = if r.overlap { 2 * r.ratio * r.d } else { 0 };
+                parts.push((r.rows, r.capacity * r.d));
+                parts.push((r.pending, 2 * r.ratio * r.width));
+                parts.push((r.prev, prev));
+            }
+            parts.sort_unstable();
+            for pair in parts.windows(2) {
+                assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{preset:?} layer {l}");
+            }
+            let (last, len) = parts[parts.len() - 1];
+            assert!(last + len <= region.per_slot);
+        }
+    }
 }

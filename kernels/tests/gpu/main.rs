@@ -21,3 +21,4 @@ mod moe_grouped;
 mod nvfp4_gemm;
 mod nvfp4_gemm_sm100;
 mod nvfp4_quant;
+mod step;

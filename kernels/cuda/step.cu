@@ -1,0 +1,89 @@
+// The device decode step's data movement (`kernels::step`, `cuda::CudaStepOps`): embedding
+// rows, row copies between activations and the state arenas, the compressor windows' position
+// bias, a scale, and the attention key offsets of the indexer's choice. The only arithmetic is
+// the engine's own (one add, one multiply, `_rn`), so the step keeps the CPU's bits. Offsets
+// are 64-bit element (or byte, where said) offsets.
+#include <stdint.h>
+
+// out[t, s * dim + c] = row tokens[t] of the table for each of the hc streams (the engine's
+// `embed.row_f32(t).repeat(hc)`); the table is f32 (bf16 == 0) or bf16 bits. A token outside
+// the table gives a NaN row. One block per token.
+extern "C" __global__ void embed_rows(const void* __restrict__ table, int bf16, long long rows,
+                                      long long dim, const int* __restrict__ tokens, int hc,
+                                      float* __restrict__ out) {
+    const long long t = blockIdx.x;
+    const long long token = tokens[t];
+    const bool ok = token >= 0 && token < rows;
+    for (long long c = threadIdx.x; c < dim; c += blockDim.x) {
+        float v = __uint_as_float(0x7fc00000u);
+        if (ok) {
+            if (bf16) {
+                const uint16_t bits = static_cast<const uint16_t*>(table)[token * dim + c];
+                v = __uint_as_float(static_cast<unsigned int>(bits) << 16);
+            } else {
+                v = static_cast<const float*>(table)[token * dim + c];
+            }
+        }
+        for (int s = 0; s < hc; ++s) {
+            out[(t * hc + s) * dim + c] = v;
+        }
+    }
+}
+
+// Row i: `width` floats from src + src_offsets[i] to dst + dst_offsets[i]; a negative
+// destination skips the row. One block per row.
+extern "C" __global__ void copy_rows(const float* __restrict__ src,
+                                     const long long* __restrict__ src_offsets,
+                                     float* __restrict__ dst,
+                                     const long long* __restrict__ dst_offsets, long long width) {
+    const long long i = blockIdx.x;
+    const long long to = dst_offsets[i];
+    if (to < 0) {
+        return;
+    }
+    const float* from = src + src_offsets[i];
+    for (long long c = threadIdx.x; c < width; c += blockDim.x) {
+        dst[to + c] = from[c];
+    }
+}
+
+// x[i] += bias[i % period] for the first n values (each closed window's gate scores plus the
+// position bias, `period` = ratio * width).
+extern "C" __global__ void add_periodic(float* __restrict__ x, const float* __restrict__ bias,
+                                        long long period, long long n) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        x[i] = __fadd_rn(x[i], bias[i % period]);
+    }
+}
+
+// x[i] *= s for the first n values (the indexer's head weights times heads^-0.5).
+extern "C" __global__ void scale_values(float* __restrict__ x, float s, long long n) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        x[i] = __fmul_rn(x[i], s);
+    }
+}
+
+// The key offsets of the indexer's choice: for entry t, token tokens[t]'s `counts[t]` chosen
+// rows (chosen[tokens[t] * k ..], ascending; -2 in every slot when the choice is undefined) as
+// byte offsets from bases[t] (`row_bytes` each) into offsets[starts[t] ..]; -1 (the token's
+// attention NaN) when poisoned.
+extern "C" __global__ void chosen_offsets(const int* __restrict__ chosen, int k,
+                                          const int* __restrict__ tokens,
+                                          const long long* __restrict__ starts,
+                                          const int* __restrict__ counts,
+                                          const long long* __restrict__ bases,
+                                          long long row_bytes, int n,
+                                          long long* __restrict__ offsets) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) {
+        return;
+    }
+    const int* mine = chosen + static_cast<long long>(tokens[t]) * k;
+    const bool poisoned = k > 0 && mine[0] == -2;
+    for (int j = 0; j < counts[t]; ++j) {
+        const int row = mine[j];
+        offsets[starts[t] + j] = (poisoned || row < 0) ? -1 : bases[t] + row * row_bytes;
+    }
+}

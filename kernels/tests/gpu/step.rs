@@ -1,0 +1,112 @@
+//! The whole decode step on the GPU (`CudaStepOps`: state in device arenas, nothing read back
+//! but the logits) against the engine's forward pass, bit for bit: logits of every step and the
+//! state afterwards, for sequences of awkward lengths in shuffled slots, in both FP4 expert
+//! formats, on the tiny and the small model. The same step over the engine's own ops
+//! (`CpuStepOps`) is held to the same equality in CI. Skips without a GPU (fails under
+//! `PDSERVE_REQUIRE_GPU=1`).
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
+
+use engine::{
+    config::ExpertFormat,
+    model::{Logits, Model, SequenceState, Step},
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+use kernels::{
+    cuda::{CudaStepOps, Gpu},
+    step::{
+        decode::{Seat, decode_step},
+        layout::StateLayout,
+    },
+};
+
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut rng = Rng::for_tensor(seed, "gpu-step");
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+fn same(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+}
+
+fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], steps: usize) {
+    let dir = std::env::temp_dir().join(format!(
+        "pdserve-gpu-step-{}-{preset:?}-{format:?}",
+        std::process::id()
+    ));
+    generate(&GenerateOptions {
+        preset,
+        seed: 31,
+        experts: format,
+        out: dir.clone(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(&dir).unwrap();
+    let c = &model.config;
+    let ops = CudaStepOps::new(gpu, &model).unwrap();
+    let slots = lengths.len() + 1;
+    let most = lengths.iter().max().unwrap() + steps + 1;
+    let layout = StateLayout::new(c, slots, most);
+    let mut arenas = layout.arenas(&ops).unwrap();
+    let mut states: Vec<SequenceState> = Vec::new();
+    let mut seats = Vec::new();
+    for (i, &len) in lengths.iter().enumerate() {
+        let mut state = model.new_state();
+        let prompt = tokens(len, i as u64, c.vocab_size);
+        if !prompt.is_empty() {
+            model.forward(&mut state, &prompt, Logits::None).unwrap();
+        }
+        // Slots in reverse order, one left free.
+        let slot = slots - 1 - i;
+        layout.load(&ops, &mut arenas, slot, &state).unwrap();
+        seats.push(Seat { slot, len });
+        states.push(state);
+    }
+    let what = format!("{preset:?} {format:?}");
+    for step in 0..steps {
+        let next = tokens(states.len(), 1000 + step as u64, c.vocab_size);
+        let mut batch: Vec<Step<'_>> = states
+            .iter_mut()
+            .zip(&next)
+            .map(|(state, t)| Step {
+                state,
+                tokens: std::slice::from_ref(t),
+                logits: Logits::Last,
+            })
+            .collect();
+        let want = model.forward_batch(&mut batch).unwrap();
+        let got = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+        for (s, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(same(&w[0], g), "{what}: step {step}, sequence {s}");
+        }
+    }
+    for (s, (state, seat)) in states.iter().zip(&seats).enumerate() {
+        let read = layout.read(&ops, &arenas, seat.slot, seat.len).unwrap();
+        assert_eq!(read, state.normalized(c), "{what}: sequence {s}'s state");
+    }
+    eprintln!(
+        "{what}: {steps} decode steps of {} sequences bit for bit",
+        lengths.len()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit() {
+    let Some(gpu) = Gpu::for_test("gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit")
+    else {
+        return;
+    };
+    for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+        // Empty, short, past the indexer's top-k, closing the first HCA window (ratio 128).
+        check(&gpu, Preset::Tiny, format, &[0, 3, 23, 126], 4);
+    }
+    // Past the small model's window (64) and its indexer's top-k (16 of ratio-4 rows).
+    check(&gpu, Preset::Small, ExpertFormat::Nvfp4, &[1, 70, 127], 3);
+}
