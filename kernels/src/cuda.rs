@@ -16,9 +16,7 @@ mod moe;
 mod pages;
 mod rows;
 mod sm100;
-mod step_close;
-mod step_model;
-mod step_ops;
+mod step_kernels;
 
 use std::sync::Arc;
 
@@ -34,7 +32,7 @@ pub use fp4::{DeviceExperts, GemvFormat};
 pub use hyper::{HyperPre, MAX_HC, Streams};
 pub use moe::{DeviceStack, MoeGrouping};
 pub use pages::DevicePages;
-pub use step_ops::CudaStepOps;
+pub use step_kernels::{CudaKernels, CudaStepOps, DeviceTable, PairStack};
 
 use crate::fatbins;
 

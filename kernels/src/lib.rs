@@ -52,13 +52,17 @@
 //!   hyper-connections' mixing from the mixing projections' outputs, bit for bit: `exact.cuh`
 //!   ports the engine's own `exp`, and no multiply-add is contracted).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
+//! - `step.cu` `embed_rows`, `copy_rows`, `add_periodic`, `scale_values`, `chosen_offsets` —
+//!   [`step::emulated`] (the device decode step's data movement between activations and state).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
 //!   the shared expert, attention's linears).
 //!
 //! [`step`] is the decode step written once over the device ops it needs, its state in
 //! per-layer arenas; over the engine's own ops ([`step::cpu_ops`]) it is `Model::forward` bit
-//! for bit, and each op maps to the exact kernels above.
+//! for bit. [`step::device_ops`] is those ops as kernel launches ([`step::kernels::Kernels`]:
+//! the exact kernels above and `step.cu`'s data movement), tested in CI over the kernels' CPU
+//! references ([`step::emulated`]) and on a GPU as `cuda::CudaStepOps`.
 //!
 //! `cuda::CudaBackend` is the engine's CUDA backend: the routed experts of every layer on the
 //! device in their stored FP4 form, run as grouped GEMVs, the shared expert, attention's

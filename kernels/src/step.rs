@@ -13,6 +13,11 @@
 
 pub mod cpu_ops;
 pub mod decode;
+mod device_close;
+pub mod device_model;
+pub mod device_ops;
+pub mod emulated;
+pub mod kernels;
 pub mod layout;
 #[cfg(test)]
 mod tests;

@@ -69,9 +69,26 @@ pub fn route_logits(
     token: u32,
     c: &ModelConfig,
 ) -> (Vec<usize>, Vec<f32>) {
+    route_scores(
+        logits,
+        w.bias.as_deref(),
+        w.tid2eid.as_deref(),
+        token,
+        (c.experts_per_token, c.routed_scaling_factor),
+    )
+}
+
+/// [`route_logits`] from the routing's parts: the selection `bias` (top-k layers) or the hash
+/// `table` (`[vocab, k]`, taking precedence), `k` experts a token, weights times `scaling`.
+pub fn route_scores(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    table: Option<&[u32]>,
+    token: u32,
+    (k, scaling): (usize, f32),
+) -> (Vec<usize>, Vec<f32>) {
     let scores: Vec<f32> = logits.iter().map(|&l| softplus(l).sqrt()).collect();
-    let k = c.experts_per_token;
-    let chosen: Vec<usize> = match (&w.tid2eid, &w.bias) {
+    let chosen: Vec<usize> = match (table, bias) {
         (Some(table), _) => {
             let row = token as usize * k;
             table[row..row + k].iter().map(|&e| e as usize).collect()
@@ -84,10 +101,7 @@ pub fn route_logits(
     };
     let picked: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
     let sum: f32 = picked.iter().sum::<f32>() + 1e-20;
-    let weights = picked
-        .iter()
-        .map(|s| s / sum * c.routed_scaling_factor)
-        .collect();
+    let weights = picked.iter().map(|s| s / sum * scaling).collect();
     (chosen, weights)
 }
 

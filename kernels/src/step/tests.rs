@@ -9,8 +9,11 @@ use engine::{
 };
 
 use super::{
+    StepOps,
     cpu_ops::{CpuStepOps, Plant},
     decode::{Seat, StepError, decode_step},
+    device_ops::DeviceStepOps,
+    emulated::{EmulatedKernels, KernelPlant},
     layout::StateLayout,
 };
 
@@ -77,16 +80,55 @@ fn run(model: &Model, plant: Option<Plant>, poison: bool) -> Runs {
 /// [`run`] for sequences of `lengths` in `slots`, `steps` steps.
 fn run_sequences(
     model: &Model,
-    (lengths, slots, steps): (&[usize], &[usize], usize),
+    sequences: (&[usize], &[usize], usize),
     plant: Option<Plant>,
     poison: bool,
 ) -> Runs {
-    let c = &model.config;
     let ops = CpuStepOps::new(model);
     ops.plant(plant);
+    run_on(model, &ops, &|| ops.take_reads(), sequences, poison)
+}
+
+/// The device ops over the kernels' CPU references.
+fn run_emulated(model: &Model, sequences: (&[usize], &[usize], usize), poison: bool) -> Runs {
+    run_emulated_with(model, sequences, poison, None)
+}
+
+fn run_emulated_with(
+    model: &Model,
+    sequences: (&[usize], &[usize], usize),
+    poison: bool,
+    plant: Option<KernelPlant>,
+) -> Runs {
+    let mut kernels = EmulatedKernels::new(&model.config);
+    if let Some(plant) = plant {
+        kernels = kernels.planted(plant);
+    }
+    let ops = DeviceStepOps::new(kernels, model).unwrap();
+    run_on(
+        model,
+        &ops,
+        &|| ops.kernels().take_reads(),
+        sequences,
+        poison,
+    )
+}
+
+/// [`run_sequences`] over `ops`, whose reads back to the host `reads` counts.
+fn run_on<O: StepOps>(
+    model: &Model,
+    ops: &O,
+    reads: &dyn Fn() -> (usize, usize),
+    (lengths, slots, steps): (&[usize], &[usize], usize),
+    poison: bool,
+) -> Runs
+where
+    O::Error: std::fmt::Debug,
+{
+    let c = &model.config;
     let most = lengths.iter().max().copied().unwrap_or(0) + steps + 1;
     let layout = StateLayout::new(c, slots.iter().max().unwrap() + 1, most);
-    let mut arenas = layout.arenas(&ops).unwrap();
+    let mut arenas = layout.arenas(ops).unwrap();
     let mut states: Vec<SequenceState> = lengths
         .iter()
         .enumerate()
@@ -102,13 +144,13 @@ fn run_sequences(
     }
     let mut seats: Vec<Seat> = Vec::new();
     for (state, &slot) in states.iter().zip(slots) {
-        layout.load(&ops, &mut arenas, slot, state).unwrap();
+        layout.load(ops, &mut arenas, slot, state).unwrap();
         seats.push(Seat {
             slot,
             len: state.len,
         });
     }
-    ops.take_reads();
+    reads();
     let mut runs = Runs {
         engine: Vec::new(),
         device: Vec::new(),
@@ -133,8 +175,8 @@ fn run_sequences(
             .into_iter()
             .map(|mut l| l.pop().unwrap())
             .collect();
-        let device = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
-        runs.reads.push(ops.take_reads());
+        let device = decode_step(ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+        runs.reads.push(reads());
         runs.engine.push(engine);
         runs.device.push(device);
     }
@@ -142,7 +184,7 @@ fn run_sequences(
         assert_eq!(state.len, seat.len);
         runs.engine_states.push(state.normalized(c));
         runs.device_states
-            .push(layout.read(&ops, &arenas, seat.slot, seat.len).unwrap());
+            .push(layout.read(ops, &arenas, seat.slot, seat.len).unwrap());
     }
     runs
 }
@@ -207,6 +249,50 @@ fn decode_steps_of_the_small_model_give_the_engines_bits() {
             .all(|v| v.is_finite())
     );
     assert_eq!(runs.engine_states, runs.device_states);
+}
+
+/// The device step's own composition (its plans, offsets, gathers and launches, as the GPU
+/// runs them) over the kernels' CPU references: the engine's logits and state bit for bit,
+/// one read a step; a NaN in the indexer rows poisons only its sequence, as in the engine.
+#[test]
+fn device_step_over_the_kernels_references_gives_the_engines_bits() {
+    for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+        let (_dir, model) = model(format);
+        let runs = run_emulated(&model, (&LENGTHS, &SLOTS, STEPS), false);
+        assert!(logits_equal(&runs), "{format:?}");
+        assert!(
+            runs.engine
+                .iter()
+                .flatten()
+                .flatten()
+                .all(|v| v.is_finite())
+        );
+        assert_eq!(runs.engine_states, runs.device_states, "{format:?}");
+        let vocab = model.config.vocab_size;
+        assert!(runs.reads.iter().all(|&r| r == (1, LENGTHS.len() * vocab)));
+        if format == ExpertFormat::Nvfp4 {
+            let poisoned = run_emulated(&model, (&LENGTHS, &SLOTS, STEPS), true);
+            assert!(logits_equal(&poisoned));
+            for step in &poisoned.device {
+                for (s, l) in step.iter().enumerate() {
+                    assert_eq!(s == 2, l.iter().all(|v| v.is_nan()), "sequence {s}");
+                }
+            }
+        }
+    }
+    let (_dir, model) = model_of(Preset::Small, ExpertFormat::Nvfp4);
+    let runs = run_emulated(&model, (&[1, 70, 127], &[1, 2, 0], 3), false);
+    assert!(logits_equal(&runs));
+    assert_eq!(runs.engine_states, runs.device_states);
+}
+
+#[test]
+fn planted_kernel_errors_are_caught() {
+    let (_dir, model) = model(ExpertFormat::Nvfp4);
+    for plant in [KernelPlant::ChosenRowShifted, KernelPlant::OverlapIgnored] {
+        let runs = run_emulated_with(&model, (&LENGTHS, &SLOTS, STEPS), false, Some(plant));
+        assert!(!logits_equal(&runs), "{plant:?} went unnoticed");
+    }
 }
 
 #[test]
@@ -299,4 +385,49 @@ fn arena_regions_are_aligned_and_apart() {
             assert!(last + len <= region.per_slot);
         }
     }
+}
+
+/// The indexer choice's key offsets as `chosen_offsets` writes them: each token's rows from its
+/// base, every slot of a poisoned choice -1, slots outside the entries untouched.
+#[test]
+fn chosen_offsets_reference() {
+    use super::kernels::Kernels;
+    let c = Preset::Tiny.config(ExpertFormat::Nvfp4);
+    let k = EmulatedKernels::new(&c);
+    let chosen = vec![0, 2, 5, 9, -2, -2, -2, -2, 1, 3, -1, -1];
+    let mut offsets = vec![77i64; 14];
+    k.chosen_offsets(
+        &chosen,
+        4,
+        (
+            &vec![0, 1, 2],
+            &vec![2, 7, 11],
+            &vec![4, 3, 2],
+            &vec![4096, 0, 131_072],
+        ),
+        2048,
+        3,
+        &mut offsets,
+    )
+    .unwrap();
+    let row = |base: i64, r: i64| base + r * 2048;
+    assert_eq!(
+        offsets,
+        [
+            77,
+            77,
+            row(4096, 0),
+            row(4096, 2),
+            row(4096, 5),
+            row(4096, 9),
+            77,
+            -1,
+            -1,
+            -1,
+            77,
+            row(131_072, 1),
+            row(131_072, 3),
+            77
+        ]
+    );
 }

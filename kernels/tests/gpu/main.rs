@@ -22,3 +22,4 @@ mod nvfp4_gemm;
 mod nvfp4_gemm_sm100;
 mod nvfp4_quant;
 mod step;
+mod step_kernels;

@@ -1,8 +1,9 @@
 //! The whole decode step on the GPU (`CudaStepOps`: state in device arenas, nothing read back
 //! but the logits) against the engine's forward pass, bit for bit: logits of every step and the
 //! state afterwards, for sequences of awkward lengths in shuffled slots, in both FP4 expert
-//! formats, on the tiny and the small model. The same step over the engine's own ops
-//! (`CpuStepOps`) is held to the same equality in CI. Skips without a GPU (fails under
+//! formats, on the tiny and the small model. The same composition over the kernels' CPU
+//! references (`EmulatedKernels`) is held to the same equality in CI, so a failure here is a
+//! kernel that differs from its reference. Skips without a GPU (fails under
 //! `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
@@ -13,7 +14,7 @@ use engine::{
     synth::{GenerateOptions, Preset, Rng, generate},
 };
 use kernels::{
-    cuda::{CudaStepOps, Gpu},
+    cuda::{CudaKernels, CudaStepOps, Gpu},
     step::{
         decode::{Seat, decode_step},
         layout::StateLayout,
@@ -49,7 +50,7 @@ fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], ste
     .unwrap();
     let model = Model::load(&dir).unwrap();
     let c = &model.config;
-    let ops = CudaStepOps::new(gpu, &model).unwrap();
+    let ops = CudaStepOps::new(CudaKernels { gpu }, &model).unwrap();
     let slots = lengths.len() + 1;
     let most = lengths.iter().max().unwrap() + steps + 1;
     let layout = StateLayout::new(c, slots, most);

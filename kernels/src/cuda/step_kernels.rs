@@ -1,0 +1,722 @@
+//! [`CudaKernels`]: the device decode step's kernels ([`Kernels`]) as launches on a [`Gpu`],
+//! and [`CudaStepOps`], the step's ops over them. Each launch passes the kernel's parameters in
+//! order; the shapes were checked by `crate::step::device_ops` before.
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use engine::{
+    tensor::{Weight, WeightForm},
+    weights::{ExpertWeights, MoeWeights},
+};
+
+use super::{DeviceRows, Gpu, KernelError, StoredRows, grid_dim, non_empty};
+use crate::step::{
+    Proj,
+    device_ops::DeviceStepOps,
+    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+};
+
+/// The decode step's ops on a GPU.
+pub type CudaStepOps<'g> = DeviceStepOps<CudaKernels<'g>>;
+
+/// The decode step's kernels on `gpu`.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaKernels<'g> {
+    pub gpu: &'g Gpu,
+}
+
+/// One projection of every routed expert of a layer, stacked as `exact_pairs` reads it.
+#[derive(Debug)]
+pub struct PairStack {
+    kernel: &'static str,
+    packed: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    scale_2: CudaSlice<f32>,
+    experts: usize,
+    rows: usize,
+    cols: usize,
+}
+
+/// The embedding table's bytes (f32 or bf16).
+#[derive(Debug)]
+pub struct DeviceTable {
+    bytes: CudaSlice<u8>,
+    bf16: bool,
+    rows: usize,
+    cols: usize,
+}
+
+fn blocks(n: usize, per: u32, what: &str) -> Result<LaunchConfig, KernelError> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_dim(n.div_ceil(per as usize).max(1), what)?, 1, 1),
+        block_dim: (per, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn per_item(n: usize, threads: u32, what: &str) -> Result<LaunchConfig, KernelError> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_dim(n, what)?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn proj_of(e: &ExpertWeights, proj: Proj) -> &Weight {
+    match proj {
+        Proj::Gate => &e.w1,
+        Proj::Down => &e.w2,
+        Proj::Up => &e.w3,
+    }
+}
+
+fn function(
+    module: &std::sync::Arc<cudarc::driver::CudaModule>,
+    name: &str,
+) -> Result<cudarc::driver::CudaFunction, KernelError> {
+    Ok(module.load_function(name)?)
+}
+
+impl Kernels for CudaKernels<'_> {
+    type Error = KernelError;
+    type F = CudaSlice<f32>;
+    type I = CudaSlice<i32>;
+    type L = CudaSlice<i64>;
+    type Rows = DeviceRows;
+    type Stack = PairStack;
+    type Table = DeviceTable;
+    type Hash = CudaSlice<u32>;
+
+    fn f_len(b: &CudaSlice<f32>) -> usize {
+        b.len()
+    }
+
+    fn i_len(b: &CudaSlice<i32>) -> usize {
+        b.len()
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
+        Ok(self.gpu.stream.alloc_zeros::<f32>(len.max(1))?)
+    }
+
+    fn zeros_i(&self, len: usize) -> Result<CudaSlice<i32>, KernelError> {
+        Ok(self.gpu.stream.alloc_zeros::<i32>(len.max(1))?)
+    }
+
+    fn upload(&self, v: &[f32]) -> Result<CudaSlice<f32>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&non_empty(v))?)
+    }
+
+    fn upload_i(&self, v: &[i32]) -> Result<CudaSlice<i32>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&non_empty(v))?)
+    }
+
+    fn upload_l(&self, v: &[i64]) -> Result<CudaSlice<i64>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&non_empty(v))?)
+    }
+
+    fn write(&self, dst: &mut CudaSlice<f32>, at: usize, v: &[f32]) -> Result<(), KernelError> {
+        let mut view = dst.slice_mut(at..at + v.len());
+        Ok(self.gpu.stream.memcpy_htod(v, &mut view)?)
+    }
+
+    fn read(&self, b: &CudaSlice<f32>, range: Range<usize>) -> Result<Vec<f32>, KernelError> {
+        Ok(self.gpu.stream.clone_dtoh(&b.slice(range))?)
+    }
+
+    fn read_l(&self, b: &CudaSlice<i64>) -> Result<Vec<i64>, KernelError> {
+        Ok(self.gpu.stream.clone_dtoh(b)?)
+    }
+
+    fn copy(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        let mut view = dst.slice_mut(0..len);
+        Ok(self.gpu.stream.memcpy_dtod(&src.slice(0..len), &mut view)?)
+    }
+
+    fn upload_rows(&self, w: &Weight) -> Result<DeviceRows, KernelError> {
+        self.gpu.upload_rows(StoredRows::of(w), w.rows, w.cols)
+    }
+
+    fn upload_matrix(
+        &self,
+        data: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<DeviceRows, KernelError> {
+        self.gpu.upload_rows(StoredRows::F32(data), rows, cols)
+    }
+
+    fn rows_shape(w: &DeviceRows) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn upload_stack(
+        &self,
+        experts: &[ExpertWeights],
+        proj: Proj,
+    ) -> Result<PairStack, KernelError> {
+        let first = experts
+            .first()
+            .map(|e| proj_of(e, proj))
+            .ok_or_else(|| KernelError::Shape("a MoE layer without routed experts".into()))?;
+        let (mut packed, mut scales, mut scale_2) = (Vec::new(), Vec::new(), Vec::new());
+        let mut kernel = "";
+        for e in experts {
+            let w = proj_of(e, proj);
+            let parts: Option<(&[u8], &[u8], f32, &'static str)> = match w.form() {
+                WeightForm::Nvfp4 {
+                    packed,
+                    scales,
+                    scale_2,
+                } => Some((
+                    packed.as_slice(),
+                    scales.as_slice(),
+                    *scale_2,
+                    "exact_pairs_nvfp4",
+                )),
+                WeightForm::Mxfp4 { packed, scales } => Some((
+                    packed.as_slice(),
+                    scales.as_slice(),
+                    1.0,
+                    "exact_pairs_mxfp4",
+                )),
+                _ => None,
+            };
+            let Some((p, s, s2, k)) =
+                parts.filter(|_| (w.rows, w.cols) == (first.rows, first.cols))
+            else {
+                return Err(KernelError::Shape(
+                    "the device decode step runs routed experts stored as NVFP4 or MXFP4 only, \
+                     one shape for all"
+                        .into(),
+                ));
+            };
+            kernel = k;
+            packed.extend_from_slice(p);
+            scales.extend_from_slice(s);
+            scale_2.push(s2);
+        }
+        let s = &self.gpu.stream;
+        Ok(PairStack {
+            kernel,
+            packed: s.clone_htod(&non_empty(&packed))?,
+            scales: s.clone_htod(&non_empty(&scales))?,
+            scale_2: s.clone_htod(&non_empty(&scale_2))?,
+            experts: experts.len(),
+            rows: first.rows,
+            cols: first.cols,
+        })
+    }
+
+    fn stack_shape(s: &PairStack) -> (usize, usize, usize) {
+        (s.experts, s.rows, s.cols)
+    }
+
+    fn upload_table(&self, embed: &Weight) -> Result<DeviceTable, KernelError> {
+        let (bytes, bf16) = match embed.form() {
+            WeightForm::F32(v) => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), false),
+            WeightForm::Bf16(b) => (b.as_slice().to_vec(), true),
+            _ => {
+                return Err(KernelError::Shape(
+                    "the device decode step reads an f32 or bf16 embedding table".into(),
+                ));
+            }
+        };
+        Ok(DeviceTable {
+            bytes: self.gpu.stream.clone_htod(&non_empty::<u8>(&bytes))?,
+            bf16,
+            rows: embed.rows,
+            cols: embed.cols,
+        })
+    }
+
+    fn upload_hash(&self, moe: &MoeWeights) -> Result<Option<CudaSlice<u32>>, KernelError> {
+        moe.tid2eid
+            .as_deref()
+            .map(|t| Ok(self.gpu.stream.clone_htod(&non_empty(t))?))
+            .transpose()
+    }
+
+    fn fill_nan(&self, x: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        let f = function(&self.gpu.moe_align, "fill_nan")?;
+        let n = x.len() as i64;
+        let config = blocks(x.len(), 256, "values")?;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(x).arg(&n);
+        // SAFETY: `fill_nan(float*, long long)` over the whole buffer.
+        unsafe { launch.launch(config)? };
+        Ok(())
+    }
+
+    fn embed_rows(
+        &self,
+        table: &DeviceTable,
+        tokens: &CudaSlice<i32>,
+        (n, hc): (usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.step, "embed_rows")?;
+        let (bf16, rows, dim, hc_i) = (
+            i32::from(table.bf16),
+            table.rows as i64,
+            table.cols as i64,
+            hc as i32,
+        );
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&table.bytes)
+            .arg(&bf16)
+            .arg(&rows)
+            .arg(&dim)
+            .arg(tokens)
+            .arg(&hc_i)
+            .arg(out);
+        // SAFETY: `embed_rows`' parameters in order; one block per token, `n` ids, `out`
+        // `n * hc * dim` values (checked by the caller); ids outside the table give NaN rows.
+        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
+        Ok(())
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        from: &CudaSlice<i64>,
+        dst: &mut CudaSlice<f32>,
+        to: &CudaSlice<i64>,
+        width: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.step, "copy_rows")?;
+        let w = width as i64;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(src).arg(from).arg(dst).arg(to).arg(&w);
+        // SAFETY: `copy_rows`' parameters in order; every row inside its buffer (checked by
+        // the caller); one block per row.
+        unsafe { launch.launch(per_item(n, 128, "rows")?)? };
+        Ok(())
+    }
+
+    fn exact_gemv(
+        &self,
+        w: &DeviceRows,
+        rows: (usize, usize),
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.gpu.launch_exact_gemv(w, rows, x, n, y)
+    }
+
+    fn norm_rope_rows(
+        &self,
+        x: &mut CudaSlice<f32>,
+        spec: RowSpec,
+        w: &CudaSlice<f32>,
+        sin_cos: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), KernelError> {
+        let norm = match spec.norm {
+            0 => crate::rows::RowNorm::None,
+            1 => crate::rows::RowNorm::Unweighted,
+            _ => crate::rows::RowNorm::Weighted(&[]),
+        };
+        let launch = crate::rows::NormRope {
+            heads: spec.heads,
+            head_dim: spec.head_dim,
+            rope: spec.rope,
+            norm,
+            eps: spec.eps,
+            inverse: spec.inverse,
+        };
+        self.gpu.launch_norm_rope_rows(x, &launch, w, sin_cos, rows)
+    }
+
+    fn hyper_pre(
+        &self,
+        x: &CudaSlice<f32>,
+        mixes: &CudaSlice<f32>,
+        (scale, base): (&CudaSlice<f32>, &CudaSlice<f32>),
+        spec: HyperSpec,
+        n: usize,
+        (collapsed, post, comb): (
+            &mut CudaSlice<f32>,
+            &mut CudaSlice<f32>,
+            &mut CudaSlice<f32>,
+        ),
+    ) -> Result<(), KernelError> {
+        if spec.hc > super::MAX_HC {
+            return Err(KernelError::Shape(format!("{} streams", spec.hc)));
+        }
+        let f = function(&self.gpu.hyper, "hyper_pre")?;
+        let (hc, dim, iters) = (spec.hc as i32, spec.dim as i64, spec.iters as i32);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(x)
+            .arg(mixes)
+            .arg(scale)
+            .arg(base)
+            .arg(&hc)
+            .arg(&dim)
+            .arg(&spec.eps)
+            .arg(&iters)
+            .arg(collapsed)
+            .arg(post)
+            .arg(comb);
+        // SAFETY: `hyper_pre`'s parameters in order; one block per token (shapes checked by
+        // the caller).
+        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
+        Ok(())
+    }
+
+    fn hyper_post(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        post: &CudaSlice<f32>,
+        comb: &CudaSlice<f32>,
+        spec: HyperSpec,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.hyper, "hyper_post")?;
+        let (hc, dim) = (spec.hc as i32, spec.dim as i64);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(x)
+            .arg(y)
+            .arg(post)
+            .arg(comb)
+            .arg(&hc)
+            .arg(&dim)
+            .arg(out);
+        // SAFETY: `hyper_post`'s parameters in order; one block per token.
+        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
+        Ok(())
+    }
+
+    fn hyper_head(
+        &self,
+        x: &CudaSlice<f32>,
+        mix: &CudaSlice<f32>,
+        (scale, base): (f32, &CudaSlice<f32>),
+        spec: HyperSpec,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.hyper, "hyper_head")?;
+        let (hc, dim) = (spec.hc as i32, spec.dim as i64);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(x)
+            .arg(mix)
+            .arg(&scale)
+            .arg(base)
+            .arg(&hc)
+            .arg(&dim)
+            .arg(&spec.eps)
+            .arg(out);
+        // SAFETY: `hyper_head`'s parameters in order; one block per token.
+        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
+        Ok(())
+    }
+
+    fn add_periodic(
+        &self,
+        x: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        period: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.step, "add_periodic")?;
+        let (period, n_i) = (period as i64, n as i64);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(x).arg(bias).arg(&period).arg(&n_i);
+        // SAFETY: `add_periodic`'s parameters in order; `x` holds `n` values, the bias
+        // `period` (checked by the caller).
+        unsafe { launch.launch(blocks(n, 256, "values")?)? };
+        Ok(())
+    }
+
+    fn scale_values(&self, x: &mut CudaSlice<f32>, by: f32, n: usize) -> Result<(), KernelError> {
+        let f = function(&self.gpu.step, "scale_values")?;
+        let n_i = n as i64;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(x).arg(&by).arg(&n_i);
+        // SAFETY: `scale_values(float*, float, long long)`; `x` holds `n` values.
+        unsafe { launch.launch(blocks(n, 256, "values")?)? };
+        Ok(())
+    }
+
+    fn compress_pool(
+        &self,
+        kv: &CudaSlice<f32>,
+        gate: &CudaSlice<f32>,
+        (prev_kv, prev_gate): (&CudaSlice<f32>, &CudaSlice<f32>),
+        has_prev: &CudaSlice<i32>,
+        p: PoolSpec,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.compress, "compress_pool")?;
+        let (windows, ratio, d) = (p.windows as i32, p.ratio as i32, p.d as i32);
+        let (width, overlap) = (p.width as i64, i32::from(p.overlap));
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(kv)
+            .arg(gate)
+            .arg(prev_kv)
+            .arg(prev_gate)
+            .arg(has_prev)
+            .arg(&windows)
+            .arg(&ratio)
+            .arg(&d)
+            .arg(&width)
+            .arg(&overlap)
+            .arg(out);
+        // SAFETY: `compress_pool`'s parameters in order; every buffer holds `windows` windows.
+        unsafe { launch.launch(blocks(p.windows * p.d, 128, "channels")?)? };
+        Ok(())
+    }
+
+    fn indexer_scores(
+        &self,
+        q: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        keys: &CudaSlice<f32>,
+        starts: &CudaSlice<i64>,
+        visible: &CudaSlice<i32>,
+        sp: ScoreSpec,
+        scores: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.indexer, "indexer_scores")?;
+        let (n, heads, dim) = (sp.tokens as i32, sp.heads as i32, sp.dim as i32);
+        let max_keys = sp.max_keys as i64;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(q)
+            .arg(w)
+            .arg(keys)
+            .arg(starts)
+            .arg(visible)
+            .arg(&n)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&sp.scale)
+            .arg(&max_keys)
+            .arg(scores);
+        // SAFETY: `indexer_scores`' parameters in order; each token's rows inside `keys`
+        // (checked by the caller); a group of eight threads per (token, key).
+        unsafe { launch.launch(blocks(sp.tokens * sp.max_keys * 8, 256, "keys")?)? };
+        Ok(())
+    }
+
+    fn indexer_topk(
+        &self,
+        scores: &CudaSlice<f32>,
+        visible: &CudaSlice<i32>,
+        (tokens, max_keys, k): (usize, usize, usize),
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.indexer, "indexer_topk")?;
+        let (max_keys, k) = (max_keys as i64, k as i32);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(scores)
+            .arg(visible)
+            .arg(&max_keys)
+            .arg(&k)
+            .arg(out);
+        // SAFETY: `indexer_topk`'s parameters in order; one block per token, `k` slots each.
+        unsafe { launch.launch(per_item(tokens, 256, "tokens")?)? };
+        Ok(())
+    }
+
+    fn chosen_offsets(
+        &self,
+        chosen: &CudaSlice<i32>,
+        k: usize,
+        (tokens, starts, counts, bases): (
+            &CudaSlice<i32>,
+            &CudaSlice<i64>,
+            &CudaSlice<i32>,
+            &CudaSlice<i64>,
+        ),
+        row_bytes: usize,
+        entries: usize,
+        offsets: &mut CudaSlice<i64>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.step, "chosen_offsets")?;
+        let (k, row_bytes, n) = (k as i32, row_bytes as i64, entries as i32);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(chosen)
+            .arg(&k)
+            .arg(tokens)
+            .arg(starts)
+            .arg(counts)
+            .arg(bases)
+            .arg(&row_bytes)
+            .arg(&n)
+            .arg(offsets);
+        // SAFETY: `chosen_offsets`' parameters in order; each entry's slots lie inside
+        // `offsets` (reserved by the caller's plan), its chosen rows below the rows the token
+        // sees.
+        unsafe { launch.launch(blocks(entries, 128, "tokens")?)? };
+        Ok(())
+    }
+
+    fn attn_exact(
+        &self,
+        q: &CudaSlice<f32>,
+        pool: &CudaSlice<f32>,
+        (offsets, starts): (&CudaSlice<i64>, &CudaSlice<i64>),
+        sinks: &CudaSlice<f32>,
+        (tokens, heads, dim, most): (usize, usize, usize, usize),
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let smem = u32::try_from(4 * most.max(1))
+            .ok()
+            .filter(|&b| b <= 96 * 1024)
+            .ok_or_else(|| KernelError::Shape(format!("attn_exact: {most} keys")))?;
+        let f = function(&self.gpu.attn_exact, "attn_exact")?;
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let (heads_i, dim_i) = (heads as i32, dim as i32);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(q)
+            .arg(pool)
+            .arg(offsets)
+            .arg(starts)
+            .arg(sinks)
+            .arg(&heads_i)
+            .arg(&dim_i)
+            .arg(&scale)
+            .arg(out);
+        // SAFETY: `attn_exact`'s parameters in order (the f32 arena is its byte pool); every
+        // offset a whole f32 row inside it or -1 (checked or written by `chosen_offsets`); one
+        // float of shared memory per key of the longest token.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(tokens * heads, "token heads")?, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        hash: Option<&CudaSlice<u32>>,
+        tokens: &CudaSlice<i32>,
+        sp: RouteSpec,
+        scores: &mut CudaSlice<f32>,
+        (chosen, weights): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.exact, "moe_route")?;
+        let (n, experts, k) = (sp.tokens as i32, sp.experts as i32, sp.k as i32);
+        let table_rows = sp.table_rows as i64;
+        let null: u64 = 0;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(logits).arg(&n).arg(&experts).arg(&k);
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&null),
+        };
+        match hash {
+            Some(t) => launch.arg(t),
+            None => launch.arg(&null),
+        };
+        launch
+            .arg(&table_rows)
+            .arg(tokens)
+            .arg(&sp.scaling)
+            .arg(scores)
+            .arg(chosen)
+            .arg(weights);
+        // SAFETY: `moe_route`'s parameters in order (a null pointer where the layer has no bias
+        // or table); every buffer holds `tokens` tokens' rows.
+        unsafe { launch.launch(blocks(sp.tokens, 128, "tokens")?)? };
+        Ok(())
+    }
+
+    fn exact_pairs(
+        &self,
+        stack: &PairStack,
+        (tokens, experts): (&CudaSlice<i32>, &CudaSlice<i32>),
+        x: &CudaSlice<f32>,
+        pairs: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.exact, stack.kernel)?;
+        let (count, rows, cols) = (stack.experts as i32, stack.rows as i64, stack.cols as i64);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(&stack.packed)
+            .arg(&stack.scales)
+            .arg(&stack.scale_2)
+            .arg(&count)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(tokens)
+            .arg(experts)
+            .arg(x)
+            .arg(y);
+        // SAFETY: `exact_pairs_*`' parameters in order; the stack holds `experts` experts of
+        // [rows, cols]; pairs' tokens inside `x` (checked by the caller); an expert outside the
+        // stack gives a NaN row.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(stack.rows.div_ceil(32), "rows")?, pairs as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn swiglu(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+        limit: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.gpu.launch_swiglu_clamp(gate, up, n, limit, out)
+    }
+
+    fn moe_combine(
+        &self,
+        (ys, weights, shared): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        (n, k, hidden): (usize, usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let f = function(&self.gpu.exact, "moe_combine")?;
+        let (k, hidden) = (k as i32, hidden as i64);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(ys)
+            .arg(weights)
+            .arg(shared)
+            .arg(&k)
+            .arg(&hidden)
+            .arg(out);
+        // SAFETY: `moe_combine`'s parameters in order; one block per token.
+        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
+        Ok(())
+    }
+}

@@ -1,0 +1,558 @@
+//! [`DeviceStepOps`]: the decode step's ops ([`StepOps`]) as launches of the device's kernels
+//! ([`Kernels`]: `exact_gemv`, `norm_rope_rows`, `hyper_*`, `compress_pool`,
+//! `indexer_scores` + `indexer_topk`, `attn_exact`, `moe_route`, `exact_pairs`,
+//! `swiglu_clamp`, `moe_combine` and `step.cu`'s data movement). Activations and state stay in
+//! device buffers; what an op takes from the host is the step's plan (row offsets, each row's
+//! rotation from its position). The same code runs on the GPU (`cuda::CudaKernels`) and on the
+//! kernels' CPU references ([`super::emulated::EmulatedKernels`], in CI), so the plans and
+//! launches are tested here and each kernel against its reference on a GPU.
+
+use std::ops::Range;
+
+use engine::{config::ModelConfig, model::Model, rope::Rope};
+
+use super::{
+    Comp, Compressed, IndexAt, Lin, Mixed, Norm, Proj, RopeKind, RowOp, StepOps, Sub, TokenKeys,
+    View, WindowClose,
+    device_model::{DeviceModel, at_layer},
+    kernels::{HyperSpec, Kernels, RowSpec},
+};
+use crate::rows::sin_cos_table;
+
+/// The decode step's ops over `K`'s kernels, for a model whose weights were uploaded once.
+pub struct DeviceStepOps<K: Kernels> {
+    pub(super) k: K,
+    pub(super) config: ModelConfig,
+    main: Rope,
+    compress: Rope,
+    pub(super) model: DeviceModel<K>,
+}
+
+impl<K: Kernels> std::fmt::Debug for DeviceStepOps<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceStepOps")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(super) fn offsets(n: usize, stride: usize, start: usize) -> Vec<i64> {
+    (0..n).map(|i| (i * stride + start) as i64).collect()
+}
+
+impl<K: Kernels> DeviceStepOps<K> {
+    /// Uploads `model`'s weights through `k`.
+    pub fn new(k: K, model: &Model) -> Result<Self, K::Error> {
+        let (main, compress) = Rope::tables(&model.config);
+        let device = DeviceModel::upload(&k, model)?;
+        Ok(Self {
+            k,
+            config: model.config.clone(),
+            main,
+            compress,
+            model: device,
+        })
+    }
+
+    /// The kernels the ops launch.
+    pub fn kernels(&self) -> &K {
+        &self.k
+    }
+
+    fn hc_dim(&self) -> (usize, usize) {
+        (self.config.hc_mult, self.config.hidden_size)
+    }
+
+    fn hyper_spec(&self) -> HyperSpec {
+        HyperSpec {
+            hc: self.config.hc_mult,
+            dim: self.config.hidden_size,
+            eps: self.config.hc_eps,
+            iters: self.config.hc_sinkhorn_iters,
+        }
+    }
+
+    /// `width` values from `src` at each of `from` to `dst` at each of `to` (negative: skipped),
+    /// checked against both buffers first.
+    pub(super) fn copy_rows(
+        &self,
+        src: &K::F,
+        from: &[i64],
+        dst: &mut K::F,
+        to: &[i64],
+        width: usize,
+    ) -> Result<(), K::Error> {
+        let w = width as i64;
+        let fits = |o: i64, len: usize| o >= 0 && o + w <= len as i64;
+        if from.len() != to.len()
+            || from.iter().any(|&o| !fits(o, K::f_len(src)))
+            || to.iter().any(|&o| o >= 0 && !fits(o, K::f_len(dst)))
+        {
+            return Err(format!(
+                "copy_rows: {} rows of {width} outside their buffers",
+                from.len()
+            )
+            .into());
+        }
+        if from.is_empty() || width == 0 {
+            return Ok(());
+        }
+        let (d_from, d_to) = (self.k.upload_l(from)?, self.k.upload_l(to)?);
+        self.k
+            .copy_rows(src, &d_from, dst, &d_to, width, from.len())
+    }
+}
+
+impl<K: Kernels> StepOps for DeviceStepOps<K> {
+    type Error = K::Error;
+    type Buf = K::F;
+    type Idx = K::I;
+
+    fn alloc(&self, len: usize) -> Result<K::F, K::Error> {
+        let mut buf = self.k.zeros(len.max(1))?;
+        self.k.fill_nan(&mut buf)?;
+        Ok(buf)
+    }
+
+    fn put_at(&self, buf: &mut K::F, offset: usize, values: &[f32]) -> Result<(), K::Error> {
+        if offset + values.len() > K::f_len(buf) {
+            return Err("put_at: past the buffer".to_owned().into());
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
+        self.k.write(buf, offset, values)
+    }
+
+    fn put_idx(&self, values: &[i32]) -> Result<K::I, K::Error> {
+        if values.is_empty() {
+            return self.k.zeros_i(1);
+        }
+        self.k.upload_i(values)
+    }
+
+    fn get(&self, buf: &K::F, range: Range<usize>) -> Result<Vec<f32>, K::Error> {
+        if range.end > K::f_len(buf) || range.start > range.end {
+            return Err("get: past the buffer".to_owned().into());
+        }
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.k.read(buf, range)
+    }
+
+    fn copy(&self, buf: &K::F, len: usize) -> Result<K::F, K::Error> {
+        if len > K::f_len(buf) {
+            return Err("copy: past the buffer".to_owned().into());
+        }
+        let mut out = self.alloc(len)?;
+        if len > 0 {
+            self.k.copy(buf, &mut out, len)?;
+        }
+        Ok(out)
+    }
+
+    fn embed(&self, tokens: &K::I, n: usize) -> Result<K::F, K::Error> {
+        let (hc, d) = self.hc_dim();
+        let mut out = self.alloc(n * hc * d)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        if K::i_len(tokens) < n {
+            return Err("embed: fewer token ids than tokens".to_owned().into());
+        }
+        self.k
+            .embed_rows(&self.model.embed, tokens, (n, hc), &mut out)?;
+        Ok(out)
+    }
+
+    fn linear(
+        &self,
+        w: Lin,
+        rows: Range<usize>,
+        x: &K::F,
+        x_view: View,
+        y: &mut K::F,
+        y_view: View,
+        n: usize,
+    ) -> Result<(), K::Error> {
+        let dev = self.model.linear(w)?;
+        let (total, cols) = K::rows_shape(dev);
+        let out = rows.len();
+        if rows.end > total {
+            return Err(format!("{w:?}: rows {rows:?} of {total}").into());
+        }
+        if n == 0 || out == 0 {
+            return Ok(());
+        }
+        let gathered;
+        let input = if x_view == View::rows(cols) {
+            x
+        } else {
+            let mut g = self.alloc(n * cols)?;
+            let from = offsets(n, x_view.stride, x_view.start);
+            self.copy_rows(x, &from, &mut g, &offsets(n, cols, 0), cols)?;
+            gathered = g;
+            &gathered
+        };
+        if K::f_len(input) < n * cols {
+            return Err(format!("{w:?}: fewer inputs than {n} vectors of {cols}").into());
+        }
+        if y_view == View::rows(out) {
+            if K::f_len(y) < n * out {
+                return Err(format!("{w:?}: output shorter than {n} x {out}").into());
+            }
+            return self.k.exact_gemv(dev, (rows.start, out), input, n, y);
+        }
+        let mut tmp = self.alloc(n * out)?;
+        self.k
+            .exact_gemv(dev, (rows.start, out), input, n, &mut tmp)?;
+        let to = offsets(n, y_view.stride, y_view.start);
+        self.copy_rows(&tmp, &offsets(n, out, 0), y, &to, out)
+    }
+
+    fn norm_rope(&self, x: &mut K::F, op: &RowOp<'_>, n: usize) -> Result<(), K::Error> {
+        let (table, rope) = match op.rope {
+            Some((kind, positions)) => {
+                let positions = positions
+                    .get(..n)
+                    .ok_or_else(|| "norm_rope: fewer positions than rows".to_owned())?;
+                let rope = match kind {
+                    RopeKind::Main => &self.main,
+                    RopeKind::Compress => &self.compress,
+                };
+                (sin_cos_table(rope, positions), rope.rope_dim())
+            }
+            None => (vec![0.0], 0),
+        };
+        if K::f_len(x) < n * op.heads * op.head_dim || rope > op.head_dim {
+            return Err("norm_rope: fewer values than rows".to_owned().into());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let sin_cos = self.k.upload(&table)?;
+        let (norm, dummy);
+        let weight = match op.norm {
+            Norm::None | Norm::Unweighted => {
+                norm = i32::from(op.norm == Norm::Unweighted);
+                dummy = self.k.zeros(1)?;
+                &dummy
+            }
+            Norm::Weighted(v) => {
+                norm = 2;
+                let w = self.model.vector(v)?;
+                if K::f_len(w) < op.head_dim {
+                    return Err(format!("{v:?}: shorter than a head").into());
+                }
+                w
+            }
+        };
+        let spec = RowSpec {
+            heads: op.heads,
+            head_dim: op.head_dim,
+            rope,
+            norm,
+            eps: self.config.rms_norm_eps,
+            inverse: op.inverse,
+        };
+        self.k.norm_rope_rows(x, spec, weight, &sin_cos, n)
+    }
+
+    fn hyper_pre(
+        &self,
+        layer: usize,
+        sub: Sub,
+        x: &K::F,
+        mixes: &K::F,
+        n: usize,
+    ) -> Result<Mixed<K::F>, K::Error> {
+        let (hc, d) = self.hc_dim();
+        let (mut input, mut post, mut comb) = (
+            self.alloc(n * d)?,
+            self.alloc(n * hc)?,
+            self.alloc(n * hc * hc)?,
+        );
+        let h = self.model.hyper(layer, sub)?;
+        if K::f_len(x) < n * hc * d || K::f_len(mixes) < n * (2 + hc) * hc {
+            return Err("hyper_pre buffers".to_owned().into());
+        }
+        if n > 0 {
+            self.k.hyper_pre(
+                x,
+                mixes,
+                (&h.scale, &h.base),
+                self.hyper_spec(),
+                n,
+                (&mut input, &mut post, &mut comb),
+            )?;
+        }
+        Ok(Mixed { input, post, comb })
+    }
+
+    fn hyper_post(
+        &self,
+        x: &K::F,
+        y: &K::F,
+        post: &K::F,
+        comb: &K::F,
+        n: usize,
+    ) -> Result<K::F, K::Error> {
+        let (hc, d) = self.hc_dim();
+        let mut out = self.alloc(n * hc * d)?;
+        if K::f_len(x) < n * hc * d
+            || K::f_len(y) < n * d
+            || K::f_len(post) < n * hc
+            || K::f_len(comb) < n * hc * hc
+        {
+            return Err("hyper_post buffers".to_owned().into());
+        }
+        if n > 0 {
+            self.k
+                .hyper_post(x, y, post, comb, self.hyper_spec(), n, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn hyper_head(&self, x: &K::F, n: usize) -> Result<K::F, K::Error> {
+        let (hc, d) = self.hc_dim();
+        let mut out = self.alloc(n * d)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let mut flat = self.copy(x, n * hc * d)?;
+        let unit = RowOp {
+            heads: 1,
+            head_dim: hc * d,
+            norm: Norm::Unweighted,
+            rope: None,
+            inverse: false,
+        };
+        self.norm_rope(&mut flat, &unit, n)?;
+        let mut mix = self.alloc(n * hc)?;
+        self.k
+            .exact_gemv(&self.model.head_mix, (0, hc), &flat, n, &mut mix)?;
+        let head = (self.model.head_scale, &self.model.head_base);
+        self.k
+            .hyper_head(x, &mix, head, self.hyper_spec(), n, &mut out)?;
+        Ok(out)
+    }
+
+    fn write_rows(
+        &self,
+        src: &K::F,
+        width: usize,
+        arena: &mut K::F,
+        to: &[i64],
+    ) -> Result<(), K::Error> {
+        self.copy_rows(src, &offsets(to.len(), width, 0), arena, to, width)
+    }
+
+    fn close_windows(
+        &self,
+        layer: usize,
+        comp: Comp,
+        arena: &mut K::F,
+        closes: &[WindowClose],
+    ) -> Result<K::F, K::Error> {
+        super::device_close::close_windows(self, self.model.compressor(layer, comp)?, arena, closes)
+    }
+
+    fn index_select(
+        &self,
+        q: &K::F,
+        weights: &K::F,
+        arena: &K::F,
+        at: &[IndexAt],
+        k: usize,
+    ) -> Result<K::I, K::Error> {
+        super::device_close::index_select(self, (q, weights), arena, at, k)
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: &K::F,
+        arena: &K::F,
+        keys: &[TokenKeys],
+        chosen: Option<(&K::I, usize)>,
+    ) -> Result<K::F, K::Error> {
+        let c = &self.config;
+        let (heads, hd, n) = (c.num_heads, c.head_dim, keys.len());
+        let mut out = self.alloc(n * heads * hd)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let plan = KeyPlan::of(keys, hd);
+        let pool_bytes = 4 * K::f_len(arena) as i64;
+        let row_bytes = 4 * hd as i64;
+        if plan
+            .offsets
+            .iter()
+            .any(|&o| o < -1 || o + row_bytes > pool_bytes)
+            || plan
+                .fills
+                .iter()
+                .any(|f| f.base < 0 || f.base >= pool_bytes)
+            || K::f_len(q) < n * heads * hd
+        {
+            return Err("attend: a key outside the arena".to_owned().into());
+        }
+        let mut d_offsets = self.k.upload_l(&non_empty(&plan.offsets))?;
+        if !plan.fills.is_empty() {
+            let (idx, k) = chosen.ok_or_else(|| "attend: a choice without indices".to_owned())?;
+            if K::i_len(idx) < n * k {
+                return Err("attend: the choice is short".to_owned().into());
+            }
+            let column = |f: fn(&Fill) -> i64| -> Vec<i64> { plan.fills.iter().map(f).collect() };
+            let tokens: Vec<i32> = plan.fills.iter().map(|f| f.token as i32).collect();
+            let counts: Vec<i32> = plan.fills.iter().map(|f| f.count as i32).collect();
+            let (d_tokens, d_counts) = (self.k.upload_i(&tokens)?, self.k.upload_i(&counts)?);
+            let d_starts = self.k.upload_l(&column(|f| f.at))?;
+            let d_bases = self.k.upload_l(&column(|f| f.base))?;
+            self.k.chosen_offsets(
+                idx,
+                k,
+                (&d_tokens, &d_starts, &d_counts, &d_bases),
+                4 * hd,
+                plan.fills.len(),
+                &mut d_offsets,
+            )?;
+        }
+        let d_starts = self.k.upload_l(&plan.starts)?;
+        let sinks = at_layer(&self.model.sinks, layer)?;
+        if K::f_len(sinks) < heads {
+            return Err("attend: fewer sinks than heads".to_owned().into());
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.k.attn_exact(
+            q,
+            arena,
+            (&d_offsets, &d_starts),
+            sinks,
+            (n, heads, hd, plan.most),
+            scale,
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    fn route(
+        &self,
+        layer: usize,
+        logits: &K::F,
+        tokens: &K::I,
+        n: usize,
+    ) -> Result<(K::I, K::F), K::Error> {
+        super::device_close::route(self, layer, logits, tokens, n)
+    }
+
+    fn expert_pairs(
+        &self,
+        layer: usize,
+        proj: Proj,
+        x: &K::F,
+        experts: &K::I,
+        per: usize,
+        pairs: usize,
+    ) -> Result<K::F, K::Error> {
+        super::device_close::expert_pairs(self, layer, proj, x, (experts, per, pairs))
+    }
+
+    fn swiglu(&self, gate: &K::F, up: &K::F, rows: usize, width: usize) -> Result<K::F, K::Error> {
+        let n = rows * width;
+        let mut out = self.alloc(n)?;
+        if K::f_len(gate) < n || K::f_len(up) < n {
+            return Err("swiglu buffers".to_owned().into());
+        }
+        if n > 0 {
+            self.k
+                .swiglu(gate, up, n, self.config.swiglu_limit, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn combine(
+        &self,
+        ys: &K::F,
+        weights: &K::F,
+        shared: &K::F,
+        n: usize,
+        k: usize,
+    ) -> Result<K::F, K::Error> {
+        let d = self.config.hidden_size;
+        let mut out = self.alloc(n * d)?;
+        if K::f_len(ys) < n * k * d
+            || K::f_len(weights) < n * k
+            || K::f_len(shared) < n * d
+            || k == 0
+        {
+            return Err("combine buffers".to_owned().into());
+        }
+        if n > 0 {
+            self.k
+                .moe_combine((ys, weights, shared), (n, k, d), &mut out)?;
+        }
+        Ok(out)
+    }
+}
+
+fn non_empty(v: &[i64]) -> Vec<i64> {
+    if v.is_empty() { vec![0] } else { v.to_vec() }
+}
+
+/// The indexer choice's slots of a token in a [`KeyPlan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fill {
+    /// The token (its row of the chosen indices).
+    pub token: usize,
+    /// Where its slots start in the offsets.
+    pub at: i64,
+    pub count: usize,
+    /// Byte offset of its first compressed row.
+    pub base: i64,
+}
+
+/// Every token's key offsets for `attn_exact` (bytes, CSR by `starts`), with the indexer's
+/// choice left as -1 slots for `chosen_offsets` to fill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyPlan {
+    pub offsets: Vec<i64>,
+    pub starts: Vec<i64>,
+    pub fills: Vec<Fill>,
+    /// The most keys a token has.
+    pub most: usize,
+}
+
+impl KeyPlan {
+    pub fn of(keys: &[TokenKeys], head_dim: usize) -> Self {
+        let row_bytes = 4 * head_dim as i64;
+        let (mut offsets, mut starts, mut fills) = (Vec::new(), vec![0i64], Vec::new());
+        for (token, tk) in keys.iter().enumerate() {
+            offsets.extend(tk.window.iter().map(|&o| 4 * o));
+            match tk.compressed {
+                Compressed::None => {}
+                Compressed::All { rows, count } => {
+                    offsets.extend((0..count as i64).map(|i| 4 * rows + i * row_bytes));
+                }
+                Compressed::Chosen { rows, count } => {
+                    fills.push(Fill {
+                        token,
+                        at: offsets.len() as i64,
+                        count,
+                        base: 4 * rows,
+                    });
+                    offsets.extend(std::iter::repeat_n(-1, count));
+                }
+            }
+            starts.push(offsets.len() as i64);
+        }
+        let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as usize;
+        Self {
+            offsets,
+            starts,
+            fills,
+            most,
+        }
+    }
+}

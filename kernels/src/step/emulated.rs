@@ -1,0 +1,702 @@
+//! [`Kernels`] on the CPU: each kernel of the device decode step computed by its reference
+//! (the engine's own functions, or the kernel's formula where it is only data movement), with
+//! the kernel's conventions (NaN rows for ids outside a table, -1 / -2 in the indexer's slots,
+//! a negative key offset making a token NaN). The device step over these runs in CI, so its
+//! plans, offsets and launch order are checked without a GPU; the GPU tests check each kernel
+//! against the same references.
+
+use std::{cell::Cell, ops::Range};
+
+use engine::{
+    config::ModelConfig,
+    model::{attention, hyper, moe},
+    tensor::{Matrix, Weight, WeightForm, dot, exp, rms_norm, rms_norm_unweighted, sigmoid},
+    weights::{ExpertWeights, HyperWeights, MoeWeights},
+};
+
+use super::{
+    Proj, ShapeError,
+    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+};
+
+/// The decode step's kernels on host buffers.
+#[derive(Debug)]
+pub struct EmulatedKernels {
+    config: ModelConfig,
+    reads: Cell<(usize, usize)>,
+    plant: Option<KernelPlant>,
+}
+
+/// An error put into a kernel on purpose, to show the tests catch it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPlant {
+    /// `chosen_offsets` points every chosen key one row further.
+    ChosenRowShifted,
+    /// `compress_pool` ignores the previous window's overlap slices.
+    OverlapIgnored,
+}
+
+/// A linear's weight: the engine's, or an f32 matrix.
+#[derive(Debug, Clone)]
+pub enum EmuRows {
+    Weight(Weight),
+    Matrix(Matrix),
+}
+
+impl EmulatedKernels {
+    pub fn new(config: &ModelConfig) -> Self {
+        Self {
+            config: config.clone(),
+            reads: Cell::new((0, 0)),
+            plant: None,
+        }
+    }
+
+    /// The same kernels with `plant` in them.
+    #[must_use]
+    pub fn planted(mut self, plant: KernelPlant) -> Self {
+        self.plant = Some(plant);
+        self
+    }
+
+    /// (calls, values) read back to the host since the last call.
+    pub fn take_reads(&self) -> (usize, usize) {
+        self.reads.replace((0, 0))
+    }
+}
+
+fn err(what: &str) -> ShapeError {
+    ShapeError(format!("{what}: a buffer is shorter than the kernel reads"))
+}
+
+fn part<T>(v: &[T], at: usize, len: usize, what: &str) -> Result<Vec<T>, ShapeError>
+where
+    T: Copy,
+{
+    v.get(at..at + len)
+        .map(<[T]>::to_vec)
+        .ok_or_else(|| err(what))
+}
+
+fn index(o: i64, what: &str) -> Result<usize, ShapeError> {
+    usize::try_from(o).map_err(|_| err(what))
+}
+
+fn proj_of(e: &ExpertWeights, proj: Proj) -> &Weight {
+    match proj {
+        Proj::Gate => &e.w1,
+        Proj::Down => &e.w2,
+        Proj::Up => &e.w3,
+    }
+}
+
+impl Kernels for EmulatedKernels {
+    type Error = ShapeError;
+    type F = Vec<f32>;
+    type I = Vec<i32>;
+    type L = Vec<i64>;
+    type Rows = EmuRows;
+    type Stack = Vec<Weight>;
+    type Table = Weight;
+    type Hash = Vec<u32>;
+
+    fn f_len(b: &Vec<f32>) -> usize {
+        b.len()
+    }
+
+    fn i_len(b: &Vec<i32>) -> usize {
+        b.len()
+    }
+
+    fn zeros(&self, len: usize) -> Result<Vec<f32>, ShapeError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn zeros_i(&self, len: usize) -> Result<Vec<i32>, ShapeError> {
+        Ok(vec![0; len])
+    }
+
+    fn upload(&self, v: &[f32]) -> Result<Vec<f32>, ShapeError> {
+        Ok(v.to_vec())
+    }
+
+    fn upload_i(&self, v: &[i32]) -> Result<Vec<i32>, ShapeError> {
+        Ok(v.to_vec())
+    }
+
+    fn upload_l(&self, v: &[i64]) -> Result<Vec<i64>, ShapeError> {
+        Ok(v.to_vec())
+    }
+
+    fn write(&self, dst: &mut Vec<f32>, at: usize, v: &[f32]) -> Result<(), ShapeError> {
+        dst.get_mut(at..at + v.len())
+            .ok_or_else(|| err("write"))?
+            .copy_from_slice(v);
+        Ok(())
+    }
+
+    fn read(&self, b: &Vec<f32>, range: Range<usize>) -> Result<Vec<f32>, ShapeError> {
+        let (calls, values) = self.reads.get();
+        self.reads.set((calls + 1, values + range.len()));
+        b.get(range).map(<[f32]>::to_vec).ok_or_else(|| err("read"))
+    }
+
+    fn read_l(&self, b: &Vec<i64>) -> Result<Vec<i64>, ShapeError> {
+        Ok(b.clone())
+    }
+
+    fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>, len: usize) -> Result<(), ShapeError> {
+        let from = src.get(..len).ok_or_else(|| err("copy"))?;
+        dst.get_mut(..len)
+            .ok_or_else(|| err("copy"))?
+            .copy_from_slice(from);
+        Ok(())
+    }
+
+    fn upload_rows(&self, w: &Weight) -> Result<EmuRows, ShapeError> {
+        Ok(EmuRows::Weight(w.clone()))
+    }
+
+    fn upload_matrix(&self, data: &[f32], rows: usize, cols: usize) -> Result<EmuRows, ShapeError> {
+        if data.len() != rows * cols {
+            return Err(err("matrix"));
+        }
+        Ok(EmuRows::Matrix(Matrix::new(rows, cols, data.to_vec())))
+    }
+
+    fn rows_shape(w: &EmuRows) -> (usize, usize) {
+        match w {
+            EmuRows::Weight(w) => (w.rows, w.cols),
+            EmuRows::Matrix(m) => (m.rows, m.cols),
+        }
+    }
+
+    fn upload_stack(
+        &self,
+        experts: &[ExpertWeights],
+        proj: Proj,
+    ) -> Result<Vec<Weight>, ShapeError> {
+        let stack: Vec<Weight> = experts.iter().map(|e| proj_of(e, proj).clone()).collect();
+        // As on the device: `exact_pairs` reads the FP4 forms, one shape for every expert.
+        let fp4 = stack.iter().all(|w| {
+            matches!(
+                w.form(),
+                WeightForm::Nvfp4 { .. } | WeightForm::Mxfp4 { .. }
+            )
+        });
+        let same = stack
+            .windows(2)
+            .all(|p| (p[0].rows, p[0].cols) == (p[1].rows, p[1].cols));
+        if stack.is_empty() || !fp4 || !same {
+            return Err(ShapeError(
+                "the device decode step runs routed experts stored as NVFP4 or MXFP4 only".into(),
+            ));
+        }
+        Ok(stack)
+    }
+
+    fn stack_shape(s: &Vec<Weight>) -> (usize, usize, usize) {
+        s.first().map_or((0, 0, 0), |w| (s.len(), w.rows, w.cols))
+    }
+
+    fn upload_table(&self, embed: &Weight) -> Result<Weight, ShapeError> {
+        match embed.form() {
+            WeightForm::F32(_) | WeightForm::Bf16(_) => Ok(embed.clone()),
+            _ => Err(ShapeError(
+                "the device decode step reads an f32 or bf16 embedding table".into(),
+            )),
+        }
+    }
+
+    fn upload_hash(&self, moe: &MoeWeights) -> Result<Option<Vec<u32>>, ShapeError> {
+        Ok(moe.tid2eid.clone())
+    }
+
+    fn fill_nan(&self, x: &mut Vec<f32>) -> Result<(), ShapeError> {
+        x.fill(f32::NAN);
+        Ok(())
+    }
+
+    fn embed_rows(
+        &self,
+        table: &Weight,
+        tokens: &Vec<i32>,
+        (n, hc): (usize, usize),
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let dim = table.cols;
+        for (t, &token) in tokens
+            .get(..n)
+            .ok_or_else(|| err("embed_rows"))?
+            .iter()
+            .enumerate()
+        {
+            let row = match usize::try_from(token) {
+                Ok(r) if r < table.rows => table.row_f32(r),
+                _ => vec![f32::NAN; dim],
+            };
+            for s in 0..hc {
+                self.write(out, (t * hc + s) * dim, &row)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_rows(
+        &self,
+        src: &Vec<f32>,
+        from: &Vec<i64>,
+        dst: &mut Vec<f32>,
+        to: &Vec<i64>,
+        width: usize,
+        n: usize,
+    ) -> Result<(), ShapeError> {
+        for i in 0..n {
+            let (f, t) = (from[i], to[i]);
+            if t < 0 {
+                continue;
+            }
+            let row = part(src, index(f, "copy_rows")?, width, "copy_rows")?;
+            self.write(dst, index(t, "copy_rows")?, &row)?;
+        }
+        Ok(())
+    }
+
+    fn exact_gemv(
+        &self,
+        w: &EmuRows,
+        (row0, rows): (usize, usize),
+        x: &Vec<f32>,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (_, cols) = Self::rows_shape(w);
+        let inputs: Vec<&[f32]> = (0..n)
+            .map(|v| {
+                x.get(v * cols..(v + 1) * cols)
+                    .ok_or_else(|| err("exact_gemv"))
+            })
+            .collect::<Result<_, _>>()?;
+        let outs = match w {
+            EmuRows::Weight(w) => w.apply_rows_many(row0, rows, &inputs),
+            EmuRows::Matrix(m) => m.apply_rows_many(row0, rows, &inputs),
+        };
+        for (v, o) in outs.iter().enumerate() {
+            self.write(y, v * rows, o)?;
+        }
+        Ok(())
+    }
+
+    fn norm_rope_rows(
+        &self,
+        x: &mut Vec<f32>,
+        spec: RowSpec,
+        w: &Vec<f32>,
+        sin_cos: &Vec<f32>,
+        rows: usize,
+    ) -> Result<(), ShapeError> {
+        let (hd, rope) = (spec.head_dim, spec.rope);
+        let width = spec.heads * hd;
+        let values = x
+            .get_mut(..rows * width)
+            .ok_or_else(|| err("norm_rope_rows"))?;
+        for (r, row) in values.chunks_exact_mut(width.max(1)).enumerate() {
+            let sc = part(sin_cos, r * rope, rope, "norm_rope_rows sin/cos")?;
+            for head in row.chunks_exact_mut(hd) {
+                match spec.norm {
+                    0 => {}
+                    1 => rms_norm_unweighted(head, spec.eps),
+                    _ => rms_norm(
+                        head,
+                        w.get(..hd).ok_or_else(|| err("norm weight"))?,
+                        spec.eps,
+                    ),
+                }
+                let start = hd - rope;
+                for i in 0..rope / 2 {
+                    let s = if spec.inverse { -sc[2 * i] } else { sc[2 * i] };
+                    let c = sc[2 * i + 1];
+                    let (a, b) = (head[start + 2 * i], head[start + 2 * i + 1]);
+                    head[start + 2 * i] = a * c - b * s;
+                    head[start + 2 * i + 1] = b * c + a * s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn hyper_pre(
+        &self,
+        x: &Vec<f32>,
+        mixes: &Vec<f32>,
+        (scale, base): (&Vec<f32>, &Vec<f32>),
+        spec: HyperSpec,
+        n: usize,
+        (collapsed, post, comb): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
+    ) -> Result<(), ShapeError> {
+        let (hc, d) = (spec.hc, spec.dim);
+        let width = (2 + hc) * hc;
+        let mut c = self.config.clone();
+        (c.hc_mult, c.hc_eps, c.hc_sinkhorn_iters) = (hc, spec.eps, spec.iters);
+        let w = HyperWeights {
+            mix: Matrix::zeros(0, 0),
+            base: base.clone(),
+            scale: [scale[0], scale[1], scale[2]],
+        };
+        for t in 0..n {
+            let xt = part(x, t * hc * d, hc * d, "hyper_pre streams")?;
+            let mt = part(mixes, t * width, width, "hyper_pre mixes")?;
+            let (mix, input) = hyper::pre_from_mixes(&xt, &mt, &w, &c);
+            self.write(collapsed, t * d, &input)?;
+            self.write(post, t * hc, &mix.post)?;
+            self.write(comb, t * hc * hc, &mix.comb)?;
+        }
+        Ok(())
+    }
+
+    fn hyper_post(
+        &self,
+        x: &Vec<f32>,
+        y: &Vec<f32>,
+        post: &Vec<f32>,
+        comb: &Vec<f32>,
+        spec: HyperSpec,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (hc, d) = (spec.hc, spec.dim);
+        for t in 0..n {
+            let mix = hyper::Mix {
+                post: part(post, t * hc, hc, "hyper_post post")?,
+                comb: part(comb, t * hc * hc, hc * hc, "hyper_post comb")?,
+            };
+            let xt = part(x, t * hc * d, hc * d, "hyper_post streams")?;
+            let yt = part(y, t * d, d, "hyper_post output")?;
+            self.write(out, t * hc * d, &hyper::post(&xt, &yt, &mix, hc))?;
+        }
+        Ok(())
+    }
+
+    fn hyper_head(
+        &self,
+        x: &Vec<f32>,
+        mix: &Vec<f32>,
+        (scale, base): (f32, &Vec<f32>),
+        spec: HyperSpec,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (hc, d) = (spec.hc, spec.dim);
+        for t in 0..n {
+            let xt = part(x, t * hc * d, hc * d, "hyper_head streams")?;
+            let mut o = vec![0.0f32; d];
+            // `hyper::head` after its mixing projection.
+            for (i, stream) in xt.chunks_exact(d).enumerate() {
+                let p = sigmoid(mix[t * hc + i] * scale + base[i]) + spec.eps;
+                for (oi, v) in o.iter_mut().zip(stream) {
+                    *oi += p * v;
+                }
+            }
+            self.write(out, t * d, &o)?;
+        }
+        Ok(())
+    }
+
+    fn add_periodic(
+        &self,
+        x: &mut Vec<f32>,
+        bias: &Vec<f32>,
+        period: usize,
+        n: usize,
+    ) -> Result<(), ShapeError> {
+        for (i, v) in x
+            .get_mut(..n)
+            .ok_or_else(|| err("add_periodic"))?
+            .iter_mut()
+            .enumerate()
+        {
+            *v += bias[i % period];
+        }
+        Ok(())
+    }
+
+    fn scale_values(&self, x: &mut Vec<f32>, by: f32, n: usize) -> Result<(), ShapeError> {
+        for v in x.get_mut(..n).ok_or_else(|| err("scale_values"))? {
+            *v *= by;
+        }
+        Ok(())
+    }
+
+    fn compress_pool(
+        &self,
+        kv: &Vec<f32>,
+        gate: &Vec<f32>,
+        (prev_kv, prev_gate): (&Vec<f32>, &Vec<f32>),
+        has_prev: &Vec<i32>,
+        p: PoolSpec,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (r, d, width) = (p.ratio, p.d, p.width);
+        let slots = if p.overlap { 2 * r } else { r };
+        for w in 0..p.windows {
+            let k = part(kv, w * r * width, r * width, "compress_pool kv")?;
+            let g = part(gate, w * r * width, r * width, "compress_pool gate")?;
+            let pk = part(prev_kv, w * r * d, r * d, "compress_pool prev")?;
+            let pg = part(prev_gate, w * r * d, r * d, "compress_pool prev")?;
+            let hp =
+                p.overlap && has_prev[w] != 0 && self.plant != Some(KernelPlant::OverlapIgnored);
+            for c in 0..d {
+                // `compress.cu`'s slot order: (previous Ca,) this window's slots.
+                let score = |s: usize| match (p.overlap, s < r) {
+                    (false, _) => g[s * width + c],
+                    (true, true) if hp => pg[s * d + c],
+                    (true, true) => f32::NEG_INFINITY,
+                    (true, false) => g[(s - r) * width + d + c],
+                };
+                let value = |s: usize| match (p.overlap, s < r) {
+                    (false, _) => Some(k[s * width + c]),
+                    (true, true) => hp.then(|| pk[s * d + c]),
+                    (true, false) => Some(k[(s - r) * width + d + c]),
+                };
+                let big = (0..slots).map(score).fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0f32;
+                for s in 0..slots {
+                    sum += exp(score(s) - big);
+                }
+                let mut o = 0.0f32;
+                for s in 0..slots {
+                    let weight = exp(score(s) - big) / sum;
+                    if let Some(v) = value(s) {
+                        o += v * weight;
+                    }
+                }
+                out[w * d + c] = o;
+            }
+        }
+        Ok(())
+    }
+
+    fn indexer_scores(
+        &self,
+        q: &Vec<f32>,
+        w: &Vec<f32>,
+        keys: &Vec<f32>,
+        starts: &Vec<i64>,
+        visible: &Vec<i32>,
+        sp: ScoreSpec,
+        scores: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (heads, dim) = (sp.heads, sp.dim);
+        for t in 0..sp.tokens {
+            for s in 0..index(i64::from(visible[t]), "visible")? {
+                let row = index(starts[t], "indexer rows")? + s;
+                let key = part(keys, row * dim, dim, "indexer keys")?;
+                let mut total = -0.0f32;
+                for h in 0..heads {
+                    let qh = part(q, (t * heads + h) * dim, dim, "indexer queries")?;
+                    let d = dot(&key, &qh);
+                    let relu = if d.is_nan() { d } else { d.max(0.0) };
+                    total += relu * sp.scale * w[t * heads + h];
+                }
+                scores[t * sp.max_keys + s] = total;
+            }
+        }
+        Ok(())
+    }
+
+    fn indexer_topk(
+        &self,
+        scores: &Vec<f32>,
+        visible: &Vec<i32>,
+        (tokens, max_keys, k): (usize, usize, usize),
+        out: &mut Vec<i32>,
+    ) -> Result<(), ShapeError> {
+        for (t, &seen) in visible.iter().enumerate().take(tokens) {
+            let n = index(i64::from(seen), "visible")?;
+            let row = part(scores, t * max_keys, n, "indexer scores")?;
+            let slots = out
+                .get_mut(t * k..(t + 1) * k)
+                .ok_or_else(|| err("indexer_topk"))?;
+            match crate::cpu::topk_of_scores(&row, k) {
+                None => slots.fill(super::CHOSEN_POISONED),
+                Some(chosen) => {
+                    slots.fill(super::CHOSEN_EMPTY);
+                    for (slot, c) in slots.iter_mut().zip(chosen) {
+                        *slot = c as i32;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn chosen_offsets(
+        &self,
+        chosen: &Vec<i32>,
+        k: usize,
+        (tokens, starts, counts, bases): (&Vec<i32>, &Vec<i64>, &Vec<i32>, &Vec<i64>),
+        row_bytes: usize,
+        entries: usize,
+        offsets: &mut Vec<i64>,
+    ) -> Result<(), ShapeError> {
+        for e in 0..entries {
+            let mine = part(
+                chosen,
+                index(i64::from(tokens[e]), "chosen")? * k,
+                k,
+                "chosen",
+            )?;
+            let poisoned = k > 0 && mine[0] == super::CHOSEN_POISONED;
+            let count = index(i64::from(counts[e]), "counts")?;
+            for (j, &row) in mine.iter().enumerate().take(count) {
+                let row = row + i32::from(self.plant == Some(KernelPlant::ChosenRowShifted));
+                let at = index(starts[e], "chosen slots")? + j;
+                *offsets.get_mut(at).ok_or_else(|| err("chosen_offsets"))? = if poisoned || row < 0
+                {
+                    -1
+                } else {
+                    bases[e] + i64::from(row) * row_bytes as i64
+                };
+            }
+        }
+        Ok(())
+    }
+
+    fn attn_exact(
+        &self,
+        q: &Vec<f32>,
+        pool: &Vec<f32>,
+        (offsets, starts): (&Vec<i64>, &Vec<i64>),
+        sinks: &Vec<f32>,
+        (tokens, heads, dim, _most): (usize, usize, usize, usize),
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        for t in 0..tokens {
+            let keys = &offsets[index(starts[t], "starts")?..index(starts[t + 1], "starts")?];
+            let o = if keys.iter().any(|&o| o < 0) {
+                vec![f32::NAN; heads * dim]
+            } else {
+                let rows: Vec<Vec<f32>> = keys
+                    .iter()
+                    .map(|&b| {
+                        if b % 4 != 0 {
+                            return Err(err("attn_exact: an unaligned row"));
+                        }
+                        part(pool, index(b / 4, "attn_exact")?, dim, "attn_exact rows")
+                    })
+                    .collect::<Result<_, _>>()?;
+                let rows: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+                let qt = part(q, t * heads * dim, heads * dim, "attn_exact queries")?;
+                attention::attend(&qt, &rows, &sinks[..heads], scale, dim)
+            };
+            self.write(out, t * heads * dim, &o)?;
+        }
+        Ok(())
+    }
+
+    fn moe_route(
+        &self,
+        logits: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        hash: Option<&Vec<u32>>,
+        tokens: &Vec<i32>,
+        sp: RouteSpec,
+        _scores: &mut Vec<f32>,
+        (chosen, weights): (&mut Vec<i32>, &mut Vec<f32>),
+    ) -> Result<(), ShapeError> {
+        let (e, k) = (sp.experts, sp.k);
+        for t in 0..sp.tokens {
+            let l = part(logits, t * e, e, "moe_route logits")?;
+            let token = tokens[t];
+            // As the kernel: a token outside the hash table, or an entry outside the experts,
+            // routes nowhere (experts -1, weights NaN).
+            let bad = hash.is_some_and(|table| {
+                usize::try_from(token).map_or(true, |row| {
+                    row >= sp.table_rows
+                        || table[row * k..(row + 1) * k]
+                            .iter()
+                            .any(|&x| x as usize >= e)
+                })
+            });
+            let (c, w) = if bad {
+                (vec![-1; k], vec![f32::NAN; k])
+            } else {
+                let (c, w) = moe::route_scores(
+                    &l,
+                    bias.map(Vec::as_slice),
+                    hash.map(Vec::as_slice),
+                    token as u32,
+                    (k, sp.scaling),
+                );
+                (c.iter().map(|&x| x as i32).collect(), w)
+            };
+            chosen[t * k..(t + 1) * k].copy_from_slice(&c);
+            weights[t * k..(t + 1) * k].copy_from_slice(&w);
+        }
+        Ok(())
+    }
+
+    fn exact_pairs(
+        &self,
+        stack: &Vec<Weight>,
+        (tokens, experts): (&Vec<i32>, &Vec<i32>),
+        x: &Vec<f32>,
+        pairs: usize,
+        y: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (_, rows, cols) = Self::stack_shape(stack);
+        for p in 0..pairs {
+            let out = match usize::try_from(experts[p]).ok().and_then(|e| stack.get(e)) {
+                Some(w) => {
+                    let t = index(i64::from(tokens[p]), "pair token")?;
+                    w.apply(&part(x, t * cols, cols, "pairs input")?)
+                }
+                None => vec![f32::NAN; rows],
+            };
+            self.write(y, p * rows, &out)?;
+        }
+        Ok(())
+    }
+
+    fn swiglu(
+        &self,
+        gate: &Vec<f32>,
+        up: &Vec<f32>,
+        n: usize,
+        limit: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (g, u) = (part(gate, 0, n, "swiglu")?, part(up, 0, n, "swiglu")?);
+        moe::swiglu(
+            &g,
+            &u,
+            limit,
+            out.get_mut(..n).ok_or_else(|| err("swiglu"))?,
+        );
+        Ok(())
+    }
+
+    fn moe_combine(
+        &self,
+        (ys, weights, shared): (&Vec<f32>, &Vec<f32>, &Vec<f32>),
+        (n, k, hidden): (usize, usize, usize),
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        for t in 0..n {
+            let mut o = vec![0.0f32; hidden];
+            for j in 0..k {
+                let y = part(ys, (t * k + j) * hidden, hidden, "moe_combine")?;
+                let w = weights[t * k + j];
+                for (oi, v) in o.iter_mut().zip(&y) {
+                    *oi += v * w;
+                }
+            }
+            for (oi, v) in o.iter_mut().zip(&shared[t * hidden..(t + 1) * hidden]) {
+                *oi += v;
+            }
+            self.write(out, t * hidden, &o)?;
+        }
+        Ok(())
+    }
+}

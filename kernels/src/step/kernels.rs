@@ -1,0 +1,288 @@
+//! The kernels the device decode step launches ([`super::device_ops::DeviceStepOps`]), one
+//! method per kernel with the kernel's own parameters, so the step's composition (its plans,
+//! offsets, gathers and launch order) is written once and runs on the GPU
+//! (`cuda::CudaKernels`) and on the kernels' CPU references ([`super::emulated`]), the latter
+//! in CI. Buffers: f32 (`F`), i32 (`I`), i64 (`L`); offsets into a pool are in f32 elements
+//! unless said otherwise.
+
+use engine::{
+    tensor::Weight,
+    weights::{ExpertWeights, MoeWeights},
+};
+
+use super::Proj;
+
+/// `norm_rope_rows`' shape: rows of `heads` heads of `head_dim`, per head the norm (`0` none,
+/// `1` unweighted, `2` weighted by the device vector), then the rotation of the trailing `rope`
+/// dims by each row's (sin, cos) pairs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSpec {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub rope: usize,
+    pub norm: i32,
+    pub eps: f32,
+    pub inverse: bool,
+}
+
+/// The hyper-connections' constants of a launch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HyperSpec {
+    pub hc: usize,
+    pub dim: usize,
+    pub eps: f32,
+    pub iters: usize,
+}
+
+/// `compress_pool`'s shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSpec {
+    pub windows: usize,
+    pub ratio: usize,
+    pub d: usize,
+    pub width: usize,
+    pub overlap: bool,
+}
+
+/// `indexer_scores`' shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoreSpec {
+    pub tokens: usize,
+    pub heads: usize,
+    pub dim: usize,
+    pub scale: f32,
+    pub max_keys: usize,
+}
+
+/// `moe_route`'s shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouteSpec {
+    pub tokens: usize,
+    pub experts: usize,
+    pub k: usize,
+    pub table_rows: usize,
+    pub scaling: f32,
+}
+
+/// The device memory and kernels of the decode step.
+pub trait Kernels {
+    type Error: From<String> + std::fmt::Display;
+    type F;
+    type I;
+    type L;
+    /// A linear's weight on the device (`exact_gemv`'s operand).
+    type Rows;
+    /// One projection of every routed expert of a layer (`exact_pairs`' operand).
+    type Stack;
+    /// The embedding table.
+    type Table;
+    /// A layer's routing table (`tid2eid`).
+    type Hash;
+
+    fn f_len(b: &Self::F) -> usize;
+    fn i_len(b: &Self::I) -> usize;
+    fn zeros(&self, len: usize) -> Result<Self::F, Self::Error>;
+    fn zeros_i(&self, len: usize) -> Result<Self::I, Self::Error>;
+    fn upload(&self, v: &[f32]) -> Result<Self::F, Self::Error>;
+    fn upload_i(&self, v: &[i32]) -> Result<Self::I, Self::Error>;
+    fn upload_l(&self, v: &[i64]) -> Result<Self::L, Self::Error>;
+    /// Host values into `dst` at `at`.
+    fn write(&self, dst: &mut Self::F, at: usize, v: &[f32]) -> Result<(), Self::Error>;
+    fn read(&self, b: &Self::F, range: std::ops::Range<usize>) -> Result<Vec<f32>, Self::Error>;
+    /// A whole index buffer to the host (tests and debugging; a step reads none).
+    fn read_l(&self, b: &Self::L) -> Result<Vec<i64>, Self::Error>;
+    /// `src[0..len]` into `dst[0..len]`.
+    fn copy(&self, src: &Self::F, dst: &mut Self::F, len: usize) -> Result<(), Self::Error>;
+
+    fn upload_rows(&self, w: &Weight) -> Result<Self::Rows, Self::Error>;
+    /// An f32 matrix `[rows, cols]` (the hyper-connections' mixing projections).
+    fn upload_matrix(
+        &self,
+        data: &[f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Rows, Self::Error>;
+    /// (rows, cols).
+    fn rows_shape(w: &Self::Rows) -> (usize, usize);
+    fn upload_stack(
+        &self,
+        experts: &[ExpertWeights],
+        proj: Proj,
+    ) -> Result<Self::Stack, Self::Error>;
+    /// (experts, rows, cols).
+    fn stack_shape(s: &Self::Stack) -> (usize, usize, usize);
+    fn upload_table(&self, embed: &Weight) -> Result<Self::Table, Self::Error>;
+    fn upload_hash(&self, moe: &MoeWeights) -> Result<Option<Self::Hash>, Self::Error>;
+
+    /// Every value NaN.
+    fn fill_nan(&self, x: &mut Self::F) -> Result<(), Self::Error>;
+    /// `embed_rows`: row `tokens[t]` of the table into each of the `hc` streams of `out`.
+    fn embed_rows(
+        &self,
+        table: &Self::Table,
+        tokens: &Self::I,
+        n_hc: (usize, usize),
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `copy_rows`: `n` rows of `width` from `src + from[i]` to `dst + to[i]` (skipped where
+    /// negative).
+    fn copy_rows(
+        &self,
+        src: &Self::F,
+        from: &Self::L,
+        dst: &mut Self::F,
+        to: &Self::L,
+        width: usize,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// `exact_gemv`: rows `row0..row0 + rows` of `w` times `n` vectors of `x`, `[n, rows]`.
+    fn exact_gemv(
+        &self,
+        w: &Self::Rows,
+        rows: (usize, usize),
+        x: &Self::F,
+        n: usize,
+        y: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `norm_rope_rows` over `rows` rows of `x`.
+    fn norm_rope_rows(
+        &self,
+        x: &mut Self::F,
+        spec: RowSpec,
+        w: &Self::F,
+        sin_cos: &Self::F,
+        rows: usize,
+    ) -> Result<(), Self::Error>;
+    /// `hyper_pre`: (collapsed, post, comb) of `n` tokens into `out`.
+    fn hyper_pre(
+        &self,
+        x: &Self::F,
+        mixes: &Self::F,
+        scale_base: (&Self::F, &Self::F),
+        spec: HyperSpec,
+        n: usize,
+        out: (&mut Self::F, &mut Self::F, &mut Self::F),
+    ) -> Result<(), Self::Error>;
+    /// `hyper_post`.
+    #[expect(clippy::too_many_arguments, reason = "the kernel's parameters")]
+    fn hyper_post(
+        &self,
+        x: &Self::F,
+        y: &Self::F,
+        post: &Self::F,
+        comb: &Self::F,
+        spec: HyperSpec,
+        n: usize,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `hyper_head` from the head's mixing projections `mix` (`[n, hc]`).
+    fn hyper_head(
+        &self,
+        x: &Self::F,
+        mix: &Self::F,
+        scale_base: (f32, &Self::F),
+        spec: HyperSpec,
+        n: usize,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `add_periodic`: `x[i] += bias[i % period]` for `n` values.
+    fn add_periodic(
+        &self,
+        x: &mut Self::F,
+        bias: &Self::F,
+        period: usize,
+        n: usize,
+    ) -> Result<(), Self::Error>;
+    /// `scale_values`: `x[i] *= by` for `n` values.
+    fn scale_values(&self, x: &mut Self::F, by: f32, n: usize) -> Result<(), Self::Error>;
+    /// `compress_pool`.
+    fn compress_pool(
+        &self,
+        kv: &Self::F,
+        gate: &Self::F,
+        prev: (&Self::F, &Self::F),
+        has_prev: &Self::I,
+        spec: PoolSpec,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `indexer_scores` over f32 rows of `keys` (row index `starts[t] + s`).
+    #[expect(clippy::too_many_arguments, reason = "the kernel's parameters")]
+    fn indexer_scores(
+        &self,
+        q: &Self::F,
+        w: &Self::F,
+        keys: &Self::F,
+        starts: &Self::L,
+        visible: &Self::I,
+        spec: ScoreSpec,
+        scores: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `indexer_topk`: `[tokens, k]` ascending, -1 past the choice, -2 everywhere on a NaN.
+    fn indexer_topk(
+        &self,
+        scores: &Self::F,
+        visible: &Self::I,
+        shape: (usize, usize, usize),
+        out: &mut Self::I,
+    ) -> Result<(), Self::Error>;
+    /// `chosen_offsets`: for entry e, token `tokens[e]`'s `counts[e]` chosen rows as byte
+    /// offsets from `bases[e]` into `offsets[starts[e]..]`, -1 when poisoned.
+    fn chosen_offsets(
+        &self,
+        chosen: &Self::I,
+        k: usize,
+        entries_of: (&Self::I, &Self::L, &Self::I, &Self::L),
+        row_bytes: usize,
+        entries: usize,
+        offsets: &mut Self::L,
+    ) -> Result<(), Self::Error>;
+    /// `attn_exact` over the f32 pool (byte offsets; a negative one makes the token NaN).
+    #[expect(clippy::too_many_arguments, reason = "the kernel's parameters")]
+    fn attn_exact(
+        &self,
+        q: &Self::F,
+        pool: &Self::F,
+        keys: (&Self::L, &Self::L),
+        sinks: &Self::F,
+        shape: (usize, usize, usize, usize),
+        scale: f32,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `moe_route`.
+    #[expect(clippy::too_many_arguments, reason = "the kernel's parameters")]
+    fn moe_route(
+        &self,
+        logits: &Self::F,
+        bias: Option<&Self::F>,
+        hash: Option<&Self::Hash>,
+        tokens: &Self::I,
+        spec: RouteSpec,
+        scores: &mut Self::F,
+        out: (&mut Self::I, &mut Self::F),
+    ) -> Result<(), Self::Error>;
+    /// `exact_pairs`: pair p's expert `experts[p]` times row `tokens[p]` of `x`.
+    fn exact_pairs(
+        &self,
+        stack: &Self::Stack,
+        pairs_of: (&Self::I, &Self::I),
+        x: &Self::F,
+        pairs: usize,
+        y: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `swiglu_clamp` over `n` values.
+    fn swiglu(
+        &self,
+        gate: &Self::F,
+        up: &Self::F,
+        n: usize,
+        limit: f32,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `moe_combine`.
+    fn moe_combine(
+        &self,
+        inputs: (&Self::F, &Self::F, &Self::F),
+        shape: (usize, usize, usize),
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+}

@@ -1,0 +1,108 @@
+//! `step.cu`'s kernels (embedding rows, row copies, position bias, scale, the indexer choice's
+//! key offsets) on the GPU against their CPU references (`EmulatedKernels`), on random inputs
+//! at awkward shapes, through the one `Kernels` interface the decode step launches them by:
+//! equal bits, NaN rows for ids outside the table, skipped rows, poisoned choices. Skips
+//! without a GPU (fails under `PDSERVE_REQUIRE_GPU=1`).
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used, reason = "test code")]
+
+use engine::{
+    config::ExpertFormat,
+    model::Model,
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+use kernels::{
+    cuda::{CudaKernels, Gpu},
+    step::{emulated::EmulatedKernels, kernels::Kernels},
+};
+
+/// Every kernel's outputs on `k`, read back, for the same inputs: the f32 outputs and the key
+/// offsets.
+fn outputs<K: Kernels>(k: &K, model: &Model, seed: u64) -> (Vec<Vec<f32>>, Vec<i64>)
+where
+    K::Error: std::fmt::Debug,
+{
+    let mut rng = Rng::for_tensor(seed, "gpu-step-kernels");
+    let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.normal()).collect() };
+    let mut out = Vec::new();
+    let read = |b: &K::F| k.read(b, 0..K::f_len(b)).unwrap();
+    // Embedding rows: 5 ids (one past the table, one negative), 3 streams.
+    let table = k.upload_table(&model.weights.embed).unwrap();
+    let vocab = model.config.vocab_size as i32;
+    let ids = k.upload_i(&[3, vocab, 17, -1, vocab - 1]).unwrap();
+    let mut rows = k.zeros(5 * 3 * model.config.hidden_size).unwrap();
+    k.embed_rows(&table, &ids, (5, 3), &mut rows).unwrap();
+    out.push(read(&rows));
+    // Row copies of width 37, one skipped, overlapping sources.
+    let src = k.upload(&values(1000)).unwrap();
+    let mut dst = k.upload(&values(400)).unwrap();
+    let from = k.upload_l(&[0, 5, 900, 300, 301]).unwrap();
+    let to = k.upload_l(&[0, 37, -1, 363, 100]).unwrap();
+    k.copy_rows(&src, &from, &mut dst, &to, 37, 5).unwrap();
+    out.push(read(&dst));
+    // Position bias of period 24 over 7 windows and a tail, then a scale.
+    let mut x = k.upload(&values(7 * 24 + 5)).unwrap();
+    let bias = k.upload(&values(24)).unwrap();
+    k.add_periodic(&mut x, &bias, 24, 7 * 24 + 3).unwrap();
+    k.scale_values(&mut x, 0.353_553_4, 7 * 24 + 1).unwrap();
+    out.push(read(&x));
+    // Chosen key offsets: three tokens of k = 4, the middle one poisoned, the last short.
+    let chosen = k
+        .upload_i(&[0, 2, 5, 9, -2, -2, -2, -2, 1, 3, -1, -1])
+        .unwrap();
+    let tokens = k.upload_i(&[0, 1, 2]).unwrap();
+    let starts = k.upload_l(&[2, 7, 11]).unwrap();
+    let counts = k.upload_i(&[4, 3, 2]).unwrap();
+    let bases = k.upload_l(&[4096, 0, 131_072]).unwrap();
+    let mut offsets = k.upload_l(&[77; 14]).unwrap();
+    k.chosen_offsets(
+        &chosen,
+        4,
+        (&tokens, &starts, &counts, &bases),
+        2048,
+        3,
+        &mut offsets,
+    )
+    .unwrap();
+    (out, k.read_l(&offsets).unwrap())
+}
+
+#[test]
+fn gpu_step_kernels_equal_their_references() {
+    let Some(gpu) = Gpu::for_test("gpu_step_kernels_equal_their_references") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pdserve-step-kernels-{}", std::process::id()));
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 8,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.clone(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(&dir).unwrap();
+    let cuda = CudaKernels { gpu: &gpu };
+    let reference = EmulatedKernels::new(&model.config);
+    for seed in 0..3 {
+        let (got, got_offsets) = outputs(&cuda, &model, seed);
+        let (want, want_offsets) = outputs(&reference, &model, seed);
+        assert_eq!(got_offsets, want_offsets, "chosen_offsets, seed {seed}");
+        assert_eq!(
+            want_offsets[..2],
+            [77, 77],
+            "slots before the first token are untouched"
+        );
+        assert_eq!(want_offsets[7..10], [-1, -1, -1], "a poisoned choice");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.len(), w.len(), "kernel {i}");
+            for (j, (a, b)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "kernel {i} seed {seed} at {j}: {a} vs the reference's {b}"
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
