@@ -195,33 +195,68 @@ pub fn start_from_dir(
         dir,
         config,
         thread_name,
-        &|_, _| Ok(None),
-        false,
+        RankDevices::CPU,
         crate::parallel::group::GroupSpec::SINGLE,
         &progress,
     )
 }
 
-/// Opens a compute backend for a loaded model (`None`: the CPU reference only).
+/// Opens rank `rank`'s compute backend for a loaded model (`None`: the CPU reference only).
 pub type OpenBackend<'a> = &'a dyn Fn(
     &std::path::Path,
     &crate::config::ModelConfig,
+    usize,
 ) -> Result<
     Option<std::sync::Arc<dyn crate::backend::Backend>>,
     crate::backend::BackendError,
 >;
 
-/// [`start_from_dir`] with the backend `open` returns attached to the model; a backend that
-/// does not run every op is refused unless `hybrid` (see `engine::backend`). With more than
-/// one rank in `group`, one engine per rank starts in lockstep (CPU ranks only). How far the
-/// weights check is (the part of starting that takes minutes on a large checkpoint) shows in
-/// `progress` while this runs.
+/// Makes one collective per rank for a group of `n` ranks that waits at most the timeout.
+pub type MakeCollectives<'a> =
+    &'a dyn Fn(
+        usize,
+        std::time::Duration,
+    ) -> Result<Vec<Box<dyn crate::parallel::collective::Collective>>, String>;
+
+/// Where a worker's ranks compute: each rank's backend (rank r on its own device), whether ops
+/// the backend does not run may stay on the CPU (`hybrid`), and the collectives of the
+/// model's groups (`None`: in-process, for ranks on the CPU or sharing host memory).
+#[derive(Clone, Copy)]
+pub struct RankDevices<'a> {
+    pub open: OpenBackend<'a>,
+    pub hybrid: bool,
+    pub collectives: Option<MakeCollectives<'a>>,
+}
+
+impl std::fmt::Debug for RankDevices<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankDevices")
+            .field("hybrid", &self.hybrid)
+            .field("collectives", &self.collectives.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RankDevices<'static> {
+    /// Every rank on the CPU reference, in-process collectives.
+    pub const CPU: Self = Self {
+        open: &|_, _, _| Ok(None),
+        hybrid: false,
+        collectives: None,
+    };
+}
+
+/// [`start_from_dir`] with each rank's backend (`devices.open`) attached to its model; a
+/// backend that does not run every op is refused unless `devices.hybrid` (see
+/// `engine::backend`). With more than one rank in `group`, one engine per rank starts in
+/// lockstep, rank r with the backend opened for r and its groups' collectives from
+/// `devices.collectives`. How far the weights check is (the part of starting that takes
+/// minutes on a large checkpoint) shows in `progress` while this runs.
 pub fn start_with_backend(
     dir: &std::path::Path,
     config: crate::scheduler::EngineConfig,
     thread_name: &str,
-    open: OpenBackend<'_>,
-    hybrid: bool,
+    devices: RankDevices<'_>,
     group: crate::parallel::group::GroupSpec,
     progress: &std::sync::Arc<crate::weights::LoadProgress>,
 ) -> Result<LoadedEngine, StartError> {
@@ -236,24 +271,37 @@ pub fn start_with_backend(
         crate::plan::host::check_pools(&model.config, &config, group.ranks(), available)
             .map_err(StartError::Memory)?;
     }
-    let backend_plan = match open(dir, &model.config)? {
-        Some(_) if group.ranks() > 1 => {
-            return Err(StartError::Group(GroupError::Refused(format!(
-                "a group of {} ranks runs on the cpu backend only: GPU ranks (a device and an \
-                 NCCL communicator per rank) are not wired into workers yet",
-                group.ranks()
-            ))));
-        }
-        Some(backend) => Some(model.attach_backend(backend, hybrid)?),
+    let mut backends = Vec::with_capacity(group.ranks());
+    for rank in 0..group.ranks() {
+        backends.push((devices.open)(dir, &model.config, rank)?);
+    }
+    let backend_plan = match backends.first().cloned().flatten() {
+        Some(backend) if group.ranks() == 1 => Some(model.attach_backend(backend, devices.hybrid)?),
+        Some(backend) => Some(crate::backend::BackendPlan::decide(
+            backend.as_ref(),
+            devices.hybrid,
+        )?),
         None => None,
     };
     let eos_token_ids = model.config.eos_token_ids.clone();
     let vocab_size = model.config.vocab_size;
     let table = crate::grammar::TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
     let (ranks, layout) = if group.ranks() > 1 {
-        group::start(model, &config, &fingerprint, group, thread_name, &|e| {
-            e.set_token_table(table.clone());
-        })?
+        let ranks = group::RankSetup {
+            backends,
+            hybrid: devices.hybrid,
+            collectives: devices.collectives,
+        };
+        group::start(
+            model,
+            &config,
+            &fingerprint,
+            (group, ranks),
+            thread_name,
+            &|e| {
+                e.set_token_table(table.clone());
+            },
+        )?
     } else {
         let mut engine = Engine::new(model, config, &fingerprint)?;
         engine.set_token_table(table);

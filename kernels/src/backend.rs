@@ -71,9 +71,37 @@ pub fn open(
     dir: &Path,
     config: &ModelConfig,
 ) -> Result<Option<Arc<dyn Backend>>, BackendError> {
+    open_rank(kind, dir, config, RankDevice::ONE)
+}
+
+/// Which device a rank's backend opens, and what it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankDevice {
+    /// The device ordinal (rank r on GPU r of those the process sees).
+    pub ordinal: usize,
+    /// Whether the routed experts go on the device (not when the rank's expert group or
+    /// expert slicing computes them).
+    pub routed: bool,
+}
+
+impl RankDevice {
+    /// The only rank of a worker: device 0, everything on it.
+    pub const ONE: Self = Self {
+        ordinal: 0,
+        routed: true,
+    };
+}
+
+/// [`open`] for one rank of a group.
+pub fn open_rank(
+    kind: BackendKind,
+    dir: &Path,
+    config: &ModelConfig,
+    rank: RankDevice,
+) -> Result<Option<Arc<dyn Backend>>, BackendError> {
     match kind {
         BackendKind::Cpu => Ok(None),
-        BackendKind::Cuda => open_cuda(dir, config),
+        BackendKind::Cuda => open_cuda(dir, config, rank),
     }
 }
 
@@ -86,8 +114,12 @@ fn cuda_unavailable(reason: impl std::fmt::Display) -> BackendError {
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda(dir: &Path, config: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, BackendError> {
-    match crate::cuda::CudaBackend::load(dir, config) {
+fn open_cuda(
+    dir: &Path,
+    config: &ModelConfig,
+    rank: RankDevice,
+) -> Result<Option<Arc<dyn Backend>>, BackendError> {
+    match crate::cuda::CudaBackend::load_on(dir, config, rank.ordinal, rank.routed) {
         Ok(Some(backend)) => Ok(Some(Arc::new(backend))),
         Ok(None) => Err(cuda_unavailable("no CUDA driver or device is present")),
         Err(e) => Err(cuda_unavailable(e)),
@@ -95,15 +127,21 @@ fn open_cuda(dir: &Path, config: &ModelConfig) -> Result<Option<Arc<dyn Backend>
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_: &Path, _: &ModelConfig) -> Result<Option<Arc<dyn Backend>>, BackendError> {
+fn open_cuda(
+    _: &Path,
+    _: &ModelConfig,
+    _: RankDevice,
+) -> Result<Option<Arc<dyn Backend>>, BackendError> {
     Err(cuda_unavailable(
         "this binary was built without the CUDA backend (cargo feature `cuda`)",
     ))
 }
 
-/// Loads the checkpoint at `dir` into an engine thread on backend `kind`, `hybrid` letting ops
-/// the backend does not run stay on the CPU. How far the weights check is shows in `progress`
-/// while this runs.
+/// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
+/// `hybrid` letting ops the backend does not run stay on the CPU. On GPUs, rank r opens GPU r
+/// of those the process sees (`CUDA_VISIBLE_DEVICES`), holds the routed experts only when its
+/// group does not spread them (expert parallelism or slicing computes them), and its groups
+/// exchange over NCCL. How far the weights check is shows in `progress` while this runs.
 pub fn start_engine(
     dir: &Path,
     config: engine::scheduler::EngineConfig,
@@ -113,15 +151,54 @@ pub fn start_engine(
     group: engine::parallel::group::GroupSpec,
     progress: &Arc<engine::weights::LoadProgress>,
 ) -> Result<engine::runner::LoadedEngine, engine::runner::StartError> {
-    engine::runner::start_with_backend(
-        dir,
-        config,
-        thread_name,
-        &|dir, model| open(kind, dir, model),
+    let spread = group.parallel.ep > 1 || group.parallel.moe_tp;
+    let open = |dir: &Path, model: &ModelConfig, rank: usize| {
+        let device = RankDevice {
+            ordinal: rank,
+            routed: !spread,
+        };
+        open_rank(kind, dir, model, device)
+    };
+    let ordinals: Vec<usize> = (0..group.ranks()).collect();
+    let gpu_collectives = move |n: usize, timeout: std::time::Duration| {
+        if n != ordinals.len() {
+            return Err(format!("{n} collectives for {} GPUs", ordinals.len()));
+        }
+        gpu_group(&ordinals, timeout)
+    };
+    let devices = engine::runner::RankDevices {
+        open: &open,
         hybrid,
-        group,
-        progress,
-    )
+        collectives: match kind {
+            BackendKind::Cuda if group.ranks() > 1 => Some(&gpu_collectives),
+            _ => None,
+        },
+    };
+    engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
+}
+
+/// A group's collectives over the GPUs `ordinals`: one NCCL communicator per rank.
+#[cfg(feature = "nccl")]
+fn gpu_group(
+    ordinals: &[usize],
+    timeout: std::time::Duration,
+) -> Result<Vec<Box<dyn engine::parallel::collective::Collective>>, String> {
+    Ok(crate::nccl::group(ordinals, timeout)?
+        .into_iter()
+        .map(|r| Box::new(r) as Box<dyn engine::parallel::collective::Collective>)
+        .collect())
+}
+
+#[cfg(not(feature = "nccl"))]
+fn gpu_group(
+    ordinals: &[usize],
+    _: std::time::Duration,
+) -> Result<Vec<Box<dyn engine::parallel::collective::Collective>>, String> {
+    Err(format!(
+        "a group of {} GPU ranks exchanges over NCCL: this binary was built without it (cargo \
+         feature `nccl`)",
+        ordinals.len()
+    ))
 }
 
 #[cfg(test)]

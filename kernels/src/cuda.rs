@@ -96,17 +96,31 @@ impl Gpu {
     }
 
     pub fn open() -> Result<Option<Self>, KernelError> {
+        Self::open_on(0)
+    }
+
+    /// Device `ordinal` (as this process sees them: `CUDA_VISIBLE_DEVICES` names them), or
+    /// `None` when no driver or no device is present; an error when the devices present do not
+    /// include `ordinal`.
+    pub fn open_on(ordinal: usize) -> Result<Option<Self>, KernelError> {
         // SAFETY: only probes whether the shared library can be loaded.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Ok(None);
         }
-        if CudaContext::device_count()? < 1 {
+        let count = CudaContext::device_count()?;
+        if count < 1 {
             return Ok(None);
+        }
+        if ordinal >= count as usize {
+            return Err(KernelError::Unsupported(format!(
+                "GPU {ordinal} is not visible: this process sees {count} (CUDA_VISIBLE_DEVICES); \
+                 a group needs one GPU per rank"
+            )));
         }
         if fatbins::NVFP4_QUANT.is_empty() {
             return Err(KernelError::NotCompiled);
         }
-        let ctx = CudaContext::new(0)?;
+        let ctx = CudaContext::new(ordinal)?;
         // Its own stream, not the legacy default one: work of this Gpu orders only with itself
         // (state transfers and other libraries use their own streams).
         let stream = ctx.new_stream()?;

@@ -289,16 +289,6 @@ impl WorkerSettings {
                 ),
             );
         }
-        if spec.ranks() > 1 && self.backend != BackendKind::Cpu {
-            return refusal(
-                "backend",
-                format!(
-                    "a group of {} ranks runs on the cpu backend only: GPU ranks (a device \
-                     and an NCCL communicator per rank) are not wired into workers yet",
-                    spec.ranks()
-                ),
-            );
-        }
         Ok(())
     }
 

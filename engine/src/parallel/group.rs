@@ -7,7 +7,11 @@ use std::{sync::Arc, time::Duration};
 
 use tokio::sync::watch;
 
-use super::{collective::InProcessGroup, expert::ExpertParallel, tensor::TensorParallel};
+use super::{
+    collective::{Collective, InProcessGroup},
+    expert::ExpertParallel,
+    tensor::TensorParallel,
+};
 use crate::{
     model::Model,
     plan::shard::Parallel,
@@ -413,52 +417,107 @@ pub enum GroupError {
     Thread(#[from] std::io::Error),
 }
 
+/// What each rank of a group computes with: its backend (rank r's device; `None`: the CPU
+/// reference), whether ops its backend does not run may stay on the CPU, and the collectives
+/// of the model's groups (`None`: in-process).
+pub struct RankSetup<'a> {
+    pub backends: Vec<Option<Arc<dyn crate::backend::Backend>>>,
+    pub hybrid: bool,
+    pub collectives: Option<crate::runner::MakeCollectives<'a>>,
+}
+
+impl std::fmt::Debug for RankSetup<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankSetup")
+            .field("backends", &self.backends.len())
+            .field("hybrid", &self.hybrid)
+            .field("collectives", &self.collectives.is_some())
+            .finish()
+    }
+}
+
+impl RankSetup<'static> {
+    /// `n` ranks on the CPU reference with in-process collectives.
+    pub fn cpu(n: usize) -> Self {
+        Self {
+            backends: vec![None; n],
+            hybrid: false,
+            collectives: None,
+        }
+    }
+}
+
 /// One engine per rank of `spec` over `model` (each rank a replica reading the same mapped
-/// checkpoint; with `ep` > 1 a rank computes only the experts it holds), started in lockstep.
-/// `prepare` runs on each engine before it starts (token tables, observers). Returns the ranks
-/// and their state layout (the same on every rank).
+/// checkpoint; with `ep` > 1 a rank computes only the experts it holds), started in lockstep,
+/// rank r with `setup`'s backend r attached and its groups' collectives. `prepare` runs on each
+/// engine before it starts (token tables, observers). Returns the ranks and their state layout
+/// (the same on every rank).
 pub fn start(
     model: Model,
     config: &EngineConfig,
     fingerprint: &str,
-    spec: GroupSpec,
+    (spec, setup): (GroupSpec, RankSetup<'_>),
     name: &str,
     prepare: &dyn Fn(&mut Engine),
 ) -> Result<(Ranks, proto::v1::StateLayout), GroupError> {
     spec.check(&model.config).map_err(GroupError::Refused)?;
     let n = spec.ranks();
+    if setup.backends.len() != n {
+        return Err(GroupError::Refused(format!(
+            "{} backends for a group of {n} ranks",
+            setup.backends.len()
+        )));
+    }
     let experts = model.config.n_routed_experts;
-    let expert_groups = (spec.parallel.ep > 1).then(|| InProcessGroup::new(n, spec.timeout));
-    let mut expert_ranks = expert_groups.map(Vec::into_iter);
-    let head_groups = (spec.parallel.tp > 1).then(|| InProcessGroup::new(n, spec.timeout));
-    let mut head_ranks = head_groups.map(Vec::into_iter);
-    let slice_groups = spec
-        .parallel
-        .moe_tp
-        .then(|| InProcessGroup::new(n, spec.timeout));
-    let mut slice_ranks = slice_groups.map(Vec::into_iter);
+    let make =
+        |wanted: bool| -> Result<Option<std::vec::IntoIter<Box<dyn Collective>>>, GroupError> {
+            if !wanted {
+                return Ok(None);
+            }
+            let ranks = match setup.collectives {
+                Some(make) => make(n, spec.timeout).map_err(GroupError::Refused)?,
+                None => InProcessGroup::new(n, spec.timeout)
+                    .into_iter()
+                    .map(|r| Box::new(r) as Box<dyn Collective>)
+                    .collect(),
+            };
+            if ranks.len() != n {
+                return Err(GroupError::Refused(format!(
+                    "{} collectives for a group of {n} ranks",
+                    ranks.len()
+                )));
+            }
+            Ok(Some(ranks.into_iter()))
+        };
+    let mut expert_ranks = make(spec.parallel.ep > 1)?;
+    let mut head_ranks = make(spec.parallel.tp > 1)?;
+    let mut slice_ranks = make(spec.parallel.moe_tp)?;
     let inter = model.config.moe_intermediate_size;
     let mut models: Vec<Model> = (1..n).map(|_| model.replica()).collect();
     models.push(model);
     let mut engines = Vec::with_capacity(n);
-    for mut replica in models {
+    for (mut replica, backend) in models.into_iter().zip(setup.backends) {
+        if let Some(backend) = backend {
+            replica
+                .attach_backend(backend, setup.hybrid)
+                .map_err(|e| GroupError::Refused(e.to_string()))?;
+        }
         if let Some(ranks) = expert_ranks.as_mut()
             && let Some(rank) = ranks.next()
         {
-            let ep = ExpertParallel::new(Box::new(rank), experts).map_err(GroupError::Refused)?;
+            let ep = ExpertParallel::new(rank, experts).map_err(GroupError::Refused)?;
             replica.set_expert_parallel(Arc::new(ep));
         }
         if let Some(ranks) = head_ranks.as_mut()
             && let Some(rank) = ranks.next()
         {
-            let tp = TensorParallel::new(Box::new(rank), &replica.config)
-                .map_err(GroupError::Refused)?;
+            let tp = TensorParallel::new(rank, &replica.config).map_err(GroupError::Refused)?;
             replica.set_tensor_parallel(Arc::new(tp));
         }
         if let Some(ranks) = slice_ranks.as_mut()
             && let Some(rank) = ranks.next()
         {
-            let sliced = crate::parallel::sliced::SlicedExperts::new(Box::new(rank), inter)
+            let sliced = crate::parallel::sliced::SlicedExperts::new(rank, inter)
                 .map_err(GroupError::Refused)?;
             replica.set_sliced_experts(Arc::new(sliced));
         }

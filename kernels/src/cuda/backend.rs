@@ -195,7 +195,19 @@ impl CudaBackend {
     /// `dir`. `Ok(None)` when no CUDA driver or
     /// device is present.
     pub fn load(dir: &Path, config: &ModelConfig) -> Result<Option<Self>, KernelError> {
-        let Some(gpu) = Gpu::open()? else {
+        Self::load_on(dir, config, 0, true)
+    }
+
+    /// [`Self::load`] on device `ordinal`; without `routed`, the routed experts stay off the
+    /// device (a rank whose experts are computed by its expert group, or sliced over the
+    /// group, does not use them) and the backend does not claim them.
+    pub fn load_on(
+        dir: &Path,
+        config: &ModelConfig,
+        ordinal: usize,
+        routed: bool,
+    ) -> Result<Option<Self>, KernelError> {
+        let Some(gpu) = Gpu::open_on(ordinal)? else {
             return Ok(None);
         };
         let checkpoint = |e: engine::weights::LoadError| KernelError::Checkpoint(e.to_string());
@@ -214,15 +226,17 @@ impl CudaBackend {
         // Layer by layer, straight from the mapping; after each layer the pages it read are
         // released, so the host holds at most one layer of it beyond what the CPU model keeps.
         for layer in 0..config.num_layers() {
-            let experts = stored.fp4_layer(layer).map_err(checkpoint)?;
-            for s in [&experts.w1, &experts.w2, &experts.w3] {
-                device_bytes += s.stored_bytes();
+            if routed {
+                let experts = stored.fp4_layer(layer).map_err(checkpoint)?;
+                for s in [&experts.w1, &experts.w2, &experts.w3] {
+                    device_bytes += s.stored_bytes();
+                }
+                layers.push(DeviceLayer {
+                    w1: DeviceStack::upload(&gpu, &experts.w1)?,
+                    w2: DeviceStack::upload(&gpu, &experts.w2)?,
+                    w3: DeviceStack::upload(&gpu, &experts.w3)?,
+                });
             }
-            layers.push(DeviceLayer {
-                w1: DeviceStack::upload(&gpu, &experts.w1)?,
-                w2: DeviceStack::upload(&gpu, &experts.w2)?,
-                w3: DeviceStack::upload(&gpu, &experts.w3)?,
-            });
             let mut linear = |name: &str| -> Result<(DeviceLinear, (usize, usize)), KernelError> {
                 let s = stored.linear(name).map_err(checkpoint)?;
                 let (linear, bytes) = DeviceLinear::upload(&gpu, &s)?;
@@ -382,14 +396,16 @@ impl CudaBackend {
 
     /// The compositions' device operations for `layer`.
     fn layer_ops(&self, layer: usize) -> Result<LayerOps<'_>, KernelError> {
-        match (self.layers.get(layer), self.shared.get(layer)) {
-            (Some(routed), Some(shared)) => Ok(LayerOps {
+        // A backend loaded without the routed experts has none in any layer.
+        let routed = self.layers.get(layer);
+        match self.shared.get(layer) {
+            Some(shared) => Ok(LayerOps {
                 gpu: &self.gpu,
                 routed,
                 shared,
-                dims: self.dims(routed.w1.experts),
+                dims: self.dims(routed.map_or(0, |r| r.w1.experts)),
             }),
-            _ => Err(KernelError::Shape(format!("no layer {layer}"))),
+            None => Err(KernelError::Shape(format!("no layer {layer}"))),
         }
     }
 
@@ -407,7 +423,8 @@ impl CudaBackend {
 #[derive(Debug)]
 struct LayerOps<'a> {
     gpu: &'a Gpu,
-    routed: &'a DeviceLayer,
+    /// `None` when the backend was loaded without the routed experts.
+    routed: Option<&'a DeviceLayer>,
     shared: &'a DeviceShared,
     dims: ExpertDims,
 }
@@ -442,10 +459,13 @@ impl Ops for LayerOps<'_> {
         pairs: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
+        let routed = self.routed.ok_or_else(|| {
+            KernelError::Unsupported("the routed experts are not on this device".into())
+        })?;
         let stack = match proj {
-            Proj::Gate => &self.routed.w1,
-            Proj::Down => &self.routed.w2,
-            Proj::Up => &self.routed.w3,
+            Proj::Gate => &routed.w1,
+            Proj::Down => &routed.w2,
+            Proj::Up => &routed.w3,
         };
         self.gpu
             .launch_grouped_gemv(&stack.view(), x, token, expert, pairs, y)
@@ -486,14 +506,13 @@ impl Backend for CudaBackend {
     }
 
     fn runs(&self, op: Op) -> bool {
-        matches!(
-            op,
-            Op::AttentionLinears
-                | Op::AttentionCore
-                | Op::RoutedExperts
-                | Op::SharedExpert
-                | Op::OutputHead
-        )
+        match op {
+            Op::RoutedExperts => !self.layers.is_empty(),
+            _ => matches!(
+                op,
+                Op::AttentionLinears | Op::AttentionCore | Op::SharedExpert | Op::OutputHead
+            ),
+        }
     }
 
     fn linear(
