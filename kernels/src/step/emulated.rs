@@ -24,6 +24,8 @@ use super::{
 pub struct EmulatedKernels {
     config: ModelConfig,
     reads: Cell<(usize, usize)>,
+    /// (f32 uploads, the longest of them, index values uploaded).
+    uploads: Cell<(usize, usize, usize)>,
     plant: Option<KernelPlant>,
 }
 
@@ -48,6 +50,7 @@ impl EmulatedKernels {
         Self {
             config: config.clone(),
             reads: Cell::new((0, 0)),
+            uploads: Cell::new((0, 0, 0)),
             plant: None,
         }
     }
@@ -63,6 +66,18 @@ impl EmulatedKernels {
     pub fn take_reads(&self) -> (usize, usize) {
         self.reads.replace((0, 0))
     }
+
+    /// (f32 uploads, the longest of them, index values uploaded) since the last call.
+    pub fn take_uploads(&self) -> (usize, usize, usize) {
+        self.uploads.replace((0, 0, 0))
+    }
+
+    fn uploaded(&self, f32s: usize, indices: usize) {
+        let (count, longest, total) = self.uploads.get();
+        let f = usize::from(f32s > 0);
+        self.uploads
+            .set((count + f, longest.max(f32s), total + indices));
+    }
 }
 
 fn err(what: &str) -> ShapeError {
@@ -76,6 +91,14 @@ where
     v.get(at..at + len)
         .map(<[T]>::to_vec)
         .ok_or_else(|| err(what))
+}
+
+/// A kernel's output values into `dst` at `at` (device memory to device memory: not counted).
+fn store(dst: &mut [f32], at: usize, v: &[f32]) -> Result<(), ShapeError> {
+    dst.get_mut(at..at + v.len())
+        .ok_or_else(|| err("store"))?
+        .copy_from_slice(v);
+    Ok(())
 }
 
 fn index(o: i64, what: &str) -> Result<usize, ShapeError> {
@@ -117,18 +140,22 @@ impl Kernels for EmulatedKernels {
     }
 
     fn upload(&self, v: &[f32]) -> Result<Vec<f32>, ShapeError> {
+        self.uploaded(v.len(), 0);
         Ok(v.to_vec())
     }
 
     fn upload_i(&self, v: &[i32]) -> Result<Vec<i32>, ShapeError> {
+        self.uploaded(0, v.len());
         Ok(v.to_vec())
     }
 
     fn upload_l(&self, v: &[i64]) -> Result<Vec<i64>, ShapeError> {
+        self.uploaded(0, v.len());
         Ok(v.to_vec())
     }
 
     fn write(&self, dst: &mut Vec<f32>, at: usize, v: &[f32]) -> Result<(), ShapeError> {
+        self.uploaded(v.len(), 0);
         dst.get_mut(at..at + v.len())
             .ok_or_else(|| err("write"))?
             .copy_from_slice(v);
@@ -236,7 +263,7 @@ impl Kernels for EmulatedKernels {
                 _ => vec![f32::NAN; dim],
             };
             for s in 0..hc {
-                self.write(out, (t * hc + s) * dim, &row)?;
+                store(out, (t * hc + s) * dim, &row)?;
             }
         }
         Ok(())
@@ -257,7 +284,7 @@ impl Kernels for EmulatedKernels {
                 continue;
             }
             let row = part(src, index(f, "copy_rows")?, width, "copy_rows")?;
-            self.write(dst, index(t, "copy_rows")?, &row)?;
+            store(dst, index(t, "copy_rows")?, &row)?;
         }
         Ok(())
     }
@@ -282,7 +309,7 @@ impl Kernels for EmulatedKernels {
             EmuRows::Matrix(m) => m.apply_rows_many(row0, rows, &inputs),
         };
         for (v, o) in outs.iter().enumerate() {
-            self.write(y, v * rows, o)?;
+            store(y, v * rows, o)?;
         }
         Ok(())
     }
@@ -347,9 +374,9 @@ impl Kernels for EmulatedKernels {
             let xt = part(x, t * hc * d, hc * d, "hyper_pre streams")?;
             let mt = part(mixes, t * width, width, "hyper_pre mixes")?;
             let (mix, input) = hyper::pre_from_mixes(&xt, &mt, &w, &c);
-            self.write(collapsed, t * d, &input)?;
-            self.write(post, t * hc, &mix.post)?;
-            self.write(comb, t * hc * hc, &mix.comb)?;
+            store(collapsed, t * d, &input)?;
+            store(post, t * hc, &mix.post)?;
+            store(comb, t * hc * hc, &mix.comb)?;
         }
         Ok(())
     }
@@ -372,7 +399,7 @@ impl Kernels for EmulatedKernels {
             };
             let xt = part(x, t * hc * d, hc * d, "hyper_post streams")?;
             let yt = part(y, t * d, d, "hyper_post output")?;
-            self.write(out, t * hc * d, &hyper::post(&xt, &yt, &mix, hc))?;
+            store(out, t * hc * d, &hyper::post(&xt, &yt, &mix, hc))?;
         }
         Ok(())
     }
@@ -397,7 +424,7 @@ impl Kernels for EmulatedKernels {
                     *oi += p * v;
                 }
             }
-            self.write(out, t * d, &o)?;
+            store(out, t * d, &o)?;
         }
         Ok(())
     }
@@ -590,7 +617,7 @@ impl Kernels for EmulatedKernels {
                 let qt = part(q, t * heads * dim, heads * dim, "attn_exact queries")?;
                 attention::attend(&qt, &rows, &sinks[..heads], scale, dim)
             };
-            self.write(out, t * heads * dim, &o)?;
+            store(out, t * heads * dim, &o)?;
         }
         Ok(())
     }
@@ -654,7 +681,7 @@ impl Kernels for EmulatedKernels {
                 }
                 None => vec![f32::NAN; rows],
             };
-            self.write(y, p * rows, &out)?;
+            store(y, p * rows, &out)?;
         }
         Ok(())
     }
@@ -695,7 +722,7 @@ impl Kernels for EmulatedKernels {
             for (oi, v) in o.iter_mut().zip(&shared[t * hidden..(t + 1) * hidden]) {
                 *oi += v;
             }
-            self.write(out, t * hidden, &o)?;
+            store(out, t * hidden, &o)?;
         }
         Ok(())
     }

@@ -271,6 +271,7 @@ fn device_step_over_the_kernels_references_gives_the_engines_bits() {
         let vocab = model.config.vocab_size;
         assert!(runs.reads.iter().all(|&r| r == (1, LENGTHS.len() * vocab)));
         if format == ExpertFormat::Nvfp4 {
+            assert_uploads_are_plans(&model);
             let poisoned = run_emulated(&model, (&LENGTHS, &SLOTS, STEPS), true);
             assert!(logits_equal(&poisoned));
             for step in &poisoned.device {
@@ -284,6 +285,32 @@ fn device_step_over_the_kernels_references_gives_the_engines_bits() {
     let runs = run_emulated(&model, (&[1, 70, 127], &[1, 2, 0], 3), false);
     assert!(logits_equal(&runs));
     assert_eq!(runs.engine_states, runs.device_states);
+}
+
+/// Within a step the host sends the device nothing but its plan: f32 uploads are rows'
+/// rotations (at most one rope width per token), never an activation or a weight row.
+fn assert_uploads_are_plans(model: &Model) {
+    let c = &model.config;
+    let kernels = EmulatedKernels::new(c);
+    let ops = DeviceStepOps::new(kernels, model).unwrap();
+    let layout = StateLayout::new(c, 4, 140);
+    let mut arenas = layout.arenas(&ops).unwrap();
+    let mut seats = Vec::new();
+    for (i, (&len, &slot)) in LENGTHS.iter().zip(&SLOTS).enumerate() {
+        let state = prefilled(model, &tokens(len, i as u64, c.vocab_size));
+        layout.load(&ops, &mut arenas, slot, &state).unwrap();
+        seats.push(Seat { slot, len });
+    }
+    ops.kernels().take_uploads();
+    let next = tokens(LENGTHS.len(), 7, c.vocab_size);
+    decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+    let (count, longest, indices) = ops.kernels().take_uploads();
+    assert!(count > 0 && indices > 0);
+    assert!(
+        longest <= LENGTHS.len() * c.rope_dim,
+        "an upload of {longest} f32 values within a step"
+    );
+    assert!(longest < c.hidden_size);
 }
 
 #[test]
