@@ -5,10 +5,11 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 
-/// A launch's device inputs: queries, pool, row offsets, starts, sinks.
-pub type ExactAttnInputs<'a> = (
+/// A launch's device inputs: queries, pool (bytes, or the f32 rows themselves: the kernel
+/// addresses it by byte offsets), row offsets, starts, sinks.
+pub type ExactAttnInputs<'a, P = u8> = (
     &'a CudaSlice<f32>,
-    &'a CudaSlice<u8>,
+    &'a CudaSlice<P>,
     &'a CudaSlice<i64>,
     &'a CudaSlice<i64>,
     &'a CudaSlice<f32>,
@@ -66,9 +67,9 @@ impl Gpu {
 
     /// [`Self::attn_exact`] on device buffers: (queries, pool, offsets, starts, sinks), and
     /// (tokens, heads, dim, the most keys a token has).
-    pub fn launch_attn_exact(
+    pub fn launch_attn_exact<P: cudarc::driver::DeviceRepr>(
         &self,
-        (q, pool, row_offsets, starts, sinks): ExactAttnInputs<'_>,
+        (q, pool, row_offsets, starts, sinks): ExactAttnInputs<'_, P>,
         (tokens, heads, dim, most_keys): (usize, usize, usize, usize),
         scale: f32,
         out: &mut CudaSlice<f32>,

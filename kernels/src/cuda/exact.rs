@@ -300,28 +300,14 @@ impl Gpu {
             let d_token = self.stream.clone_htod(pair_token)?;
             let d_expert = self.stream.clone_htod(pair_expert)?;
             let d_x = self.stream.clone_htod(&non_empty(x))?;
-            let (experts_i, rows_i, cols_i) = (experts as i32, rows as i64, cols as i64);
-            let f = self.exact.load_function(kernel)?;
-            let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_packed)
-                .arg(&d_scales)
-                .arg(&d_s2)
-                .arg(&experts_i)
-                .arg(&rows_i)
-                .arg(&cols_i)
-                .arg(&d_token)
-                .arg(&d_expert)
-                .arg(&d_x)
-                .arg(&mut d_y);
-            // SAFETY: `exact_pairs_*`'s parameters in order; the stack's bytes checked above.
-            unsafe {
-                launch.launch(LaunchConfig {
-                    grid_dim: (grid_dim(rows.div_ceil(32), "rows")?, pairs as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-            }
+            let stack = PairStackRef {
+                kernel,
+                packed: &d_packed,
+                scales: &d_scales,
+                scale_2: &d_s2,
+                shape: (experts, rows, cols),
+            };
+            self.launch_exact_pairs(&stack, (&d_token, &d_expert), &d_x, pairs, &mut d_y)?;
         }
         let mut y = self.stream.clone_dtoh(&d_y)?;
         y.truncate(pairs * rows);
@@ -349,24 +335,7 @@ impl Gpu {
             let d_ys = self.stream.clone_htod(ys)?;
             let d_w = self.stream.clone_htod(weights)?;
             let d_shared = self.stream.clone_htod(shared)?;
-            let (k_i, hidden_i) = (k as i32, hidden as i64);
-            let f = self.exact.load_function("moe_combine")?;
-            let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_ys)
-                .arg(&d_w)
-                .arg(&d_shared)
-                .arg(&k_i)
-                .arg(&hidden_i)
-                .arg(&mut d_out);
-            // SAFETY: `moe_combine`'s parameters in order; shapes checked above.
-            unsafe {
-                launch.launch(LaunchConfig {
-                    grid_dim: (grid_dim(tokens, "tokens")?, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-            }
+            self.launch_moe_combine((&d_ys, &d_w, &d_shared), (tokens, k, hidden), &mut d_out)?;
         }
         let mut out = self.stream.clone_dtoh(&d_out)?;
         out.truncate(shared.len());
@@ -425,48 +394,184 @@ impl Gpu {
         let mut d_chosen = s.alloc_zeros::<i32>((tokens * r.k).max(1))?;
         let mut d_weights = s.alloc_zeros::<f32>((tokens * r.k).max(1))?;
         if tokens > 0 {
-            let (tokens_i, experts_i, k_i) = (tokens as i32, r.experts as i32, r.k as i32);
-            let table_rows = r.tid2eid.map_or(0, |t| (t.len() / r.k) as i64);
-            let f = self.exact.load_function("moe_route")?;
-            let mut launch = s.launch_builder(&f);
-            launch
-                .arg(&d_logits)
-                .arg(&tokens_i)
-                .arg(&experts_i)
-                .arg(&k_i);
-            // Null device pointers select the other routing modes.
-            let null: u64 = 0;
-            if r.bias.is_some() {
-                launch.arg(&d_bias);
-            } else {
-                launch.arg(&null);
-            }
-            if r.tid2eid.is_some() {
-                launch.arg(&d_table);
-            } else {
-                launch.arg(&null);
-            }
-            launch
-                .arg(&table_rows)
-                .arg(&d_ids)
-                .arg(&r.scaling)
-                .arg(&mut d_scores)
-                .arg(&mut d_chosen)
-                .arg(&mut d_weights);
-            // SAFETY: `moe_route`'s parameters in order (a null pointer where a mode is off);
-            // the buffers hold `tokens` rows, checked above.
-            unsafe {
-                launch.launch(LaunchConfig {
-                    grid_dim: (grid_dim(tokens.div_ceil(128), "tokens")?, 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-            }
+            let table_rows = r.tid2eid.map_or(0, |t| t.len() / r.k);
+            self.launch_moe_route(
+                (&d_logits, &d_ids),
+                (r.bias.map(|_| &d_bias), r.tid2eid.map(|_| &d_table)),
+                (tokens, r.experts, r.k, table_rows, r.scaling),
+                &mut d_scores,
+                (&mut d_chosen, &mut d_weights),
+            )?;
         }
         let mut chosen = s.clone_dtoh(&d_chosen)?;
         let mut weights = s.clone_dtoh(&d_weights)?;
         chosen.truncate(tokens * r.k);
         weights.truncate(tokens * r.k);
         Ok((chosen, weights))
+    }
+}
+
+/// A stack of every routed expert's projection on the device, as `exact_pairs_*` reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct PairStackRef<'a> {
+    /// `exact_pairs_nvfp4` or `exact_pairs_mxfp4`.
+    pub kernel: &'static str,
+    pub packed: &'a CudaSlice<u8>,
+    pub scales: &'a CudaSlice<u8>,
+    /// One per expert (1 for MXFP4).
+    pub scale_2: &'a CudaSlice<f32>,
+    /// (experts, rows, cols).
+    pub shape: (usize, usize, usize),
+}
+
+impl Gpu {
+    /// [`Self::exact_pairs`] on device buffers: pair p's expert `pair_expert[p]` times row
+    /// `pair_token[p]` of `x` into `y` `[pairs, rows]` (at most 65535 pairs a launch).
+    pub fn launch_exact_pairs(
+        &self,
+        stack: &PairStackRef<'_>,
+        (pair_token, pair_expert): (&CudaSlice<i32>, &CudaSlice<i32>),
+        x: &CudaSlice<f32>,
+        pairs: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let (experts, rows, cols) = stack.shape;
+        if pairs > 65_535
+            || pair_token.len() < pairs
+            || pair_expert.len() < pairs
+            || y.len() < pairs * rows
+        {
+            return Err(KernelError::Shape(format!("exact pairs: {pairs} pairs")));
+        }
+        if pairs == 0 || rows == 0 {
+            return Ok(());
+        }
+        let (experts_i, rows_i, cols_i) = (experts as i32, rows as i64, cols as i64);
+        let f = self.exact.load_function(stack.kernel)?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(stack.packed)
+            .arg(stack.scales)
+            .arg(stack.scale_2)
+            .arg(&experts_i)
+            .arg(&rows_i)
+            .arg(&cols_i)
+            .arg(pair_token)
+            .arg(pair_expert)
+            .arg(x)
+            .arg(y);
+        // SAFETY: `exact_pairs_*`'s parameters in order; the stack holds `experts` experts of
+        // [rows, cols] (its uploader checked the bytes), the pairs' tokens inside `x` (the
+        // caller's check); an expert outside the stack gives a NaN row.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(rows.div_ceil(32), "rows")?, pairs as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::moe_combine`] on device buffers: `n` tokens of `k` slots of `hidden`.
+    pub fn launch_moe_combine(
+        &self,
+        (ys, weights, shared): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        (n, k, hidden): (usize, usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        if k == 0
+            || ys.len() < n * k * hidden
+            || weights.len() < n * k
+            || shared.len() < n * hidden
+            || out.len() < n * hidden
+        {
+            return Err(KernelError::Shape("moe_combine buffers".into()));
+        }
+        if n == 0 || hidden == 0 {
+            return Ok(());
+        }
+        let (k_i, hidden_i) = (k as i32, hidden as i64);
+        let f = self.exact.load_function("moe_combine")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(ys)
+            .arg(weights)
+            .arg(shared)
+            .arg(&k_i)
+            .arg(&hidden_i)
+            .arg(out);
+        // SAFETY: `moe_combine`'s parameters in order; shapes checked above; a block a token.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(n, "tokens")?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::moe_route`] on device buffers: (logits, token ids), the layer's (bias, hash
+    /// table) where it has them, (tokens, experts, k, table rows, scaling), a scratch of
+    /// `tokens * experts` scores, and the (experts, weights) out, `[tokens, k]` each.
+    pub fn launch_moe_route(
+        &self,
+        (logits, token_ids): (&CudaSlice<f32>, &CudaSlice<i32>),
+        (bias, table): (Option<&CudaSlice<f32>>, Option<&CudaSlice<u32>>),
+        (tokens, experts, k, table_rows, scaling): (usize, usize, usize, usize, f32),
+        scores: &mut CudaSlice<f32>,
+        (chosen, weights): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    ) -> Result<(), KernelError> {
+        if k == 0
+            || k > experts
+            || logits.len() < tokens * experts
+            || token_ids.len() < tokens
+            || scores.len() < tokens * experts
+            || chosen.len() < tokens * k
+            || weights.len() < tokens * k
+            || bias.is_some_and(|b| b.len() < experts)
+            || table.is_some_and(|t| t.len() < table_rows * k)
+            || i32::try_from(experts).is_err()
+        {
+            return Err(KernelError::Shape(format!(
+                "moe_route: {tokens} tokens of {experts} experts, top {k}"
+            )));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let (tokens_i, experts_i, k_i) = (tokens as i32, experts as i32, k as i32);
+        let table_rows = table_rows as i64;
+        let f = self.exact.load_function("moe_route")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(logits).arg(&tokens_i).arg(&experts_i).arg(&k_i);
+        // Null device pointers select the other routing modes.
+        let null: u64 = 0;
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&null),
+        };
+        match table {
+            Some(t) => launch.arg(t),
+            None => launch.arg(&null),
+        };
+        launch
+            .arg(&table_rows)
+            .arg(token_ids)
+            .arg(&scaling)
+            .arg(scores)
+            .arg(chosen)
+            .arg(weights);
+        // SAFETY: `moe_route`'s parameters in order (a null pointer where a mode is off); the
+        // buffers hold `tokens` rows (checked above).
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(tokens.div_ceil(128), "tokens")?, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
     }
 }

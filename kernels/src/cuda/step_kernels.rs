@@ -10,7 +10,7 @@ use engine::{
     weights::{ExpertWeights, MoeWeights},
 };
 
-use super::{DeviceRows, Gpu, KernelError, StoredRows, grid_dim, non_empty};
+use super::{DeviceRows, Gpu, KernelError, StoredRows, exact::PairStackRef, grid_dim, non_empty};
 use crate::step::{
     Proj,
     device_ops::DeviceStepOps,
@@ -576,44 +576,14 @@ impl Kernels for CudaKernels<'_> {
         pool: &CudaSlice<f32>,
         (offsets, starts): (&CudaSlice<i64>, &CudaSlice<i64>),
         sinks: &CudaSlice<f32>,
-        (tokens, heads, dim, most): (usize, usize, usize, usize),
+        shape: (usize, usize, usize, usize),
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let smem = u32::try_from(4 * most.max(1))
-            .ok()
-            .filter(|&b| b <= 96 * 1024)
-            .ok_or_else(|| KernelError::Shape(format!("attn_exact: {most} keys")))?;
-        let f = function(&self.gpu.attn_exact, "attn_exact")?;
-        if smem > 48 * 1024 {
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )?;
-        }
-        let (heads_i, dim_i) = (heads as i32, dim as i32);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(q)
-            .arg(pool)
-            .arg(offsets)
-            .arg(starts)
-            .arg(sinks)
-            .arg(&heads_i)
-            .arg(&dim_i)
-            .arg(&scale)
-            .arg(out);
-        // SAFETY: `attn_exact`'s parameters in order (the f32 arena is its byte pool); every
-        // offset a whole f32 row inside it or -1 (checked or written by `chosen_offsets`); one
-        // float of shared memory per key of the longest token.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (grid_dim(tokens * heads, "token heads")?, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: smem,
-            })?;
-        }
-        Ok(())
+        // The f32 arena is the kernel's byte pool; every offset a whole f32 row inside it or -1
+        // (checked by the caller or written by `chosen_offsets`).
+        self.gpu
+            .launch_attn_exact((q, pool, offsets, starts, sinks), shape, scale, out)
     }
 
     fn moe_route(
@@ -624,68 +594,33 @@ impl Kernels for CudaKernels<'_> {
         tokens: &CudaSlice<i32>,
         sp: RouteSpec,
         scores: &mut CudaSlice<f32>,
-        (chosen, weights): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+        out: (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.exact, "moe_route")?;
-        let (n, experts, k) = (sp.tokens as i32, sp.experts as i32, sp.k as i32);
-        let table_rows = sp.table_rows as i64;
-        let null: u64 = 0;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(logits).arg(&n).arg(&experts).arg(&k);
-        match bias {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&null),
-        };
-        match hash {
-            Some(t) => launch.arg(t),
-            None => launch.arg(&null),
-        };
-        launch
-            .arg(&table_rows)
-            .arg(tokens)
-            .arg(&sp.scaling)
-            .arg(scores)
-            .arg(chosen)
-            .arg(weights);
-        // SAFETY: `moe_route`'s parameters in order (a null pointer where the layer has no bias
-        // or table); every buffer holds `tokens` tokens' rows.
-        unsafe { launch.launch(blocks(sp.tokens, 128, "tokens")?)? };
-        Ok(())
+        self.gpu.launch_moe_route(
+            (logits, tokens),
+            (bias, hash),
+            (sp.tokens, sp.experts, sp.k, sp.table_rows, sp.scaling),
+            scores,
+            out,
+        )
     }
 
     fn exact_pairs(
         &self,
         stack: &PairStack,
-        (tokens, experts): (&CudaSlice<i32>, &CudaSlice<i32>),
+        pairs_of: (&CudaSlice<i32>, &CudaSlice<i32>),
         x: &CudaSlice<f32>,
         pairs: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.exact, stack.kernel)?;
-        let (count, rows, cols) = (stack.experts as i32, stack.rows as i64, stack.cols as i64);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(&stack.packed)
-            .arg(&stack.scales)
-            .arg(&stack.scale_2)
-            .arg(&count)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(tokens)
-            .arg(experts)
-            .arg(x)
-            .arg(y);
-        // SAFETY: `exact_pairs_*`' parameters in order; the stack holds `experts` experts of
-        // [rows, cols]; pairs' tokens inside `x` (checked by the caller); an expert outside the
-        // stack gives a NaN row.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (grid_dim(stack.rows.div_ceil(32), "rows")?, pairs as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })?;
-        }
-        Ok(())
+        let view = PairStackRef {
+            kernel: stack.kernel,
+            packed: &stack.packed,
+            scales: &stack.scales,
+            scale_2: &stack.scale_2,
+            shape: (stack.experts, stack.rows, stack.cols),
+        };
+        self.gpu.launch_exact_pairs(&view, pairs_of, x, pairs, y)
     }
 
     fn swiglu(
@@ -701,22 +636,10 @@ impl Kernels for CudaKernels<'_> {
 
     fn moe_combine(
         &self,
-        (ys, weights, shared): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-        (n, k, hidden): (usize, usize, usize),
+        inputs: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        shape: (usize, usize, usize),
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.exact, "moe_combine")?;
-        let (k, hidden) = (k as i32, hidden as i64);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(ys)
-            .arg(weights)
-            .arg(shared)
-            .arg(&k)
-            .arg(&hidden)
-            .arg(out);
-        // SAFETY: `moe_combine`'s parameters in order; one block per token.
-        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
-        Ok(())
+        self.gpu.launch_moe_combine(inputs, shape, out)
     }
 }
