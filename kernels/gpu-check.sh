@@ -36,6 +36,8 @@ if [ -f "$DIR" ] && [ "${DIR%.tar.gz}" != "$DIR" ]; then
   DIR="$unpacked/$(basename "${DIR%.tar.gz}")"
 fi
 export PDSERVE_REQUIRE_GPU=1
+# The decode step on V4-Flash's dimensions (4 layers generated on the spot, about 3.6 GB).
+export PDSERVE_GPU_FLASH=1
 status=0
 if ! nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader; then
   echo "nvidia-smi failed: no working GPU or driver here" >&2
@@ -47,7 +49,7 @@ for name in $TESTS; do
     [ -x "$bin" ] && [ -f "$bin" ] || continue
     found=1
     echo "== $name"
-    timeout 300 "$bin" --nocapture --test-threads 1 || status=1
+    timeout 420 "$bin" --nocapture --test-threads 1 || status=1
   done
   [ "$found" = 1 ] || { echo "== $name: test binary missing in $DIR/deps"; status=1; }
 done

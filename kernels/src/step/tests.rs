@@ -458,3 +458,30 @@ fn chosen_offsets_reference() {
         ]
     );
 }
+
+/// Opt-in (`PDSERVE_STEP_CHECKPOINT=<dir>`, e.g. a flash-shape checkpoint from `pdctl gen-model
+/// --preset flash-shape`): the device step over the kernels' references on that checkpoint
+/// against the engine, bit for bit, with sequences past its window and its first HCA window.
+#[test]
+#[ignore = "needs a checkpoint named by PDSERVE_STEP_CHECKPOINT; minutes on a large one"]
+fn device_step_on_a_given_checkpoint() {
+    let dir = std::env::var("PDSERVE_STEP_CHECKPOINT").expect("PDSERVE_STEP_CHECKPOINT");
+    let model = Model::load(std::path::Path::new(&dir)).unwrap();
+    let w = model.config.sliding_window;
+    let lengths = [0, 5, w + 72, 5 * w + 60];
+    let started = std::time::Instant::now();
+    let runs = run_emulated(&model, (&lengths, &[3, 1, 0, 2], 3), false);
+    assert!(logits_equal(&runs), "logits");
+    assert!(
+        runs.engine
+            .iter()
+            .flatten()
+            .flatten()
+            .all(|v| v.is_finite())
+    );
+    assert_eq!(runs.engine_states, runs.device_states, "states");
+    eprintln!(
+        "{dir}: 3 decode steps of sequences of {lengths:?} bit for bit in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}

@@ -11,7 +11,7 @@
 use engine::{
     config::ExpertFormat,
     model::{Logits, Model, SequenceState, Step},
-    synth::{GenerateOptions, Preset, Rng, generate},
+    synth::{FlashShape, GenerateOptions, Preset, Rng, generate},
 };
 use kernels::{
     cuda::{CudaKernels, CudaStepOps, Gpu},
@@ -49,8 +49,20 @@ fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], ste
     })
     .unwrap();
     let model = Model::load(&dir).unwrap();
+    check_model(
+        gpu,
+        &model,
+        &format!("{preset:?} {format:?}"),
+        lengths,
+        steps,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The step on the GPU against the engine for `model`; prints both step times.
+fn check_model(gpu: &Gpu, model: &Model, what: &str, lengths: &[usize], steps: usize) {
     let c = &model.config;
-    let ops = CudaStepOps::new(CudaKernels { gpu }, &model).unwrap();
+    let ops = CudaStepOps::new(CudaKernels { gpu }, model).unwrap();
     let slots = lengths.len() + 1;
     let most = lengths.iter().max().unwrap() + steps + 1;
     let layout = StateLayout::new(c, slots, most);
@@ -69,7 +81,7 @@ fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], ste
         seats.push(Seat { slot, len });
         states.push(state);
     }
-    let what = format!("{preset:?} {format:?}");
+    let (mut engine_time, mut device_time) = (0.0f64, 0.0f64);
     for step in 0..steps {
         let next = tokens(states.len(), 1000 + step as u64, c.vocab_size);
         let mut batch: Vec<Step<'_>> = states
@@ -81,8 +93,12 @@ fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], ste
                 logits: Logits::Last,
             })
             .collect();
+        let started = std::time::Instant::now();
         let want = model.forward_batch(&mut batch).unwrap();
+        engine_time += started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
         let got = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+        device_time += started.elapsed().as_secs_f64();
         for (s, (w, g)) in want.iter().zip(&got).enumerate() {
             assert!(same(&w[0], g), "{what}: step {step}, sequence {s}");
         }
@@ -92,10 +108,12 @@ fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], ste
         assert_eq!(read, state.normalized(c), "{what}: sequence {s}'s state");
     }
     eprintln!(
-        "{what}: {steps} decode steps of {} sequences bit for bit",
-        lengths.len()
+        "{what}: {steps} decode steps of {} sequences bit for bit; a step {:.2} ms on the GPU \
+         (exact kernels, eager), {:.2} ms in the engine on the host",
+        lengths.len(),
+        1e3 * device_time / steps as f64,
+        1e3 * engine_time / steps as f64
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -110,4 +128,30 @@ fn gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit() {
     }
     // Past the small model's window (64) and its indexer's top-k (16 of ratio-4 rows).
     check(&gpu, Preset::Small, ExpertFormat::Nvfp4, &[1, 70, 127], 3);
+}
+
+/// Opt-in (`PDSERVE_GPU_FLASH=1`, as `gpu-check.sh` sets it): V4-Flash's dimensions, its first
+/// four layers (sliding, sliding, CSA, HCA) with 16 NVFP4 routed experts, generated here (about
+/// 3.6 GB), sequences past its window of 128 and its first HCA window.
+#[test]
+fn gpu_decode_step_of_flash_shape() {
+    if std::env::var("PDSERVE_GPU_FLASH").as_deref() != Ok("1") {
+        eprintln!("gpu_decode_step_of_flash_shape: skipped (set PDSERVE_GPU_FLASH=1)");
+        return;
+    }
+    let Some(gpu) = Gpu::for_test("gpu_decode_step_of_flash_shape") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pdserve-gpu-flash-{}", std::process::id()));
+    generate(&GenerateOptions {
+        preset: Preset::FlashShape(FlashShape::new(4, 16).unwrap()),
+        seed: 31,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.clone(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(&dir).unwrap();
+    check_model(&gpu, &model, "flash-shape, 4 layers", &[0, 5, 200, 700], 3);
+    let _ = std::fs::remove_dir_all(&dir);
 }
