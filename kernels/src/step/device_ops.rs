@@ -7,7 +7,7 @@
 //! kernels' CPU references ([`super::emulated::EmulatedKernels`], in CI), so the plans and
 //! launches are tested here and each kernel against its reference on a GPU.
 
-use std::ops::Range;
+use std::{cell::RefCell, ops::Range};
 
 use engine::{config::ModelConfig, model::Model, rope::Rope};
 
@@ -26,7 +26,16 @@ pub struct DeviceStepOps<K: Kernels> {
     main: Rope,
     compress: Rope,
     pub(super) model: DeviceModel<K>,
+    /// The last few rotation tables uploaded, by table and rows' positions: a step rotates the
+    /// same positions in every layer (queries, K=V rows, outputs), so each is uploaded once.
+    rotations: RefCell<Vec<((RopeKind, Vec<usize>), K::F)>>,
+    /// One value, for the table and weight a launch without rotation or weight does not read.
+    unused: K::F,
 }
+
+/// Rotation tables kept: a step has at most two tables of token positions and a few of closed
+/// windows' positions.
+const ROTATIONS_KEPT: usize = 6;
 
 impl<K: Kernels> std::fmt::Debug for DeviceStepOps<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -45,13 +54,38 @@ impl<K: Kernels> DeviceStepOps<K> {
     pub fn new(k: K, model: &Model) -> Result<Self, K::Error> {
         let (main, compress) = Rope::tables(&model.config);
         let device = DeviceModel::upload(&k, model)?;
+        let unused = k.zeros(1)?;
         Ok(Self {
             k,
             config: model.config.clone(),
             main,
             compress,
             model: device,
+            rotations: RefCell::new(Vec::new()),
+            unused,
         })
+    }
+
+    /// The index in `rotations` of the (sin, cos) table of `kind` at `positions`, uploaded if
+    /// it is not there.
+    fn rotation(&self, kind: RopeKind, positions: &[usize]) -> Result<usize, K::Error> {
+        let mut kept = self.rotations.borrow_mut();
+        if let Some(i) = kept
+            .iter()
+            .position(|((k, p), _)| *k == kind && p == positions)
+        {
+            return Ok(i);
+        }
+        let rope = match kind {
+            RopeKind::Main => &self.main,
+            RopeKind::Compress => &self.compress,
+        };
+        let table = self.k.upload(&sin_cos_table(rope, positions))?;
+        if kept.len() == ROTATIONS_KEPT {
+            kept.remove(0);
+        }
+        kept.push(((kind, positions.to_vec()), table));
+        Ok(kept.len() - 1)
     }
 
     /// The kernels the ops launch.
@@ -217,13 +251,13 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
                 let positions = positions
                     .get(..n)
                     .ok_or_else(|| "norm_rope: fewer positions than rows".to_owned())?;
-                let rope = match kind {
-                    RopeKind::Main => &self.main,
-                    RopeKind::Compress => &self.compress,
+                let dims = match kind {
+                    RopeKind::Main => self.main.rope_dim(),
+                    RopeKind::Compress => self.compress.rope_dim(),
                 };
-                (sin_cos_table(rope, positions), rope.rope_dim())
+                (Some((kind, positions)), dims)
             }
-            None => (vec![0.0], 0),
+            None => (None, 0),
         };
         if K::f_len(x) < n * op.heads * op.head_dim || rope > op.head_dim {
             return Err("norm_rope: fewer values than rows".to_owned().into());
@@ -231,21 +265,15 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         if n == 0 {
             return Ok(());
         }
-        let sin_cos = self.k.upload(&table)?;
-        let (norm, dummy);
-        let weight = match op.norm {
-            Norm::None | Norm::Unweighted => {
-                norm = i32::from(op.norm == Norm::Unweighted);
-                dummy = self.k.zeros(1)?;
-                &dummy
-            }
+        let (norm, weight) = match op.norm {
+            Norm::None => (0, &self.unused),
+            Norm::Unweighted => (1, &self.unused),
             Norm::Weighted(v) => {
-                norm = 2;
                 let w = self.model.vector(v)?;
                 if K::f_len(w) < op.head_dim {
                     return Err(format!("{v:?}: shorter than a head").into());
                 }
-                w
+                (2, w)
             }
         };
         let spec = RowSpec {
@@ -256,7 +284,14 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             eps: self.config.rms_norm_eps,
             inverse: op.inverse,
         };
-        self.k.norm_rope_rows(x, spec, weight, &sin_cos, n)
+        match table {
+            Some((kind, positions)) => {
+                let i = self.rotation(kind, positions)?;
+                let kept = self.rotations.borrow();
+                self.k.norm_rope_rows(x, spec, weight, &kept[i].1, n)
+            }
+            None => self.k.norm_rope_rows(x, spec, weight, &self.unused, n),
+        }
     }
 
     fn hyper_pre(

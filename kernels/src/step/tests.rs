@@ -485,3 +485,28 @@ fn device_step_on_a_given_checkpoint() {
         started.elapsed().as_secs_f64()
     );
 }
+
+/// Rotation tables are uploaded once per step and table, not once per op: a step's f32
+/// uploads are a handful however many layers rotate rows.
+#[test]
+fn a_step_uploads_each_rotation_table_once() {
+    let (_dir, model) = model(ExpertFormat::Nvfp4);
+    let c = &model.config;
+    let ops = DeviceStepOps::new(EmulatedKernels::new(c), &model).unwrap();
+    let layout = StateLayout::new(c, 4, 140);
+    let mut arenas = layout.arenas(&ops).unwrap();
+    let mut seats = Vec::new();
+    for (i, (&len, &slot)) in LENGTHS.iter().zip(&SLOTS).enumerate() {
+        let state = prefilled(&model, &tokens(len, i as u64, c.vocab_size));
+        layout.load(&ops, &mut arenas, slot, &state).unwrap();
+        seats.push(Seat { slot, len });
+    }
+    for step in 0..3 {
+        ops.kernels().take_uploads();
+        let next = tokens(LENGTHS.len(), 40 + step, c.vocab_size);
+        decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+        let (f32_uploads, _, _) = ops.kernels().take_uploads();
+        eprintln!("step {step}: {f32_uploads} f32 uploads");
+        assert!(f32_uploads <= 4, "step {step}: {f32_uploads} f32 uploads");
+    }
+}
