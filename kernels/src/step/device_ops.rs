@@ -28,10 +28,13 @@ pub struct DeviceStepOps<K: Kernels> {
     pub(super) model: DeviceModel<K>,
     /// The last few rotation tables uploaded, by table and rows' positions: a step rotates the
     /// same positions in every layer (queries, K=V rows, outputs), so each is uploaded once.
-    rotations: RefCell<Vec<((RopeKind, Vec<usize>), K::F)>>,
+    rotations: RefCell<Vec<Rotation<K>>>,
     /// One value, for the table and weight a launch without rotation or weight does not read.
     unused: K::F,
 }
+
+/// A rotation table on the device: its table and rows' positions, its (sin, cos) values.
+type Rotation<K> = ((RopeKind, Vec<usize>), <K as Kernels>::F);
 
 /// Rotation tables kept: a step has at most two tables of token positions and a few of closed
 /// windows' positions.
