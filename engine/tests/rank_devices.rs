@@ -122,10 +122,15 @@ fn each_rank_computes_on_its_own_backend_with_the_groups_collectives() {
     let job_prompt = prompt.clone();
     let logits = runtime
         .block_on(ranks.call_each(0, move |engine, _| {
+            // On a pool of the rank's own, as the ranks step: on the shared global pool one
+            // rank's forward could be stolen onto a thread that waits in the other's exchange.
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
             let model = engine.model();
             let mut state = model.new_state();
-            model
-                .forward(&mut state, &job_prompt, Logits::Last)
+            pool.install(|| model.forward(&mut state, &job_prompt, Logits::Last))
                 .map_err(|e| e.to_string())
         }))
         .unwrap();
