@@ -5,11 +5,16 @@
 //! ([`layout::StateLayout`]); within a step nothing crosses to the host but the inputs (token
 //! ids, and the plan the host derives from positions: row offsets, rotations) and the logits.
 //!
-//! The same composition runs on the GPU (each op one or a few kernels with the engine's bits)
-//! and on [`cpu_ops::CpuStepOps`], where each op is the engine's own code on host buffers. The
-//! tests here check, on any machine, that the composition over the CPU ops gives
+//! The same composition runs over three sets of ops:
+//! - [`cpu_ops::CpuStepOps`]: each op the engine's own code on host buffers;
+//! - [`device_ops::DeviceStepOps`] over [`kernels::Kernels`]: each op as the device launches it
+//!   (plans, offsets, gathers, kernels), written once for every device: over
+//!   [`emulated::EmulatedKernels`] (each kernel by its CPU reference) and, with the `cuda`
+//!   feature, over `cuda::CudaKernels` (`cuda::CudaStepOps`, the GPU decode step).
+//!
+//! The tests here check, on any machine, that the composition over both CPU sets gives
 //! `engine::model::Model::forward`'s logits and state bit for bit; on a GPU each kernel is
-//! checked against its reference, and the whole step against the CPU ops.
+//! checked against its reference, and the whole step against the engine.
 
 pub mod cpu_ops;
 pub mod decode;
