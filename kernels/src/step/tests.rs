@@ -510,3 +510,38 @@ fn a_step_uploads_each_rotation_table_once() {
         assert!(f32_uploads <= 4, "step {step}: {f32_uploads} f32 uploads");
     }
 }
+
+/// Sequences that live on the device from their first token (no prefill handed over): 140
+/// steps, past the window's wrap, 35 CSA windows and the first HCA window closed one token at a
+/// time, every step's logits the engine's.
+#[test]
+fn sequences_live_on_the_device_from_their_first_token() {
+    let (_dir, model) = model(ExpertFormat::Mxfp4);
+    let c = &model.config;
+    let ops = DeviceStepOps::new(EmulatedKernels::new(c), &model).unwrap();
+    let layout = StateLayout::new(c, 2, 141);
+    let mut arenas = layout.arenas(&ops).unwrap();
+    let mut seats = vec![Seat { slot: 1, len: 0 }, Seat { slot: 0, len: 0 }];
+    let mut states = vec![model.new_state(), model.new_state()];
+    for step in 0..140u64 {
+        let next = tokens(2, 500 + step, c.vocab_size);
+        let mut batch: Vec<Step<'_>> = states
+            .iter_mut()
+            .zip(&next)
+            .map(|(state, t)| Step {
+                state,
+                tokens: std::slice::from_ref(t),
+                logits: Logits::Last,
+            })
+            .collect();
+        let want = model.forward_batch(&mut batch).unwrap();
+        let got = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
+        for (s, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(same(&w[0], g), "step {step}, sequence {s}");
+        }
+    }
+    for (state, seat) in states.iter().zip(&seats) {
+        let read = layout.read(&ops, &arenas, seat.slot, seat.len).unwrap();
+        assert_eq!(read, state.normalized(c));
+    }
+}
