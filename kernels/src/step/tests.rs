@@ -521,8 +521,8 @@ fn sequences_live_on_the_device_from_their_first_token() {
     let ops = DeviceStepOps::new(EmulatedKernels::new(c), &model).unwrap();
     let layout = StateLayout::new(c, 2, 141);
     let mut arenas = layout.arenas(&ops).unwrap();
-    let mut seats = vec![Seat { slot: 1, len: 0 }, Seat { slot: 0, len: 0 }];
-    let mut states = vec![model.new_state(), model.new_state()];
+    let mut seats = [Seat { slot: 1, len: 0 }, Seat { slot: 0, len: 0 }];
+    let mut states = [model.new_state(), model.new_state()];
     for step in 0..140u64 {
         let next = tokens(2, 500 + step, c.vocab_size);
         let mut batch: Vec<Step<'_>> = states
