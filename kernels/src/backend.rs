@@ -92,6 +92,60 @@ impl RankDevice {
     };
 }
 
+/// Bytes of the weights the CUDA backend puts on a rank's GPU from the checkpoint `stored`
+/// (each layer's attention linears that exist, its shared expert, the routed experts when
+/// `routed`, and the output head), counted before uploading so a GPU without room refuses
+/// with the numbers instead of failing an allocation halfway.
+pub fn device_weight_bytes(
+    stored: &engine::weights::stored::StoredWeights,
+    config: &ModelConfig,
+    routed: bool,
+) -> Result<usize, engine::weights::LoadError> {
+    let mut bytes = stored.bf16("head.weight")?.len();
+    for layer in 0..config.num_layers() {
+        if routed {
+            let experts = stored.fp4_layer(layer)?;
+            bytes += [&experts.w1, &experts.w2, &experts.w3]
+                .iter()
+                .map(|s| s.stored_bytes())
+                .sum::<usize>();
+        }
+        let prefix = engine::schema::layer(layer);
+        for w in ["w1", "w2", "w3"] {
+            let name = format!("{prefix}ffn.shared_experts.{w}");
+            bytes += stored.linear(&name)?.stored_bytes();
+        }
+        for which in engine::backend::LinearId::ALL {
+            let name = which.tensor(layer);
+            if stored.contains(&name) {
+                bytes += stored.linear(&name)?.stored_bytes();
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+/// Refuses a rank whose weights (`needed` bytes) do not fit the `free` bytes of its GPU
+/// (`total` in all), with the numbers.
+pub fn check_device_room(
+    ordinal: usize,
+    needed: usize,
+    (free, total): (usize, usize),
+) -> Result<(), String> {
+    let gb = |b: usize| b as f64 / 1e9;
+    if needed > free {
+        return Err(format!(
+            "GPU {ordinal}: this rank's weights need {:.2} GB and {:.2} GB of its {:.2} GB are \
+             free; spread the routed experts over the group (--ep or --moe-tp) or use more GPUs \
+             (pdctl plan shows a group's bytes per GPU)",
+            gb(needed),
+            gb(free),
+            gb(total)
+        ));
+    }
+    Ok(())
+}
+
 /// [`open`] for one rank of a group.
 pub fn open_rank(
     kind: BackendKind,
@@ -204,6 +258,54 @@ fn gpu_group(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bytes a rank's backend uploads: every routed expert's stored bytes more with the
+    /// routed experts than without, no more than the checkpoint serves; a GPU without the room
+    /// is refused with the numbers.
+    #[test]
+    fn a_ranks_device_bytes_are_counted_before_uploading() {
+        use engine::{
+            config::{ExpertFormat, ModelConfig},
+            synth::{GenerateOptions, Preset, generate},
+            weights::stored::StoredWeights,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 3,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let config = ModelConfig::from_dir(dir.path()).unwrap();
+        let stored = StoredWeights::open(dir.path(), &config).unwrap();
+        let all = device_weight_bytes(&stored, &config, true).unwrap();
+        let spread = device_weight_bytes(&stored, &config, false).unwrap();
+        let routed: usize = (0..config.num_layers())
+            .map(|l| {
+                let e = stored.fp4_layer(l).unwrap();
+                e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes()
+            })
+            .sum();
+        assert_eq!(all, spread + routed);
+        assert!(all as u64 <= engine::plan::weights(&config).served);
+        assert!(
+            spread >= 2 * config.vocab_size * config.hidden_size,
+            "the head at least"
+        );
+        assert_eq!(check_device_room(1, all, (all, 2 * all)), Ok(()));
+        let refused =
+            check_device_room(1, 3_000_000_000, (2_000_000_000, 96_000_000_000)).unwrap_err();
+        assert!(
+            refused.contains("GPU 1") && refused.contains("3.00 GB"),
+            "{refused}"
+        );
+        assert!(
+            refused.contains("2.00 GB") && refused.contains("96.00 GB"),
+            "{refused}"
+        );
+    }
 
     #[test]
     fn parses_known_backends_only() {

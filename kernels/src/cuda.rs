@@ -99,6 +99,12 @@ impl Gpu {
         Self::open_on(0)
     }
 
+    /// (free, total) bytes of this GPU's memory now.
+    pub fn memory(&self) -> Result<(usize, usize), KernelError> {
+        self.ctx.bind_to_thread()?;
+        Ok(cudarc::driver::result::mem_get_info()?)
+    }
+
     /// Device `ordinal` (as this process sees them: `CUDA_VISIBLE_DEVICES` names them), or
     /// `None` when no driver or no device is present; an error when the devices present do not
     /// include `ordinal`.

@@ -212,6 +212,10 @@ impl CudaBackend {
         };
         let checkpoint = |e: engine::weights::LoadError| KernelError::Checkpoint(e.to_string());
         let stored = StoredWeights::open(dir, config).map_err(checkpoint)?;
+        let needed =
+            crate::backend::device_weight_bytes(&stored, config, routed).map_err(checkpoint)?;
+        crate::backend::check_device_room(ordinal, needed, gpu.memory()?)
+            .map_err(KernelError::Unsupported)?;
         if !stored.has_fp4_experts() {
             return Err(KernelError::Unsupported(format!(
                 "the CUDA backend runs FP4 routed experts (NVFP4 or MXFP4); this \

@@ -201,9 +201,24 @@ fn gpu_backend_logits_match_the_cpu_engine() {
             .unwrap()
             .unwrap();
         eprintln!(
-            "{format:?}: {} bytes of experts on the GPU",
+            "{format:?}: {} bytes of weights on the GPU",
             backend.device_bytes
         );
+        // What the start-up check counted before uploading is what went up.
+        let stored =
+            engine::weights::stored::StoredWeights::open(dir.path(), &on_gpu.config).unwrap();
+        let counted = kernels::backend::device_weight_bytes(&stored, &on_gpu.config, true).unwrap();
+        assert_eq!(backend.device_bytes, counted);
+        // A rank whose expert group computes the routed experts leaves them off its GPU and
+        // does not claim them.
+        let spread = CudaBackend::load_on(dir.path(), &on_gpu.config, 0, false)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            spread.device_bytes,
+            kernels::backend::device_weight_bytes(&stored, &on_gpu.config, false).unwrap()
+        );
+        assert!(!engine::backend::Backend::runs(&spread, Op::RoutedExperts));
         assert!(on_gpu.attach_backend(Arc::new(backend), false).is_err());
         let backend = CudaBackend::load(dir.path(), &on_gpu.config)
             .unwrap()
