@@ -24,8 +24,8 @@ use super::{
 pub struct EmulatedKernels {
     config: ModelConfig,
     reads: Cell<(usize, usize)>,
-    /// (f32 uploads, the longest of them, index values uploaded).
-    uploads: Cell<(usize, usize, usize)>,
+    /// (f32 uploads, the longest of them, index values uploaded, index uploads).
+    uploads: Cell<(usize, usize, usize, usize)>,
     plant: Option<KernelPlant>,
 }
 
@@ -50,7 +50,7 @@ impl EmulatedKernels {
         Self {
             config: config.clone(),
             reads: Cell::new((0, 0)),
-            uploads: Cell::new((0, 0, 0)),
+            uploads: Cell::new((0, 0, 0, 0)),
             plant: None,
         }
     }
@@ -67,16 +67,21 @@ impl EmulatedKernels {
         self.reads.replace((0, 0))
     }
 
-    /// (f32 uploads, the longest of them, index values uploaded) since the last call.
-    pub fn take_uploads(&self) -> (usize, usize, usize) {
-        self.uploads.replace((0, 0, 0))
+    /// (f32 uploads, the longest of them, index values uploaded, index uploads) since the
+    /// last call.
+    pub fn take_uploads(&self) -> (usize, usize, usize, usize) {
+        self.uploads.replace((0, 0, 0, 0))
     }
 
     fn uploaded(&self, f32s: usize, indices: usize) {
-        let (count, longest, total) = self.uploads.get();
-        let f = usize::from(f32s > 0);
-        self.uploads
-            .set((count + f, longest.max(f32s), total + indices));
+        let (count, longest, total, index_count) = self.uploads.get();
+        let (f, i) = (usize::from(f32s > 0), usize::from(indices > 0));
+        self.uploads.set((
+            count + f,
+            longest.max(f32s),
+            total + indices,
+            index_count + i,
+        ));
     }
 }
 

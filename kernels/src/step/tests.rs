@@ -304,7 +304,7 @@ fn assert_uploads_are_plans(model: &Model) {
     ops.kernels().take_uploads();
     let next = tokens(LENGTHS.len(), 7, c.vocab_size);
     decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
-    let (count, longest, indices) = ops.kernels().take_uploads();
+    let (count, longest, indices, _) = ops.kernels().take_uploads();
     assert!(count > 0 && indices > 0);
     assert!(
         longest <= LENGTHS.len() * c.rope_dim,
@@ -505,8 +505,11 @@ fn a_step_uploads_each_rotation_table_once() {
         ops.kernels().take_uploads();
         let next = tokens(LENGTHS.len(), 40 + step, c.vocab_size);
         decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
-        let (f32_uploads, _, _) = ops.kernels().take_uploads();
-        eprintln!("step {step}: {f32_uploads} f32 uploads");
+        let (f32_uploads, _, index_values, index_uploads) = ops.kernels().take_uploads();
+        eprintln!(
+            "step {step}: {f32_uploads} f32 uploads, {index_uploads} index uploads of \
+             {index_values} values"
+        );
         assert!(f32_uploads <= 4, "step {step}: {f32_uploads} f32 uploads");
     }
 }
