@@ -81,6 +81,30 @@ pub fn decode_step<O: StepOps>(
     Ok(flat.chunks_exact(v).map(<[f32]>::to_vec).collect())
 }
 
+/// The reference of [`decode_step`]: the engine's forward for token `tokens[i]` of the
+/// sequence in `states[i]`, each sequence's logits (what the device step is checked against).
+pub fn engine_decode(
+    model: &engine::model::Model,
+    states: &mut [engine::model::SequenceState],
+    tokens: &[u32],
+) -> Result<Vec<Vec<f32>>, engine::model::ForwardError> {
+    use engine::model::{Logits, Step};
+    let mut batch: Vec<Step<'_>> = states
+        .iter_mut()
+        .zip(tokens)
+        .map(|(state, t)| Step {
+            state,
+            tokens: std::slice::from_ref(t),
+            logits: Logits::Last,
+        })
+        .collect();
+    Ok(model
+        .forward_batch(&mut batch)?
+        .into_iter()
+        .map(|mut logits| logits.pop().unwrap_or_default())
+        .collect())
+}
+
 fn check(
     c: &ModelConfig,
     layout: &StateLayout,

@@ -4,14 +4,14 @@
 
 use engine::{
     config::ExpertFormat,
-    model::{Logits, Model, SequenceState, Step},
+    model::{Logits, Model, SequenceState},
     synth::{GenerateOptions, Preset, Rng, generate},
 };
 
 use super::{
     StepOps,
     cpu_ops::{CpuStepOps, Plant},
-    decode::{Seat, StepError, decode_step},
+    decode::{Seat, StepError, decode_step, engine_decode},
     device_ops::DeviceStepOps,
     emulated::{EmulatedKernels, KernelPlant},
     layout::StateLayout,
@@ -160,21 +160,7 @@ where
     };
     for step in 0..steps {
         let next = tokens(states.len(), 100 + step as u64, c.vocab_size);
-        let mut batch: Vec<Step<'_>> = states
-            .iter_mut()
-            .zip(&next)
-            .map(|(state, t)| Step {
-                state,
-                tokens: std::slice::from_ref(t),
-                logits: Logits::Last,
-            })
-            .collect();
-        let engine: Vec<Vec<f32>> = model
-            .forward_batch(&mut batch)
-            .unwrap()
-            .into_iter()
-            .map(|mut l| l.pop().unwrap())
-            .collect();
+        let engine = engine_decode(model, &mut states, &next).unwrap();
         let device = decode_step(ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
         runs.reads.push(reads());
         runs.engine.push(engine);
@@ -287,12 +273,18 @@ fn device_step_over_the_kernels_references_gives_the_engines_bits() {
     assert_eq!(runs.engine_states, runs.device_states);
 }
 
-/// Within a step the host sends the device nothing but its plan: f32 uploads are rows'
-/// rotations (at most one rope width per token), never an activation or a weight row.
-fn assert_uploads_are_plans(model: &Model) {
+/// The device ops over the kernels' references with the sequences of [`LENGTHS`] prefilled by
+/// the engine and loaded into [`SLOTS`].
+fn loaded_on_references(
+    model: &Model,
+) -> (
+    DeviceStepOps<EmulatedKernels>,
+    StateLayout,
+    Vec<Vec<f32>>,
+    Vec<Seat>,
+) {
     let c = &model.config;
-    let kernels = EmulatedKernels::new(c);
-    let ops = DeviceStepOps::new(kernels, model).unwrap();
+    let ops = DeviceStepOps::new(EmulatedKernels::new(c), model).unwrap();
     let layout = StateLayout::new(c, 4, 140);
     let mut arenas = layout.arenas(&ops).unwrap();
     let mut seats = Vec::new();
@@ -301,6 +293,14 @@ fn assert_uploads_are_plans(model: &Model) {
         layout.load(&ops, &mut arenas, slot, &state).unwrap();
         seats.push(Seat { slot, len });
     }
+    (ops, layout, arenas, seats)
+}
+
+/// Within a step the host sends the device nothing but its plan: f32 uploads are rows'
+/// rotations (at most one rope width per token), never an activation or a weight row.
+fn assert_uploads_are_plans(model: &Model) {
+    let c = &model.config;
+    let (ops, layout, mut arenas, mut seats) = loaded_on_references(model);
     ops.kernels().take_uploads();
     let next = tokens(LENGTHS.len(), 7, c.vocab_size);
     decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
@@ -492,15 +492,7 @@ fn device_step_on_a_given_checkpoint() {
 fn a_step_uploads_each_rotation_table_once() {
     let (_dir, model) = model(ExpertFormat::Nvfp4);
     let c = &model.config;
-    let ops = DeviceStepOps::new(EmulatedKernels::new(c), &model).unwrap();
-    let layout = StateLayout::new(c, 4, 140);
-    let mut arenas = layout.arenas(&ops).unwrap();
-    let mut seats = Vec::new();
-    for (i, (&len, &slot)) in LENGTHS.iter().zip(&SLOTS).enumerate() {
-        let state = prefilled(&model, &tokens(len, i as u64, c.vocab_size));
-        layout.load(&ops, &mut arenas, slot, &state).unwrap();
-        seats.push(Seat { slot, len });
-    }
+    let (ops, layout, mut arenas, mut seats) = loaded_on_references(&model);
     for step in 0..3 {
         ops.kernels().take_uploads();
         let next = tokens(LENGTHS.len(), 40 + step, c.vocab_size);
@@ -528,19 +520,10 @@ fn sequences_live_on_the_device_from_their_first_token() {
     let mut states = [model.new_state(), model.new_state()];
     for step in 0..140u64 {
         let next = tokens(2, 500 + step, c.vocab_size);
-        let mut batch: Vec<Step<'_>> = states
-            .iter_mut()
-            .zip(&next)
-            .map(|(state, t)| Step {
-                state,
-                tokens: std::slice::from_ref(t),
-                logits: Logits::Last,
-            })
-            .collect();
-        let want = model.forward_batch(&mut batch).unwrap();
+        let want = engine_decode(&model, &mut states, &next).unwrap();
         let got = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
         for (s, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert!(same(&w[0], g), "step {step}, sequence {s}");
+            assert!(same(w, g), "step {step}, sequence {s}");
         }
     }
     for (state, seat) in states.iter().zip(&seats) {

@@ -10,13 +10,13 @@
 
 use engine::{
     config::ExpertFormat,
-    model::{Logits, Model, SequenceState, Step},
+    model::{Logits, Model, SequenceState},
     synth::{FlashShape, GenerateOptions, Preset, Rng, generate},
 };
 use kernels::{
     cuda::{CudaKernels, CudaStepOps, Gpu},
     step::{
-        decode::{Seat, decode_step},
+        decode::{Seat, decode_step, engine_decode},
         layout::StateLayout,
     },
 };
@@ -84,23 +84,14 @@ fn check_model(gpu: &Gpu, model: &Model, what: &str, lengths: &[usize], steps: u
     let (mut engine_time, mut device_time) = (0.0f64, 0.0f64);
     for step in 0..steps {
         let next = tokens(states.len(), 1000 + step as u64, c.vocab_size);
-        let mut batch: Vec<Step<'_>> = states
-            .iter_mut()
-            .zip(&next)
-            .map(|(state, t)| Step {
-                state,
-                tokens: std::slice::from_ref(t),
-                logits: Logits::Last,
-            })
-            .collect();
         let started = std::time::Instant::now();
-        let want = model.forward_batch(&mut batch).unwrap();
+        let want = engine_decode(model, &mut states, &next).unwrap();
         engine_time += started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
         let got = decode_step(&ops, c, &layout, &mut arenas, &mut seats, &next).unwrap();
         device_time += started.elapsed().as_secs_f64();
         for (s, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert!(same(&w[0], g), "{what}: step {step}, sequence {s}");
+            assert!(same(w, g), "{what}: step {step}, sequence {s}");
         }
     }
     for (s, (state, seat)) in states.iter().zip(&seats).enumerate() {
