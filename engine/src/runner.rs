@@ -218,14 +218,26 @@ pub type MakeCollectives<'a> =
         std::time::Duration,
     ) -> Result<Vec<Box<dyn crate::parallel::collective::Collective>>, String>;
 
+/// Opens the device a one-rank engine steps its decode tokens on, for the loaded model and the
+/// engine's configuration.
+pub type OpenDecode<'a> =
+    &'a dyn Fn(
+        &crate::model::Model,
+        &crate::scheduler::EngineConfig,
+    )
+        -> Result<Box<dyn crate::scheduler::DecodeDevice>, crate::backend::BackendError>;
+
 /// Where a worker's ranks compute: each rank's backend (rank r on its own device), whether ops
-/// the backend does not run may stay on the CPU (`hybrid`), and the collectives of the
-/// model's groups (`None`: in-process, for ranks on the CPU or sharing host memory).
+/// the backend does not run may stay on the CPU (`hybrid`), the collectives of the model's
+/// groups (`None`: in-process, for ranks on the CPU or sharing host memory), and the device a
+/// one-rank engine decodes on (`decode`: then no backend is attached, the decode steps run
+/// whole on the device and the host forward computes only prompts).
 #[derive(Clone, Copy)]
 pub struct RankDevices<'a> {
     pub open: OpenBackend<'a>,
     pub hybrid: bool,
     pub collectives: Option<MakeCollectives<'a>>,
+    pub decode: Option<OpenDecode<'a>>,
 }
 
 impl std::fmt::Debug for RankDevices<'_> {
@@ -243,6 +255,7 @@ impl RankDevices<'static> {
         open: &|_, _, _| Ok(None),
         hybrid: false,
         collectives: None,
+        decode: None,
     };
 }
 
@@ -270,6 +283,16 @@ pub fn start_with_backend(
     if let Some(available) = crate::plan::host::available_memory() {
         crate::plan::host::check_pools(&model.config, &config, group.ranks(), available)
             .map_err(StartError::Memory)?;
+    }
+    if let Some(open_decode) = devices.decode {
+        return start_decoding_on_device(
+            model,
+            config,
+            (dir, &fingerprint),
+            thread_name,
+            group,
+            open_decode,
+        );
     }
     let mut backends = Vec::with_capacity(group.ranks());
     for rank in 0..group.ranks() {
@@ -319,6 +342,52 @@ pub fn start_with_backend(
         vocab_size,
         fingerprint,
         backend_plan,
+    })
+}
+
+/// [`start_with_backend`] for an engine whose decode steps run whole on the device
+/// `open_decode` opens (one rank; no backend attached: prompts, if any reach it, compute on the
+/// host reference).
+fn start_decoding_on_device(
+    model: crate::model::Model,
+    config: crate::scheduler::EngineConfig,
+    (dir, fingerprint): (&std::path::Path, &str),
+    thread_name: &str,
+    group: crate::parallel::group::GroupSpec,
+    open_decode: OpenDecode<'_>,
+) -> Result<LoadedEngine, StartError> {
+    use crate::backend::{BackendError, BackendPlan, Op};
+    if group.ranks() > 1 {
+        return Err(StartError::Backend(BackendError::Unavailable {
+            backend: "decode step".to_owned(),
+            reason: format!(
+                "a group of {} ranks exchanges on the host forward; the whole decode step on the \
+                 device serves one rank",
+                group.ranks()
+            ),
+        }));
+    }
+    let device = open_decode(&model, &config)?;
+    let backend_plan = BackendPlan {
+        backend: format!("{} (the whole decode step on the device)", device.name()),
+        on_device: Op::ALL.to_vec(),
+        on_cpu: Vec::new(),
+    };
+    let eos_token_ids = model.config.eos_token_ids.clone();
+    let vocab_size = model.config.vocab_size;
+    let table = crate::grammar::TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
+    let mut engine = Engine::new(model, config, fingerprint)?;
+    engine.set_decode_device(device)?;
+    engine.set_token_table(table);
+    let layout = engine.store().layout.to_proto();
+    Ok(LoadedEngine {
+        ranks: crate::parallel::group::Ranks::single(Runner::start(engine, thread_name)?),
+        group,
+        layout,
+        eos_token_ids,
+        vocab_size,
+        fingerprint: fingerprint.to_owned(),
+        backend_plan: Some(backend_plan),
     })
 }
 

@@ -8,8 +8,10 @@
 
 use std::collections::VecDeque;
 
+mod device;
 mod handoff;
 
+pub use device::{DecodeDevice, DecodeSeat, DeviceError, HostDecodeDevice};
 pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
 use crate::{
@@ -152,6 +154,9 @@ pub enum EngineError {
     Pool(PoolError),
     #[error("handoff: {0}")]
     Handoff(#[from] HandoffError),
+    /// The decode device cannot serve this engine as configured.
+    #[error("decode device {0}")]
+    Device(String),
 }
 
 #[derive(Debug)]
@@ -169,6 +174,9 @@ struct Running {
     prompt_logprobs: Option<usize>,
     /// Those log-probabilities so far (one per prompt token after the first).
     prompt_entries: Vec<Sampled>,
+    /// Its slot on the decode device once it decodes there (its state then lives there, and
+    /// its pages hold only the prompt's).
+    slot: Option<usize>,
 }
 
 /// Most positions of a prompt-logprobs request computed in one step: each needs a full logits
@@ -190,6 +198,8 @@ pub struct Engine {
     token_table: TokenTableSource,
     /// Told about every step (worker metrics).
     observer: Option<StepObserver>,
+    /// Where decode tokens step when they do not step here ([`Engine::set_decode_device`]).
+    device: Option<device::OnDevice>,
 }
 
 /// What one forward step did, for metrics.
@@ -238,6 +248,7 @@ impl Engine {
             reserved: Vec::new(),
             token_table: TokenTableSource::none(),
             observer: None,
+            device: None,
         })
     }
 
@@ -365,6 +376,7 @@ impl Engine {
         }
         let i = self.running.iter().position(|r| r.id == id)?;
         let r = self.running.swap_remove(i);
+        self.free_slot(r.slot);
         Some(match self.store.release(r.seq) {
             Ok(()) => Event::Cancelled { id },
             Err(e) => Event::Failed {
@@ -419,6 +431,7 @@ impl Engine {
                 seq,
                 sampler,
                 handoff,
+                slot: None,
             });
         }
         (admitted, cached_tokens)
@@ -437,10 +450,68 @@ impl Engine {
     pub fn step_with(&mut self, emit: &mut (dyn FnMut(Event) + Send)) -> usize {
         let started = std::time::Instant::now();
         let (admitted, cached_tokens) = self.admit();
+        let plan = self.plan_step();
+        // With a decode device, the decode tokens step there and only prompt chunks here.
+        let (on_device, plan): (Vec<_>, Vec<_>) = plan
+            .into_iter()
+            .partition(|(i, ..)| self.device.is_some() && self.is_decoding(*i));
+        if plan.is_empty() && on_device.is_empty() {
+            // Under expert parallelism the other ranks' tokens need this rank's experts: it
+            // takes part in every step, with no tokens of its own.
+            if let Err(e) = self.model.idle_forward() {
+                tracing::error!(error = %e, "idle step of an expert-parallel rank failed");
+            }
+            return 0;
+        }
+        let mut record = StepRecord {
+            requests: plan.len() + on_device.len(),
+            admitted,
+            cached_tokens,
+            decode_tokens: on_device.len(),
+            ..StepRecord::default()
+        };
+        for (i, range, _) in &plan {
+            if self.is_decoding(*i) {
+                record.decode_tokens += range.len();
+            } else {
+                record.prompt_tokens += range.len();
+            }
+        }
+        let mut events = Vec::new();
+        let mut failed: Vec<(usize, StepError)> = Vec::new();
+        if !on_device.is_empty() {
+            let seated: Vec<usize> = on_device.iter().map(|(i, ..)| *i).collect();
+            self.device_step(&seated, &mut events, &mut failed);
+        }
+        let mut emitted = 0;
+        if !plan.is_empty() {
+            emitted += self.host_step(&plan, emit, &mut events, &mut failed);
+        }
+        failed.sort_by_key(|(i, _)| *i);
+        failed.dedup_by_key(|(i, _)| *i);
+        self.retire(&mut events, failed);
+        emitted += events.len();
+        for event in events {
+            emit(event);
+        }
+        if let Some(observer) = self.observer.as_mut() {
+            record.seconds = started.elapsed().as_secs_f64();
+            (observer.0)(&record);
+        }
+        emitted
+    }
+
+    /// Whether running request `i` has computed its prompt (its next token is a decode token).
+    fn is_decoding(&self, i: usize) -> bool {
+        self.running[i].seq.len >= self.running[i].prompt_len
+    }
+
+    /// What this step computes: (running index, token range, the logits it wants), decode
+    /// tokens first, then prompt chunks in the token budget left.
+    fn plan_step(&self) -> Vec<(usize, std::ops::Range<usize>, Logits)> {
         let ps = self.config.page_size;
         let mut budget = self.config.max_batch_tokens.max(1);
-        // (running index, token range, the logits it wants)
-        let mut plan: Vec<(usize, std::ops::Range<usize>, Logits)> = Vec::new();
+        let mut plan = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
             if r.seq.len >= r.prompt_len && budget > 0 {
                 plan.push((i, r.seq.len..r.seq.len + 1, Logits::Last));
@@ -469,34 +540,25 @@ impl Engine {
                 plan.push((i, start..end, logits));
             }
         }
-        if plan.is_empty() {
-            // Under expert parallelism the other ranks' tokens need this rank's experts: it
-            // takes part in every step, with no tokens of its own.
-            if let Err(e) = self.model.idle_forward() {
-                tracing::error!(error = %e, "idle step of an expert-parallel rank failed");
-            }
-            return 0;
-        }
-        let mut record = StepRecord {
-            requests: plan.len(),
-            admitted,
-            cached_tokens,
-            ..StepRecord::default()
-        };
-        for (i, range, _) in &plan {
-            if self.running[*i].seq.len >= self.running[*i].prompt_len {
-                record.decode_tokens += range.len();
-            } else {
-                record.prompt_tokens += range.len();
-            }
-        }
+        plan
+    }
+
+    /// The forward pass on the host (with its attached backend) of the `plan`'s requests:
+    /// their states gathered from the pages, computed, sampled and stored back. Returns the
+    /// number of state parts emitted during the pass; the rest goes to `events`.
+    fn host_step(
+        &mut self,
+        plan: &[(usize, std::ops::Range<usize>, Logits)],
+        emit: &mut (dyn FnMut(Event) + Send),
+        events: &mut Vec<Event>,
+        failed: &mut Vec<(usize, StepError)>,
+    ) -> usize {
+        let ps = self.config.page_size;
         let mut emitted = 0;
-        let mut events = Vec::new();
         let mut states = Vec::with_capacity(plan.len());
-        for &(i, _, _) in &plan {
+        for &(i, _, _) in plan {
             states.push(self.store.gather(&self.running[i].seq));
         }
-        let mut failed: Vec<(usize, StepError)> = Vec::new();
         let mut ok_states = Vec::new();
         for ((i, range, logits), state) in plan.iter().zip(states) {
             match state {
@@ -565,10 +627,15 @@ impl Engine {
                         Err(e) => failed.push((i, e)),
                     }
                 }
-                let sampled = self.sample_all(&ready);
-                for ((i, state, _), sampled) in ready.into_iter().zip(sampled) {
-                    if let Err(e) = self.advance(i, &state, sampled, &mut events) {
-                        failed.push((i, e));
+                let rows: Vec<(usize, Option<&[f32]>)> = ready
+                    .iter()
+                    .map(|(i, _, next)| (*i, next.as_deref()))
+                    .collect();
+                let sampled = self.sample_all(&rows);
+                for ((i, state, _), sampled) in ready.iter().zip(sampled) {
+                    let stored = self.store_state(*i, state);
+                    if let Err(e) = stored.and_then(|()| self.take_sampled(*i, sampled, events)) {
+                        failed.push((*i, e));
                     }
                 }
             }
@@ -577,17 +644,6 @@ impl Engine {
                 let e = StepError::Forward(e.to_string());
                 failed.extend(ok_states.iter().map(|(i, ..)| (*i, e.clone())));
             }
-        }
-        failed.sort_by_key(|(i, _)| *i);
-        failed.dedup_by_key(|(i, _)| *i);
-        self.retire(&mut events, failed);
-        emitted += events.len();
-        for event in events {
-            emit(event);
-        }
-        if let Some(observer) = self.observer.as_mut() {
-            record.seconds = started.elapsed().as_secs_f64();
-            (observer.0)(&record);
         }
         emitted
     }
@@ -620,10 +676,10 @@ impl Engine {
         })
     }
 
-    /// Samples the next token of every request of `ready` (running index, state, logits)
-    /// that produced logits; `None` for the others, in `ready`'s order. Requests are sampled
-    /// side by side when there are several: a grammar's mask (llguidance) and the passes over
-    /// a vocabulary-wide row are each request's own work, and each sampler has its own random
+    /// Samples the next token of every request of `ready` (running index, logits) that
+    /// produced logits; `None` for the others, in `ready`'s order. Requests are sampled side by
+    /// side when there are several: a grammar's mask (llguidance) and the passes over a
+    /// vocabulary-wide row are each request's own work, and each sampler has its own random
     /// stream, so the order changes nothing.
     #[expect(
         clippy::type_complexity,
@@ -631,12 +687,12 @@ impl Engine {
     )]
     fn sample_all(
         &mut self,
-        ready: &[(usize, crate::model::SequenceState, Option<Vec<f32>>)],
+        ready: &[(usize, Option<&[f32]>)],
     ) -> Vec<Option<Result<Sampled, SamplingError>>> {
         use rayon::prelude::*;
         let mut rows: Vec<Option<&[f32]>> = vec![None; self.running.len()];
-        for (i, _, logits) in ready {
-            rows[*i] = logits.as_deref();
+        for (i, logits) in ready {
+            rows[*i] = *logits;
         }
         let mut out: Vec<Option<Result<Sampled, SamplingError>>> =
             (0..self.running.len()).map(|_| None).collect();
@@ -661,22 +717,31 @@ impl Engine {
                 .zip(out.iter_mut())
                 .for_each(sample);
         }
-        ready.iter().map(|(i, ..)| out[*i].take()).collect()
+        ready.iter().map(|(i, _)| out[*i].take()).collect()
     }
 
-    /// Stores a request's new state, takes its sampled token (when it produced logits), and
-    /// marks it done.
-    fn advance(
+    /// Stores request `i`'s new state in its pages and offers its completed blocks to the
+    /// prefix cache.
+    fn store_state(
         &mut self,
         i: usize,
         state: &crate::model::SequenceState,
-        sampled: Option<Result<Sampled, SamplingError>>,
-        events: &mut Vec<Event>,
     ) -> Result<(), StepError> {
         let r = &mut self.running[i];
         self.store.scatter(&mut r.seq, state)?;
         self.store.offer_inner_blocks(&r.seq, state, &r.tokens)?;
         self.store.offer_block(&r.seq, &r.tokens)?;
+        Ok(())
+    }
+
+    /// Takes request `i`'s sampled token (when it produced logits) and marks it done.
+    fn take_sampled(
+        &mut self,
+        i: usize,
+        sampled: Option<Result<Sampled, SamplingError>>,
+        events: &mut Vec<Event>,
+    ) -> Result<(), StepError> {
+        let r = &mut self.running[i];
         let Some(sampled) = sampled else {
             return Ok(());
         };
@@ -734,6 +799,7 @@ impl Engine {
                 continue;
             }
             let id = r.id;
+            self.free_slot(r.slot);
             let released = self.store.release(r.seq);
             if let Some((_, error)) = failure {
                 events.push(Event::Failed {

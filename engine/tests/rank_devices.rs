@@ -84,6 +84,7 @@ fn each_rank_computes_on_its_own_backend_with_the_groups_collectives() {
         open: &open,
         hybrid: true,
         collectives: Some(&collectives),
+        decode: None,
     };
     let spec = GroupSpec {
         parallel: Parallel {

@@ -191,16 +191,27 @@ fn open_cuda(
     ))
 }
 
+/// What a worker's engine computes: prompts and decode tokens, or only decode tokens (a decode
+/// worker: every request arrives with its prompt's state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineWork {
+    All,
+    DecodeOnly,
+}
+
 /// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
-/// `hybrid` letting ops the backend does not run stay on the CPU. On GPUs, rank r opens GPU r
-/// of those the process sees (`CUDA_VISIBLE_DEVICES`), holds the routed experts only when its
-/// group does not spread them (expert parallelism or slicing computes them), and its groups
-/// exchange over NCCL. How far the weights check is shows in `progress` while this runs.
+/// `hybrid` letting ops the backend does not run stay on the CPU. A decode-only engine of one
+/// rank on `cuda` without `hybrid` runs every decode step whole on the GPU
+/// ([`crate::step::decoder::StepDecoder`]: weights and state on the device, tokens in, logits
+/// out); `hybrid` keeps the per-op path, for debugging. On GPUs, rank r opens GPU r of those
+/// the process sees (`CUDA_VISIBLE_DEVICES`), holds the routed experts only when its group does
+/// not spread them (expert parallelism or slicing computes them), and its groups exchange over
+/// NCCL. How far the weights check is shows in `progress` while this runs.
 pub fn start_engine(
     dir: &Path,
     config: engine::scheduler::EngineConfig,
     thread_name: &str,
-    kind: BackendKind,
+    (kind, work): (BackendKind, EngineWork),
     hybrid: bool,
     group: engine::parallel::group::GroupSpec,
     progress: &Arc<engine::weights::LoadProgress>,
@@ -220,6 +231,10 @@ pub fn start_engine(
         }
         gpu_group(&ordinals, timeout)
     };
+    let decode_step = kind == BackendKind::Cuda
+        && work == EngineWork::DecodeOnly
+        && !hybrid
+        && group.ranks() == 1;
     let devices = engine::runner::RankDevices {
         open: &open,
         hybrid,
@@ -227,8 +242,71 @@ pub fn start_engine(
             BackendKind::Cuda if group.ranks() > 1 => Some(&gpu_collectives),
             _ => None,
         },
+        decode: if decode_step {
+            Some(&open_cuda_decode)
+        } else {
+            None
+        },
     };
     engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
+}
+
+/// Tokens a decode slot holds: the longest request the engine's page pool and the model admit.
+pub fn slot_tokens(model: &ModelConfig, config: &engine::scheduler::EngineConfig) -> usize {
+    (config.num_pages as usize * config.page_size).min(model.max_position_embeddings)
+}
+
+/// Refuses a GPU whose `free` bytes (of `total`) cannot hold the decode arenas (`needed`).
+pub fn check_arena_room(needed: usize, (free, total): (usize, usize)) -> Result<(), String> {
+    let gb = |b: usize| b as f64 / 1e9;
+    if needed > free {
+        return Err(format!(
+            "the decode state of max_running requests of engine_num_pages x page_size tokens \
+             needs {:.2} GB on the GPU and {:.2} GB of its {:.2} GB are free after the weights; \
+             lower max_running or engine_num_pages",
+            gb(needed),
+            gb(free),
+            gb(total)
+        ));
+    }
+    Ok(())
+}
+
+/// The whole decode step on GPU 0 for `model`: its weights uploaded, arenas for
+/// `config.max_running` sequences of [`slot_tokens`] tokens.
+#[cfg(feature = "cuda")]
+fn open_cuda_decode(
+    model: &engine::model::Model,
+    config: &engine::scheduler::EngineConfig,
+) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
+    use crate::{
+        cuda::{CudaKernels, Gpu},
+        step::decoder::StepDecoder,
+    };
+    let gpu = match Gpu::open_on(0) {
+        Ok(Some(gpu)) => Arc::new(gpu),
+        Ok(None) => return Err(cuda_unavailable("no CUDA driver or device is present")),
+        Err(e) => return Err(cuda_unavailable(e)),
+    };
+    let (slots, tokens) = (config.max_running, slot_tokens(&model.config, config));
+    // The arenas are checked against what the weights left free, before they are allocated.
+    let room = |k: &CudaKernels, bytes: usize| {
+        let memory = k.gpu.memory()?;
+        check_arena_room(bytes, memory).map_err(crate::cuda::KernelError::from)
+    };
+    let decoder = StepDecoder::new("cuda", CudaKernels { gpu }, model, (slots, tokens), room)
+        .map_err(cuda_unavailable)?;
+    Ok(Box::new(decoder))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda_decode(
+    _: &engine::model::Model,
+    _: &engine::scheduler::EngineConfig,
+) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
+    Err(cuda_unavailable(
+        "this binary was built without the CUDA backend (cargo feature `cuda`)",
+    ))
 }
 
 /// A group's collectives over the GPUs `ordinals`: one NCCL communicator per rank.

@@ -18,6 +18,7 @@
 
 pub mod cpu_ops;
 pub mod decode;
+pub mod decoder;
 mod device_close;
 pub mod device_model;
 pub mod device_ops;

@@ -126,12 +126,25 @@ where
     let loaded_worker = Arc::clone(&worker_slot);
     let (engine, backend, hybrid) = (settings.engine_config(), settings.backend, settings.hybrid);
     let group = settings.group_spec();
+    // A decode worker gets every prompt's state from a prefill worker: its engine only decodes.
+    let work = match spec.role {
+        Role::Decode => kernels::backend::EngineWork::DecodeOnly,
+        _ => kernels::backend::EngineWork::All,
+    };
     let transports = settings.transport_kinds();
     let loaded = async move {
         let shown = dir.display().to_string();
         let thread = spec.engine_thread;
         let loaded = load_on_thread("pdserve-load", move || {
-            kernels::backend::start_engine(&dir, engine, thread, backend, hybrid, group, &progress)
+            kernels::backend::start_engine(
+                &dir,
+                engine,
+                thread,
+                (backend, work),
+                hybrid,
+                group,
+                &progress,
+            )
         })
         .await
         .map_err(|e| ServeError::Startup(format!("model_dir {shown}: {e}")))?;

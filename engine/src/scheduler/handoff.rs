@@ -373,6 +373,7 @@ impl Engine {
             // The prompt was computed on the prefill worker, which reported them.
             prompt_logprobs: None,
             prompt_entries: Vec::new(),
+            slot: None,
         });
         Ok(None)
     }

@@ -18,12 +18,12 @@ use crate::step::{
 };
 
 /// The decode step's ops on a GPU.
-pub type CudaStepOps<'g> = DeviceStepOps<CudaKernels<'g>>;
+pub type CudaStepOps = DeviceStepOps<CudaKernels>;
 
-/// The decode step's kernels on `gpu`.
-#[derive(Debug, Clone, Copy)]
-pub struct CudaKernels<'g> {
-    pub gpu: &'g Gpu,
+/// The decode step's kernels on `gpu` (shared: the step keeps them for as long as it serves).
+#[derive(Debug, Clone)]
+pub struct CudaKernels {
+    pub gpu: std::sync::Arc<Gpu>,
 }
 
 /// One projection of every routed expert of a layer, stacked as `exact_pairs` reads it.
@@ -78,7 +78,7 @@ fn function(
     Ok(module.load_function(name)?)
 }
 
-impl Kernels for CudaKernels<'_> {
+impl Kernels for CudaKernels {
     type Error = KernelError;
     type F = CudaSlice<f32>;
     type I = CudaSlice<i32>;

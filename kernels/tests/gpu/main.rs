@@ -10,6 +10,7 @@ mod attn_decode_fp8;
 mod attn_exact;
 mod compress;
 mod cuda_backend;
+mod decoder;
 mod device_pages;
 mod exact_gemv;
 mod fp4_gemv;

@@ -8,6 +8,8 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
+use std::sync::Arc;
+
 use engine::{
     config::ExpertFormat,
     model::{Logits, Model, SequenceState},
@@ -35,7 +37,7 @@ fn same(a: &[f32], b: &[f32]) -> bool {
             .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
 }
 
-fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], steps: usize) {
+fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize], steps: usize) {
     let dir = std::env::temp_dir().join(format!(
         "pdserve-gpu-step-{}-{preset:?}-{format:?}",
         std::process::id()
@@ -60,9 +62,15 @@ fn check(gpu: &Gpu, preset: Preset, format: ExpertFormat, lengths: &[usize], ste
 }
 
 /// The step on the GPU against the engine for `model`; prints both step times.
-fn check_model(gpu: &Gpu, model: &Model, what: &str, lengths: &[usize], steps: usize) {
+fn check_model(gpu: &Arc<Gpu>, model: &Model, what: &str, lengths: &[usize], steps: usize) {
     let c = &model.config;
-    let ops = CudaStepOps::new(CudaKernels { gpu }, model).unwrap();
+    let ops = CudaStepOps::new(
+        CudaKernels {
+            gpu: Arc::clone(gpu),
+        },
+        model,
+    )
+    .unwrap();
     let slots = lengths.len() + 1;
     let most = lengths.iter().max().unwrap() + steps + 1;
     let layout = StateLayout::new(c, slots, most);
@@ -113,6 +121,7 @@ fn gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit() {
     else {
         return;
     };
+    let gpu = Arc::new(gpu);
     for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
         // Empty, short, past the indexer's top-k, closing the first HCA window (ratio 128).
         check(&gpu, Preset::Tiny, format, &[0, 3, 23, 126], 4);
@@ -133,6 +142,7 @@ fn gpu_decode_step_of_flash_shape() {
     let Some(gpu) = Gpu::for_test("gpu_decode_step_of_flash_shape") else {
         return;
     };
+    let gpu = Arc::new(gpu);
     let dir = std::env::temp_dir().join(format!("pdserve-gpu-flash-{}", std::process::id()));
     generate(&GenerateOptions {
         preset: Preset::FlashShape(FlashShape::new(4, 16).unwrap()),

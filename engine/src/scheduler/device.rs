@@ -1,0 +1,315 @@
+//! Decoding on a device that keeps the sequences' state between steps. With a
+//! [`DecodeDevice`] attached ([`Engine::set_decode_device`]), a request's prompt is computed
+//! here as always; when it starts decoding (its prompt computed here, or its state written by a
+//! prefill worker and committed), its state is read from its pages once and loaded into a slot
+//! of the device, and from then on every decode token of it steps on the device: nothing of its
+//! state crosses back, only the token in and the logits out, which are sampled here exactly as
+//! the host forward's would be. Its pages stay reserved (they hold its prompt) and its decoded
+//! blocks are not offered to the prefix cache (their rows live on the device only).
+//!
+//! A device is checked against the engine's own forward pass: [`HostDecodeDevice`] is that
+//! reference behind the same trait (states on the host, the engine's `forward_batch`), and a
+//! device's engine must produce the same events as an engine without one.
+
+use std::fmt;
+
+use super::{Engine, EngineError, Event, StepError};
+use crate::{
+    model::{Logits, Model, SequenceState, Step},
+    paged::layout::KvStorage,
+};
+
+pub use crate::backend::DeviceError;
+
+/// One sequence of a decode step: the sequence in slot `slot`, `len` tokens long, steps with
+/// `token` (at position `len`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeSeat {
+    pub slot: usize,
+    pub len: usize,
+    pub token: u32,
+}
+
+/// A device that holds sequences' state in slots and runs whole decode steps over them.
+pub trait DecodeDevice: Send + fmt::Debug {
+    /// What steps, for logs and errors ("cuda").
+    fn name(&self) -> &str;
+
+    /// Sequences it holds at once.
+    fn slots(&self) -> usize;
+
+    /// The longest a sequence's state may grow (tokens).
+    fn max_tokens(&self) -> usize;
+
+    /// Puts `state` into slot `slot`, replacing what it held.
+    fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError>;
+
+    /// One decode step over `seats`: each sequence's logits (`vocab_size` values), in order.
+    /// After an error the seated sequences' states are lost.
+    fn step(&mut self, seats: &[DecodeSeat]) -> Result<Vec<Vec<f32>>, DeviceError>;
+
+    /// The state of the `len`-token sequence in slot `slot`, in the engine's form.
+    fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError>;
+}
+
+/// An attached device and its free slots.
+#[derive(Debug)]
+pub(super) struct OnDevice {
+    device: Box<dyn DecodeDevice>,
+    /// Free slots, the next one last.
+    free: Vec<usize>,
+}
+
+impl Engine {
+    /// Steps every decode token on `device` from now on (prompts still compute here). Refused
+    /// when the device cannot hold every request the engine runs at once, or the longest one,
+    /// when the engine's state rows are stored lossy (FP8: the host forward would read rows the
+    /// device never rounded), when its model is one rank of a group, or while requests run.
+    pub fn set_decode_device(&mut self, device: Box<dyn DecodeDevice>) -> Result<(), EngineError> {
+        let refuse = |why: String| Err(EngineError::Device(format!("{}: {why}", device.name())));
+        if self.config.kv != KvStorage::F32 {
+            return refuse(
+                "decode steps on the device keep their state rows in f32; kv_cache_dtype fp8 \
+                 needs the host forward (hybrid = true)"
+                    .to_owned(),
+            );
+        }
+        if self.model.expert_parallel().is_some()
+            || self.model.tensor_parallel().is_some()
+            || self.model.sliced_experts().is_some()
+        {
+            return refuse(
+                "a rank of a group steps with its group's collectives on the host forward \
+                 (hybrid = true)"
+                    .to_owned(),
+            );
+        }
+        if device.slots() < self.config.max_running {
+            return refuse(format!(
+                "{} slots for max_running {}",
+                device.slots(),
+                self.config.max_running
+            ));
+        }
+        let longest = (self.config.num_pages as usize * self.config.page_size)
+            .min(self.model.config.max_position_embeddings);
+        if device.max_tokens() < longest {
+            return refuse(format!(
+                "slots of {} tokens, and a request may reach {longest}",
+                device.max_tokens()
+            ));
+        }
+        if !self.running.is_empty() {
+            return refuse("requests are running".to_owned());
+        }
+        let free = (0..device.slots()).rev().collect();
+        self.device = Some(OnDevice { device, free });
+        Ok(())
+    }
+
+    /// The attached decode device's name, if one is attached.
+    pub fn decode_device(&self) -> Option<&str> {
+        self.device.as_ref().map(|d| d.device.name())
+    }
+
+    /// The state of running request `id` as the device holds it, when it decodes there.
+    pub fn device_state(&mut self, id: u64) -> Option<Result<SequenceState, DeviceError>> {
+        let r = self.running.iter().find(|r| r.id == id)?;
+        let (slot, len) = (r.slot?, r.seq.len);
+        Some(self.device.as_mut()?.device.read(slot, len))
+    }
+
+    /// Returns a finished request's slot.
+    pub(super) fn free_slot(&mut self, slot: Option<usize>) {
+        if let (Some(slot), Some(d)) = (slot, self.device.as_mut()) {
+            d.free.push(slot);
+        }
+    }
+
+    /// One decode token of each running request of `seated` on the device: those not there yet
+    /// are loaded first (their state read from their pages), the logits come back and are
+    /// sampled here. A failed load fails its request; a failed step fails every request of it.
+    pub(super) fn device_step(
+        &mut self,
+        seated: &[usize],
+        events: &mut Vec<Event>,
+        failed: &mut Vec<(usize, StepError)>,
+    ) {
+        let Some(d) = self.device.as_mut() else {
+            let e = StepError::Forward("no decode device is attached".to_owned());
+            failed.extend(seated.iter().map(|&i| (i, e.clone())));
+            return;
+        };
+        let mut seats = Vec::with_capacity(seated.len());
+        let mut stepping = Vec::with_capacity(seated.len());
+        for &i in seated {
+            let r = &mut self.running[i];
+            if r.slot.is_none() {
+                let Some(slot) = d.free.pop() else {
+                    failed.push((i, StepError::Forward("no free decode slot".to_owned())));
+                    continue;
+                };
+                let loaded = self
+                    .store
+                    .gather(&r.seq)
+                    .map_err(StepError::from)
+                    .and_then(|state| {
+                        d.device.load(slot, &state).map_err(|e| {
+                            StepError::Forward(format!("{}: loading a state: {e}", d.device.name()))
+                        })
+                    });
+                match loaded {
+                    Ok(()) => r.slot = Some(slot),
+                    Err(e) => {
+                        d.free.push(slot);
+                        failed.push((i, e));
+                        continue;
+                    }
+                }
+            }
+            let (Some(slot), Some(&token)) = (r.slot, r.tokens.get(r.seq.len)) else {
+                failed.push((i, StepError::Forward("no token to decode".to_owned())));
+                continue;
+            };
+            seats.push(DecodeSeat {
+                slot,
+                len: r.seq.len,
+                token,
+            });
+            stepping.push(i);
+        }
+        if stepping.is_empty() {
+            return;
+        }
+        let vocab = self.model.config.vocab_size;
+        let name = d.device.name().to_owned();
+        let logits = match d.device.step(&seats) {
+            Ok(rows) if rows.len() == seats.len() && rows.iter().all(|r| r.len() == vocab) => rows,
+            Ok(rows) => {
+                let e = StepError::Forward(format!(
+                    "{name} decode step: {} logit rows for {} sequences, not all of {vocab}",
+                    rows.len(),
+                    seats.len()
+                ));
+                failed.extend(stepping.iter().map(|&i| (i, e.clone())));
+                return;
+            }
+            Err(e) => {
+                let e = StepError::Forward(format!("{name} decode step: {e}"));
+                failed.extend(stepping.iter().map(|&i| (i, e.clone())));
+                return;
+            }
+        };
+        // A device's result is checked where it enters, as a backend's op is: a non-finite
+        // logit fails its request (the sampler would mask it and answer anyway).
+        let mut rows: Vec<(usize, Option<&[f32]>)> = Vec::with_capacity(stepping.len());
+        for (&i, row) in stepping.iter().zip(&logits) {
+            match row.iter().position(|v| !v.is_finite()) {
+                None => rows.push((i, Some(row.as_slice()))),
+                Some(at) => failed.push((
+                    i,
+                    StepError::Forward(format!("{name} decode step: non-finite logit at {at}")),
+                )),
+            }
+        }
+        let sampled = self.sample_all(&rows);
+        for (&(i, _), sampled) in rows.iter().zip(sampled) {
+            // Its rows are on the device: the pages reserved for them stay unwritten.
+            self.running[i].seq.len += 1;
+            if let Err(e) = self.take_sampled(i, sampled, events) {
+                failed.push((i, e));
+            }
+        }
+    }
+}
+
+/// The reference decode device: each slot's state on the host, each step the engine's own
+/// forward pass (`Model::forward_batch`). What a device is checked against, and a device for
+/// tests of the engine's side of the seam.
+#[derive(Debug)]
+pub struct HostDecodeDevice {
+    model: Model,
+    states: Vec<Option<SequenceState>>,
+    max_tokens: usize,
+}
+
+impl HostDecodeDevice {
+    /// `slots` sequences of at most `max_tokens` tokens, stepped by `model`.
+    pub fn new(model: Model, slots: usize, max_tokens: usize) -> Self {
+        Self {
+            model,
+            states: vec![None; slots],
+            max_tokens,
+        }
+    }
+}
+
+impl DecodeDevice for HostDecodeDevice {
+    fn name(&self) -> &'static str {
+        "host reference"
+    }
+
+    fn slots(&self) -> usize {
+        self.states.len()
+    }
+
+    fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError> {
+        let held = self
+            .states
+            .get_mut(slot)
+            .ok_or_else(|| DeviceError::device(format!("no slot {slot}")))?;
+        *held = Some(state.clone());
+        Ok(())
+    }
+
+    fn step(&mut self, seats: &[DecodeSeat]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let mut taken = Vec::with_capacity(seats.len());
+        for seat in seats {
+            let state = self
+                .states
+                .get_mut(seat.slot)
+                .and_then(Option::take)
+                .filter(|s| s.len == seat.len)
+                .ok_or_else(|| {
+                    DeviceError::device(format!(
+                        "slot {} holds no sequence of {} tokens",
+                        seat.slot, seat.len
+                    ))
+                })?;
+            taken.push(state);
+        }
+        let out = {
+            let mut batch: Vec<Step<'_>> = taken
+                .iter_mut()
+                .zip(seats)
+                .map(|(state, seat)| Step {
+                    state,
+                    tokens: std::slice::from_ref(&seat.token),
+                    logits: Logits::Last,
+                })
+                .collect();
+            self.model.forward_batch(&mut batch)
+        };
+        let out = out.map_err(DeviceError::device)?;
+        for (state, seat) in taken.into_iter().zip(seats) {
+            self.states[seat.slot] = Some(state);
+        }
+        Ok(out
+            .into_iter()
+            .map(|mut rows| rows.pop().unwrap_or_default())
+            .collect())
+    }
+
+    fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {
+        self.states
+            .get(slot)
+            .and_then(Option::as_ref)
+            .filter(|s| s.len == len)
+            .map(|s| s.normalized(&self.model.config))
+            .ok_or_else(|| DeviceError::device(format!("slot {slot} holds no {len}-token state")))
+    }
+}

@@ -1,0 +1,276 @@
+//! [`StepDecoder`]: the device decode step as the engine's [`DecodeDevice`], so a worker's
+//! scheduler steps its decode tokens on the device: the weights uploaded once, the sequences'
+//! state in the arenas of a [`StateLayout`] (a slot per running request), each step's tokens
+//! in and logits out. Over [`super::emulated::EmulatedKernels`] it is what CI checks the
+//! scheduler's use of a device with; over `cuda::CudaKernels` it is a GPU decode worker.
+
+use engine::{
+    config::ModelConfig,
+    model::{Model, SequenceState},
+    scheduler::{DecodeDevice, DecodeSeat, DeviceError},
+};
+
+use super::{
+    decode::{Seat, decode_step},
+    device_ops::DeviceStepOps,
+    kernels::Kernels,
+    layout::StateLayout,
+};
+
+/// The decode step over `K`'s kernels with the state of `slots` sequences on the device.
+pub struct StepDecoder<K: Kernels> {
+    name: String,
+    ops: DeviceStepOps<K>,
+    config: ModelConfig,
+    layout: StateLayout,
+    arenas: Vec<K::F>,
+}
+
+impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepDecoder")
+            .field("name", &self.name)
+            .field("slots", &self.layout.slots)
+            .field("tokens", &self.layout.tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Bytes of the arenas holding `slots` sequences of at most `tokens` tokens of a model
+/// configured by `c` (what a device needs for the state beside the weights).
+pub fn arena_bytes(c: &ModelConfig, slots: usize, tokens: usize) -> usize {
+    let layout = StateLayout::new(c, slots, tokens);
+    (0..c.layers.len()).map(|l| 4 * layout.arena_len(l)).sum()
+}
+
+impl<K: Kernels> StepDecoder<K> {
+    /// Uploads `model`'s weights through `k` and allocates the arenas of `slots` sequences of
+    /// at most `tokens` tokens each, once `room` (given the kernels and the arenas' bytes) says
+    /// they fit; `name` names the device in logs and errors.
+    pub fn new(
+        name: &str,
+        k: K,
+        model: &Model,
+        (slots, tokens): (usize, usize),
+        room: impl FnOnce(&K, usize) -> Result<(), K::Error>,
+    ) -> Result<Self, K::Error> {
+        let ops = DeviceStepOps::new(k, model)?;
+        room(ops.kernels(), arena_bytes(&model.config, slots, tokens))?;
+        let layout = StateLayout::new(&model.config, slots, tokens);
+        let arenas = layout.arenas(&ops)?;
+        Ok(Self {
+            name: name.to_owned(),
+            ops,
+            config: model.config.clone(),
+            layout,
+            arenas,
+        })
+    }
+
+    /// The kernels it launches.
+    pub fn kernels(&self) -> &K {
+        self.ops.kernels()
+    }
+}
+
+impl<K: Kernels> DecodeDevice for StepDecoder<K>
+where
+    StepDecoder<K>: Send,
+{
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn slots(&self) -> usize {
+        self.layout.slots
+    }
+
+    fn max_tokens(&self) -> usize {
+        self.layout.tokens
+    }
+
+    fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError> {
+        self.layout
+            .load(&self.ops, &mut self.arenas, slot, state)
+            .map_err(DeviceError::device)
+    }
+
+    fn step(&mut self, seats: &[DecodeSeat]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let mut at: Vec<Seat> = seats
+            .iter()
+            .map(|s| Seat {
+                slot: s.slot,
+                len: s.len,
+            })
+            .collect();
+        let tokens: Vec<u32> = seats.iter().map(|s| s.token).collect();
+        decode_step(
+            &self.ops,
+            &self.config,
+            &self.layout,
+            &mut self.arenas,
+            &mut at,
+            &tokens,
+        )
+        .map_err(DeviceError::device)
+    }
+
+    fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {
+        if slot >= self.layout.slots || len > self.layout.tokens {
+            return Err(DeviceError::device(format!(
+                "no {len}-token state in slot {slot} of {}",
+                self.layout.slots
+            )));
+        }
+        self.layout
+            .read(&self.ops, &self.arenas, slot, len)
+            .map_err(DeviceError::device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use engine::{
+        config::ExpertFormat,
+        paged::layout::KvStorage,
+        sampling::{SamplingParams, StopConditions},
+        scheduler::{Engine, EngineConfig, Event, GenerationRequest},
+        synth::{GenerateOptions, Preset, Rng, generate},
+    };
+
+    use super::*;
+    use crate::step::emulated::EmulatedKernels;
+
+    fn config() -> EngineConfig {
+        EngineConfig {
+            page_size: 16,
+            num_pages: 24,
+            max_running: 3,
+            max_batch_tokens: 48,
+            kv: KvStorage::F32,
+            prefix_cache: true,
+        }
+    }
+
+    fn requests(vocab: usize) -> Vec<GenerationRequest> {
+        let mut rng = Rng::for_tensor(9, "decoder");
+        (0..4u64)
+            .map(|id| GenerationRequest {
+                id,
+                prompt: (0..[2, 21, 7, 40][id as usize])
+                    .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                    .collect(),
+                sampling: SamplingParams {
+                    temperature: [0.0, 0.9][id as usize % 2],
+                    seed: Some(id + 3),
+                    logprobs: true,
+                    top_logprobs: 2,
+                    ..SamplingParams::default()
+                },
+                stop: StopConditions {
+                    max_tokens: [6, 3, 9, 5][id as usize],
+                    min_tokens: 0,
+                    stop_token_ids: vec![],
+                    ignore_eos: true,
+                    eos_token_ids: vec![],
+                },
+            })
+            .collect()
+    }
+
+    /// Three requests, a fourth arriving once they decode.
+    fn run(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Event> {
+        let mut events = Vec::new();
+        for r in &requests[..3] {
+            engine.add(r.clone()).unwrap();
+        }
+        for _ in 0..3 {
+            events.extend(engine.step());
+        }
+        engine.add(requests[3].clone()).unwrap();
+        events.extend(engine.run_to_completion());
+        events
+    }
+
+    /// A scheduler decoding on the device step (over the kernels' CPU references) produces
+    /// the events of one decoding with the host forward: every token, its log-probabilities,
+    /// the finishes; slots are reused (4 requests through 3) and the state read back from a
+    /// slot is the engine's.
+    #[test]
+    fn an_engine_decoding_on_the_device_step_gives_the_host_forwards_events() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 4,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let model = Model::load(dir.path()).unwrap();
+        let c = config();
+        let tokens = c.num_pages as usize * c.page_size;
+        let requests = requests(model.config.vocab_size);
+        let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();
+        let want = run(&mut host, &requests);
+        let kernels = EmulatedKernels::new(&model.config);
+        let decoder =
+            StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
+        let mut engine = Engine::new(model.replica(), c.clone(), "t").unwrap();
+        engine.set_decode_device(Box::new(decoder)).unwrap();
+        let got = run(&mut engine, &requests);
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g, w);
+        }
+        assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
+        let finished = want
+            .iter()
+            .filter(|e| matches!(e, Event::Finished { .. }))
+            .count();
+        assert_eq!(finished, 4);
+        let store = engine.store();
+        assert_eq!(store.pages().used_count(), store.prefix().len());
+
+        // Mid-run, a slot holds the state the engine's forward reached.
+        let mut engine = Engine::new(model.replica(), c.clone(), "t").unwrap();
+        let kernels = EmulatedKernels::new(&model.config);
+        let decoder =
+            StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
+        engine.set_decode_device(Box::new(decoder)).unwrap();
+        let req = &requests[2];
+        engine.add(req.clone()).unwrap();
+        for _ in 0..3 {
+            let _ = engine.step();
+        }
+        let held = engine.device_state(req.id).unwrap().unwrap();
+        let mut state = model.new_state();
+        let mut fed = req.prompt.clone();
+        fed.extend(
+            want.iter()
+                .filter_map(|e| match e {
+                    Event::Token { id, sampled, .. } if *id == req.id => Some(sampled.token),
+                    _ => None,
+                })
+                .take(held.len - req.prompt.len()),
+        );
+        model
+            .forward(&mut state, &fed, engine::model::Logits::None)
+            .unwrap();
+        assert_eq!(held, state.normalized(&model.config));
+    }
+
+    /// The arenas' bytes: the window ring of every layer, the compressors' rows at their
+    /// ratios, per slot.
+    #[test]
+    fn arena_bytes_count_every_slot() {
+        let c = Preset::Tiny.config(ExpertFormat::Nvfp4);
+        let one = arena_bytes(&c, 1, 256);
+        assert_eq!(arena_bytes(&c, 5, 256), 5 * one);
+        assert!(
+            arena_bytes(&c, 1, 512) > one,
+            "compressed rows grow with length"
+        );
+        assert!(one >= 4 * c.layers.len() * c.sliding_window * c.head_dim);
+    }
+}

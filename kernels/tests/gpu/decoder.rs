@@ -1,0 +1,100 @@
+//! A scheduler decoding on the GPU (`StepDecoder` over `CudaKernels`: what a decode worker
+//! with `backend = "cuda"` runs) gives the events of one decoding with the engine's host
+//! forward: every token, its log-probabilities, the finishes, with requests arriving while
+//! others decode and slots reused. The same check over the kernels' CPU references runs in CI
+//! (`step::decoder`), so a failure here is a kernel that differs from its reference. Skips
+//! without a GPU (fails under `PDSERVE_REQUIRE_GPU=1`).
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used, reason = "test code")]
+
+use std::sync::Arc;
+
+use engine::{
+    config::ExpertFormat,
+    model::Model,
+    paged::layout::KvStorage,
+    sampling::{SamplingParams, StopConditions},
+    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
+    synth::{GenerateOptions, Preset, Rng, generate},
+};
+use kernels::{
+    cuda::{CudaKernels, Gpu},
+    step::decoder::StepDecoder,
+};
+
+fn run(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Event> {
+    let mut events = Vec::new();
+    for r in &requests[..3] {
+        engine.add(r.clone()).unwrap();
+    }
+    for _ in 0..3 {
+        events.extend(engine.step());
+    }
+    for r in &requests[3..] {
+        engine.add(r.clone()).unwrap();
+    }
+    events.extend(engine.run_to_completion());
+    events
+}
+
+#[test]
+fn gpu_decoding_engine_gives_the_host_forwards_events() {
+    let Some(gpu) = Gpu::for_test("gpu_decoding_engine_gives_the_host_forwards_events") else {
+        return;
+    };
+    let gpu = Arc::new(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 4,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages: 32,
+        max_running: 3,
+        max_batch_tokens: 64,
+        kv: KvStorage::F32,
+        prefix_cache: true,
+    };
+    let mut rng = Rng::for_tensor(9, "gpu-decoder");
+    let requests: Vec<GenerationRequest> = (0..5u64)
+        .map(|id| GenerationRequest {
+            id,
+            prompt: (0..[2, 21, 7, 40, 130][id as usize])
+                .map(|_| (rng.next_u64() % model.config.vocab_size as u64) as u32)
+                .collect(),
+            sampling: SamplingParams {
+                temperature: [0.0, 0.9][id as usize % 2],
+                seed: Some(id + 3),
+                logprobs: true,
+                top_logprobs: 2,
+                ..SamplingParams::default()
+            },
+            stop: StopConditions {
+                max_tokens: [6, 3, 9, 5, 12][id as usize],
+                min_tokens: 0,
+                stop_token_ids: vec![],
+                ignore_eos: true,
+                eos_token_ids: vec![],
+            },
+        })
+        .collect();
+    let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
+    let want = run(&mut host, &requests);
+    let tokens = config.num_pages as usize * config.page_size;
+    let kernels = CudaKernels { gpu };
+    let decoder = StepDecoder::new("cuda", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
+    let mut engine = Engine::new(model.replica(), config, "t").unwrap();
+    engine.set_decode_device(Box::new(decoder)).unwrap();
+    let got = run(&mut engine, &requests);
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g, w);
+    }
+    assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
+}
