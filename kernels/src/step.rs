@@ -192,6 +192,8 @@ pub trait StepOps {
     type Buf;
     type Idx;
 
+    /// A step starts (what the ops keep for one step only, they drop here).
+    fn begin_step(&self) {}
     /// A buffer of `len` NaNs.
     fn alloc(&self, len: usize) -> Result<Self::Buf, Self::Error>;
     /// Host values into `buf` at `offset` (loading state; not used within a step).

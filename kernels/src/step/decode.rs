@@ -49,6 +49,7 @@ pub fn decode_step<O: StepOps>(
     if n == 0 {
         return Ok(Vec::new());
     }
+    ops.begin_step();
     let d = c.hidden_size;
     let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     let ids = ops.put_idx(&ids)?;

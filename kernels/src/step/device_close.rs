@@ -52,7 +52,7 @@ pub(super) fn close_windows<K: Kernels>(
         ops.copy_rows(arena, &from, &mut prev_kv, &to, slices)?;
         ops.copy_rows(arena, &from_gate, &mut prev_gate, &to, slices)?;
     }
-    let d_has = ops.k.upload_i(&has_prev)?;
+    let d_has = ops.plan_i(&has_prev)?;
     let spec = PoolSpec {
         windows: m,
         ratio,
@@ -121,7 +121,7 @@ pub(super) fn index_select<K: Kernels>(
         .map(|a| i32::try_from(a.visible).map_err(|_| "index_select: visible rows".to_owned()))
         .collect::<Result<_, _>>()?;
     let max_keys = at.iter().map(|a| a.visible).max().unwrap_or(0).max(1);
-    let (d_starts, d_visible) = (ops.k.upload_l(&starts)?, ops.k.upload_i(&visible)?);
+    let (d_starts, d_visible) = (ops.plan_l(&starts)?, ops.plan_i(&visible)?);
     let mut scores = ops.alloc(n * max_keys)?;
     let spec = ScoreSpec {
         tokens: n,
@@ -210,7 +210,7 @@ pub(super) fn expert_pairs<K: Kernels>(
         );
     }
     let pair_token: Vec<i32> = (0..pairs).map(|p| (p / per) as i32).collect();
-    let d_token = ops.k.upload_i(&pair_token)?;
+    let d_token = ops.plan_i(&pair_token)?;
     ops.k
         .exact_pairs(stack, (&d_token, experts), x, pairs, &mut y)?;
     Ok(y)

@@ -7,7 +7,7 @@
 //! kernels' CPU references ([`super::emulated::EmulatedKernels`], in CI), so the plans and
 //! launches are tested here and each kernel against its reference on a GPU.
 
-use std::{cell::RefCell, ops::Range};
+use std::{cell::RefCell, collections::HashMap, ops::Range, sync::Arc};
 
 use engine::{config::ModelConfig, model::Model, rope::Rope};
 
@@ -31,6 +31,24 @@ pub struct DeviceStepOps<K: Kernels> {
     rotations: RefCell<Vec<Rotation<K>>>,
     /// One value, for the table and weight a launch without rotation or weight does not read.
     unused: K::F,
+    /// The read-only plans (row offsets, counts) uploaded this step, by content: every layer
+    /// of a kind has the same arena layout, so its plans are the same and go up once a step.
+    plans: RefCell<Plans<K>>,
+}
+
+/// Plans uploaded this step, by their values.
+struct Plans<K: Kernels> {
+    l: HashMap<Vec<i64>, Arc<K::L>>,
+    i: HashMap<Vec<i32>, Arc<K::I>>,
+}
+
+impl<K: Kernels> Default for Plans<K> {
+    fn default() -> Self {
+        Self {
+            l: HashMap::new(),
+            i: HashMap::new(),
+        }
+    }
 }
 
 /// A rotation table on the device: its table and rows' positions, its (sin, cos) values.
@@ -66,7 +84,34 @@ impl<K: Kernels> DeviceStepOps<K> {
             model: device,
             rotations: RefCell::new(Vec::new()),
             unused,
+            plans: RefCell::new(Plans::default()),
         })
+    }
+
+    /// `values` as a read-only plan on the device: uploaded once a step (kernels only read it).
+    pub(super) fn plan_l(&self, values: &[i64]) -> Result<Arc<K::L>, K::Error> {
+        if let Some(kept) = self.plans.borrow().l.get(values) {
+            return Ok(Arc::clone(kept));
+        }
+        let up = Arc::new(self.k.upload_l(values)?);
+        self.plans
+            .borrow_mut()
+            .l
+            .insert(values.to_vec(), Arc::clone(&up));
+        Ok(up)
+    }
+
+    /// [`Self::plan_l`] for i32 values.
+    pub(super) fn plan_i(&self, values: &[i32]) -> Result<Arc<K::I>, K::Error> {
+        if let Some(kept) = self.plans.borrow().i.get(values) {
+            return Ok(Arc::clone(kept));
+        }
+        let up = Arc::new(self.k.upload_i(values)?);
+        self.plans
+            .borrow_mut()
+            .i
+            .insert(values.to_vec(), Arc::clone(&up));
+        Ok(up)
     }
 
     /// The index in `rotations` of the (sin, cos) table of `kind` at `positions`, uploaded if
@@ -134,7 +179,7 @@ impl<K: Kernels> DeviceStepOps<K> {
         if from.is_empty() || width == 0 {
             return Ok(());
         }
-        let (d_from, d_to) = (self.k.upload_l(from)?, self.k.upload_l(to)?);
+        let (d_from, d_to) = (self.plan_l(from)?, self.plan_l(to)?);
         self.k
             .copy_rows(src, &d_from, dst, &d_to, width, from.len())
     }
@@ -144,6 +189,10 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
     type Error = K::Error;
     type Buf = K::F;
     type Idx = K::I;
+
+    fn begin_step(&self) {
+        *self.plans.borrow_mut() = Plans::default();
+    }
 
     fn alloc(&self, len: usize) -> Result<K::F, K::Error> {
         let mut buf = self.k.zeros(len.max(1))?;
@@ -436,8 +485,12 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         {
             return Err("attend: a key outside the arena".to_owned().into());
         }
-        let mut d_offsets = self.k.upload_l(&non_empty(&plan.offsets))?;
-        if !plan.fills.is_empty() {
+        // Offsets the indexer's choice fills in are written on the device: their own buffer.
+        let offsets = non_empty(&plan.offsets);
+        let d_offsets = if plan.fills.is_empty() {
+            self.plan_l(&offsets)?
+        } else {
+            let mut d_offsets = self.k.upload_l(&offsets)?;
             let (idx, k) = chosen.ok_or_else(|| "attend: a choice without indices".to_owned())?;
             if K::i_len(idx) < n * k {
                 return Err("attend: the choice is short".to_owned().into());
@@ -445,9 +498,9 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             let column = |f: fn(&Fill) -> i64| -> Vec<i64> { plan.fills.iter().map(f).collect() };
             let tokens: Vec<i32> = plan.fills.iter().map(|f| f.token as i32).collect();
             let counts: Vec<i32> = plan.fills.iter().map(|f| f.count as i32).collect();
-            let (d_tokens, d_counts) = (self.k.upload_i(&tokens)?, self.k.upload_i(&counts)?);
-            let d_starts = self.k.upload_l(&column(|f| f.at))?;
-            let d_bases = self.k.upload_l(&column(|f| f.base))?;
+            let (d_tokens, d_counts) = (self.plan_i(&tokens)?, self.plan_i(&counts)?);
+            let d_starts = self.plan_l(&column(|f| f.at))?;
+            let d_bases = self.plan_l(&column(|f| f.base))?;
             self.k.chosen_offsets(
                 idx,
                 k,
@@ -456,8 +509,9 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
                 plan.fills.len(),
                 &mut d_offsets,
             )?;
-        }
-        let d_starts = self.k.upload_l(&plan.starts)?;
+            Arc::new(d_offsets)
+        };
+        let d_starts = self.plan_l(&plan.starts)?;
         let sinks = at_layer(&self.model.sinks, layer)?;
         if K::f_len(sinks) < heads {
             return Err("attend: fewer sinks than heads".to_owned().into());
