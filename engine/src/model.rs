@@ -35,6 +35,8 @@ pub struct Model {
     tensor_parallel: Option<std::sync::Arc<crate::parallel::tensor::TensorParallel>>,
     /// This rank's slice of every routed expert (expert tensor parallelism).
     sliced_experts: Option<std::sync::Arc<crate::parallel::sliced::SlicedExperts>>,
+    /// How K=V rows are stored: each is rounded to it as it is computed ([`Self::set_kv_storage`]).
+    kv_rows: crate::paged::layout::RowFormat,
 }
 
 /// Everything a sequence carries from one forward call to the next.
@@ -113,14 +115,31 @@ impl Model {
             expert_parallel: None,
             tensor_parallel: None,
             sliced_experts: None,
+            kv_rows: crate::paged::layout::RowFormat::F32,
         }
     }
 
     /// Another copy of this model for another rank: the same weights (borrowed from the same
-    /// mapping; small owned tensors copied), no backend and no expert parallelism attached.
+    /// mapping; small owned tensors copied) and K=V row storage, no backend and no expert
+    /// parallelism attached.
     #[must_use]
     pub fn replica(&self) -> Self {
-        Self::new(self.config.clone(), self.weights.clone())
+        let mut copy = Self::new(self.config.clone(), self.weights.clone());
+        copy.kv_rows = self.kv_rows;
+        copy
+    }
+
+    /// Stores K=V rows as `kv` says: from now on each window, CSA and HCA row is rounded to its
+    /// stored form as it is computed, before any attention reads it, so what a token computes
+    /// does not depend on how its prompt was cut into chunks (nor, through the chunk budget,
+    /// on the other requests of a batch). F32 (the default) leaves rows as computed.
+    pub fn set_kv_storage(&mut self, kv: crate::paged::layout::KvStorage) {
+        self.kv_rows = crate::paged::layout::RowFormat::for_kv(&self.config, kv);
+    }
+
+    /// The stored form K=V rows are rounded to.
+    pub fn kv_rows(&self) -> crate::paged::layout::RowFormat {
+        self.kv_rows
     }
 
     /// Hands the ops `backend` runs to it. Ops it does not run stay on the CPU reference, which
@@ -295,6 +314,7 @@ impl Model {
         let ropes = attention::Ropes {
             main: &self.main_rope,
             compress: &self.compress_rope,
+            kv_rows: self.kv_rows,
         };
         for (i, layer) in w.layers.iter().enumerate() {
             let (mixes, inputs): (Vec<_>, Vec<_>) = hyper::pre_many(&streams, &layer.hc_attn, c)

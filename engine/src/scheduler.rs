@@ -229,7 +229,12 @@ impl std::fmt::Debug for StepObserver {
 }
 
 impl Engine {
-    pub fn new(model: Model, config: EngineConfig, fingerprint: &str) -> Result<Self, EngineError> {
+    pub fn new(
+        mut model: Model,
+        config: EngineConfig,
+        fingerprint: &str,
+    ) -> Result<Self, EngineError> {
+        model.set_kv_storage(config.kv);
         let layout = StateLayout::new(&model.config, config.page_size, config.kv, fingerprint)?;
         let mut store = PagedStore::new(
             &model.config,

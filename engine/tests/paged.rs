@@ -105,9 +105,18 @@ fn fp8_kv_storage_stays_close() {
     let plain = model
         .forward(&mut plain_state, &prompt, Logits::All)
         .unwrap();
+    // The model rounds its K=V rows to the stored form as it computes them: in one call, or
+    // through the store in chunks, the same values.
+    let mut rounding = model.replica();
+    rounding.set_kv_storage(KvStorage::Fp8);
+    let mut rounded_state = rounding.new_state();
+    let rounded = rounding
+        .forward(&mut rounded_state, &prompt, Logits::All)
+        .unwrap();
     let layout = StateLayout::new(&model.config, 64, KvStorage::Fp8, "t").unwrap();
     let mut store = PagedStore::new(&model.config, layout, 8, 1);
-    let paged = run_paged(&model, &mut store, &prompt, &[150, 1]);
+    let paged = run_paged(&rounding, &mut store, &prompt, &[150, 1]);
+    assert!(paged == rounded, "storing rounded rows loses nothing more");
     let mut agree = 0;
     for (p, q) in paged.iter().zip(&plain) {
         let argmax = |v: &Vec<f32>| {
@@ -118,10 +127,11 @@ fn fp8_kv_storage_stays_close() {
         };
         agree += usize::from(argmax(p) == argmax(q));
     }
-    // Positions before the first FP8 round trip are exact; later ones drift a little.
-    assert!(paged[..150] == plain[..150]);
+    // Every position reads rounded rows: close to f32, not equal. The synthetic model's
+    // weights are random, so FP8 rows move its top token at some positions (161 of 200 agree).
+    assert!(paged != plain);
     assert!(
-        agree >= paged.len() * 9 / 10,
+        agree >= paged.len() * 3 / 4,
         "top-1 agreement {agree}/{}",
         paged.len()
     );

@@ -422,3 +422,49 @@ fn constrained_requests_in_one_batch_equal_solo_runs() {
     );
     assert_eq!(tokens_by_id(&events), solo);
 }
+
+/// With FP8 K=V rows a request's tokens and log-probabilities do not depend on how its prompt
+/// is cut into chunks: not on the step budget, nor (through it) on the other requests of the
+/// batch. Each row is rounded to its stored form as it is computed; rounding only when a
+/// chunk's rows were stored gave a token its neighbours' rows exact inside its own chunk and
+/// rounded across chunks, and greedy tokens that changed with the budget.
+#[test]
+fn fp8_rows_give_a_request_the_same_tokens_however_its_prompt_is_chunked() {
+    let (_dir, model) = load();
+    let mut rng = Rng::for_tensor(8, "fp8-chunks");
+    let mut draw =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % 129_280) as u32).collect() };
+    let mut req = request(1, draw(100), 8, 0.0);
+    req.sampling.logprobs = true;
+    let other = request(2, draw(90), 4, 0.0);
+    let mut runs = Vec::new();
+    for (budget, busy) in [(512, false), (64, false), (16, false), (40, true)] {
+        let config = EngineConfig {
+            page_size: 16,
+            num_pages: 64,
+            max_running: 2,
+            max_batch_tokens: budget,
+            kv: engine::paged::layout::KvStorage::Fp8,
+            prefix_cache: false,
+        };
+        let mut engine = Engine::new(model.replica(), config, "t").unwrap();
+        if busy {
+            engine.add(other.clone()).unwrap();
+            let _ = engine.step();
+        }
+        engine.add(req.clone()).unwrap();
+        let sampled: Vec<_> = engine
+            .run_to_completion()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Token { id: 1, sampled, .. } => Some(sampled),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sampled.len(), 8);
+        runs.push(sampled);
+    }
+    for (i, run) in runs.iter().enumerate().skip(1) {
+        assert_eq!(run, &runs[0], "run {i}");
+    }
+}

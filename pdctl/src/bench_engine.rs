@@ -130,10 +130,13 @@ pub(crate) fn timed_decode(engine: &mut Engine, batch: usize) -> f64 {
 }
 
 /// Mean KL(f32 ‖ fp8) of next-token distributions and top-1 agreement over a fixed prompt set:
-/// the first half of each prompt is prefilled, the rest decoded token by token, so the FP8
-/// rows are read back at every step.
+/// the first half of each prompt is prefilled, the rest decoded token by token through an FP8
+/// page store (the FP8 model rounds each K=V row as it computes it, as an engine with
+/// `kv_cache_dtype = fp8` does).
 fn kv_drift(model: &Model) -> Result<Option<(f64, f64, usize)>, PdctlError> {
     let c = &model.config;
+    let mut rounding = model.replica();
+    rounding.set_kv_storage(KvStorage::Fp8);
     let Ok(layout) = StateLayout::new(c, 64, KvStorage::Fp8, "drift") else {
         return Ok(None);
     };
@@ -157,7 +160,7 @@ fn kv_drift(model: &Model) -> Result<Option<(f64, f64, usize)>, PdctlError> {
                 .reserve(&mut seq, prompt_done + chunk.len())
                 .map_err(|e| err(&e))?;
             let mut state = store.gather(&seq).map_err(|e| err(&e))?;
-            let got = model
+            let got = rounding
                 .forward(&mut state, chunk, Logits::Last)
                 .map_err(|e| err(&e))?;
             store.scatter(&mut seq, &state).map_err(|e| err(&e))?;

@@ -11,6 +11,7 @@ use super::compressor::{self, CompressorState, PendingState};
 use crate::{
     backend::{AttendBatch, BackendError, LayerDevice, LinearId, Op},
     config::{Attention, ModelConfig},
+    paged::{codec, layout::RowFormat},
     parallel::tensor::TensorParallel,
     rope::Rope,
     tensor::{axpy_many, dots, exp, exp_in_place, rms_norm, rms_norm_unweighted, top_k},
@@ -55,13 +56,18 @@ impl AttentionState {
     }
 }
 
-/// The model's two RoPE tables.
+/// The model-wide context of a layer's attention: the two RoPE tables and how K=V rows are
+/// stored.
 #[derive(Debug, Clone, Copy)]
 pub struct Ropes<'a> {
     /// Sliding-only layers.
     pub main: &'a Rope,
     /// Compressed layers, their compressors and the indexer.
     pub compress: &'a Rope,
+    /// The stored form of K=V rows (window, CSA and HCA rows): each is rounded to it as it is
+    /// computed, before anything reads it, so a row's value does not depend on where a chunk
+    /// ended (and storing it loses nothing more).
+    pub kv_rows: RowFormat,
 }
 
 /// Per-token projections the attention step needs.
@@ -128,6 +134,7 @@ pub fn forward(
     kvs.par_iter_mut().enumerate().for_each(|(t, kv)| {
         rms_norm(kv, &w.kv_norm, c.rms_norm_eps);
         rope.apply(kv, start + t, false);
+        codec::round(ropes.kv_rows, kv);
     });
     for kv in &kvs {
         rows.extend_from_slice(kv);
@@ -160,7 +167,7 @@ pub fn forward(
                     cs,
                     inputs,
                     c.rms_norm_eps,
-                    compress_rope,
+                    (compress_rope, ropes.kv_rows),
                     |t, rows, cs| {
                         visible[t] = rows;
                         if at_boundary(t) {
@@ -188,7 +195,8 @@ pub fn forward(
                     is,
                     inputs,
                     c.rms_norm_eps,
-                    compress_rope,
+                    // The indexer's keys are stored as computed (f32).
+                    (compress_rope, RowFormat::F32),
                     |t, _, is| {
                         if at_boundary(t) {
                             found.push(is.pending());

@@ -8,6 +8,7 @@
 
 use crate::backend::{BackendError, LayerDevice, LinearId};
 use crate::{
+    paged::layout::RowFormat,
     rope::Rope,
     tensor::{rms_norm, softmax},
     weights::CompressorWeights,
@@ -88,7 +89,8 @@ struct Closed {
     prev: (Vec<f32>, Vec<f32>),
 }
 
-/// Feeds a chunk's projections, token by token in order; a window that closes emits a row. `after(t, rows, state)` sees the state after
+/// Feeds a chunk's projections, token by token in order; a window that closes emits a row,
+/// rounded to `stored` (how the rows are stored) as it is computed. `after(t, rows, state)` sees the state after
 /// token `t` as one push at a time leaves it, except that the rows of the windows closed so
 /// far are counted (`rows`) but not yet in `state.rows`: they are computed at the end, in
 /// parallel (each depends only on its own window's slots and the previous window's), and
@@ -98,7 +100,7 @@ pub fn push_many(
     state: &mut CompressorState,
     projected: Vec<(Vec<f32>, Vec<f32>)>,
     eps: f32,
-    rope: &Rope,
+    (rope, stored): (&Rope, RowFormat),
     mut after: impl FnMut(usize, usize, &CompressorState),
 ) {
     use rayon::prelude::*;
@@ -146,6 +148,7 @@ pub fn push_many(
             let mut row = pool_window(w, &c.prev, &c.kv, &c.gate);
             rms_norm(&mut row, &w.norm, eps);
             rope.apply(&mut row, c.window * w.ratio, false);
+            crate::paged::codec::round(stored, &mut row);
             row
         })
         .collect();

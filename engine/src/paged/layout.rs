@@ -40,6 +40,19 @@ pub enum RowFormat {
 }
 
 impl RowFormat {
+    /// How the K=V rows of a model configured by `c` are stored under `kv`.
+    pub fn for_kv(c: &ModelConfig, kv: KvStorage) -> Self {
+        match kv {
+            KvStorage::F32 => RowFormat::F32,
+            // DeepSeek's models have nope = 448 = 7 full blocks; smaller test models end with a
+            // partial block, which gets its own scale like a full one.
+            KvStorage::Fp8 => RowFormat::Fp8Kv {
+                nope: c.head_dim - c.rope_dim,
+                rope: c.rope_dim,
+            },
+        }
+    }
+
     /// Bytes of one row of `elements` values.
     pub fn row_bytes(self, elements: usize) -> usize {
         match self {
@@ -114,16 +127,7 @@ impl StateLayout {
         if !page_size.is_power_of_two() || !(4..=4096).contains(&page_size) {
             return Err(LayoutError::PageSize(page_size));
         }
-        let nope = c.head_dim - c.rope_dim;
-        let kv_format = match kv {
-            KvStorage::F32 => RowFormat::F32,
-            // DeepSeek's models have nope = 448 = 7 full blocks; smaller test models end with a
-            // partial block, which gets its own scale like a full one.
-            KvStorage::Fp8 => RowFormat::Fp8Kv {
-                nope,
-                rope: c.rope_dim,
-            },
-        };
+        let kv_format = RowFormat::for_kv(c, kv);
         let mut regions = Vec::new();
         let (mut page_at, mut slot_at) = (0usize, 0usize);
         let mut add =
