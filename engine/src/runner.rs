@@ -349,7 +349,7 @@ pub fn start_with_backend(
 /// `open_decode` opens (one rank; no backend attached: prompts, if any reach it, compute on the
 /// host reference).
 fn start_decoding_on_device(
-    model: crate::model::Model,
+    mut model: crate::model::Model,
     config: crate::scheduler::EngineConfig,
     (dir, fingerprint): (&std::path::Path, &str),
     thread_name: &str,
@@ -367,6 +367,8 @@ fn start_decoding_on_device(
             ),
         }));
     }
+    // The device rounds K=V rows as the engine will store them.
+    model.set_kv_storage(config.kv);
     let device = open_decode(&model, &config)?;
     let backend_plan = BackendPlan {
         backend: format!("{} (the whole decode step on the device)", device.name()),

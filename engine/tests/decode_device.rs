@@ -12,7 +12,7 @@ use std::sync::{
 use engine::{
     config::ExpertFormat,
     model::{Model, SequenceState},
-    paged::layout::KvStorage,
+    paged::layout::{KvStorage, RowFormat},
     sampling::{SamplingParams, StopConditions},
     scheduler::{
         DecodeDevice, DecodeSeat, DeviceError, Engine, EngineConfig, EngineError, Event,
@@ -65,6 +65,9 @@ impl DecodeDevice for Counted {
     }
     fn max_tokens(&self) -> usize {
         self.inner.max_tokens()
+    }
+    fn kv_rows(&self) -> RowFormat {
+        self.inner.kv_rows()
     }
     fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError> {
         self.inner.load(slot, state)
@@ -158,8 +161,16 @@ fn run(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Event> {
 
 #[test]
 fn a_decode_device_gives_the_events_of_the_host_forward() {
-    let model = model();
-    let config = config();
+    for kv in [KvStorage::F32, KvStorage::Fp8] {
+        decode_device_gives_the_events_of_the_host_forward(kv);
+    }
+}
+
+fn decode_device_gives_the_events_of_the_host_forward(kv: KvStorage) {
+    let mut model = model();
+    // The device rounds K=V rows as the engine stores them.
+    model.set_kv_storage(kv);
+    let config = EngineConfig { kv, ..config() };
     let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let mut on_device = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let (device, seats) = counted(&model, &config);
@@ -325,12 +336,16 @@ fn what_a_device_cannot_serve_is_refused_at_attach() {
     assert!(e.contains("2 slots for max_running 3"), "{e}");
     let e = refused(&config, 3, pool - 1);
     assert!(e.contains(&format!("may reach {pool}")), "{e}");
+    // A device whose model keeps f32 rows, for an engine that stores FP8 rows.
     let fp8 = EngineConfig {
         kv: KvStorage::Fp8,
         ..config.clone()
     };
     let e = refused(&fp8, 3, pool);
-    assert!(e.contains("fp8"), "{e}");
+    assert!(
+        e.contains("rounds K=V rows to F32") && e.contains("kv_cache_dtype"),
+        "{e}"
+    );
     // Attached only to an idle engine.
     let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
     engine.add(requests()[0].clone()).unwrap();

@@ -173,3 +173,51 @@ extern "C" __global__ void fp8_kv_encode(const float* __restrict__ rows, int nop
         out[nope + 2 * i + 1] = static_cast<uint8_t>(bits >> 8);
     }
 }
+
+// `engine::formats::e4m3_to_f32`, by its bits: both NaN codes give the engine's NaN.
+__device__ __forceinline__ float from_e4m3(uint8_t code) {
+    if ((code & 0x7Fu) == 0x7Fu) {
+        return __int_as_float(0x7fc00000);
+    }
+    const unsigned int exp = (code >> 3) & 0x0Fu;
+    const unsigned int mant = code & 0x07u;
+    // Subnormal: mant * 2^-9, exact.
+    const float magnitude = exp == 0u ? static_cast<float>(mant) * __int_as_float(0x3B000000)
+                                      : __uint_as_float(((exp + 120u) << 23) | (mant << 20));
+    return (code & 0x80u) ? -magnitude : magnitude;
+}
+
+// `fp8_kv_round`: `engine::paged::codec::round` of `count` contiguous rows of nope + rope
+// values in place (a K=V row as storing it in the FP8 format and reading it back gives it: the
+// engine rounds every K=V row so as it is computed). The same block maxima, scale choice and
+// conversions as `fp8_kv_encode`; a NaN value stays the engine's NaN (0x7fc00000), not the
+// device's canonical one, and NaN payloads of the bf16 dims are kept by bit operations only.
+// One block (64 threads) per row.
+extern "C" __global__ void fp8_kv_round(float* __restrict__ rows, int nope, int rope) {
+    __shared__ float amax[64];
+    float* v = rows + static_cast<long long>(blockIdx.x) * (nope + rope);
+    const int t = threadIdx.x;
+    const int blocks = (nope + 63) / 64;
+    for (int b = 0; b < blocks; ++b) {
+        const int d = b * 64 + t;
+        const float x = d < nope ? v[d] : 0.0f;
+        amax[t] = fabsf(x);
+        __syncthreads();
+        for (int stride = 32; stride > 0; stride /= 2) {
+            if (t < stride) {
+                amax[t] = fmaxf(amax[t], amax[t + stride]);
+            }
+            __syncthreads();
+        }
+        const uint8_t code = e8m0_at_least(fmaxf(amax[0] / 448.0f, __int_as_float(0x00800000)));
+        __syncthreads();
+        if (d < nope) {
+            const float scale = e8m0_to_f32(code);
+            const uint8_t q = to_e4m3(x / scale);
+            v[d] = (q & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : from_e4m3(q) * scale;
+        }
+    }
+    for (int i = t; i < rope; i += 64) {
+        v[nope + i] = __uint_as_float(static_cast<unsigned int>(to_bf16(v[nope + i])) << 16);
+    }
+}

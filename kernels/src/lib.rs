@@ -37,9 +37,11 @@
 //!   routed experts of a prefill chunk: pairs grouped by expert on the device, one WMMA GEMM
 //!   over every expert's tiles; grouping in [`moe_group`], emulated by
 //!   [`emulate::moe_grouped_gemm`]).
-//! - `kv_rows.cu` `norm_rope_rows`, `fp8_kv_encode` — [`rows::norm_rope_rows`] (per-head norm
-//!   and RoPE of query heads, K=V rows and attention outputs, bit for bit) and
-//!   [`rows::fp8_kv_encode`] (`engine::paged::codec::encode` into pages, bit for bit).
+//! - `kv_rows.cu` `norm_rope_rows`, `fp8_kv_encode`, `fp8_kv_round` — [`rows::norm_rope_rows`]
+//!   (per-head norm and RoPE of query heads, K=V rows and attention outputs, bit for bit),
+//!   [`rows::fp8_kv_encode`] (`engine::paged::codec::encode` into pages, bit for bit) and
+//!   [`rows::fp8_kv_round`] (`engine::paged::codec::round` in place: K=V rows as the engine
+//!   rounds them when it computes them).
 //! - `exact_gemv.cu` `exact_gemv_{f32,bf16,fp8_block,nvfp4,mxfp4}` — `engine::tensor::
 //!   dots_source` bit for bit (the engine's one dot-product definition, eight threads as its
 //!   eight lanes), emulated by [`emulate::exact_dots`]: every linear on the device can give the

@@ -132,6 +132,15 @@ pub fn fp8_kv_encode(rows: &[f32], (nope, rope): (usize, usize), pool: &mut [u8]
     }
 }
 
+/// The reference of `fp8_kv_round`: `codec::round` of each of the contiguous rows of
+/// `nope + rope` values, in place.
+pub fn fp8_kv_round(rows: &mut [f32], (nope, rope): (usize, usize)) {
+    let format = RowFormat::Fp8Kv { nope, rope };
+    for row in rows.chunks_exact_mut(nope + rope) {
+        codec::round(format, row);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

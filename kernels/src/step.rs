@@ -194,6 +194,10 @@ pub trait StepOps {
 
     /// A step starts (what the ops keep for one step only, they drop here).
     fn begin_step(&self) {}
+    /// The first `n` K=V rows (`head_dim` each) of `rows` rounded to the form the model stores
+    /// them in (`engine::model::Model::kv_rows`; nothing to do for f32), as the engine rounds
+    /// each row as it computes it.
+    fn round_kv_rows(&self, rows: &mut Self::Buf, n: usize) -> Result<(), Self::Error>;
     /// A buffer of `len` NaNs.
     fn alloc(&self, len: usize) -> Result<Self::Buf, Self::Error>;
     /// Host values into `buf` at `offset` (loading state; not used within a step).

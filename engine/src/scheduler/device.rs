@@ -16,7 +16,7 @@ use std::fmt;
 use super::{Engine, EngineError, Event, StepError};
 use crate::{
     model::{Logits, Model, SequenceState, Step},
-    paged::layout::KvStorage,
+    paged::layout::RowFormat,
 };
 
 pub use crate::backend::DeviceError;
@@ -41,6 +41,9 @@ pub trait DecodeDevice: Send + fmt::Debug {
     /// The longest a sequence's state may grow (tokens).
     fn max_tokens(&self) -> usize;
 
+    /// The form it rounds K=V rows to as it computes them (`Model::kv_rows`): the engine's.
+    fn kv_rows(&self) -> RowFormat;
+
     /// Puts `state` into slot `slot`, replacing what it held.
     fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError>;
 
@@ -63,16 +66,16 @@ pub(super) struct OnDevice {
 impl Engine {
     /// Steps every decode token on `device` from now on (prompts still compute here). Refused
     /// when the device cannot hold every request the engine runs at once, or the longest one,
-    /// when the engine's state rows are stored lossy (FP8: the host forward would read rows the
-    /// device never rounded), when its model is one rank of a group, or while requests run.
+    /// when it rounds K=V rows to another form than the engine stores them in, when the model
+    /// is one rank of a group, or while requests run.
     pub fn set_decode_device(&mut self, device: Box<dyn DecodeDevice>) -> Result<(), EngineError> {
         let refuse = |why: String| Err(EngineError::Device(format!("{}: {why}", device.name())));
-        if self.config.kv != KvStorage::F32 {
-            return refuse(
-                "decode steps on the device keep their state rows in f32; kv_cache_dtype fp8 \
-                 needs the host forward (hybrid = true)"
-                    .to_owned(),
-            );
+        if device.kv_rows() != self.model.kv_rows() {
+            return refuse(format!(
+                "it rounds K=V rows to {:?} and this engine stores them as {:?} (kv_cache_dtype)",
+                device.kv_rows(),
+                self.model.kv_rows()
+            ));
         }
         if self.model.expert_parallel().is_some()
             || self.model.tensor_parallel().is_some()
@@ -255,6 +258,10 @@ impl DecodeDevice for HostDecodeDevice {
 
     fn max_tokens(&self) -> usize {
         self.max_tokens
+    }
+
+    fn kv_rows(&self) -> RowFormat {
+        self.model.kv_rows()
     }
 
     fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError> {

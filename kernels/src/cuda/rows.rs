@@ -105,6 +105,35 @@ impl Gpu {
         Ok(out)
     }
 
+    /// [`crate::rows::fp8_kv_round`] on the first `count` rows of `rows`, in place.
+    pub fn launch_fp8_kv_round(
+        &self,
+        rows: &mut CudaSlice<f32>,
+        (nope, rope): (usize, usize),
+        count: usize,
+    ) -> Result<(), KernelError> {
+        if rows.len() < count * (nope + rope) {
+            return Err(KernelError::Shape("fp8_kv_round rows".into()));
+        }
+        if count == 0 || nope + rope == 0 {
+            return Ok(());
+        }
+        let (nope_i, rope_i) = (nope as i32, rope as i32);
+        let f = self.rows.load_function("fp8_kv_round")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(rows).arg(&nope_i).arg(&rope_i);
+        // SAFETY: `fp8_kv_round`'s parameters in order; 64 threads per row as it expects, the
+        // rows checked above.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(count, "fp8_kv_round rows")?, 1, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
     /// [`Self::fp8_kv_encode`] on device buffers for `count` rows; offsets are the caller's
     /// contract here (inside the pool, not overlapping).
     pub fn launch_fp8_kv_encode(

@@ -453,6 +453,15 @@ impl Kernels for CudaKernels {
         Ok(())
     }
 
+    fn fp8_kv_round(
+        &self,
+        rows: &mut CudaSlice<f32>,
+        shape: (usize, usize),
+        n: usize,
+    ) -> Result<(), KernelError> {
+        self.gpu.launch_fp8_kv_round(rows, shape, n)
+    }
+
     fn compress_pool(
         &self,
         kv: &CudaSlice<f32>,

@@ -278,6 +278,17 @@ impl StepOps for CpuStepOps<'_> {
         Ok(())
     }
 
+    fn round_kv_rows(&self, rows: &mut Vec<f32>, n: usize) -> Result<(), ShapeError> {
+        let hd = self.model.config.head_dim;
+        let rows = rows
+            .get_mut(..n * hd)
+            .ok_or_else(|| short("round_kv_rows"))?;
+        for row in rows.chunks_exact_mut(hd) {
+            engine::paged::codec::round(self.model.kv_rows(), row);
+        }
+        Ok(())
+    }
+
     fn norm_rope(&self, x: &mut Vec<f32>, op: &RowOp<'_>, n: usize) -> Result<(), ShapeError> {
         let eps = self.model.config.rms_norm_eps;
         let width = op.heads * op.head_dim;

@@ -236,6 +236,7 @@ fn attention<O: StepOps>(
         ..rotated(Norm::Weighted(Vector::KvNorm(l)))
     };
     ops.norm_rope(&mut kv, &kv_op, n)?;
+    ops.round_kv_rows(&mut kv, n)?;
     let ring: Vec<i64> = seats
         .iter()
         .map(|s| layout.window_row(l, s.slot, s.len))
@@ -290,6 +291,10 @@ fn attention<O: StepOps>(
             inverse: false,
         };
         ops.norm_rope(&mut rows, &row_op, closing.len())?;
+        if comp == Comp::Attn {
+            // CSA and HCA rows are stored as K=V rows; the indexer's keys as computed.
+            ops.round_kv_rows(&mut rows, closing.len())?;
+        }
         let at: Vec<i64> = closing
             .iter()
             .map(|(s, _)| (layout.base(l, s.slot) + r.rows + (s.len / r.ratio) * r.d) as i64)

@@ -7,6 +7,7 @@
 use engine::{
     config::ModelConfig,
     model::{Model, SequenceState},
+    paged::layout::RowFormat,
     scheduler::{DecodeDevice, DecodeSeat, DeviceError},
 };
 
@@ -24,6 +25,7 @@ pub struct StepDecoder<K: Kernels> {
     config: ModelConfig,
     layout: StateLayout,
     arenas: Vec<K::F>,
+    kv_rows: RowFormat,
 }
 
 impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
@@ -64,6 +66,7 @@ impl<K: Kernels> StepDecoder<K> {
             config: model.config.clone(),
             layout,
             arenas,
+            kv_rows: model.kv_rows(),
         })
     }
 
@@ -87,6 +90,10 @@ where
 
     fn max_tokens(&self) -> usize {
         self.layout.tokens
+    }
+
+    fn kv_rows(&self) -> RowFormat {
+        self.kv_rows
     }
 
     fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError> {
@@ -207,30 +214,36 @@ mod tests {
             tokenizer_dir: None,
         })
         .unwrap();
-        let model = Model::load(dir.path()).unwrap();
+        let mut model = Model::load(dir.path()).unwrap();
         let c = config();
         let tokens = c.num_pages as usize * c.page_size;
         let requests = requests(model.config.vocab_size);
-        let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();
-        let want = run(&mut host, &requests);
-        let kernels = EmulatedKernels::new(&model.config);
-        let decoder =
-            StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
-        let mut engine = Engine::new(model.replica(), c.clone(), "t").unwrap();
-        engine.set_decode_device(Box::new(decoder)).unwrap();
-        let got = run(&mut engine, &requests);
-        assert_eq!(got.len(), want.len());
-        for (g, w) in got.iter().zip(&want) {
-            assert_eq!(g, w);
+        let mut want = Vec::new();
+        // FP8 K=V rows too: the step rounds them as the engine does.
+        for kv in [KvStorage::Fp8, KvStorage::F32] {
+            model.set_kv_storage(kv);
+            let c = EngineConfig { kv, ..c.clone() };
+            let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();
+            want = run(&mut host, &requests);
+            let kernels = EmulatedKernels::new(&model.config);
+            let decoder =
+                StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
+            let mut engine = Engine::new(model.replica(), c, "t").unwrap();
+            engine.set_decode_device(Box::new(decoder)).unwrap();
+            let got = run(&mut engine, &requests);
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(g, w, "{kv:?}");
+            }
+            assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
+            let finished = want
+                .iter()
+                .filter(|e| matches!(e, Event::Finished { .. }))
+                .count();
+            assert_eq!(finished, 4);
+            let store = engine.store();
+            assert_eq!(store.pages().used_count(), store.prefix().len());
         }
-        assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
-        let finished = want
-            .iter()
-            .filter(|e| matches!(e, Event::Finished { .. }))
-            .count();
-        assert_eq!(finished, 4);
-        let store = engine.store();
-        assert_eq!(store.pages().used_count(), store.prefix().len());
 
         // Mid-run, a slot holds the state the engine's forward reached.
         let mut engine = Engine::new(model.replica(), c.clone(), "t").unwrap();

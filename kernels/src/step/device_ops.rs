@@ -9,7 +9,7 @@
 
 use std::{cell::RefCell, collections::HashMap, ops::Range, sync::Arc};
 
-use engine::{config::ModelConfig, model::Model, rope::Rope};
+use engine::{config::ModelConfig, model::Model, paged::layout::RowFormat, rope::Rope};
 
 use super::{
     Comp, Compressed, IndexAt, Lin, Mixed, Norm, Proj, RopeKind, RowOp, StepOps, Sub, TokenKeys,
@@ -34,6 +34,8 @@ pub struct DeviceStepOps<K: Kernels> {
     /// The read-only plans (row offsets, counts) uploaded this step, by content: every layer
     /// of a kind has the same arena layout, so its plans are the same and go up once a step.
     plans: RefCell<Plans<K>>,
+    /// How the model stores K=V rows (each rounded to it as it is computed).
+    kv_rows: RowFormat,
 }
 
 /// Plans uploaded this step, by their values.
@@ -85,6 +87,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             rotations: RefCell::new(Vec::new()),
             unused,
             plans: RefCell::new(Plans::default()),
+            kv_rows: model.kv_rows(),
         })
     }
 
@@ -295,6 +298,20 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             .exact_gemv(dev, (rows.start, out), input, n, &mut tmp)?;
         let to = offsets(n, y_view.stride, y_view.start);
         self.copy_rows(&tmp, &offsets(n, out, 0), y, &to, out)
+    }
+
+    fn round_kv_rows(&self, rows: &mut K::F, n: usize) -> Result<(), K::Error> {
+        match self.kv_rows {
+            RowFormat::F32 => Ok(()),
+            RowFormat::Fp8Kv { nope, rope } => {
+                if nope + rope != self.config.head_dim || K::f_len(rows) < n * (nope + rope) {
+                    return Err("round_kv_rows: rows that are not K=V rows"
+                        .to_owned()
+                        .into());
+                }
+                self.k.fp8_kv_round(rows, (nope, rope), n)
+            }
+        }
     }
 
     fn norm_rope(&self, x: &mut K::F, op: &RowOp<'_>, n: usize) -> Result<(), K::Error> {

@@ -459,6 +459,19 @@ impl Kernels for EmulatedKernels {
         Ok(())
     }
 
+    fn fp8_kv_round(
+        &self,
+        rows: &mut Vec<f32>,
+        (nope, rope): (usize, usize),
+        n: usize,
+    ) -> Result<(), ShapeError> {
+        let rows = rows
+            .get_mut(..n * (nope + rope))
+            .ok_or_else(|| err("fp8_kv_round"))?;
+        crate::rows::fp8_kv_round(rows, (nope, rope));
+        Ok(())
+    }
+
     fn compress_pool(
         &self,
         kv: &Vec<f32>,

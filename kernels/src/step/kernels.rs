@@ -195,6 +195,14 @@ pub trait Kernels {
     ) -> Result<(), Self::Error>;
     /// `scale_values`: `x[i] *= by` for `n` values.
     fn scale_values(&self, x: &mut Self::F, by: f32, n: usize) -> Result<(), Self::Error>;
+    /// `fp8_kv_round`: the first `n` rows of `nope + rope` values of `rows` rounded to the
+    /// engine's FP8 K=V format, in place.
+    fn fp8_kv_round(
+        &self,
+        rows: &mut Self::F,
+        shape: (usize, usize),
+        n: usize,
+    ) -> Result<(), Self::Error>;
     /// `compress_pool`.
     fn compress_pool(
         &self,

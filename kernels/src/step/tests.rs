@@ -220,6 +220,28 @@ fn decode_steps_give_the_engines_logits_and_state_bit_for_bit() {
     }
 }
 
+/// A model storing FP8 K=V rows rounds each window, CSA and HCA row as it computes it: the
+/// step does the same (`round_kv_rows`, the `fp8_kv_round` kernel on a device), through the
+/// engine's ops and through the device's over the kernels' references, bit for bit; the
+/// rounding shows (the logits are not the f32 model's).
+#[test]
+fn fp8_rows_are_rounded_in_the_step_as_the_engine_rounds_them() {
+    let (_dir, mut model) = model(ExpertFormat::Nvfp4);
+    let f32_runs = run(&model, None, false);
+    model.set_kv_storage(engine::paged::layout::KvStorage::Fp8);
+    for runs in [
+        run(&model, None, false),
+        run_emulated(&model, (&LENGTHS, &SLOTS, STEPS), false),
+    ] {
+        assert!(logits_equal(&runs));
+        assert_eq!(runs.engine_states, runs.device_states);
+        assert!(
+            !same(&runs.engine[1][3], &f32_runs.engine[1][3]),
+            "FP8 rows round"
+        );
+    }
+}
+
 /// The small model: a wider window (64), more indexer rows (top 16), eight layers; sequences
 /// past the window, past the top-k, closing the first HCA window.
 #[test]

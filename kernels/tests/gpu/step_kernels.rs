@@ -46,6 +46,21 @@ where
     k.add_periodic(&mut x, &bias, 24, 7 * 24 + 3).unwrap();
     k.scale_values(&mut x, 0.353_553_4, 7 * 24 + 1).unwrap();
     out.push(read(&x));
+    // FP8 K=V rounding of 3 of 4 rows of 100 + 28 (a partial scale block): values over a wide
+    // range of magnitudes, a NaN, an infinity, a huge and a subnormal value; the fourth row
+    // stays as it was.
+    let mut kv = values(4 * 128);
+    for (i, v) in kv.iter_mut().enumerate() {
+        *v *= 2f32.powi((i % 41) as i32 - 20);
+    }
+    kv[5] = f32::NAN;
+    kv[130] = f32::INFINITY;
+    kv[200] = 1e30;
+    kv[260] = 1e-40;
+    kv[110] = f32::NAN;
+    let mut kv = k.upload(&kv).unwrap();
+    k.fp8_kv_round(&mut kv, (100, 28), 3).unwrap();
+    out.push(read(&kv));
     // Chosen key offsets: three tokens of k = 4, the middle one poisoned, the last short.
     let chosen = k
         .upload_i(&[0, 2, 5, 9, -2, -2, -2, -2, 1, 3, -1, -1])
