@@ -8,7 +8,11 @@
 //
 // This is the reference-exact path (rows read twice per head, CUDA cores): a device forward in
 // exact mode gives the CPU's bits with it, and the fast kernels (`attn_decode_fp8.cu`) are
-// checked against it within their bounds. Rows are f32 at byte offsets of the pool, CSR by token.
+// checked against it within their bounds. Rows are at byte offsets of the pool, CSR by token:
+// f32 values (`fp8_nope` < 0), or the engine's FP8 K=V rows (`engine::paged::codec`: the first
+// `fp8_nope` values e4m3 with a ue8m0 scale per 64, the rest bf16), read as the exact f32
+// values they stand for (e4m3 * 2^k and bf16 are f32 values), so the sums are the f32 path's
+// over the decoded rows, bit for bit.
 #include <math.h>
 #include <stdint.h>
 
@@ -16,13 +20,72 @@
 
 #define THREADS 128
 
-// One block per (token, head); dynamic shared memory: one float per key of the token.
-extern "C" __global__ void attn_exact(const float* __restrict__ q,      // [tokens, heads, dim]
-                                      const uint8_t* __restrict__ pool,
-                                      const long long* __restrict__ row_offsets,
-                                      const long long* __restrict__ row_starts,  // [tokens + 1]
-                                      const float* __restrict__ sinks, int heads, int dim,
-                                      float scale, float* __restrict__ out) {
+// A row of f32 values.
+struct F32Row {
+    const float* v;
+    __device__ __forceinline__ float operator[](long long d) const { return v[d]; }
+};
+
+// An FP8 K=V row: `nope` e4m3 codes, the bf16 rope values, then one ue8m0 scale per 64 codes.
+struct Fp8Row {
+    const uint8_t* b;
+    int nope;
+    int rope;
+    __device__ __forceinline__ float operator[](long long d) const {
+        if (d < nope) {
+            const uint8_t code = b[d];
+            if ((code & 0x7Fu) == 0x7Fu) {
+                return __int_as_float(0x7fc00000);
+            }
+            const uint8_t scale = b[nope + 2 * rope + d / 64];
+            const float s = scale == 0xFFu ? __int_as_float(0x7fc00000)
+                            : scale == 0u ? __int_as_float(0x00400000)
+                                          : __int_as_float(static_cast<int>(scale) << 23);
+            const unsigned int exp = (code >> 3) & 0x0Fu;
+            const unsigned int mant = code & 0x07u;
+            const float m = exp == 0u ? static_cast<float>(mant) * __int_as_float(0x3B000000)
+                                      : __uint_as_float(((exp + 120u) << 23) | (mant << 20));
+            return __fmul_rn((code & 0x80u) ? -m : m, s);
+        }
+        const long long i = nope + 2 * (d - nope);
+        return __uint_as_float((static_cast<unsigned int>(b[i + 1]) << 24) |
+                               (static_cast<unsigned int>(b[i]) << 16));
+    }
+};
+
+// `exact::dot_lanes` over a row read through `Row`.
+template <typename Row>
+__device__ __forceinline__ float dot_row(const Row& a, const float* __restrict__ b, long long n,
+                                         int lane, unsigned int mask) {
+    const long long chunks = n / 8;
+    float acc = 0.0f;
+    for (long long i = 0; i < chunks; ++i) {
+        acc = __fmaf_rn(a[i * 8 + lane], b[i * 8 + lane], acc);
+    }
+    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 4, 8));
+    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 2, 8));
+    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 1, 8));
+    float tail = 0.0f;
+    for (long long c = chunks * 8; c < n; ++c) {
+        tail = __fmaf_rn(a[c], b[c], tail);
+    }
+    return __fadd_rn(acc, tail);
+}
+
+__device__ __forceinline__ F32Row row_at(const uint8_t* p, int, int, F32Row) {
+    return F32Row{reinterpret_cast<const float*>(p)};
+}
+
+__device__ __forceinline__ Fp8Row row_at(const uint8_t* p, int nope, int rope, Fp8Row) {
+    return Fp8Row{p, nope, rope};
+}
+
+template <typename Row>
+__device__ void attend_exact(const float* __restrict__ q, const uint8_t* __restrict__ pool,
+                             const long long* __restrict__ row_offsets,
+                             const long long* __restrict__ row_starts,
+                             const float* __restrict__ sinks, int heads, int dim, float scale,
+                             int nope, float* __restrict__ out) {
     extern __shared__ float logits[];
     __shared__ float s_denom;
     __shared__ int s_poisoned;
@@ -61,9 +124,9 @@ extern "C" __global__ void attn_exact(const float* __restrict__ q,      // [toke
         const int k = k0 + threadIdx.x / 8;
         // Every group of a warp takes part in the shuffles; groups past the last key compute a
         // throwaway dot of the first key.
-        const float* key =
-            reinterpret_cast<const float*>(pool + row_offsets[first + (k < n ? k : 0)]);
-        const float d = exact::dot_lanes(key, qh, dim, lane, 0xffffffffu);
+        const Row key =
+            row_at(pool + row_offsets[first + (k < n ? k : 0)], nope, dim - nope, Row{});
+        const float d = dot_row(key, qh, dim, lane, 0xffffffffu);
         if (lane == 0 && k < n) {
             logits[k] = __fmul_rn(d, scale);
         }
@@ -91,9 +154,25 @@ extern "C" __global__ void attn_exact(const float* __restrict__ q,      // [toke
     for (int d = threadIdx.x; d < dim; d += THREADS) {
         float acc = 0.0f;
         for (int k = 0; k < n; ++k) {
-            const float* key = reinterpret_cast<const float*>(pool + row_offsets[first + k]);
+            const Row key = row_at(pool + row_offsets[first + k], nope, dim - nope, Row{});
             acc = __fadd_rn(acc, __fmul_rn(logits[k], key[d]));
         }
         o[d] = acc;
+    }
+}
+
+// One block per (token, head); dynamic shared memory: one float per key of the token.
+// `fp8_nope` < 0: f32 rows; else FP8 K=V rows with that many e4m3 values.
+extern "C" __global__ void attn_exact(const float* __restrict__ q,      // [tokens, heads, dim]
+                                      const uint8_t* __restrict__ pool,
+                                      const long long* __restrict__ row_offsets,
+                                      const long long* __restrict__ row_starts,  // [tokens + 1]
+                                      const float* __restrict__ sinks, int heads, int dim,
+                                      float scale, int fp8_nope, float* __restrict__ out) {
+    if (fp8_nope < 0) {
+        attend_exact<F32Row>(q, pool, row_offsets, row_starts, sinks, heads, dim, scale, 0, out);
+    } else {
+        attend_exact<Fp8Row>(q, pool, row_offsets, row_starts, sinks, heads, dim, scale,
+                             fp8_nope, out);
     }
 }

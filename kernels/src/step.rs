@@ -198,6 +198,15 @@ pub trait StepOps {
     /// them in (`engine::model::Model::kv_rows`; nothing to do for f32), as the engine rounds
     /// each row as it computes it.
     fn round_kv_rows(&self, rows: &mut Self::Buf, n: usize) -> Result<(), Self::Error>;
+    /// K=V rows `rows` (`head_dim` values each, one per offset) into `arena` at `offsets` (f32
+    /// elements) in their stored form: the values, or the FP8 row's bytes
+    /// (`layout::pack_kv_row`). [`Self::attend`] reads them back in that form.
+    fn store_kv_rows(
+        &self,
+        rows: &Self::Buf,
+        arena: &mut Self::Buf,
+        offsets: &[i64],
+    ) -> Result<(), Self::Error>;
     /// A buffer of `len` NaNs.
     fn alloc(&self, len: usize) -> Result<Self::Buf, Self::Error>;
     /// Host values into `buf` at `offset` (loading state; not used within a step).

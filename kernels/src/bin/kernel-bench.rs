@@ -354,7 +354,10 @@ fn time_exact(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
     let mut out: CudaSlice<f32> = gpu.stream.alloc_zeros(batch * heads * dim)?;
     let attn = time(gpu, || {
         gpu.launch_attn_exact(
-            (&q, &pool, &d_offsets, &d_starts, &sinks),
+            (
+                (&q, &pool, &d_offsets, &d_starts, &sinks),
+                engine::paged::layout::RowFormat::F32,
+            ),
             (batch, heads, dim, per),
             1.0 / (dim as f32).sqrt(),
             &mut out,

@@ -57,7 +57,10 @@ impl Gpu {
         let mut d_out = self.stream.clone_htod(&vec![f32::NAN; q.len()])?;
         let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as usize;
         self.launch_attn_exact(
-            (&d_q, &d_pool, &d_offsets, &d_starts, &d_sinks),
+            (
+                (&d_q, &d_pool, &d_offsets, &d_starts, &d_sinks),
+                engine::paged::layout::RowFormat::F32,
+            ),
             (tokens, heads, dim, most),
             scale,
             &mut d_out,
@@ -66,10 +69,14 @@ impl Gpu {
     }
 
     /// [`Self::attn_exact`] on device buffers: (queries, pool, offsets, starts, sinks), and
-    /// (tokens, heads, dim, the most keys a token has).
+    /// (tokens, heads, dim, the most keys a token has); the pool's rows stored as `rows` says
+    /// (f32 values, or the engine's FP8 K=V rows, read as the values they stand for).
     pub fn launch_attn_exact<P: cudarc::driver::DeviceRepr>(
         &self,
-        (q, pool, row_offsets, starts, sinks): ExactAttnInputs<'_, P>,
+        ((q, pool, row_offsets, starts, sinks), rows): (
+            ExactAttnInputs<'_, P>,
+            engine::paged::layout::RowFormat,
+        ),
         (tokens, heads, dim, most_keys): (usize, usize, usize, usize),
         scale: f32,
         out: &mut CudaSlice<f32>,
@@ -77,6 +84,17 @@ impl Gpu {
         if q.len() < tokens * heads * dim || starts.len() < tokens + 1 || sinks.len() < heads {
             return Err(KernelError::Shape("attn_exact buffers".into()));
         }
+        let fp8_nope: i32 = match rows {
+            engine::paged::layout::RowFormat::F32 => -1,
+            engine::paged::layout::RowFormat::Fp8Kv { nope, rope } if nope + rope == dim => {
+                nope as i32
+            }
+            engine::paged::layout::RowFormat::Fp8Kv { .. } => {
+                return Err(KernelError::Shape(
+                    "attn_exact: FP8 rows of another width".into(),
+                ));
+            }
+        };
         if tokens == 0 {
             return Ok(());
         }
@@ -102,6 +120,7 @@ impl Gpu {
             .arg(&heads_i)
             .arg(&dim_i)
             .arg(&scale)
+            .arg(&fp8_nope)
             .arg(out);
         // SAFETY: `attn_exact`'s parameters in order; one float of shared memory per key of
         // the longest token.

@@ -136,11 +136,11 @@ impl Gpu {
 
     /// [`Self::fp8_kv_encode`] on device buffers for `count` rows; offsets are the caller's
     /// contract here (inside the pool, not overlapping).
-    pub fn launch_fp8_kv_encode(
+    pub fn launch_fp8_kv_encode<P: cudarc::driver::DeviceRepr>(
         &self,
         rows: &CudaSlice<f32>,
         (nope, rope): (usize, usize),
-        pool: &mut CudaSlice<u8>,
+        pool: &mut CudaSlice<P>,
         offsets: &CudaSlice<i64>,
         count: usize,
     ) -> Result<(), KernelError> {

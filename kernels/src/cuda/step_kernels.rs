@@ -453,6 +453,19 @@ impl Kernels for CudaKernels {
         Ok(())
     }
 
+    fn fp8_kv_store(
+        &self,
+        rows: &CudaSlice<f32>,
+        shape: (usize, usize),
+        arena: &mut CudaSlice<f32>,
+        offsets: &CudaSlice<i64>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        // The arena's bytes are the encoder's pool (offsets in bytes, checked by the caller).
+        self.gpu
+            .launch_fp8_kv_encode(rows, shape, arena, offsets, n)
+    }
+
     fn fp8_kv_round(
         &self,
         rows: &mut CudaSlice<f32>,
@@ -582,7 +595,7 @@ impl Kernels for CudaKernels {
     fn attn_exact(
         &self,
         q: &CudaSlice<f32>,
-        pool: &CudaSlice<f32>,
+        (pool, rows): (&CudaSlice<f32>, engine::paged::layout::RowFormat),
         (offsets, starts): (&CudaSlice<i64>, &CudaSlice<i64>),
         sinks: &CudaSlice<f32>,
         shape: (usize, usize, usize, usize),
@@ -592,7 +605,7 @@ impl Kernels for CudaKernels {
         // The f32 arena is the kernel's byte pool; every offset a whole f32 row inside it or -1
         // (checked by the caller or written by `chosen_offsets`).
         self.gpu
-            .launch_attn_exact((q, pool, offsets, starts, sinks), shape, scale, out)
+            .launch_attn_exact(((q, pool, offsets, starts, sinks), rows), shape, scale, out)
     }
 
     fn moe_route(

@@ -15,6 +15,7 @@ use engine::{
 use super::{
     CHOSEN_EMPTY, CHOSEN_POISONED, Comp, Compressed, IndexAt, Lin, Mixed, Norm, Proj, RopeKind,
     RowOp, ShapeError, StepOps, Sub, TokenKeys, Vector, View, WindowClose,
+    layout::{kv_stride, pack_kv_row, unpack_kv_row},
 };
 
 /// The engine's ops over a loaded model's weights.
@@ -394,6 +395,25 @@ impl StepOps for CpuStepOps<'_> {
         Ok(())
     }
 
+    fn store_kv_rows(
+        &self,
+        rows: &Vec<f32>,
+        arena: &mut Vec<f32>,
+        offsets: &[i64],
+    ) -> Result<(), ShapeError> {
+        let (hd, kv) = (self.model.config.head_dim, self.model.kv_rows());
+        for (i, &off) in offsets.iter().enumerate() {
+            let Ok(at) = usize::try_from(off) else {
+                continue;
+            };
+            let row = rows
+                .get(i * hd..(i + 1) * hd)
+                .ok_or_else(|| short("store_kv_rows source"))?;
+            self.put_at(arena, at, &pack_kv_row(kv, row))?;
+        }
+        Ok(())
+    }
+
     fn close_windows(
         &self,
         layer: usize,
@@ -495,17 +515,21 @@ impl StepOps for CpuStepOps<'_> {
         chosen: Option<(&Vec<i32>, usize)>,
     ) -> Result<Vec<f32>, ShapeError> {
         let c = &self.model.config;
-        let (heads, hd) = (c.num_heads, c.head_dim);
+        let (heads, hd, kv) = (c.num_heads, c.head_dim, self.model.kv_rows());
+        let stride = kv_stride(hd, kv)?;
         let sinks = &self.layer(layer)?.attn.sink;
         let scale = 1.0 / (hd as f32).sqrt();
         let qs = rows_of(q, heads * hd, keys.len(), "attend queries")?;
-        let row = |off: i64| -> Result<&[f32], ShapeError> {
+        let row = |off: i64| -> Result<Vec<f32>, ShapeError> {
             let off = usize::try_from(off).map_err(|_| short("attend offset"))?;
-            arena.get(off..off + hd).ok_or_else(|| short("attend rows"))
+            let stored = arena
+                .get(off..off + stride)
+                .ok_or_else(|| short("attend rows"))?;
+            Ok(unpack_kv_row(kv, stored, hd))
         };
         let mut out = Vec::with_capacity(keys.len() * heads * hd);
         for (t, (q, tk)) in qs.iter().zip(keys).enumerate() {
-            let mut rows: Vec<&[f32]> = tk
+            let mut rows: Vec<Vec<f32>> = tk
                 .window
                 .iter()
                 .map(|&o| row(o))
@@ -518,7 +542,7 @@ impl StepOps for CpuStepOps<'_> {
                 Compressed::None => {}
                 Compressed::All { rows: base, count } => {
                     for i in 0..count {
-                        rows.push(row(base + (i * hd) as i64)?);
+                        rows.push(row(base + (i * stride) as i64)?);
                     }
                 }
                 Compressed::Chosen { rows: base, count } => {
@@ -533,10 +557,11 @@ impl StepOps for CpuStepOps<'_> {
                         )));
                     }
                     for &i in mine.iter().filter(|&&i| i >= 0) {
-                        rows.push(row(base + i64::from(i) * hd as i64)?);
+                        rows.push(row(base + i64::from(i) * stride as i64)?);
                     }
                 }
             }
+            let rows: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
             let mut o = attention::attend(q, &rows, &sinks[..heads], scale, hd);
             if poisoned {
                 o.fill(f32::NAN);

@@ -241,7 +241,7 @@ fn attention<O: StepOps>(
         .iter()
         .map(|s| layout.window_row(l, s.slot, s.len))
         .collect();
-    ops.write_rows(&kv, hd, arena, &ring)?;
+    ops.store_kv_rows(&kv, arena, &ring)?;
     let region = layout.layers[l];
     let compressors = [
         (
@@ -291,15 +291,17 @@ fn attention<O: StepOps>(
             inverse: false,
         };
         ops.norm_rope(&mut rows, &row_op, closing.len())?;
+        let at: Vec<i64> = closing
+            .iter()
+            .map(|(s, _)| (layout.base(l, s.slot) + r.rows + (s.len / r.ratio) * r.stride) as i64)
+            .collect();
         if comp == Comp::Attn {
             // CSA and HCA rows are stored as K=V rows; the indexer's keys as computed.
             ops.round_kv_rows(&mut rows, closing.len())?;
+            ops.store_kv_rows(&rows, arena, &at)?;
+        } else {
+            ops.write_rows(&rows, r.d, arena, &at)?;
         }
-        let at: Vec<i64> = closing
-            .iter()
-            .map(|(s, _)| (layout.base(l, s.slot) + r.rows + (s.len / r.ratio) * r.d) as i64)
-            .collect();
-        ops.write_rows(&rows, r.d, arena, &at)?;
     }
     let chosen = match region.indexer {
         Some(ir) => {

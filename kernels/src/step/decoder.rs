@@ -39,9 +39,10 @@ impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
 }
 
 /// Bytes of the arenas holding `slots` sequences of at most `tokens` tokens of a model
-/// configured by `c` (what a device needs for the state beside the weights).
-pub fn arena_bytes(c: &ModelConfig, slots: usize, tokens: usize) -> usize {
-    let layout = StateLayout::new(c, slots, tokens);
+/// configured by `c` whose K=V rows are stored as `kv` (what a device needs for the state
+/// beside the weights).
+pub fn arena_bytes(c: &ModelConfig, slots: usize, tokens: usize, kv: RowFormat) -> usize {
+    let layout = StateLayout::stored(c, slots, tokens, kv);
     (0..c.layers.len()).map(|l| 4 * layout.arena_len(l)).sum()
 }
 
@@ -57,8 +58,9 @@ impl<K: Kernels> StepDecoder<K> {
         room: impl FnOnce(&K, usize) -> Result<(), K::Error>,
     ) -> Result<Self, K::Error> {
         let ops = DeviceStepOps::new(k, model)?;
-        room(ops.kernels(), arena_bytes(&model.config, slots, tokens))?;
-        let layout = StateLayout::new(&model.config, slots, tokens);
+        let kv = model.kv_rows();
+        room(ops.kernels(), arena_bytes(&model.config, slots, tokens, kv))?;
+        let layout = StateLayout::stored(&model.config, slots, tokens, kv);
         let arenas = layout.arenas(&ops)?;
         Ok(Self {
             name: name.to_owned(),
@@ -274,16 +276,21 @@ mod tests {
     }
 
     /// The arenas' bytes: the window ring of every layer, the compressors' rows at their
-    /// ratios, per slot.
+    /// ratios, per slot; FP8 K=V rows take their stored bytes.
     #[test]
     fn arena_bytes_count_every_slot() {
         let c = Preset::Tiny.config(ExpertFormat::Nvfp4);
-        let one = arena_bytes(&c, 1, 256);
-        assert_eq!(arena_bytes(&c, 5, 256), 5 * one);
+        let f32_rows = RowFormat::F32;
+        let one = arena_bytes(&c, 1, 256, f32_rows);
+        assert_eq!(arena_bytes(&c, 5, 256, f32_rows), 5 * one);
         assert!(
-            arena_bytes(&c, 1, 512) > one,
+            arena_bytes(&c, 1, 512, f32_rows) > one,
             "compressed rows grow with length"
         );
         assert!(one >= 4 * c.layers.len() * c.sliding_window * c.head_dim);
+        let fp8 = RowFormat::for_kv(&c, KvStorage::Fp8);
+        let small = arena_bytes(&c, 1, 256, fp8);
+        assert!(small < one, "{small} FP8 bytes, {one} f32");
+        assert!(small >= c.layers.len() * c.sliding_window * fp8.row_bytes(c.head_dim));
     }
 }

@@ -16,6 +16,7 @@ use super::{
     View, WindowClose,
     device_model::{DeviceModel, at_layer},
     kernels::{HyperSpec, Kernels, RowSpec},
+    layout::kv_stride,
 };
 use crate::rows::sin_cos_table;
 
@@ -34,8 +35,10 @@ pub struct DeviceStepOps<K: Kernels> {
     /// The read-only plans (row offsets, counts) uploaded this step, by content: every layer
     /// of a kind has the same arena layout, so its plans are the same and go up once a step.
     plans: RefCell<Plans<K>>,
-    /// How the model stores K=V rows (each rounded to it as it is computed).
+    /// How the model stores K=V rows (each rounded to it as it is computed), in the arenas too.
     kv_rows: RowFormat,
+    /// f32s a stored K=V row takes in an arena.
+    kv_stride: usize,
 }
 
 /// Plans uploaded this step, by their values.
@@ -88,6 +91,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             unused,
             plans: RefCell::new(Plans::default()),
             kv_rows: model.kv_rows(),
+            kv_stride: kv_stride(model.config.head_dim, model.kv_rows())?,
         })
     }
 
@@ -452,6 +456,25 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         self.copy_rows(src, &offsets(to.len(), width, 0), arena, to, width)
     }
 
+    fn store_kv_rows(&self, rows: &K::F, arena: &mut K::F, to: &[i64]) -> Result<(), K::Error> {
+        let (hd, stride) = (self.config.head_dim, self.kv_stride);
+        let RowFormat::Fp8Kv { nope, rope } = self.kv_rows else {
+            return self.write_rows(rows, hd, arena, to);
+        };
+        let fits = |o: i64| o + stride as i64 <= K::f_len(arena) as i64;
+        if K::f_len(rows) < to.len() * hd || to.iter().any(|&o| o >= 0 && !fits(o)) {
+            return Err(format!("store_kv_rows: {} rows outside their buffers", to.len()).into());
+        }
+        if to.is_empty() {
+            return Ok(());
+        }
+        // The encoder addresses the arena's bytes.
+        let bytes: Vec<i64> = to.iter().map(|&o| if o < 0 { -1 } else { 4 * o }).collect();
+        let d_bytes = self.plan_l(&bytes)?;
+        self.k
+            .fp8_kv_store(rows, (nope, rope), arena, &d_bytes, to.len())
+    }
+
     fn close_windows(
         &self,
         layer: usize,
@@ -487,9 +510,9 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         if n == 0 {
             return Ok(out);
         }
-        let plan = KeyPlan::of(keys, hd);
+        let plan = KeyPlan::of(keys, self.kv_stride);
         let pool_bytes = 4 * K::f_len(arena) as i64;
-        let row_bytes = 4 * hd as i64;
+        let row_bytes = 4 * self.kv_stride as i64;
         if plan
             .offsets
             .iter()
@@ -522,7 +545,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
                 idx,
                 k,
                 (&d_tokens, &d_starts, &d_counts, &d_bases),
-                4 * hd,
+                4 * self.kv_stride,
                 plan.fills.len(),
                 &mut d_offsets,
             )?;
@@ -536,7 +559,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         let scale = 1.0 / (hd as f32).sqrt();
         self.k.attn_exact(
             q,
-            arena,
+            (arena, self.kv_rows),
             (&d_offsets, &d_starts),
             sinks,
             (n, heads, hd, plan.most),

@@ -10,6 +10,7 @@ use std::{cell::Cell, ops::Range};
 use engine::{
     config::ModelConfig,
     model::{attention, hyper, moe},
+    paged::layout::RowFormat,
     tensor::{Matrix, Weight, WeightForm, dot, exp, rms_norm, rms_norm_unweighted, sigmoid},
     weights::{ExpertWeights, HyperWeights, MoeWeights},
 };
@@ -17,6 +18,7 @@ use engine::{
 use super::{
     Proj, ShapeError,
     kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+    layout::{kv_stride, pack_kv_row, unpack_kv_row},
 };
 
 /// The decode step's kernels on host buffers.
@@ -459,6 +461,35 @@ impl Kernels for EmulatedKernels {
         Ok(())
     }
 
+    fn fp8_kv_store(
+        &self,
+        rows: &Vec<f32>,
+        (nope, rope): (usize, usize),
+        arena: &mut Vec<f32>,
+        offsets: &Vec<i64>,
+        n: usize,
+    ) -> Result<(), ShapeError> {
+        let kv = RowFormat::Fp8Kv { nope, rope };
+        let stride = kv_stride(nope + rope, kv)?;
+        for (i, &b) in offsets
+            .get(..n)
+            .ok_or_else(|| err("fp8_kv_store"))?
+            .iter()
+            .enumerate()
+        {
+            if b < 0 {
+                continue;
+            }
+            if b % 4 != 0 {
+                return Err(err("fp8_kv_store: an unaligned row"));
+            }
+            let row = part(rows, i * (nope + rope), nope + rope, "fp8_kv_store rows")?;
+            let stored = pack_kv_row(kv, &row);
+            store(arena, index(b / 4, "fp8_kv_store")?, &stored[..stride])?;
+        }
+        Ok(())
+    }
+
     fn fp8_kv_round(
         &self,
         rows: &mut Vec<f32>,
@@ -610,7 +641,7 @@ impl Kernels for EmulatedKernels {
     fn attn_exact(
         &self,
         q: &Vec<f32>,
-        pool: &Vec<f32>,
+        (pool, kv): (&Vec<f32>, RowFormat),
         (offsets, starts): (&Vec<i64>, &Vec<i64>),
         sinks: &Vec<f32>,
         (tokens, heads, dim, _most): (usize, usize, usize, usize),
@@ -628,7 +659,10 @@ impl Kernels for EmulatedKernels {
                         if b % 4 != 0 {
                             return Err(err("attn_exact: an unaligned row"));
                         }
-                        part(pool, index(b / 4, "attn_exact")?, dim, "attn_exact rows")
+                        let stride = kv_stride(dim, kv)?;
+                        let stored =
+                            part(pool, index(b / 4, "attn_exact")?, stride, "attn_exact rows")?;
+                        Ok(unpack_kv_row(kv, &stored, dim))
                     })
                     .collect::<Result<_, _>>()?;
                 let rows: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();

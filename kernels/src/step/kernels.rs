@@ -6,6 +6,7 @@
 //! unless said otherwise.
 
 use engine::{
+    paged::layout::RowFormat,
     tensor::Weight,
     weights::{ExpertWeights, MoeWeights},
 };
@@ -195,6 +196,16 @@ pub trait Kernels {
     ) -> Result<(), Self::Error>;
     /// `scale_values`: `x[i] *= by` for `n` values.
     fn scale_values(&self, x: &mut Self::F, by: f32, n: usize) -> Result<(), Self::Error>;
+    /// `fp8_kv_encode` into the f32 arena `arena` (its bytes): row `i` of `rows` (`nope + rope`
+    /// values) as the engine's FP8 K=V row at byte offset `offsets[i]` (negative: skipped).
+    fn fp8_kv_store(
+        &self,
+        rows: &Self::F,
+        shape: (usize, usize),
+        arena: &mut Self::F,
+        offsets: &Self::L,
+        n: usize,
+    ) -> Result<(), Self::Error>;
     /// `fp8_kv_round`: the first `n` rows of `nope + rope` values of `rows` rounded to the
     /// engine's FP8 K=V format, in place.
     fn fp8_kv_round(
@@ -244,12 +255,13 @@ pub trait Kernels {
         entries: usize,
         offsets: &mut Self::L,
     ) -> Result<(), Self::Error>;
-    /// `attn_exact` over the f32 pool (byte offsets; a negative one makes the token NaN).
+    /// `attn_exact` over the f32 pool (byte offsets; a negative one makes the token NaN), its
+    /// rows stored as the format says (f32, or `attn_exact_fp8` over FP8 K=V rows).
     #[expect(clippy::too_many_arguments, reason = "the kernel's parameters")]
     fn attn_exact(
         &self,
         q: &Self::F,
-        pool: &Self::F,
+        pool: (&Self::F, RowFormat),
         keys: (&Self::L, &Self::L),
         sinks: &Self::F,
         shape: (usize, usize, usize, usize),

@@ -9,6 +9,7 @@
 use engine::{
     config::{Attention, ModelConfig},
     model::{SequenceState, attention::AttentionState, compressor::CompressorState},
+    paged::{codec, layout::RowFormat},
 };
 
 use super::{StepOps, WindowClose};
@@ -19,6 +20,8 @@ pub struct CompressorRegion {
     pub ratio: usize,
     /// Row width (`head_dim` or `index_head_dim`).
     pub d: usize,
+    /// f32s a stored row takes (`d`, or a K=V row's stored bytes / 4).
+    pub stride: usize,
     /// Slot width: `d`, or `2 * d` with overlap.
     pub width: usize,
     pub overlap: bool,
@@ -32,17 +35,24 @@ pub struct CompressorRegion {
 }
 
 impl CompressorRegion {
-    fn new(ratio: usize, d: usize, overlap: bool, tokens: usize, at: &mut usize) -> Self {
+    fn new(
+        ratio: usize,
+        (d, stride): (usize, usize),
+        overlap: bool,
+        tokens: usize,
+        at: &mut usize,
+    ) -> Self {
         let width = if overlap { 2 * d } else { d };
         let capacity = tokens / ratio;
-        // Rows start at a multiple of their width, so a kernel can address them by row index.
-        let rows = at.next_multiple_of(d);
-        let pending = rows + capacity * d;
+        // Rows start at a multiple of their stride, so a kernel can address them by row index.
+        let rows = at.next_multiple_of(stride);
+        let pending = rows + capacity * stride;
         let prev = pending + 2 * ratio * width;
         *at = prev + if overlap { 2 * ratio * d } else { 0 };
         Self {
             ratio,
             d,
+            stride,
             width,
             overlap,
             capacity,
@@ -59,7 +69,7 @@ pub struct LayerRegion {
     pub kind: Attention,
     /// f32s per slot.
     pub per_slot: usize,
-    /// The window ring (`sliding_window * head_dim`) starts the region.
+    /// The window ring (`sliding_window` K=V rows) starts the region.
     pub compressor: Option<CompressorRegion>,
     pub indexer: Option<CompressorRegion>,
 }
@@ -71,29 +81,88 @@ pub struct StateLayout {
     pub tokens: usize,
     pub window: usize,
     pub head_dim: usize,
+    /// How K=V rows (window, CSA and HCA rows) are stored: f32, or DeepSeek's FP8 row (its
+    /// bytes in the f32s of the arena).
+    pub kv: RowFormat,
+    /// f32s a stored K=V row takes.
+    pub kv_stride: usize,
     pub layers: Vec<LayerRegion>,
 }
 
+/// f32s a K=V row of `head_dim` values takes stored as `kv` (its bytes, a whole number of
+/// f32s).
+pub fn kv_stride(head_dim: usize, kv: RowFormat) -> Result<usize, String> {
+    let bytes = kv.row_bytes(head_dim);
+    match kv {
+        RowFormat::F32 => Ok(head_dim),
+        RowFormat::Fp8Kv { nope, rope } if nope + rope == head_dim && bytes.is_multiple_of(4) => {
+            Ok(bytes / 4)
+        }
+        RowFormat::Fp8Kv { .. } => Err(format!(
+            "an FP8 K=V row of {head_dim} values takes {bytes} bytes, not whole f32s"
+        )),
+    }
+}
+
+/// A stored K=V row of `row`'s values in `kv`, as the f32s (bit patterns) the arena holds.
+pub fn pack_kv_row(kv: RowFormat, row: &[f32]) -> Vec<f32> {
+    if kv == RowFormat::F32 {
+        return row.to_vec();
+    }
+    let mut bytes = vec![0u8; kv.row_bytes(row.len()).next_multiple_of(4)];
+    codec::encode(kv, row, &mut bytes);
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        .collect()
+}
+
+/// The `head_dim` values of a stored K=V row (the arena's f32s from its start).
+pub fn unpack_kv_row(kv: RowFormat, stored: &[f32], head_dim: usize) -> Vec<f32> {
+    if kv == RowFormat::F32 {
+        return stored[..head_dim].to_vec();
+    }
+    let bytes: Vec<u8> = stored
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .collect();
+    codec::decode(kv, &bytes, head_dim)
+}
+
 impl StateLayout {
+    /// Arenas with f32 K=V rows.
     pub fn new(c: &ModelConfig, slots: usize, tokens: usize) -> Self {
+        Self::stored(c, slots, tokens, RowFormat::F32)
+    }
+
+    /// Arenas with K=V rows stored as `kv` (a model's `Model::kv_rows`).
+    ///
+    /// # Panics
+    /// When an FP8 row of the model's `head_dim` is not a whole number of f32s (DeepSeek's
+    /// 584-byte row is 146).
+    pub fn stored(c: &ModelConfig, slots: usize, tokens: usize, kv: RowFormat) -> Self {
+        #[expect(clippy::expect_used, reason = "a model's own row format")]
+        let stride = kv_stride(c.head_dim, kv).expect("K=V rows of whole f32s");
         let layers = c
             .layers
             .iter()
             .map(|spec| {
-                let mut at = c.sliding_window * c.head_dim;
+                let mut at = c.sliding_window * stride;
                 let kind = spec.attention;
                 let compressor = (kind != Attention::Sliding).then(|| {
                     let overlap = matches!(kind, Attention::Csa { .. });
-                    CompressorRegion::new(kind.ratio(), c.head_dim, overlap, tokens, &mut at)
+                    let rows = (c.head_dim, stride);
+                    CompressorRegion::new(kind.ratio(), rows, overlap, tokens, &mut at)
                 });
                 let indexer = matches!(kind, Attention::Csa { .. }).then(|| {
-                    CompressorRegion::new(kind.ratio(), c.index_head_dim, true, tokens, &mut at)
+                    let rows = (c.index_head_dim, c.index_head_dim);
+                    CompressorRegion::new(kind.ratio(), rows, true, tokens, &mut at)
                 });
                 // Every slot's rows at the same alignment as the first slot's.
                 let align = if indexer.is_some() {
-                    lcm(c.head_dim, c.index_head_dim)
+                    lcm(stride, c.index_head_dim)
                 } else {
-                    c.head_dim
+                    stride
                 };
                 LayerRegion {
                     kind,
@@ -108,6 +177,8 @@ impl StateLayout {
             tokens,
             window: c.sliding_window,
             head_dim: c.head_dim,
+            kv,
+            kv_stride: stride,
             layers,
         }
     }
@@ -131,7 +202,7 @@ impl StateLayout {
 
     /// The ring row of position `pos`.
     pub fn window_row(&self, layer: usize, slot: usize, pos: usize) -> i64 {
-        (self.base(layer, slot) + (pos % self.window) * self.head_dim) as i64
+        (self.base(layer, slot) + (pos % self.window) * self.kv_stride) as i64
     }
 
     /// The window rows a token at `pos` attends to, oldest first.
@@ -183,19 +254,16 @@ impl StateLayout {
             }
             for p in len - needed..len {
                 let row = held - (len - p);
-                ops.put_at(
-                    arena,
-                    self.window_row(l, slot, p) as usize,
-                    &layer.window[row * hd..(row + 1) * hd],
-                )?;
+                let stored = pack_kv_row(self.kv, &layer.window[row * hd..(row + 1) * hd]);
+                ops.put_at(arena, self.window_row(l, slot, p) as usize, &stored)?;
             }
             let region = &self.layers[l];
-            for (r, cs) in [
-                (region.compressor, &layer.compressor),
-                (region.indexer, &layer.indexer),
+            for (r, cs, kv) in [
+                (region.compressor, &layer.compressor, self.kv),
+                (region.indexer, &layer.indexer, RowFormat::F32),
             ] {
                 if let (Some(r), Some(cs)) = (r, cs) {
-                    load_compressor(ops, arena, &r, base, len, cs, l)?;
+                    load_compressor(ops, arena, (&r, kv), base, len, cs, l)?;
                 }
             }
         }
@@ -218,13 +286,15 @@ impl StateLayout {
             let mut state = AttentionState::new(region.kind);
             for p in len - len.min(self.window - 1)..len {
                 let at = self.window_row(l, slot, p) as usize;
-                state.window.extend(ops.get(arena, at..at + hd)?);
+                let stored = ops.get(arena, at..at + self.kv_stride)?;
+                state.window.extend(unpack_kv_row(self.kv, &stored, hd));
             }
             if let Some(r) = &region.compressor {
-                state.compressor = Some(read_compressor(ops, arena, r, base, len)?);
+                state.compressor = Some(read_compressor(ops, arena, (r, self.kv), base, len)?);
             }
             if let Some(r) = &region.indexer {
-                state.indexer = Some(read_compressor(ops, arena, r, base, len)?);
+                let f32_rows = (r, RowFormat::F32);
+                state.indexer = Some(read_compressor(ops, arena, f32_rows, base, len)?);
             }
             layers.push(state);
         }
@@ -249,7 +319,7 @@ fn lcm(a: usize, b: usize) -> usize {
 fn load_compressor<O: StepOps>(
     ops: &O,
     arena: &mut O::Buf,
-    r: &CompressorRegion,
+    (r, kv): (&CompressorRegion, RowFormat),
     base: usize,
     len: usize,
     cs: &CompressorState,
@@ -274,7 +344,12 @@ fn load_compressor<O: StepOps>(
         )
         .into());
     }
-    ops.put_at(arena, base + r.rows, &cs.rows)?;
+    let stored: Vec<f32> = cs
+        .rows
+        .chunks_exact(r.d.max(1))
+        .flat_map(|row| pack_kv_row(kv, row))
+        .collect();
+    ops.put_at(arena, base + r.rows, &stored)?;
     ops.put_at(arena, base + r.pending, &cs.pending_kv)?;
     ops.put_at(
         arena,
@@ -291,7 +366,7 @@ fn load_compressor<O: StepOps>(
 fn read_compressor<O: StepOps>(
     ops: &O,
     arena: &O::Buf,
-    r: &CompressorRegion,
+    (r, kv): (&CompressorRegion, RowFormat),
     base: usize,
     len: usize,
 ) -> Result<CompressorState, O::Error> {
@@ -307,8 +382,12 @@ fn read_compressor<O: StepOps>(
         }
         ops.get(arena, base + offset..base + offset + n)
     };
+    let stored = at(r.rows, rows * r.stride)?;
     Ok(CompressorState {
-        rows: at(r.rows, rows * r.d)?,
+        rows: stored
+            .chunks_exact(r.stride.max(1))
+            .flat_map(|row| unpack_kv_row(kv, row, r.d))
+            .collect(),
         pending_kv: at(r.pending, pending * r.width)?,
         pending_gate: at(r.pending + r.ratio * r.width, pending * r.width)?,
         prev_kv: at(r.prev, prev)?,

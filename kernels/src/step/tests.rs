@@ -127,7 +127,7 @@ where
 {
     let c = &model.config;
     let most = lengths.iter().max().copied().unwrap_or(0) + steps + 1;
-    let layout = StateLayout::new(c, slots.iter().max().unwrap() + 1, most);
+    let layout = StateLayout::stored(c, slots.iter().max().unwrap() + 1, most, model.kv_rows());
     let mut arenas = layout.arenas(ops).unwrap();
     let mut states: Vec<SequenceState> = lengths
         .iter()
@@ -411,18 +411,35 @@ fn bad_steps_are_refused_before_anything_runs() {
 /// overlap.
 #[test]
 fn arena_regions_are_aligned_and_apart() {
-    for preset in [Preset::Tiny, Preset::Small] {
+    use engine::paged::layout::{KvStorage, RowFormat};
+    for (preset, kv) in [
+        (Preset::Tiny, KvStorage::F32),
+        (Preset::Small, KvStorage::F32),
+        (Preset::Tiny, KvStorage::Fp8),
+        (Preset::Small, KvStorage::Fp8),
+    ] {
         let c = preset.config(ExpertFormat::Nvfp4);
-        let layout = StateLayout::new(&c, 3, 301);
+        let layout = StateLayout::stored(&c, 3, 301, RowFormat::for_kv(&c, kv));
+        // A stored K=V row: its values, or the FP8 row's bytes in whole f32s.
+        let stored = RowFormat::for_kv(&c, kv).row_bytes(c.head_dim);
+        assert_eq!(
+            4 * layout.kv_stride,
+            stored.next_multiple_of(4),
+            "{preset:?} {kv:?}"
+        );
         for (l, region) in layout.layers.iter().enumerate() {
-            let mut parts = vec![(0, layout.window * layout.head_dim)];
+            let mut parts = vec![(0, layout.window * layout.kv_stride)];
             for r in [region.compressor, region.indexer].into_iter().flatten() {
                 for slot in 0..3 {
-                    assert_eq!((layout.base(l, slot) + r.rows) % r.d, 0, "{preset:?} {l}");
+                    assert_eq!(
+                        (layout.base(l, slot) + r.rows) % r.stride,
+                        0,
+                        "{preset:?} {l}"
+                    );
                 }
                 assert_eq!(r.capacity, 301 / r.ratio);
                 let prev = if r.overlap { 2 * r.ratio * r.d } else { 0 };
-                parts.push((r.rows, r.capacity * r.d));
+                parts.push((r.rows, r.capacity * r.stride));
                 parts.push((r.pending, 2 * r.ratio * r.width));
                 parts.push((r.prev, prev));
             }

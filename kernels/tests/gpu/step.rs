@@ -50,11 +50,21 @@ fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize]
         tokenizer_dir: None,
     })
     .unwrap();
-    let model = Model::load(&dir).unwrap();
+    let mut model = Model::load(&dir).unwrap();
     check_model(
         gpu,
         &model,
         &format!("{preset:?} {format:?}"),
+        lengths,
+        steps,
+    );
+    // FP8 K=V rows: rounded as computed (`fp8_kv_round`), stored as the engine's FP8 rows in
+    // the arenas (`fp8_kv_encode`) and read by `attn_exact` as the values they stand for.
+    model.set_kv_storage(engine::paged::layout::KvStorage::Fp8);
+    check_model(
+        gpu,
+        &model,
+        &format!("{preset:?} {format:?}, FP8 K=V rows"),
         lengths,
         steps,
     );
@@ -73,7 +83,7 @@ fn check_model(gpu: &Arc<Gpu>, model: &Model, what: &str, lengths: &[usize], ste
     .unwrap();
     let slots = lengths.len() + 1;
     let most = lengths.iter().max().unwrap() + steps + 1;
-    let layout = StateLayout::new(c, slots, most);
+    let layout = StateLayout::stored(c, slots, most, model.kv_rows());
     let mut arenas = layout.arenas(&ops).unwrap();
     let mut states: Vec<SequenceState> = Vec::new();
     let mut seats = Vec::new();
