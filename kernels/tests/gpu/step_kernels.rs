@@ -61,6 +61,30 @@ where
     let mut kv = k.upload(&kv).unwrap();
     k.fp8_kv_round(&mut kv, (100, 28), 3).unwrap();
     out.push(read(&kv));
+    // FP8 K=V rows of 24 + 8 values (12 f32s each) stored into an arena at byte offsets (one
+    // skipped), then exact attention of 2 tokens x 2 heads over them, read as FP8 rows.
+    let fp8 = engine::paged::layout::RowFormat::Fp8Kv { nope: 24, rope: 8 };
+    let rows = k.upload(&values(5 * 32)).unwrap();
+    let mut arena = k.upload(&values(64)).unwrap();
+    let at = k.upload_l(&[0, 48, -1, 96, 192]).unwrap();
+    k.fp8_kv_store(&rows, (24, 8), &mut arena, &at, 5).unwrap();
+    out.push(read(&arena));
+    let q = k.upload(&values(2 * 2 * 32)).unwrap();
+    let sinks = k.upload(&values(2)).unwrap();
+    let offsets = k.upload_l(&[0, 48, 96, 192, 192, 0]).unwrap();
+    let starts = k.upload_l(&[0, 4, 6]).unwrap();
+    let mut attended = k.zeros(2 * 2 * 32).unwrap();
+    k.attn_exact(
+        &q,
+        (&arena, fp8),
+        (&offsets, &starts),
+        &sinks,
+        (2, 2, 32, 4),
+        0.176_776_7,
+        &mut attended,
+    )
+    .unwrap();
+    out.push(read(&attended));
     // Chosen key offsets: three tokens of k = 4, the middle one poisoned, the last short.
     let chosen = k
         .upload_i(&[0, 2, 5, 9, -2, -2, -2, -2, 1, 3, -1, -1])
