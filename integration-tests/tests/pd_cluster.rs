@@ -376,3 +376,52 @@ fn the_advertised_context_is_what_the_decode_pools_hold() {
     );
     assert_eq!(ask(8).status, 200);
 }
+
+/// A decode worker on the emulated device (`--backend emulated`: the GPU decode step, state in
+/// slots of device arenas, each kernel by its CPU reference) answers what the in-process engine
+/// answers, token for token and logprob for logprob, with the prompts' states arriving over
+/// the transport into its reserved pages and loaded into its slots; its start-up log names the
+/// device plan. A prefill worker refuses the emulated backend.
+#[test]
+fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
+    let local = start_router(&["--model-dir", &model_arg()], true);
+    let mut command = integration_tests::pd::worker_command(
+        "pdserve-decode",
+        &[
+            "--page-size",
+            "16",
+            "--backend",
+            "emulated",
+            "--max-running",
+            "4",
+        ],
+    );
+    // Its start-up plan is logged at info.
+    command.env("PDSERVE_LOG", "info");
+    let mut decode = integration_tests::Service::start(command);
+    let prefill = worker("pdserve-prefill", &["--page-size", "16"]);
+    let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
+    let (a, b) = (local.addr("http"), router.addr("http"));
+    for (i, words) in [0usize, 9, 61, 130].into_iter().enumerate() {
+        let temperature = if i % 2 == 0 { 0.0 } else { 0.9 };
+        let mut body = chat(words, 300 + i as u64, temperature, 8);
+        body["logprobs"] = json!(true);
+        body["top_logprobs"] = json!(2);
+        let want = essence(&post(a, "/v1/chat/completions", &body));
+        let got = essence(&post(b, "/v1/chat/completions", &body));
+        assert_eq!(got, want, "{words} words");
+    }
+    decode.terminate();
+    let log = decode.stderr();
+    assert!(
+        log.contains("emulated (the whole decode step on the device)"),
+        "{log}"
+    );
+
+    let (status, _, stderr) = integration_tests::run_to_exit(
+        integration_tests::pd::worker_command("pdserve-prefill", &["--backend", "emulated"]),
+        Duration::from_secs(60),
+    );
+    assert!(!status.success());
+    assert!(stderr.contains("emulated"), "{stderr}");
+}

@@ -184,7 +184,7 @@ fn compute_backend_is_checked_at_start() {
     cmd.args(["--backend", "gpu"]);
     let err = refused(cmd);
     assert!(
-        err.contains("`backend`") && err.contains("expected cpu or cuda"),
+        err.contains("`backend`") && err.contains("expected cpu, cuda or emulated"),
         "{err}"
     );
     for role in ["pdserve-prefill", "pdserve-decode"] {

@@ -1,7 +1,9 @@
-//! Choosing a worker's compute backend from its configuration (`backend = "cpu" | "cuda"`).
-//! The CPU backend is the engine's reference code; the CUDA backend exists only in builds with
-//! the `cuda` feature, and asking for it elsewhere, or on a machine without a device, is an
-//! error at start rather than a silent fall back to the CPU.
+//! Choosing a worker's compute backend from its configuration
+//! (`backend = "cpu" | "cuda" | "emulated"`). The CPU backend is the engine's reference code;
+//! the CUDA backend exists only in builds with the `cuda` feature, and asking for it elsewhere,
+//! or on a machine without a device, is an error at start rather than a silent fall back to
+//! the CPU. The emulated backend is a decode worker's GPU decode step with each kernel computed
+//! by its CPU reference: the device path of a deployment, checkable without a GPU (slow).
 
 use std::{path::Path, sync::Arc};
 
@@ -17,6 +19,9 @@ pub enum BackendKind {
     Cpu,
     /// The CUDA backend (routed experts on the GPU; the rest needs hybrid mode).
     Cuda,
+    /// A decode worker's whole decode step as on a GPU (state in arenas, the same launches),
+    /// each kernel computed by its CPU reference.
+    Emulated,
 }
 
 impl BackendKind {
@@ -25,6 +30,7 @@ impl BackendKind {
         match value {
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda),
+            "emulated" => Ok(Self::Emulated),
             other => Err(UnknownBackend(other.to_owned())),
         }
     }
@@ -34,13 +40,14 @@ impl BackendKind {
         match self {
             Self::Cpu => "cpu",
             Self::Cuda => "cuda",
+            Self::Emulated => "emulated",
         }
     }
 
     /// Whether this build can run the backend at all.
     pub fn built_in(self) -> bool {
         match self {
-            Self::Cpu => true,
+            Self::Cpu | Self::Emulated => true,
             Self::Cuda => cfg!(feature = "cuda"),
         }
     }
@@ -48,7 +55,7 @@ impl BackendKind {
 
 /// A configuration named a backend that does not exist.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown backend {0:?} (expected cpu or cuda)")]
+#[error("unknown backend {0:?} (expected cpu, cuda or emulated)")]
 pub struct UnknownBackend(pub String);
 
 /// A backend is written in configuration as its name.
@@ -156,6 +163,12 @@ pub fn open_rank(
     match kind {
         BackendKind::Cpu => Ok(None),
         BackendKind::Cuda => open_cuda(dir, config, rank),
+        BackendKind::Emulated => Err(BackendError::Unavailable {
+            backend: "emulated".to_owned(),
+            reason: "it runs the decode step of a decode worker of one rank, without hybrid; \
+                     a prefill worker or a group of ranks uses cpu or cuda"
+                .to_owned(),
+        }),
     }
 }
 
@@ -231,10 +244,7 @@ pub fn start_engine(
         }
         gpu_group(&ordinals, timeout)
     };
-    let decode_step = kind == BackendKind::Cuda
-        && work == EngineWork::DecodeOnly
-        && !hybrid
-        && group.ranks() == 1;
+    let decode_step = work == EngineWork::DecodeOnly && !hybrid && group.ranks() == 1;
     let devices = engine::runner::RankDevices {
         open: &open,
         hybrid,
@@ -242,10 +252,10 @@ pub fn start_engine(
             BackendKind::Cuda if group.ranks() > 1 => Some(&gpu_collectives),
             _ => None,
         },
-        decode: if decode_step {
-            Some(&open_cuda_decode)
-        } else {
-            None
+        decode: match kind {
+            BackendKind::Cuda if decode_step => Some(&open_cuda_decode),
+            BackendKind::Emulated if decode_step => Some(&open_emulated_decode),
+            _ => None,
         },
     };
     engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
@@ -270,6 +280,26 @@ pub fn check_arena_room(needed: usize, (free, total): (usize, usize)) -> Result<
         ));
     }
     Ok(())
+}
+
+/// The whole decode step for `model` over the kernels' CPU references, arenas for
+/// `config.max_running` sequences of [`slot_tokens`] tokens (in host memory, which the engine's
+/// start checked for its pools; the arenas are as large as a GPU's would be).
+fn open_emulated_decode(
+    model: &engine::model::Model,
+    config: &engine::scheduler::EngineConfig,
+) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
+    use crate::step::{decoder::StepDecoder, emulated::EmulatedKernels};
+    let kernels = EmulatedKernels::new(&model.config);
+    let shape = (config.max_running, slot_tokens(&model.config, config));
+    let decoder =
+        StepDecoder::new("emulated", kernels, model, shape, |_, _| Ok(())).map_err(|e| {
+            BackendError::Unavailable {
+                backend: "emulated".to_owned(),
+                reason: e.to_string(),
+            }
+        })?;
+    Ok(Box::new(decoder))
 }
 
 /// The whole decode step on GPU 0 for `model`: its weights uploaded, arenas for
@@ -389,8 +419,12 @@ mod tests {
     fn parses_known_backends_only() {
         assert_eq!(BackendKind::parse("cpu"), Ok(BackendKind::Cpu));
         assert_eq!(BackendKind::parse("cuda"), Ok(BackendKind::Cuda));
+        assert_eq!(BackendKind::parse("emulated"), Ok(BackendKind::Emulated));
         let err = BackendKind::parse("CUDA").unwrap_err();
-        assert!(err.to_string().contains("expected cpu or cuda"), "{err}");
+        assert!(
+            err.to_string().contains("expected cpu, cuda or emulated"),
+            "{err}"
+        );
         assert!(BackendKind::Cpu.built_in());
         assert_eq!(BackendKind::Cuda.built_in(), cfg!(feature = "cuda"));
     }

@@ -127,9 +127,11 @@ pub struct WorkerSettings {
     /// `nccl` feature). A pair uses the first transport of the prefill worker's list that the
     /// decode worker also offers.
     pub transports: Vec<Transport>,
-    /// Compute backend: `cpu` (the reference forward pass) or `cuda` (builds with the `cuda`
-    /// feature; the routed experts on the GPU in their FP4 form). A backend that does not run
-    /// every op of the forward pass on its device refuses to start unless `hybrid` is set.
+    /// Compute backend: `cpu` (the reference forward pass), `cuda` (builds with the `cuda`
+    /// feature: a one-GPU decode worker runs its whole decode step on the GPU; otherwise the
+    /// per-op path, which refuses to start unless `hybrid` is set), or `emulated` (a decode
+    /// worker's GPU decode step with each kernel computed by its CPU reference: slow, for
+    /// checking the device path without a GPU; refused elsewhere).
     pub backend: BackendKind,
     /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
@@ -384,7 +386,7 @@ pub struct WorkerFlags {
     #[arg(long = "transport", value_name = "NAME")]
     #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
     pub transports: Vec<String>,
-    /// Compute backend: cpu or cuda.
+    /// Compute backend: cpu, cuda or emulated (decode workers).
     #[arg(long, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,
@@ -433,7 +435,10 @@ mod tests {
         assert_eq!(back, settings);
         let bad = serde_json::json!({ "backend": "gpu" });
         let err = serde_json::from_value::<WorkerSettings>(bad).unwrap_err();
-        assert!(err.to_string().contains("expected cpu or cuda"), "{err}");
+        assert!(
+            err.to_string().contains("expected cpu, cuda or emulated"),
+            "{err}"
+        );
         let bad = serde_json::json!({ "transports": ["rdma"] });
         let err = serde_json::from_value::<WorkerSettings>(bad).unwrap_err();
         assert!(err.to_string().contains("unknown transport"), "{err}");
