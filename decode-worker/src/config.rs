@@ -62,6 +62,21 @@ mod tests {
         common::config::load::<DecodeConfig>(None, env, &cli).expect("settings")
     }
 
+    /// Fast decode attention from a flag or the environment, with what it needs.
+    #[test]
+    fn decode_attention_reads_from_flags_and_environment() {
+        use worker_core::settings::DecodeAttention;
+        assert_eq!(
+            load(&[], &[]).worker.decode_attention,
+            DecodeAttention::Exact
+        );
+        let needs = ["--backend", "emulated", "--kv-cache-dtype", "fp8"];
+        let c = load(&[&needs[..], &["--decode-attention", "fast"]].concat(), &[]);
+        assert_eq!(c.worker.decode_attention, DecodeAttention::Fast);
+        let c = load(&needs, &[("PDSERVE_DECODE_ATTENTION", "fast")]);
+        assert_eq!(c.worker.decode_attention, DecodeAttention::Fast);
+    }
+
     /// vLLM's spellings set the same settings as ours, from flags and from the environment.
     #[test]
     fn vllm_flag_spellings_are_the_same_settings() {

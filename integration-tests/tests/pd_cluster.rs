@@ -425,3 +425,46 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
     assert!(!status.success());
     assert!(stderr.contains("emulated"), "{stderr}");
 }
+
+/// A decode worker with the fast attention (`--decode-attention fast`: every head of a request
+/// against each tile of its FP8 rows, within the kernel's bound) gives the greedy answers of
+/// one with the exact attention, both on the emulated device with FP8 rows; its plan says so.
+#[test]
+fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
+    let fp8 = ["--page-size", "16", "--kv-cache-dtype", "fp8"];
+    let mut answers = Vec::new();
+    for attention in ["exact", "fast"] {
+        let mut command = integration_tests::pd::worker_command(
+            "pdserve-decode",
+            &[
+                &fp8[..],
+                &["--backend", "emulated", "--decode-attention", attention],
+            ]
+            .concat(),
+        );
+        command.env("PDSERVE_LOG", "info");
+        let mut decode = integration_tests::Service::start(command);
+        let prefill = worker("pdserve-prefill", &fp8);
+        let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
+        let mut mine = Vec::new();
+        for (i, words) in [3usize, 40, 130].into_iter().enumerate() {
+            let body = chat(words, 500 + i as u64, 0.0, 8);
+            let answer = post(router.addr("http"), "/v1/chat/completions", &body).json();
+            mine.push(answer["choices"][0]["message"]["content"].clone());
+        }
+        decode.terminate();
+        let log = decode.stderr();
+        assert_eq!(
+            log.contains("emulated, fast attention (the whole decode step on the device)"),
+            attention == "fast",
+            "{log}"
+        );
+        answers.push(mine);
+    }
+    assert_eq!(answers[1], answers[0]);
+    assert!(
+        answers[0]
+            .iter()
+            .all(|a| a.as_str().is_some_and(|s| !s.is_empty()))
+    );
+}

@@ -67,8 +67,8 @@ extern "C" __global__ void scale_values(float* __restrict__ x, float s, long lon
 
 // The key offsets of the indexer's choice: for entry t, token tokens[t]'s `counts[t]` chosen
 // rows (chosen[tokens[t] * k ..], ascending; -2 in every slot when the choice is undefined) as
-// byte offsets from bases[t] (`row_bytes` each) into offsets[starts[t] ..]; -1 (the token's
-// attention NaN) when poisoned.
+// byte offsets from bases[t] (`row_bytes` each) into offsets[starts[t] ..]; -2 when poisoned
+// (below -1, the empty slot of `attn_decode_fp8`: both attention kernels make the token NaN).
 extern "C" __global__ void chosen_offsets(const int* __restrict__ chosen, int k,
                                           const int* __restrict__ tokens,
                                           const long long* __restrict__ starts,
@@ -84,6 +84,6 @@ extern "C" __global__ void chosen_offsets(const int* __restrict__ chosen, int k,
     const bool poisoned = k > 0 && mine[0] == -2;
     for (int j = 0; j < counts[t]; ++j) {
         const int row = mine[j];
-        offsets[starts[t] + j] = (poisoned || row < 0) ? -1 : bases[t] + row * row_bytes;
+        offsets[starts[t] + j] = (poisoned || row < 0) ? -2 : bases[t] + row * row_bytes;
     }
 }

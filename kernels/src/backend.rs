@@ -205,11 +205,12 @@ fn open_cuda(
 }
 
 /// What a worker's engine computes: prompts and decode tokens, or only decode tokens (a decode
-/// worker: every request arrives with its prompt's state).
+/// worker: every request arrives with its prompt's state), then with the device step's fast
+/// attention (`attn_decode_fp8`) when asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineWork {
     All,
-    DecodeOnly,
+    DecodeOnly { fast_attention: bool },
 }
 
 /// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
@@ -244,7 +245,18 @@ pub fn start_engine(
         }
         gpu_group(&ordinals, timeout)
     };
-    let decode_step = work == EngineWork::DecodeOnly && !hybrid && group.ranks() == 1;
+    let (decode_only, fast_attention) = match work {
+        EngineWork::All => (false, false),
+        EngineWork::DecodeOnly { fast_attention } => (true, fast_attention),
+    };
+    let decode_step = decode_only && !hybrid && group.ranks() == 1;
+    let cuda_decode = |model: &engine::model::Model, config: &engine::scheduler::EngineConfig| {
+        open_cuda_decode(model, config, fast_attention)
+    };
+    let emulated_decode = |model: &engine::model::Model,
+                           config: &engine::scheduler::EngineConfig| {
+        open_emulated_decode(model, config, fast_attention)
+    };
     let devices = engine::runner::RankDevices {
         open: &open,
         hybrid,
@@ -253,8 +265,8 @@ pub fn start_engine(
             _ => None,
         },
         decode: match kind {
-            BackendKind::Cuda if decode_step => Some(&open_cuda_decode),
-            BackendKind::Emulated if decode_step => Some(&open_emulated_decode),
+            BackendKind::Cuda if decode_step => Some(&cuda_decode),
+            BackendKind::Emulated if decode_step => Some(&emulated_decode),
             _ => None,
         },
     };
@@ -288,17 +300,22 @@ pub fn check_arena_room(needed: usize, (free, total): (usize, usize)) -> Result<
 fn open_emulated_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
+    fast_attention: bool,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     use crate::step::{decoder::StepDecoder, emulated::EmulatedKernels};
+    let unavailable = |e: String| BackendError::Unavailable {
+        backend: "emulated".to_owned(),
+        reason: e,
+    };
     let kernels = EmulatedKernels::new(&model.config);
     let shape = (config.max_running, slot_tokens(&model.config, config));
-    let decoder =
-        StepDecoder::new("emulated", kernels, model, shape, |_, _| Ok(())).map_err(|e| {
-            BackendError::Unavailable {
-                backend: "emulated".to_owned(),
-                reason: e.to_string(),
-            }
-        })?;
+    let mut decoder = StepDecoder::new("emulated", kernels, model, shape, |_, _| Ok(()))
+        .map_err(|e| unavailable(e.to_string()))?;
+    if fast_attention {
+        decoder = decoder
+            .with_fast_attention()
+            .map_err(|e| unavailable(e.to_string()))?;
+    }
     Ok(Box::new(decoder))
 }
 
@@ -308,6 +325,7 @@ fn open_emulated_decode(
 fn open_cuda_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
+    fast_attention: bool,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     use crate::{
         cuda::{CudaKernels, Gpu},
@@ -324,8 +342,11 @@ fn open_cuda_decode(
         let memory = k.gpu.memory()?;
         check_arena_room(bytes, memory).map_err(crate::cuda::KernelError::from)
     };
-    let decoder = StepDecoder::new("cuda", CudaKernels { gpu }, model, (slots, tokens), room)
+    let mut decoder = StepDecoder::new("cuda", CudaKernels { gpu }, model, (slots, tokens), room)
         .map_err(cuda_unavailable)?;
+    if fast_attention {
+        decoder = decoder.with_fast_attention().map_err(cuda_unavailable)?;
+    }
     Ok(Box::new(decoder))
 }
 
@@ -333,6 +354,7 @@ fn open_cuda_decode(
 fn open_cuda_decode(
     _: &engine::model::Model,
     _: &engine::scheduler::EngineConfig,
+    _: bool,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     Err(cuda_unavailable(
         "this binary was built without the CUDA backend (cargo feature `cuda`)",

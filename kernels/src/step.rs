@@ -183,6 +183,10 @@ pub const CHOSEN_EMPTY: i32 = -1;
 /// output is NaN).
 pub const CHOSEN_POISONED: i32 = -2;
 
+/// A key offset of a poisoned choice: below -1, which the fast attention kernel reads as an
+/// empty slot; both attention kernels make the token NaN for it.
+pub const POISONED_KEY: i64 = -2;
+
 /// The device operations of the decode step. Buffers are f32 (`Buf`) or i32 (`Idx`); offsets
 /// into a layer's arena are in f32 elements. A buffer made by [`Self::alloc`] is NaN, so an
 /// operation that writes nothing cannot pass for a result. Host slices an op takes are the

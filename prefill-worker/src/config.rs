@@ -36,6 +36,12 @@ impl ServiceConfig for PrefillConfig {
     const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
+        if self.worker.decode_attention != worker_core::settings::DecodeAttention::Exact {
+            return Err(Invalid::new(
+                "decode_attention",
+                "a prefill worker does not decode: it takes no decode attention",
+            ));
+        }
         self.worker.validate()
     }
 }
@@ -54,4 +60,30 @@ pub struct Cli {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_state: Option<bool>,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    /// A prefill worker never decodes: asking it for a decode attention is refused naming the
+    /// key, not ignored.
+    #[test]
+    fn decode_attention_is_refused() {
+        let cli = Cli::try_parse_from([
+            "pdserve-prefill",
+            "--decode-attention",
+            "fast",
+            "--backend",
+            "emulated",
+            "--kv-cache-dtype",
+            "fp8",
+        ])
+        .expect("flags");
+        let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
+            .expect_err("refused");
+        assert!(err.to_string().contains("decode_attention"), "{err}");
+    }
 }

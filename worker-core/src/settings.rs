@@ -54,6 +54,18 @@ impl KvCacheDtype {
     }
 }
 
+/// How a decode worker's device step attends (decode workers on `cuda` or `emulated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeAttention {
+    /// `attn_exact`: the CPU reference's bits.
+    Exact,
+    /// `attn_decode_fp8`: every head of a request against each tile of its FP8 rows on tensor
+    /// cores, within `2^-8` of the largest row value of the exact result (needs
+    /// `kv_cache_dtype = fp8`).
+    Fast,
+}
+
 /// `--enable-prefix-caching` / `--no-enable-prefix-caching` (vLLM's spellings), as the one
 /// setting `enable_prefix_caching`.
 #[derive(Debug, Default, clap::Args)]
@@ -136,6 +148,10 @@ pub struct WorkerSettings {
     /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
     pub hybrid: bool,
+    /// How a decode worker's device step attends: `exact` (the reference's bits) or `fast`
+    /// (tensor cores over FP8 rows, within a stated bound; needs `kv_cache_dtype = fp8` and
+    /// the cuda or emulated backend).
+    pub decode_attention: DecodeAttention,
     /// Attention tensor parallelism: ranks sharing each request's heads (every rank runs every
     /// request and holds a copy of its state; bit-identical to one rank). Experts are then
     /// replicated (`expert_parallel_size` 1) or split over the same ranks (equal sizes).
@@ -184,6 +200,7 @@ impl WorkerSettings {
             transports: vec![Transport(TransportKind::Ucx), Transport(TransportKind::Tcp)],
             backend: BackendKind::Cpu,
             hybrid: false,
+            decode_attention: DecodeAttention::Exact,
             tensor_parallel_size: 1,
             expert_parallel_size: 1,
             dp_attention: false,
@@ -224,6 +241,21 @@ impl WorkerSettings {
                 "backend",
                 "this binary was built without the CUDA backend (cargo feature `cuda`)",
             ));
+        }
+        if self.decode_attention == DecodeAttention::Fast {
+            if self.backend == BackendKind::Cpu || self.hybrid {
+                return Err(Invalid::new(
+                    "decode_attention",
+                    "fast attention runs in the device decode step: backend cuda or emulated, \
+                     without hybrid",
+                ));
+            }
+            if self.kv_cache_dtype != KvCacheDtype::Fp8 {
+                return Err(Invalid::new(
+                    "decode_attention",
+                    "fast attention reads FP8 K=V rows: set kv_cache_dtype = \"fp8\"",
+                ));
+            }
         }
         self.check_group()?;
         common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
@@ -394,6 +426,10 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<bool>,
+    /// A decode worker's device attention: exact or fast.
+    #[arg(long, value_enum, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_attention: Option<DecodeAttention>,
     /// Attention tensor parallelism: ranks sharing each request's heads (`--tp`).
     #[arg(long, visible_alias = "tp", value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -455,6 +491,29 @@ mod tests {
         let mut settings = WorkerSettings::listening_on(0);
         settings.transports.clear();
         assert_eq!(settings.validate().unwrap_err().key, "transports");
+    }
+
+    /// Fast decode attention is honoured only where it runs (the device step of the cuda or
+    /// emulated backend, without hybrid, over FP8 rows), refused elsewhere naming the key.
+    #[test]
+    fn fast_decode_attention_needs_the_device_step_and_fp8_rows() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.decode_attention = DecodeAttention::Fast;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "decode_attention", "{e:?}");
+        assert!(e.reason.contains("cuda or emulated"), "{e:?}");
+        settings.backend = BackendKind::Emulated;
+        let e = settings.validate().unwrap_err();
+        assert!(e.reason.contains("kv_cache_dtype"), "{e:?}");
+        settings.kv_cache_dtype = KvCacheDtype::Fp8;
+        assert!(settings.validate().is_ok());
+        settings.hybrid = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
+        let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
+        assert_eq!(json["decode_attention"], "exact");
+        json["decode_attention"] = serde_json::json!("fast");
+        let back: WorkerSettings = serde_json::from_value(json).unwrap();
+        assert_eq!(back.decode_attention, DecodeAttention::Fast);
     }
 
     /// A group of ranks is honoured or refused with the setting to change, never run as

@@ -128,7 +128,9 @@ where
     let group = settings.group_spec();
     // A decode worker gets every prompt's state from a prefill worker: its engine only decodes.
     let work = match spec.role {
-        Role::Decode => kernels::backend::EngineWork::DecodeOnly,
+        Role::Decode => kernels::backend::EngineWork::DecodeOnly {
+            fast_attention: settings.decode_attention == crate::settings::DecodeAttention::Fast,
+        },
         _ => kernels::backend::EngineWork::All,
     };
     let transports = settings.transport_kinds();

@@ -83,10 +83,10 @@ impl Gpu {
     /// The three launches on device buffers; the result is in `scratch.out`. Every
     /// non-negative offset must point at a whole row inside `pool` and `starts` must rise from
     /// 0 (the host wrapper checks both; here they are the caller's contract).
-    pub fn launch_attn_decode_fp8(
+    pub fn launch_attn_decode_fp8<P: cudarc::driver::DeviceRepr>(
         &self,
         q: &CudaSlice<f32>,
-        pool: &CudaSlice<u8>,
+        pool: &CudaSlice<P>,
         row_offsets: &CudaSlice<i64>,
         starts: &CudaSlice<i64>,
         sinks: &CudaSlice<f32>,

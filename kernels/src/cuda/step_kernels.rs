@@ -608,6 +608,38 @@ impl Kernels for CudaKernels {
             .launch_attn_exact(((q, pool, offsets, starts, sinks), rows), shape, scale, out)
     }
 
+    fn attn_fast(
+        &self,
+        q: &CudaSlice<f32>,
+        (pool, (nope, rope)): (&CudaSlice<f32>, (usize, usize)),
+        (offsets, starts): (&CudaSlice<i64>, &CudaSlice<i64>),
+        sinks: &CudaSlice<f32>,
+        (tokens, heads): (usize, usize),
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let shape = crate::attn_fp8::Fp8AttnShape {
+            heads,
+            nope,
+            rope,
+            scale,
+            parts: crate::step::kernels::FAST_ATTENTION_PARTS,
+        };
+        let n = tokens * heads * (nope + rope);
+        if out.len() < n {
+            return Err(KernelError::Shape("attn_fast output".into()));
+        }
+        // The arena's bytes are the kernel's pool (whole rows inside it: checked by the caller).
+        let mut scratch = self.gpu.attn_fp8_scratch(tokens, shape)?;
+        self.gpu
+            .launch_attn_decode_fp8(q, pool, offsets, starts, sinks, &mut scratch)?;
+        let mut view = out.slice_mut(0..n);
+        Ok(self
+            .gpu
+            .stream
+            .memcpy_dtod(&scratch.out.slice(0..n), &mut view)?)
+    }
+
     fn moe_route(
         &self,
         logits: &CudaSlice<f32>,

@@ -76,6 +76,14 @@ impl<K: Kernels> StepDecoder<K> {
     pub fn kernels(&self) -> &K {
         self.ops.kernels()
     }
+
+    /// Attends with the fast kernel from now on (`DeviceStepOps::with_fast_attention`: FP8 K=V
+    /// rows, within its bound of the exact attention).
+    pub fn with_fast_attention(mut self) -> Result<Self, K::Error> {
+        self.ops = self.ops.with_fast_attention()?;
+        self.name = format!("{}, fast attention", self.name);
+        Ok(self)
+    }
 }
 
 impl<K: Kernels> DecodeDevice for StepDecoder<K>

@@ -39,6 +39,9 @@ pub struct DeviceStepOps<K: Kernels> {
     kv_rows: RowFormat,
     /// f32s a stored K=V row takes in an arena.
     kv_stride: usize,
+    /// Attention by `attn_decode_fp8` (all heads of a token on tensor cores, within its bound)
+    /// instead of `attn_exact` (the engine's bits).
+    fast_attention: bool,
 }
 
 /// Plans uploaded this step, by their values.
@@ -92,7 +95,40 @@ impl<K: Kernels> DeviceStepOps<K> {
             plans: RefCell::new(Plans::default()),
             kv_rows: model.kv_rows(),
             kv_stride: kv_stride(model.config.head_dim, model.kv_rows())?,
+            fast_attention: false,
         })
+    }
+
+    /// Attends with `attn_decode_fp8` from now on: every head of a token against each tile of
+    /// its FP8 rows at once, within `2^-8 · max |row value|` of the exact attention rather than
+    /// its bits. Needs FP8 K=V rows and a shape the kernel takes (at most 64 heads of at most
+    /// 512 values).
+    pub fn with_fast_attention(mut self) -> Result<Self, K::Error> {
+        let RowFormat::Fp8Kv { nope, rope } = self.kv_rows else {
+            return Err("fast attention reads FP8 K=V rows (kv_cache_dtype fp8)"
+                .to_owned()
+                .into());
+        };
+        self.fast_shape(nope, rope, 1.0)?;
+        self.fast_attention = true;
+        Ok(self)
+    }
+
+    fn fast_shape(
+        &self,
+        nope: usize,
+        rope: usize,
+        scale: f32,
+    ) -> Result<crate::attn_fp8::Fp8AttnShape, K::Error> {
+        let shape = crate::attn_fp8::Fp8AttnShape {
+            heads: self.config.num_heads,
+            nope,
+            rope,
+            scale,
+            parts: super::kernels::FAST_ATTENTION_PARTS,
+        };
+        shape.check()?;
+        Ok(shape)
     }
 
     /// `values` as a read-only plan on the device: uploaded once a step (kernels only read it).
@@ -557,6 +593,18 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             return Err("attend: fewer sinks than heads".to_owned().into());
         }
         let scale = 1.0 / (hd as f32).sqrt();
+        if let (true, RowFormat::Fp8Kv { nope, rope }) = (self.fast_attention, self.kv_rows) {
+            self.k.attn_fast(
+                q,
+                (arena, (nope, rope)),
+                (&d_offsets, &d_starts),
+                sinks,
+                (n, heads),
+                scale,
+                &mut out,
+            )?;
+            return Ok(out);
+        }
         self.k.attn_exact(
             q,
             (arena, self.kv_rows),

@@ -629,7 +629,7 @@ impl Kernels for EmulatedKernels {
                 let at = index(starts[e], "chosen slots")? + j;
                 *offsets.get_mut(at).ok_or_else(|| err("chosen_offsets"))? = if poisoned || row < 0
                 {
-                    -1
+                    super::POISONED_KEY
                 } else {
                     bases[e] + i64::from(row) * row_bytes as i64
                 };
@@ -672,6 +672,44 @@ impl Kernels for EmulatedKernels {
             store(out, t * heads * dim, &o)?;
         }
         Ok(())
+    }
+
+    fn attn_fast(
+        &self,
+        q: &Vec<f32>,
+        (pool, (nope, rope)): (&Vec<f32>, (usize, usize)),
+        (offsets, starts): (&Vec<i64>, &Vec<i64>),
+        sinks: &Vec<f32>,
+        (tokens, heads): (usize, usize),
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let shape = crate::attn_fp8::Fp8AttnShape {
+            heads,
+            nope,
+            rope,
+            scale,
+            parts: super::kernels::FAST_ATTENTION_PARTS,
+        };
+        shape.check()?;
+        let dim = nope + rope;
+        let bytes: Vec<u8> = pool
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect();
+        let starts = part(starts, 0, tokens + 1, "attn_fast starts")?;
+        let last = index(starts[tokens], "attn_fast starts")?;
+        let offsets = part(offsets, 0, last, "attn_fast offsets")?;
+        if offsets
+            .iter()
+            .any(|&o| o >= 0 && o as usize + shape.row_bytes() > bytes.len())
+        {
+            return Err(err("attn_fast: a row outside the pool"));
+        }
+        let q = part(q, 0, tokens * heads * dim, "attn_fast queries")?;
+        let sinks = part(sinks, 0, heads, "attn_fast sinks")?;
+        let o = crate::emulate::attn_decode_fp8(&q, &bytes, &offsets, &starts, &sinks, &shape);
+        store(out, 0, &o)
     }
 
     fn moe_route(

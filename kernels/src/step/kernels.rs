@@ -13,6 +13,10 @@ use engine::{
 
 use super::Proj;
 
+/// Work items beyond one per token the fast attention's plan may make (`Fp8AttnShape::parts`):
+/// fixed, so the device and the kernels' emulation cut the same splits.
+pub const FAST_ATTENTION_PARTS: usize = 64;
+
 /// `norm_rope_rows`' shape: rows of `heads` heads of `head_dim`, per head the norm (`0` none,
 /// `1` unweighted, `2` weighted by the device vector), then the rotation of the trailing `rope`
 /// dims by each row's (sin, cos) pairs.
@@ -265,6 +269,22 @@ pub trait Kernels {
         keys: (&Self::L, &Self::L),
         sinks: &Self::F,
         shape: (usize, usize, usize, usize),
+        scale: f32,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `attn_decode_fp8` (plan, partials, combine) over the FP8 K=V rows of `pool` (its bytes;
+    /// rows of `nope + rope` values): every head of a token against each tile of its rows on
+    /// tensor cores. Byte offsets, CSR by token; -1 is an empty slot, below -1 makes the token
+    /// NaN. Within `2^-8 · max |row value|` of [`Self::attn_exact`] (the query and the tile
+    /// weights rounded to bf16), `[tokens, heads, nope + rope]`.
+    #[expect(clippy::too_many_arguments, reason = "the kernel's parameters")]
+    fn attn_fast(
+        &self,
+        q: &Self::F,
+        pool: (&Self::F, (usize, usize)),
+        keys: (&Self::L, &Self::L),
+        sinks: &Self::F,
+        shape: (usize, usize),
         scale: f32,
         out: &mut Self::F,
     ) -> Result<(), Self::Error>;
