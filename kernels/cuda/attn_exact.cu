@@ -53,25 +53,6 @@ struct Fp8Row {
     }
 };
 
-// `exact::dot_lanes` over a row read through `Row`.
-template <typename Row>
-__device__ __forceinline__ float dot_row(const Row& a, const float* __restrict__ b, long long n,
-                                         int lane, unsigned int mask) {
-    const long long chunks = n / 8;
-    float acc = 0.0f;
-    for (long long i = 0; i < chunks; ++i) {
-        acc = __fmaf_rn(a[i * 8 + lane], b[i * 8 + lane], acc);
-    }
-    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 4, 8));
-    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 2, 8));
-    acc = __fadd_rn(acc, __shfl_down_sync(mask, acc, 1, 8));
-    float tail = 0.0f;
-    for (long long c = chunks * 8; c < n; ++c) {
-        tail = __fmaf_rn(a[c], b[c], tail);
-    }
-    return __fadd_rn(acc, tail);
-}
-
 __device__ __forceinline__ F32Row row_at(const uint8_t* p, int, int, F32Row) {
     return F32Row{reinterpret_cast<const float*>(p)};
 }
@@ -126,7 +107,7 @@ __device__ void attend_exact(const float* __restrict__ q, const uint8_t* __restr
         // throwaway dot of the first key.
         const Row key =
             row_at(pool + row_offsets[first + (k < n ? k : 0)], nope, dim - nope, Row{});
-        const float d = dot_row(key, qh, dim, lane, 0xffffffffu);
+        const float d = exact::dot_lanes(key, qh, dim, lane, 0xffffffffu);
         if (lane == 0 && k < n) {
             logits[k] = __fmul_rn(d, scale);
         }

@@ -122,8 +122,11 @@ __device__ __forceinline__ float sigmoid(float x) {
 // computed by the eight threads of a group (`lane` 0..7, all eight calling with the same
 // arguments and the mask of the group's threads): lane k's fused multiply-add chain over
 // elements 8i + k, the halving k + 4, k + 2, k + 1, then the FMA tail. Valid in lane 0.
-__device__ __forceinline__ float dot_lanes(const float* __restrict__ a, const float* __restrict__ b,
-                                           long long n, int lane, unsigned int mask) {
+// `a` is anything indexed like a row of f32 values: a pointer, or a reader that decodes a
+// stored row (the FP8 K=V rows of `attn_exact.cu`), so every caller sums in the same order.
+template <typename Row>
+__device__ __forceinline__ float dot_lanes(const Row& a, const float* __restrict__ b, long long n,
+                                           int lane, unsigned int mask) {
     const long long chunks = n / 8;
     float acc = 0.0f;
     for (long long i = 0; i < chunks; ++i) {

@@ -126,6 +126,24 @@ __device__ __forceinline__ uint16_t to_bf16(float x) {
     return static_cast<uint16_t>((bits + 0x7FFFu + lsb) >> 16);
 }
 
+// The ue8m0 scale code of a 64-value block whose thread t holds `x` (0 past the row), as the
+// engine chooses it (`codec::encode`): the smallest power of two at least amax / 448, amax over
+// the block with `fmaxf` ignoring a NaN as `f32::max` does. Every thread of the 64 calls it;
+// `amax` is the block's shared scratch, free again on return.
+__device__ __forceinline__ uint8_t fp8_block_scale(float x, float* amax, int t) {
+    amax[t] = fabsf(x);
+    __syncthreads();
+    for (int stride = 32; stride > 0; stride /= 2) {
+        if (t < stride) {
+            amax[t] = fmaxf(amax[t], amax[t + stride]);
+        }
+        __syncthreads();
+    }
+    const uint8_t code = e8m0_at_least(fmaxf(amax[0] / 448.0f, __int_as_float(0x00800000)));
+    __syncthreads();
+    return code;
+}
+
 // One block (64 threads) per row: thread t owns value t of every 64-value block.
 extern "C" __global__ void fp8_kv_encode(const float* __restrict__ rows, int nope, int rope,
                                          uint8_t* __restrict__ pool,
@@ -144,17 +162,7 @@ extern "C" __global__ void fp8_kv_encode(const float* __restrict__ rows, int nop
     for (int b = 0; b < blocks; ++b) {
         const int d = b * 64 + t;
         const float x = d < nope ? v[d] : 0.0f;
-        // fmaxf ignores a NaN, as the engine's `f32::max` does.
-        amax[t] = fabsf(x);
-        __syncthreads();
-        for (int stride = 32; stride > 0; stride /= 2) {
-            if (t < stride) {
-                amax[t] = fmaxf(amax[t], amax[t + stride]);
-            }
-            __syncthreads();
-        }
-        const uint8_t code = e8m0_at_least(fmaxf(amax[0] / 448.0f, __int_as_float(0x00800000)));
-        __syncthreads();
+        const uint8_t code = fp8_block_scale(x, amax, t);
         if (d < nope) {
             out[d] = to_e4m3(x / e8m0_to_f32(code));
         }
@@ -201,16 +209,7 @@ extern "C" __global__ void fp8_kv_round(float* __restrict__ rows, int nope, int 
     for (int b = 0; b < blocks; ++b) {
         const int d = b * 64 + t;
         const float x = d < nope ? v[d] : 0.0f;
-        amax[t] = fabsf(x);
-        __syncthreads();
-        for (int stride = 32; stride > 0; stride /= 2) {
-            if (t < stride) {
-                amax[t] = fmaxf(amax[t], amax[t + stride]);
-            }
-            __syncthreads();
-        }
-        const uint8_t code = e8m0_at_least(fmaxf(amax[0] / 448.0f, __int_as_float(0x00800000)));
-        __syncthreads();
+        const uint8_t code = fp8_block_scale(x, amax, t);
         if (d < nope) {
             const float scale = e8m0_to_f32(code);
             const uint8_t q = to_e4m3(x / scale);
