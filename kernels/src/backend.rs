@@ -250,6 +250,17 @@ pub fn start_engine(
         EngineWork::DecodeOnly { fast_attention } => (true, fast_attention),
     };
     let decode_step = decode_only && !hybrid && group.ranks() == 1;
+    if fast_attention && !(decode_step && kind != BackendKind::Cpu) {
+        // Only the device step has it: never accepted and then run another way.
+        return Err(engine::runner::StartError::Backend(
+            BackendError::Unavailable {
+                backend: kind.name().to_owned(),
+                reason: "fast decode attention runs in the device decode step of a decode \
+                         worker of one rank on cuda or emulated, without hybrid"
+                    .to_owned(),
+            },
+        ));
+    }
     let cuda_decode = |model: &engine::model::Model, config: &engine::scheduler::EngineConfig| {
         open_cuda_decode(model, config, fast_attention)
     };
@@ -435,6 +446,38 @@ mod tests {
             refused.contains("2.00 GB") && refused.contains("96.00 GB"),
             "{refused}"
         );
+    }
+
+    /// Fast decode attention where the device step does not run (the cpu backend, a prefill
+    /// engine, hybrid, a group) is refused before anything loads, never run as exact.
+    #[test]
+    fn fast_attention_outside_the_device_step_is_refused() {
+        use engine::{parallel::group::GroupSpec, scheduler::EngineConfig, weights::LoadProgress};
+        let progress = Arc::new(LoadProgress::new());
+        let dir = std::env::temp_dir();
+        let fast = EngineWork::DecodeOnly {
+            fast_attention: true,
+        };
+        for (kind, work, hybrid) in [
+            (BackendKind::Cpu, fast, false),
+            (BackendKind::Emulated, fast, true),
+        ] {
+            let start = (kind, work);
+            let refused = start_engine(
+                &dir,
+                EngineConfig::default(),
+                "t",
+                start,
+                hybrid,
+                GroupSpec::SINGLE,
+                &progress,
+            )
+            .unwrap_err();
+            assert!(
+                refused.to_string().contains("fast decode attention"),
+                "{refused}"
+            );
+        }
     }
 
     #[test]

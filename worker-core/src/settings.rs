@@ -243,11 +243,15 @@ impl WorkerSettings {
             ));
         }
         if self.decode_attention == DecodeAttention::Fast {
-            if self.backend == BackendKind::Cpu || self.hybrid {
+            if self.backend == BackendKind::Cpu
+                || self.hybrid
+                || self.tensor_parallel_size > 1
+                || self.expert_parallel_size > 1
+            {
                 return Err(Invalid::new(
                     "decode_attention",
                     "fast attention runs in the device decode step: backend cuda or emulated, \
-                     without hybrid",
+                     one rank, without hybrid",
                 ));
             }
             if self.kv_cache_dtype != KvCacheDtype::Fp8 {
@@ -508,6 +512,10 @@ mod tests {
         settings.kv_cache_dtype = KvCacheDtype::Fp8;
         assert!(settings.validate().is_ok());
         settings.hybrid = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
+        settings.hybrid = false;
+        settings.expert_parallel_size = 2;
+        settings.dp_attention = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
         assert_eq!(json["decode_attention"], "exact");
