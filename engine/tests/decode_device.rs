@@ -21,7 +21,8 @@ use engine::{
     synth::{GenerateOptions, Preset, Rng, generate},
 };
 
-fn model() -> Model {
+/// The tiny checkpoint every test here uses.
+fn checkpoint() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     generate(&GenerateOptions {
         preset: Preset::Tiny,
@@ -31,7 +32,11 @@ fn model() -> Model {
         tokenizer_dir: None,
     })
     .unwrap();
-    Model::load(dir.path()).unwrap()
+    dir
+}
+
+fn model() -> Model {
+    Model::load(checkpoint().path()).unwrap()
 }
 
 fn config() -> EngineConfig {
@@ -95,15 +100,19 @@ impl DecodeDevice for Counted {
 
 fn counted(model: &Model, config: &EngineConfig) -> (Counted, Arc<AtomicUsize>) {
     let seats = Arc::new(AtomicUsize::new(0));
+    (counting_into(model, config, &seats), seats)
+}
+
+/// The reference device for `config`'s engine, counting its stepped sequences into `seats`.
+fn counting_into(model: &Model, config: &EngineConfig, seats: &Arc<AtomicUsize>) -> Counted {
     let tokens = config.num_pages as usize * config.page_size;
-    let device = Counted {
+    Counted {
         inner: HostDecodeDevice::new(model.replica(), config.max_running, tokens),
-        seats: Arc::clone(&seats),
+        seats: Arc::clone(seats),
         steps: 0,
         fail_at: None,
         nan_slot: None,
-    };
-    (device, seats)
+    }
 }
 
 fn requests() -> Vec<GenerationRequest> {
@@ -366,26 +375,11 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
         runner::{RankDevices, StartError, start_with_backend},
         weights::LoadProgress,
     };
-    let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 21,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let dir = checkpoint();
     let seats = Arc::new(AtomicUsize::new(0));
     let opened_with = Arc::clone(&seats);
     let open = move |model: &Model, config: &EngineConfig| {
-        let tokens = config.num_pages as usize * config.page_size;
-        let device = Counted {
-            inner: HostDecodeDevice::new(model.replica(), config.max_running, tokens),
-            seats: Arc::clone(&opened_with),
-            steps: 0,
-            fail_at: None,
-            nan_slot: None,
-        };
+        let device = counting_into(model, config, &opened_with);
         Ok::<Box<dyn DecodeDevice>, BackendError>(Box::new(device))
     };
     let devices = RankDevices {

@@ -37,15 +37,8 @@ struct Fp8Row {
             if ((code & 0x7Fu) == 0x7Fu) {
                 return __int_as_float(0x7fc00000);
             }
-            const uint8_t scale = b[nope + 2 * rope + d / 64];
-            const float s = scale == 0xFFu ? __int_as_float(0x7fc00000)
-                            : scale == 0u ? __int_as_float(0x00400000)
-                                          : __int_as_float(static_cast<int>(scale) << 23);
-            const unsigned int exp = (code >> 3) & 0x0Fu;
-            const unsigned int mant = code & 0x07u;
-            const float m = exp == 0u ? static_cast<float>(mant) * __int_as_float(0x3B000000)
-                                      : __uint_as_float(((exp + 120u) << 23) | (mant << 20));
-            return __fmul_rn((code & 0x80u) ? -m : m, s);
+            const float s = exact::e8m0_to_f32(b[nope + 2 * rope + d / 64]);
+            return __fmul_rn(exact::e4m3_to_f32(code), s);
         }
         const long long i = nope + 2 * (d - nope);
         return __uint_as_float((static_cast<unsigned int>(b[i + 1]) << 24) |

@@ -142,4 +142,28 @@ __device__ __forceinline__ float dot_lanes(const Row& a, const float* __restrict
     return __fadd_rn(acc, tail);
 }
 
+// `engine::formats::e8m0_to_f32`: 2^(code - 127), code 255 NaN.
+__device__ __forceinline__ float e8m0_to_f32(uint8_t code) {
+    if (code == 0xFFu) {
+        return __int_as_float(0x7fc00000);
+    }
+    if (code == 0u) {
+        return __int_as_float(0x00400000);
+    }
+    return __int_as_float(static_cast<int>(code) << 23);
+}
+
+// `engine::formats::e4m3_to_f32`, by its bits: both NaN codes give the engine's NaN.
+__device__ __forceinline__ float e4m3_to_f32(uint8_t code) {
+    if ((code & 0x7Fu) == 0x7Fu) {
+        return __int_as_float(0x7fc00000);
+    }
+    const unsigned int exp = (code >> 3) & 0x0Fu;
+    const unsigned int mant = code & 0x07u;
+    // Subnormal: mant * 2^-9, exact.
+    const float magnitude = exp == 0u ? static_cast<float>(mant) * __int_as_float(0x3B000000)
+                                      : __uint_as_float(((exp + 120u) << 23) | (mant << 20));
+    return (code & 0x80u) ? -magnitude : magnitude;
+}
+
 }  // namespace exact

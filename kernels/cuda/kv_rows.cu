@@ -105,17 +105,6 @@ __device__ __forceinline__ uint8_t e8m0_at_least(float x) {
     return static_cast<uint8_t>(min(code, 0xFEu));
 }
 
-// `engine::formats::e8m0_to_f32`.
-__device__ __forceinline__ float e8m0_to_f32(uint8_t code) {
-    if (code == 0xFFu) {
-        return __int_as_float(0x7fc00000);
-    }
-    if (code == 0u) {
-        return __int_as_float(0x00400000);
-    }
-    return __int_as_float(static_cast<int>(code) << 23);
-}
-
 // `engine::formats::f32_to_bf16`: round to nearest even; NaN made quiet.
 __device__ __forceinline__ uint16_t to_bf16(float x) {
     const unsigned int bits = __float_as_uint(x);
@@ -164,7 +153,7 @@ extern "C" __global__ void fp8_kv_encode(const float* __restrict__ rows, int nop
         const float x = d < nope ? v[d] : 0.0f;
         const uint8_t code = fp8_block_scale(x, amax, t);
         if (d < nope) {
-            out[d] = to_e4m3(x / e8m0_to_f32(code));
+            out[d] = to_e4m3(x / exact::e8m0_to_f32(code));
         }
         if (t == 0) {
             scales[b] = code;
@@ -180,19 +169,6 @@ extern "C" __global__ void fp8_kv_encode(const float* __restrict__ rows, int nop
         out[nope + 2 * i] = static_cast<uint8_t>(bits & 0xFFu);
         out[nope + 2 * i + 1] = static_cast<uint8_t>(bits >> 8);
     }
-}
-
-// `engine::formats::e4m3_to_f32`, by its bits: both NaN codes give the engine's NaN.
-__device__ __forceinline__ float from_e4m3(uint8_t code) {
-    if ((code & 0x7Fu) == 0x7Fu) {
-        return __int_as_float(0x7fc00000);
-    }
-    const unsigned int exp = (code >> 3) & 0x0Fu;
-    const unsigned int mant = code & 0x07u;
-    // Subnormal: mant * 2^-9, exact.
-    const float magnitude = exp == 0u ? static_cast<float>(mant) * __int_as_float(0x3B000000)
-                                      : __uint_as_float(((exp + 120u) << 23) | (mant << 20));
-    return (code & 0x80u) ? -magnitude : magnitude;
 }
 
 // `fp8_kv_round`: `engine::paged::codec::round` of `count` contiguous rows of nope + rope
@@ -211,9 +187,9 @@ extern "C" __global__ void fp8_kv_round(float* __restrict__ rows, int nope, int 
         const float x = d < nope ? v[d] : 0.0f;
         const uint8_t code = fp8_block_scale(x, amax, t);
         if (d < nope) {
-            const float scale = e8m0_to_f32(code);
+            const float scale = exact::e8m0_to_f32(code);
             const uint8_t q = to_e4m3(x / scale);
-            v[d] = (q & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : from_e4m3(q) * scale;
+            v[d] = (q & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : exact::e4m3_to_f32(q) * scale;
         }
     }
     for (int i = t; i < rope; i += 64) {

@@ -109,26 +109,17 @@ impl<K: Kernels> DeviceStepOps<K> {
                 .to_owned()
                 .into());
         };
-        self.fast_shape(nope, rope, 1.0)?;
-        self.fast_attention = true;
-        Ok(self)
-    }
-
-    fn fast_shape(
-        &self,
-        nope: usize,
-        rope: usize,
-        scale: f32,
-    ) -> Result<crate::attn_fp8::Fp8AttnShape, K::Error> {
-        let shape = crate::attn_fp8::Fp8AttnShape {
+        // The kernel's own shape check, here once rather than at the first step.
+        crate::attn_fp8::Fp8AttnShape {
             heads: self.config.num_heads,
             nope,
             rope,
-            scale,
+            scale: 1.0,
             parts: super::kernels::FAST_ATTENTION_PARTS,
-        };
-        shape.check()?;
-        Ok(shape)
+        }
+        .check()?;
+        self.fast_attention = true;
+        Ok(self)
     }
 
     /// `values` as a read-only plan on the device: uploaded once a step (kernels only read it).
