@@ -353,7 +353,7 @@ fn open_cuda_decode(
         let memory = k.gpu.memory()?;
         check_arena_room(bytes, memory).map_err(crate::cuda::KernelError::from)
     };
-    let mut decoder = StepDecoder::new("cuda", CudaKernels { gpu }, model, (slots, tokens), room)
+    let mut decoder = StepDecoder::new("cuda", CudaKernels::new(gpu), model, (slots, tokens), room)
         .map_err(cuda_unavailable)?;
     if fast_attention {
         decoder = decoder.with_fast_attention().map_err(cuda_unavailable)?;

@@ -25,6 +25,7 @@ pub mod device_ops;
 pub mod emulated;
 pub mod kernels;
 pub mod layout;
+pub mod pool;
 #[cfg(test)]
 mod tests;
 
@@ -213,6 +214,10 @@ pub trait StepOps {
     ) -> Result<(), Self::Error>;
     /// A buffer of `len` NaNs.
     fn alloc(&self, len: usize) -> Result<Self::Buf, Self::Error>;
+    /// A buffer of `len` NaNs that outlives steps (a layer's arena).
+    fn alloc_state(&self, len: usize) -> Result<Self::Buf, Self::Error> {
+        self.alloc(len)
+    }
     /// Host values into `buf` at `offset` (loading state; not used within a step).
     fn put_at(&self, buf: &mut Self::Buf, offset: usize, values: &[f32])
     -> Result<(), Self::Error>;

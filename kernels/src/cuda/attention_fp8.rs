@@ -23,6 +23,13 @@ pub struct Fp8AttnScratch {
     pub out: CudaSlice<f32>,
 }
 
+impl Fp8AttnScratch {
+    /// The partials and the output (what a launch writes as values).
+    pub fn values_mut(&mut self) -> [&mut CudaSlice<f32>; 4] {
+        [&mut self.m, &mut self.l, &mut self.acc, &mut self.out]
+    }
+}
+
 impl Gpu {
     /// Decode attention over FP8 rows at byte offsets of `pool` (see `cpu::attn_decode_fp8`,
     /// within `2^-8 · max |row value|` of it). `starts` has `batch + 1` entries into

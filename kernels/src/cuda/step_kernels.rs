@@ -2,7 +2,11 @@
 //! and [`CudaStepOps`], the step's ops over them. Each launch passes the kernel's parameters in
 //! order; the shapes were checked by `crate::step::device_ops` before.
 
-use std::ops::Range;
+use std::{
+    collections::HashMap,
+    ops::Range,
+    sync::{Arc, Mutex, PoisonError},
+};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use engine::{
@@ -10,7 +14,10 @@ use engine::{
     weights::{ExpertWeights, MoeWeights},
 };
 
-use super::{DeviceRows, Gpu, KernelError, StoredRows, exact::PairStackRef, grid_dim, non_empty};
+use super::{
+    DeviceRows, Gpu, KernelError, StoredRows, attention_fp8::Fp8AttnScratch, exact::PairStackRef,
+    grid_dim, non_empty,
+};
 use crate::step::{
     Proj,
     device_ops::DeviceStepOps,
@@ -23,7 +30,23 @@ pub type CudaStepOps = DeviceStepOps<CudaKernels>;
 /// The decode step's kernels on `gpu` (shared: the step keeps them for as long as it serves).
 #[derive(Debug, Clone)]
 pub struct CudaKernels {
-    pub gpu: std::sync::Arc<Gpu>,
+    pub gpu: Arc<Gpu>,
+    /// The fast attention's plan, partials and output by batch and shape, made once: each
+    /// was 5 buffers made and filled from the host per layer per step (12.6 MB of NaNs for
+    /// 32 requests of 64 heads).
+    attn_scratch: Arc<Mutex<HashMap<ScratchKey, Fp8AttnScratch>>>,
+}
+
+/// A fast-attention scratch's batch and shape (its scale by bits).
+type ScratchKey = (usize, usize, usize, usize, u32, usize);
+
+impl CudaKernels {
+    pub fn new(gpu: Arc<Gpu>) -> Self {
+        Self {
+            gpu,
+            attn_scratch: Arc::default(),
+        }
+    }
 }
 
 /// One projection of every routed expert of a layer, stacked as `exact_pairs` reads it.
@@ -104,6 +127,10 @@ impl Kernels for CudaKernels {
         Ok(self.gpu.stream.alloc_zeros::<i32>(len.max(1))?)
     }
 
+    fn zeros_l(&self, len: usize) -> Result<CudaSlice<i64>, KernelError> {
+        Ok(self.gpu.stream.alloc_zeros::<i64>(len.max(1))?)
+    }
+
     fn upload(&self, v: &[f32]) -> Result<CudaSlice<f32>, KernelError> {
         Ok(self.gpu.stream.clone_htod(&non_empty(v))?)
     }
@@ -118,6 +145,20 @@ impl Kernels for CudaKernels {
 
     fn write(&self, dst: &mut CudaSlice<f32>, at: usize, v: &[f32]) -> Result<(), KernelError> {
         let mut view = dst.slice_mut(at..at + v.len());
+        Ok(self.gpu.stream.memcpy_htod(v, &mut view)?)
+    }
+
+    fn write_i(&self, dst: &mut CudaSlice<i32>, v: &[i32]) -> Result<(), KernelError> {
+        let mut view = dst
+            .try_slice_mut(0..v.len())
+            .ok_or_else(|| KernelError::Shape("write_i: past the buffer".into()))?;
+        Ok(self.gpu.stream.memcpy_htod(v, &mut view)?)
+    }
+
+    fn write_l(&self, dst: &mut CudaSlice<i64>, v: &[i64]) -> Result<(), KernelError> {
+        let mut view = dst
+            .try_slice_mut(0..v.len())
+            .ok_or_else(|| KernelError::Shape("write_l: past the buffer".into()))?;
         Ok(self.gpu.stream.memcpy_htod(v, &mut view)?)
     }
 
@@ -629,10 +670,28 @@ impl Kernels for CudaKernels {
         if out.len() < n {
             return Err(KernelError::Shape("attn_fast output".into()));
         }
+        let key = (tokens, heads, nope, rope, scale.to_bits(), shape.parts);
+        let mut kept = self
+            .attn_scratch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let scratch = match kept.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => {
+                let scratch = e.into_mut();
+                // Poisoned again, on the device, so a value this launch leaves unwritten
+                // shows as NaN rather than as the last step's.
+                for buf in scratch.values_mut() {
+                    self.fill_nan(buf)?;
+                }
+                scratch
+            }
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(self.gpu.attn_fp8_scratch(tokens, shape)?)
+            }
+        };
         // The arena's bytes are the kernel's pool (whole rows inside it: checked by the caller).
-        let mut scratch = self.gpu.attn_fp8_scratch(tokens, shape)?;
         self.gpu
-            .launch_attn_decode_fp8(q, pool, offsets, starts, sinks, &mut scratch)?;
+            .launch_attn_decode_fp8(q, pool, offsets, starts, sinks, scratch)?;
         let mut view = out.slice_mut(0..n);
         Ok(self
             .gpu

@@ -13,7 +13,7 @@ use engine::{
 
 use super::{
     decode::{Seat, decode_step},
-    device_ops::DeviceStepOps,
+    device_ops::{DBuf, DeviceStepOps},
     kernels::Kernels,
     layout::StateLayout,
 };
@@ -24,7 +24,7 @@ pub struct StepDecoder<K: Kernels> {
     ops: DeviceStepOps<K>,
     config: ModelConfig,
     layout: StateLayout,
-    arenas: Vec<K::F>,
+    arenas: Vec<DBuf<K>>,
     kv_rows: RowFormat,
 }
 

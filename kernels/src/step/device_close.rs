@@ -4,7 +4,7 @@
 use super::{
     IndexAt, Norm, Proj, RopeKind, RowOp, StepOps, WindowClose,
     device_model::{DeviceCompressor, at_layer},
-    device_ops::DeviceStepOps,
+    device_ops::{DBuf, DIdx, DeviceStepOps},
     kernels::{Kernels, PoolSpec, RouteSpec, ScoreSpec},
 };
 
@@ -16,7 +16,7 @@ pub(super) fn close_windows<K: Kernels>(
     c: &DeviceCompressor<K>,
     arena: &mut K::F,
     closes: &[WindowClose],
-) -> Result<K::F, K::Error> {
+) -> Result<DBuf<K>, K::Error> {
     let m = closes.len();
     let (ratio, d, width) = (c.ratio, c.d, c.width);
     let per = ratio * width;
@@ -82,14 +82,14 @@ pub(super) fn close_windows<K: Kernels>(
 /// head weights scaled, `indexer_scores` over the arena's indexer rows, `indexer_topk`.
 pub(super) fn index_select<K: Kernels>(
     ops: &DeviceStepOps<K>,
-    (q, weights): (&K::F, &K::F),
+    (q, weights): (&DBuf<K>, &DBuf<K>),
     arena: &K::F,
     at: &[IndexAt],
     k: usize,
-) -> Result<K::I, K::Error> {
+) -> Result<DIdx<K>, K::Error> {
     let c = &ops.config;
     let (heads, di, n) = (c.index_n_heads, c.index_head_dim, at.len());
-    let mut out = ops.k.zeros_i((n * k).max(1))?;
+    let mut out = ops.alloc_i(n * k)?;
     if n == 0 {
         return Ok(out);
     }
@@ -151,11 +151,11 @@ pub(super) fn route<K: Kernels>(
     logits: &K::F,
     tokens: &K::I,
     n: usize,
-) -> Result<(K::I, K::F), K::Error> {
+) -> Result<(DIdx<K>, DBuf<K>), K::Error> {
     let c = &ops.config;
     let (experts, k) = (c.n_routed_experts, c.experts_per_token);
     let r = at_layer(&ops.model.routing, layer)?;
-    let mut chosen = ops.k.zeros_i((n * k).max(1))?;
+    let mut chosen = ops.alloc_i(n * k)?;
     let mut weights = ops.alloc(n * k)?;
     if n == 0 {
         return Ok((chosen, weights));
@@ -190,7 +190,7 @@ pub(super) fn expert_pairs<K: Kernels>(
     proj: Proj,
     x: &K::F,
     (experts, per, pairs): (&K::I, usize, usize),
-) -> Result<K::F, K::Error> {
+) -> Result<DBuf<K>, K::Error> {
     let stacks = at_layer(&ops.model.experts, layer)?;
     let stack = match proj {
         Proj::Gate => &stacks[0],

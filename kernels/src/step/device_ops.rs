@@ -7,7 +7,7 @@
 //! kernels' CPU references ([`super::emulated::EmulatedKernels`], in CI), so the plans and
 //! launches are tested here and each kernel against its reference on a GPU.
 
-use std::{cell::RefCell, collections::HashMap, ops::Range, sync::Arc};
+use std::{cell::RefCell, ops::Range, sync::Arc};
 
 use engine::{config::ModelConfig, model::Model, paged::layout::RowFormat, rope::Rope};
 
@@ -17,6 +17,7 @@ use super::{
     device_model::{DeviceModel, at_layer},
     kernels::{HyperSpec, Kernels, RowSpec},
     layout::kv_stride,
+    pool::{self, BufPool, PlanStore, StepBuf},
 };
 use crate::rows::sin_cos_table;
 
@@ -27,12 +28,15 @@ pub struct DeviceStepOps<K: Kernels> {
     main: Rope,
     compress: Rope,
     pub(super) model: DeviceModel<K>,
-    /// The last few rotation tables uploaded, by table and rows' positions: a step rotates the
-    /// same positions in every layer (queries, K=V rows, outputs), so each is uploaded once.
+    /// The step's rotation tables, by table and rows' positions: a step rotates the same
+    /// positions in every layer (queries, K=V rows, outputs), so each is written once.
     rotations: RefCell<Vec<Rotation<K>>>,
+    /// The step's f32 and i32 buffers, taken by its ops and back when dropped.
+    f_pool: Arc<BufPool<K::F>>,
+    i_pool: Arc<BufPool<K::I>>,
     /// One value, for the table and weight a launch without rotation or weight does not read.
     unused: K::F,
-    /// The read-only plans (row offsets, counts) uploaded this step, by content: every layer
+    /// The read-only plans (row offsets, counts) written this step, by content: every layer
     /// of a kind has the same arena layout, so its plans are the same and go up once a step.
     plans: RefCell<Plans<K>>,
     /// How the model stores K=V rows (each rounded to it as it is computed), in the arenas too.
@@ -44,26 +48,31 @@ pub struct DeviceStepOps<K: Kernels> {
     fast_attention: bool,
 }
 
-/// Plans uploaded this step, by their values.
+/// The step's plans, in buffers kept from step to step.
 struct Plans<K: Kernels> {
-    l: HashMap<Vec<i64>, Arc<K::L>>,
-    i: HashMap<Vec<i32>, Arc<K::I>>,
+    l: PlanStore<K::L, i64>,
+    i: PlanStore<K::I, i32>,
 }
 
 impl<K: Kernels> Default for Plans<K> {
     fn default() -> Self {
         Self {
-            l: HashMap::new(),
-            i: HashMap::new(),
+            l: PlanStore::default(),
+            i: PlanStore::default(),
         }
     }
 }
 
-/// A rotation table on the device: its table and rows' positions, its (sin, cos) values.
-type Rotation<K> = ((RopeKind, Vec<usize>), <K as Kernels>::F);
+/// An f32 buffer of the step (back to the ops' pool when dropped).
+pub type DBuf<K> = StepBuf<<K as Kernels>::F>;
+/// An i32 buffer of the step (back to the ops' pool when dropped).
+pub type DIdx<K> = StepBuf<<K as Kernels>::I>;
 
-/// Rotation tables kept: a step has at most two tables of token positions and a few of closed
-/// windows' positions.
+/// A rotation table on the device: its table and rows' positions, its (sin, cos) values.
+type Rotation<K> = ((RopeKind, Vec<usize>), DBuf<K>);
+
+/// Rotation tables a step keeps: it has at most two tables of token positions and a few of
+/// closed windows' positions.
 const ROTATIONS_KEPT: usize = 6;
 
 impl<K: Kernels> std::fmt::Debug for DeviceStepOps<K> {
@@ -91,6 +100,8 @@ impl<K: Kernels> DeviceStepOps<K> {
             compress,
             model: device,
             rotations: RefCell::new(Vec::new()),
+            f_pool: Arc::default(),
+            i_pool: Arc::default(),
             unused,
             plans: RefCell::new(Plans::default()),
             kv_rows: model.kv_rows(),
@@ -122,30 +133,33 @@ impl<K: Kernels> DeviceStepOps<K> {
         Ok(self)
     }
 
-    /// `values` as a read-only plan on the device: uploaded once a step (kernels only read it).
+    /// `values` as a read-only plan on the device: written once a step (kernels only read
+    /// it) into a buffer kept from step to step.
     pub(super) fn plan_l(&self, values: &[i64]) -> Result<Arc<K::L>, K::Error> {
-        if let Some(kept) = self.plans.borrow().l.get(values) {
-            return Ok(Arc::clone(kept));
-        }
-        let up = Arc::new(self.k.upload_l(values)?);
+        let k = &self.k;
         self.plans
             .borrow_mut()
             .l
-            .insert(values.to_vec(), Arc::clone(&up));
-        Ok(up)
+            .plan(values, |class| k.zeros_l(class), |b, v| k.write_l(b, v))
     }
 
     /// [`Self::plan_l`] for i32 values.
     pub(super) fn plan_i(&self, values: &[i32]) -> Result<Arc<K::I>, K::Error> {
-        if let Some(kept) = self.plans.borrow().i.get(values) {
-            return Ok(Arc::clone(kept));
-        }
-        let up = Arc::new(self.k.upload_i(values)?);
+        let k = &self.k;
         self.plans
             .borrow_mut()
             .i
-            .insert(values.to_vec(), Arc::clone(&up));
-        Ok(up)
+            .plan(values, |class| k.zeros_i(class), |b, v| k.write_i(b, v))
+    }
+
+    /// A step buffer of `len` indices (a kernel's output: every one it is asked for written).
+    pub(super) fn alloc_i(&self, len: usize) -> Result<DIdx<K>, K::Error> {
+        pool::take(&self.i_pool, len, |class| self.k.zeros_i(class))
+    }
+
+    /// Buffers waiting in the ops' pools (those of finished steps).
+    pub fn pooled(&self) -> usize {
+        self.f_pool.free_count() + self.i_pool.free_count()
     }
 
     /// The index in `rotations` of the (sin, cos) table of `kind` at `positions`, uploaded if
@@ -162,7 +176,9 @@ impl<K: Kernels> DeviceStepOps<K> {
             RopeKind::Main => &self.main,
             RopeKind::Compress => &self.compress,
         };
-        let table = self.k.upload(&sin_cos_table(rope, positions))?;
+        let values = sin_cos_table(rope, positions);
+        let mut table = pool::take(&self.f_pool, values.len(), |class| self.k.zeros(class))?;
+        self.k.write(&mut table, 0, &values)?;
         if kept.len() == ROTATIONS_KEPT {
             kept.remove(0);
         }
@@ -221,20 +237,29 @@ impl<K: Kernels> DeviceStepOps<K> {
 
 impl<K: Kernels> StepOps for DeviceStepOps<K> {
     type Error = K::Error;
-    type Buf = K::F;
-    type Idx = K::I;
+    type Buf = DBuf<K>;
+    type Idx = DIdx<K>;
 
     fn begin_step(&self) {
-        *self.plans.borrow_mut() = Plans::default();
+        let mut plans = self.plans.borrow_mut();
+        plans.l.begin_step();
+        plans.i.begin_step();
+        self.rotations.borrow_mut().clear();
     }
 
-    fn alloc(&self, len: usize) -> Result<K::F, K::Error> {
-        let mut buf = self.k.zeros(len.max(1))?;
+    fn alloc(&self, len: usize) -> Result<DBuf<K>, K::Error> {
+        let mut buf = pool::take(&self.f_pool, len, |class| self.k.zeros(class))?;
         self.k.fill_nan(&mut buf)?;
         Ok(buf)
     }
 
-    fn put_at(&self, buf: &mut K::F, offset: usize, values: &[f32]) -> Result<(), K::Error> {
+    fn alloc_state(&self, len: usize) -> Result<DBuf<K>, K::Error> {
+        let mut buf = self.k.zeros(len.max(1))?;
+        self.k.fill_nan(&mut buf)?;
+        Ok(StepBuf::kept(buf))
+    }
+
+    fn put_at(&self, buf: &mut DBuf<K>, offset: usize, values: &[f32]) -> Result<(), K::Error> {
         if offset + values.len() > K::f_len(buf) {
             return Err("put_at: past the buffer".to_owned().into());
         }
@@ -244,14 +269,15 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         self.k.write(buf, offset, values)
     }
 
-    fn put_idx(&self, values: &[i32]) -> Result<K::I, K::Error> {
-        if values.is_empty() {
-            return self.k.zeros_i(1);
+    fn put_idx(&self, values: &[i32]) -> Result<DIdx<K>, K::Error> {
+        let mut buf = self.alloc_i(values.len())?;
+        if !values.is_empty() {
+            self.k.write_i(&mut buf, values)?;
         }
-        self.k.upload_i(values)
+        Ok(buf)
     }
 
-    fn get(&self, buf: &K::F, range: Range<usize>) -> Result<Vec<f32>, K::Error> {
+    fn get(&self, buf: &DBuf<K>, range: Range<usize>) -> Result<Vec<f32>, K::Error> {
         if range.end > K::f_len(buf) || range.start > range.end {
             return Err("get: past the buffer".to_owned().into());
         }
@@ -261,7 +287,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         self.k.read(buf, range)
     }
 
-    fn copy(&self, buf: &K::F, len: usize) -> Result<K::F, K::Error> {
+    fn copy(&self, buf: &DBuf<K>, len: usize) -> Result<DBuf<K>, K::Error> {
         if len > K::f_len(buf) {
             return Err("copy: past the buffer".to_owned().into());
         }
@@ -272,7 +298,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         Ok(out)
     }
 
-    fn embed(&self, tokens: &K::I, n: usize) -> Result<K::F, K::Error> {
+    fn embed(&self, tokens: &DIdx<K>, n: usize) -> Result<DBuf<K>, K::Error> {
         let (hc, d) = self.hc_dim();
         let mut out = self.alloc(n * hc * d)?;
         if n == 0 {
@@ -290,9 +316,9 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         &self,
         w: Lin,
         rows: Range<usize>,
-        x: &K::F,
+        x: &DBuf<K>,
         x_view: View,
-        y: &mut K::F,
+        y: &mut DBuf<K>,
         y_view: View,
         n: usize,
     ) -> Result<(), K::Error> {
@@ -331,7 +357,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         self.copy_rows(&tmp, &offsets(n, out, 0), y, &to, out)
     }
 
-    fn round_kv_rows(&self, rows: &mut K::F, n: usize) -> Result<(), K::Error> {
+    fn round_kv_rows(&self, rows: &mut DBuf<K>, n: usize) -> Result<(), K::Error> {
         match self.kv_rows {
             RowFormat::F32 => Ok(()),
             RowFormat::Fp8Kv { nope, rope } => {
@@ -345,7 +371,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         }
     }
 
-    fn norm_rope(&self, x: &mut K::F, op: &RowOp<'_>, n: usize) -> Result<(), K::Error> {
+    fn norm_rope(&self, x: &mut DBuf<K>, op: &RowOp<'_>, n: usize) -> Result<(), K::Error> {
         let (table, rope) = match op.rope {
             Some((kind, positions)) => {
                 let positions = positions
@@ -398,10 +424,10 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         &self,
         layer: usize,
         sub: Sub,
-        x: &K::F,
-        mixes: &K::F,
+        x: &DBuf<K>,
+        mixes: &DBuf<K>,
         n: usize,
-    ) -> Result<Mixed<K::F>, K::Error> {
+    ) -> Result<Mixed<DBuf<K>>, K::Error> {
         let (hc, d) = self.hc_dim();
         let (mut input, mut post, mut comb) = (
             self.alloc(n * d)?,
@@ -427,12 +453,12 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
 
     fn hyper_post(
         &self,
-        x: &K::F,
-        y: &K::F,
-        post: &K::F,
-        comb: &K::F,
+        x: &DBuf<K>,
+        y: &DBuf<K>,
+        post: &DBuf<K>,
+        comb: &DBuf<K>,
         n: usize,
-    ) -> Result<K::F, K::Error> {
+    ) -> Result<DBuf<K>, K::Error> {
         let (hc, d) = self.hc_dim();
         let mut out = self.alloc(n * hc * d)?;
         if K::f_len(x) < n * hc * d
@@ -449,7 +475,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         Ok(out)
     }
 
-    fn hyper_head(&self, x: &K::F, n: usize) -> Result<K::F, K::Error> {
+    fn hyper_head(&self, x: &DBuf<K>, n: usize) -> Result<DBuf<K>, K::Error> {
         let (hc, d) = self.hc_dim();
         let mut out = self.alloc(n * d)?;
         if n == 0 {
@@ -475,15 +501,20 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
 
     fn write_rows(
         &self,
-        src: &K::F,
+        src: &DBuf<K>,
         width: usize,
-        arena: &mut K::F,
+        arena: &mut DBuf<K>,
         to: &[i64],
     ) -> Result<(), K::Error> {
         self.copy_rows(src, &offsets(to.len(), width, 0), arena, to, width)
     }
 
-    fn store_kv_rows(&self, rows: &K::F, arena: &mut K::F, to: &[i64]) -> Result<(), K::Error> {
+    fn store_kv_rows(
+        &self,
+        rows: &DBuf<K>,
+        arena: &mut DBuf<K>,
+        to: &[i64],
+    ) -> Result<(), K::Error> {
         let (hd, stride) = (self.config.head_dim, self.kv_stride);
         let RowFormat::Fp8Kv { nope, rope } = self.kv_rows else {
             return self.write_rows(rows, hd, arena, to);
@@ -506,31 +537,31 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         &self,
         layer: usize,
         comp: Comp,
-        arena: &mut K::F,
+        arena: &mut DBuf<K>,
         closes: &[WindowClose],
-    ) -> Result<K::F, K::Error> {
+    ) -> Result<DBuf<K>, K::Error> {
         super::device_close::close_windows(self, self.model.compressor(layer, comp)?, arena, closes)
     }
 
     fn index_select(
         &self,
-        q: &K::F,
-        weights: &K::F,
-        arena: &K::F,
+        q: &DBuf<K>,
+        weights: &DBuf<K>,
+        arena: &DBuf<K>,
         at: &[IndexAt],
         k: usize,
-    ) -> Result<K::I, K::Error> {
+    ) -> Result<DIdx<K>, K::Error> {
         super::device_close::index_select(self, (q, weights), arena, at, k)
     }
 
     fn attend(
         &self,
         layer: usize,
-        q: &K::F,
-        arena: &K::F,
+        q: &DBuf<K>,
+        arena: &DBuf<K>,
         keys: &[TokenKeys],
-        chosen: Option<(&K::I, usize)>,
-    ) -> Result<K::F, K::Error> {
+        chosen: Option<(&DIdx<K>, usize)>,
+    ) -> Result<DBuf<K>, K::Error> {
         let c = &self.config;
         let (heads, hd, n) = (c.num_heads, c.head_dim, keys.len());
         let mut out = self.alloc(n * heads * hd)?;
@@ -557,7 +588,12 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         let d_offsets = if plan.fills.is_empty() {
             self.plan_l(&offsets)?
         } else {
-            let mut d_offsets = self.k.upload_l(&offsets)?;
+            let k = &self.k;
+            let (class, mut d_offsets) = self.plans.borrow_mut().l.scratch(
+                &offsets,
+                |class| k.zeros_l(class),
+                |b, v| k.write_l(b, v),
+            )?;
             let (idx, k) = chosen.ok_or_else(|| "attend: a choice without indices".to_owned())?;
             if K::i_len(idx) < n * k {
                 return Err("attend: the choice is short".to_owned().into());
@@ -576,7 +612,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
                 plan.fills.len(),
                 &mut d_offsets,
             )?;
-            Arc::new(d_offsets)
+            self.plans.borrow_mut().l.keep(class, d_offsets)
         };
         let d_starts = self.plan_l(&plan.starts)?;
         let sinks = at_layer(&self.model.sinks, layer)?;
@@ -611,10 +647,10 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
     fn route(
         &self,
         layer: usize,
-        logits: &K::F,
-        tokens: &K::I,
+        logits: &DBuf<K>,
+        tokens: &DIdx<K>,
         n: usize,
-    ) -> Result<(K::I, K::F), K::Error> {
+    ) -> Result<(DIdx<K>, DBuf<K>), K::Error> {
         super::device_close::route(self, layer, logits, tokens, n)
     }
 
@@ -622,15 +658,21 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         &self,
         layer: usize,
         proj: Proj,
-        x: &K::F,
-        experts: &K::I,
+        x: &DBuf<K>,
+        experts: &DIdx<K>,
         per: usize,
         pairs: usize,
-    ) -> Result<K::F, K::Error> {
+    ) -> Result<DBuf<K>, K::Error> {
         super::device_close::expert_pairs(self, layer, proj, x, (experts, per, pairs))
     }
 
-    fn swiglu(&self, gate: &K::F, up: &K::F, rows: usize, width: usize) -> Result<K::F, K::Error> {
+    fn swiglu(
+        &self,
+        gate: &DBuf<K>,
+        up: &DBuf<K>,
+        rows: usize,
+        width: usize,
+    ) -> Result<DBuf<K>, K::Error> {
         let n = rows * width;
         let mut out = self.alloc(n)?;
         if K::f_len(gate) < n || K::f_len(up) < n {
@@ -645,12 +687,12 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
 
     fn combine(
         &self,
-        ys: &K::F,
-        weights: &K::F,
-        shared: &K::F,
+        ys: &DBuf<K>,
+        weights: &DBuf<K>,
+        shared: &DBuf<K>,
         n: usize,
         k: usize,
-    ) -> Result<K::F, K::Error> {
+    ) -> Result<DBuf<K>, K::Error> {
         let d = self.config.hidden_size;
         let mut out = self.alloc(n * d)?;
         if K::f_len(ys) < n * k * d

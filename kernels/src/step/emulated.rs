@@ -28,6 +28,8 @@ pub struct EmulatedKernels {
     reads: Cell<(usize, usize)>,
     /// (f32 uploads, the longest of them, index values uploaded, index uploads).
     uploads: Cell<(usize, usize, usize, usize)>,
+    /// Device buffers made (each `zeros`, `upload`), what a step in a graph may not do.
+    allocations: Cell<usize>,
     plant: Option<KernelPlant>,
 }
 
@@ -53,6 +55,7 @@ impl EmulatedKernels {
             config: config.clone(),
             reads: Cell::new((0, 0)),
             uploads: Cell::new((0, 0, 0, 0)),
+            allocations: Cell::new(0),
             plant: None,
         }
     }
@@ -73,6 +76,15 @@ impl EmulatedKernels {
     /// last call.
     pub fn take_uploads(&self) -> (usize, usize, usize, usize) {
         self.uploads.replace((0, 0, 0, 0))
+    }
+
+    /// Device buffers made since the last call.
+    pub fn take_allocations(&self) -> usize {
+        self.allocations.replace(0)
+    }
+
+    fn allocated(&self) {
+        self.allocations.set(self.allocations.get() + 1);
     }
 
     fn uploaded(&self, f32s: usize, indices: usize) {
@@ -139,24 +151,34 @@ impl Kernels for EmulatedKernels {
     }
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>, ShapeError> {
+        self.allocated();
         Ok(vec![0.0; len])
     }
 
     fn zeros_i(&self, len: usize) -> Result<Vec<i32>, ShapeError> {
+        self.allocated();
+        Ok(vec![0; len])
+    }
+
+    fn zeros_l(&self, len: usize) -> Result<Vec<i64>, ShapeError> {
+        self.allocated();
         Ok(vec![0; len])
     }
 
     fn upload(&self, v: &[f32]) -> Result<Vec<f32>, ShapeError> {
+        self.allocated();
         self.uploaded(v.len(), 0);
         Ok(v.to_vec())
     }
 
     fn upload_i(&self, v: &[i32]) -> Result<Vec<i32>, ShapeError> {
+        self.allocated();
         self.uploaded(0, v.len());
         Ok(v.to_vec())
     }
 
     fn upload_l(&self, v: &[i64]) -> Result<Vec<i64>, ShapeError> {
+        self.allocated();
         self.uploaded(0, v.len());
         Ok(v.to_vec())
     }
@@ -165,6 +187,22 @@ impl Kernels for EmulatedKernels {
         self.uploaded(v.len(), 0);
         dst.get_mut(at..at + v.len())
             .ok_or_else(|| err("write"))?
+            .copy_from_slice(v);
+        Ok(())
+    }
+
+    fn write_i(&self, dst: &mut Vec<i32>, v: &[i32]) -> Result<(), ShapeError> {
+        self.uploaded(0, v.len());
+        dst.get_mut(..v.len())
+            .ok_or_else(|| err("write_i"))?
+            .copy_from_slice(v);
+        Ok(())
+    }
+
+    fn write_l(&self, dst: &mut Vec<i64>, v: &[i64]) -> Result<(), ShapeError> {
+        self.uploaded(0, v.len());
+        dst.get_mut(..v.len())
+            .ok_or_else(|| err("write_l"))?
             .copy_from_slice(v);
         Ok(())
     }

@@ -88,11 +88,16 @@ pub trait Kernels {
     fn i_len(b: &Self::I) -> usize;
     fn zeros(&self, len: usize) -> Result<Self::F, Self::Error>;
     fn zeros_i(&self, len: usize) -> Result<Self::I, Self::Error>;
+    fn zeros_l(&self, len: usize) -> Result<Self::L, Self::Error>;
     fn upload(&self, v: &[f32]) -> Result<Self::F, Self::Error>;
     fn upload_i(&self, v: &[i32]) -> Result<Self::I, Self::Error>;
     fn upload_l(&self, v: &[i64]) -> Result<Self::L, Self::Error>;
     /// Host values into `dst` at `at`.
     fn write(&self, dst: &mut Self::F, at: usize, v: &[f32]) -> Result<(), Self::Error>;
+    /// Host indices into the start of `dst` (a kept plan buffer at least that long).
+    fn write_i(&self, dst: &mut Self::I, v: &[i32]) -> Result<(), Self::Error>;
+    /// Host offsets into the start of `dst` (a kept plan buffer at least that long).
+    fn write_l(&self, dst: &mut Self::L, v: &[i64]) -> Result<(), Self::Error>;
     fn read(&self, b: &Self::F, range: std::ops::Range<usize>) -> Result<Vec<f32>, Self::Error>;
     /// A whole index buffer to the host (tests and debugging; a step reads none).
     fn read_l(&self, b: &Self::L) -> Result<Vec<i64>, Self::Error>;

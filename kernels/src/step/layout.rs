@@ -191,7 +191,7 @@ impl StateLayout {
     /// Fresh arenas (NaN until written).
     pub fn arenas<O: StepOps>(&self, ops: &O) -> Result<Vec<O::Buf>, O::Error> {
         (0..self.layers.len())
-            .map(|l| ops.alloc(self.arena_len(l)))
+            .map(|l| ops.alloc_state(self.arena_len(l)))
             .collect()
     }
 

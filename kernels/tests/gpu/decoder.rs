@@ -87,7 +87,7 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
     let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let want = run(&mut host, &requests);
     let tokens = config.num_pages as usize * config.page_size;
-    let kernels = CudaKernels { gpu };
+    let kernels = CudaKernels::new(gpu);
     let decoder = StepDecoder::new("cuda", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
     let mut engine = Engine::new(model.replica(), config, "t").unwrap();
     engine.set_decode_device(Box::new(decoder)).unwrap();

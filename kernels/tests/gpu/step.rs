@@ -83,13 +83,7 @@ fn check_model(
     steps: usize,
 ) {
     let c = &model.config;
-    let mut ops = CudaStepOps::new(
-        CudaKernels {
-            gpu: Arc::clone(gpu),
-        },
-        model,
-    )
-    .unwrap();
+    let mut ops = CudaStepOps::new(CudaKernels::new(Arc::clone(gpu)), model).unwrap();
     if held != Held::Bits {
         ops = ops.with_fast_attention().unwrap();
     }

@@ -121,9 +121,7 @@ fn gpu_step_kernels_equal_their_references() {
     })
     .unwrap();
     let model = Model::load(&dir).unwrap();
-    let cuda = CudaKernels {
-        gpu: std::sync::Arc::new(gpu),
-    };
+    let cuda = CudaKernels::new(std::sync::Arc::new(gpu));
     let reference = EmulatedKernels::new(&model.config);
     for seed in 0..3 {
         let (got, got_offsets) = outputs(&cuda, &model, seed);
