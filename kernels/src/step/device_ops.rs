@@ -52,6 +52,8 @@ pub struct DeviceStepOps<K: Kernels> {
 struct Plans<K: Kernels> {
     l: PlanStore<K::L, i64>,
     i: PlanStore<K::I, i32>,
+    /// Rotation tables (their own buffers: written by the host, never by a kernel).
+    f: PlanStore<K::F, f32>,
 }
 
 impl<K: Kernels> Default for Plans<K> {
@@ -59,6 +61,7 @@ impl<K: Kernels> Default for Plans<K> {
         Self {
             l: PlanStore::default(),
             i: PlanStore::default(),
+            f: PlanStore::default(),
         }
     }
 }
@@ -69,7 +72,7 @@ pub type DBuf<K> = StepBuf<<K as Kernels>::F>;
 pub type DIdx<K> = StepBuf<<K as Kernels>::I>;
 
 /// A rotation table on the device: its table and rows' positions, its (sin, cos) values.
-type Rotation<K> = ((RopeKind, Vec<usize>), DBuf<K>);
+type Rotation<K> = ((RopeKind, Vec<usize>), Arc<<K as Kernels>::F>);
 
 /// Rotation tables a step keeps: it has at most two tables of token positions and a few of
 /// closed windows' positions.
@@ -177,8 +180,13 @@ impl<K: Kernels> DeviceStepOps<K> {
             RopeKind::Compress => &self.compress,
         };
         let values = sin_cos_table(rope, positions);
-        let mut table = pool::take(&self.f_pool, values.len(), |class| self.k.zeros(class))?;
-        self.k.write(&mut table, 0, &values)?;
+        let k = &self.k;
+        let mut plans = self.plans.borrow_mut();
+        let (place, table) =
+            plans
+                .f
+                .scratch(&values, |class| k.zeros(class), |b, v| k.write(b, 0, v))?;
+        let table = plans.f.keep(place, table);
         if kept.len() == ROTATIONS_KEPT {
             kept.remove(0);
         }
@@ -241,10 +249,12 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
     type Idx = DIdx<K>;
 
     fn begin_step(&self) {
+        // The tables first: they hold their buffers.
+        self.rotations.borrow_mut().clear();
         let mut plans = self.plans.borrow_mut();
         plans.l.begin_step();
         plans.i.begin_step();
-        self.rotations.borrow_mut().clear();
+        plans.f.begin_step();
     }
 
     fn alloc(&self, len: usize) -> Result<DBuf<K>, K::Error> {
@@ -589,7 +599,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             self.plan_l(&offsets)?
         } else {
             let k = &self.k;
-            let (class, mut d_offsets) = self.plans.borrow_mut().l.scratch(
+            let (place, mut d_offsets) = self.plans.borrow_mut().l.scratch(
                 &offsets,
                 |class| k.zeros_l(class),
                 |b, v| k.write_l(b, v),
@@ -612,7 +622,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
                 plan.fills.len(),
                 &mut d_offsets,
             )?;
-            self.plans.borrow_mut().l.keep(class, d_offsets)
+            self.plans.borrow_mut().l.keep(place, d_offsets)
         };
         let d_starts = self.plan_l(&plan.starts)?;
         let sinks = at_layer(&self.model.sinks, layer)?;

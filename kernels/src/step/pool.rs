@@ -2,15 +2,16 @@
 //! [`BufPool`] as [`StepBuf`]s that go back to it when dropped, and the step's plans (row
 //! offsets, counts, rotation tables) are written into buffers a [`PlanStore`] keeps from step
 //! to step. After the first step of a batch size a step makes no device buffer, and the same
-//! sequence of requests gets the same buffers in the same order: what a CUDA graph needs (its
-//! launches name fixed addresses), and what keeps a step free of allocations and their
-//! synchronisation.
+//! sequence of requests gets the same buffers whatever order the last step returned them in
+//! (a request takes the oldest free buffer of its size): what a CUDA graph needs (its launches
+//! name fixed addresses), and what keeps a step free of allocations and their synchronisation.
 
 use std::{
     collections::{BTreeMap, HashMap},
     hash::Hash,
     mem::ManuallyDrop,
     ops::{Deref, DerefMut},
+    sync::atomic::{AtomicU64, Ordering},
     sync::{Arc, Mutex, PoisonError},
 };
 
@@ -20,38 +21,45 @@ pub fn size_class(len: usize) -> usize {
     len.max(16).next_power_of_two()
 }
 
-/// Free buffers by capacity, taken last in, first out (so the same requests in the same order
-/// get the same buffers).
+/// A buffer's place in a pool: its capacity, then its age (made first, taken first).
+pub type Place = (usize, u64);
+
+/// The free buffers of `class` in `free`: the oldest, if any.
+fn oldest<B>(free: &mut BTreeMap<Place, B>, class: usize) -> Option<(Place, B)> {
+    let place = *free.range((class, 0)..=(class, u64::MAX)).next()?.0;
+    free.remove(&place).map(|buf| (place, buf))
+}
+
+/// Free buffers by capacity; a request takes the oldest one of its class, so which buffers a
+/// sequence of requests gets depends on which are free, not on the order they came back in.
 #[derive(Debug)]
 pub struct BufPool<B> {
-    free: Mutex<BTreeMap<usize, Vec<B>>>,
+    free: Mutex<BTreeMap<Place, B>>,
+    made: AtomicU64,
 }
 
 impl<B> Default for BufPool<B> {
     fn default() -> Self {
         Self {
             free: Mutex::new(BTreeMap::new()),
+            made: AtomicU64::new(0),
         }
     }
 }
 
 impl<B> BufPool<B> {
-    /// A free buffer of capacity `class`, if there is one.
-    fn take(&self, class: usize) -> Option<B> {
-        self.free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get_mut(&class)
-            .and_then(Vec::pop)
+    fn take(&self, class: usize) -> Option<(Place, B)> {
+        oldest(
+            &mut self.free.lock().unwrap_or_else(PoisonError::into_inner),
+            class,
+        )
     }
 
-    fn give(&self, class: usize, buf: B) {
+    fn give(&self, place: Place, buf: B) {
         self.free
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .entry(class)
-            .or_default()
-            .push(buf);
+            .insert(place, buf);
     }
 
     /// Buffers waiting to be reused.
@@ -59,9 +67,7 @@ impl<B> BufPool<B> {
         self.free
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .map(Vec::len)
-            .sum()
+            .len()
     }
 }
 
@@ -73,13 +79,15 @@ pub fn take<B, E>(
     make: impl FnOnce(usize) -> Result<B, E>,
 ) -> Result<StepBuf<B>, E> {
     let class = size_class(len);
-    let buf = match pool.take(class) {
-        Some(buf) => buf,
-        None => make(class)?,
+    let (place, buf) = if let Some(kept) = pool.take(class) {
+        kept
+    } else {
+        let buf = make(class)?;
+        ((class, pool.made.fetch_add(1, Ordering::Relaxed)), buf)
     };
     Ok(StepBuf {
         buf: ManuallyDrop::new(buf),
-        home: Some((class, Arc::clone(pool))),
+        home: Some((place, Arc::clone(pool))),
     })
 }
 
@@ -89,7 +97,7 @@ pub fn take<B, E>(
 pub struct StepBuf<B> {
     /// Taken out once, by `drop`.
     buf: ManuallyDrop<B>,
-    home: Option<(usize, Arc<BufPool<B>>)>,
+    home: Option<(Place, Arc<BufPool<B>>)>,
 }
 
 impl<B> StepBuf<B> {
@@ -119,22 +127,24 @@ impl<B> Drop for StepBuf<B> {
     fn drop(&mut self) {
         // SAFETY: `buf` is taken here, once, and never read again.
         let buf = unsafe { ManuallyDrop::take(&mut self.buf) };
-        if let Some((class, pool)) = self.home.take() {
-            pool.give(class, buf);
+        if let Some((place, pool)) = self.home.take() {
+            pool.give(place, buf);
         }
     }
 }
 
-/// Read-only plans of a step on the device, written into buffers kept from step to step: the
-/// same values twice in a step share one buffer (the layers of a kind have the same plans),
-/// and [`PlanStore::begin_step`] frees them all for the next step.
+/// Plans of a step on the device, written into buffers kept from step to step: the same
+/// values twice in a step share one buffer (the layers of a kind have the same plans), no
+/// buffer is written twice in a step (so every write can precede every launch, as in a
+/// graph), and [`PlanStore::begin_step`] frees them all for the next step.
 #[derive(Debug)]
 pub struct PlanStore<B, T> {
-    /// The buffers written this step, in order, with their classes.
-    used: Vec<(usize, Arc<B>)>,
+    /// The buffers written this step, in order, with their places.
+    used: Vec<(Place, Arc<B>)>,
     /// Which of `used` holds these values.
     by_values: HashMap<Vec<T>, usize>,
-    free: BTreeMap<usize, Vec<B>>,
+    free: BTreeMap<Place, B>,
+    made: u64,
 }
 
 impl<B, T> Default for PlanStore<B, T> {
@@ -143,22 +153,53 @@ impl<B, T> Default for PlanStore<B, T> {
             used: Vec::new(),
             by_values: HashMap::new(),
             free: BTreeMap::new(),
+            made: 0,
         }
     }
 }
 
-impl<B, T: Clone + Eq + Hash> PlanStore<B, T> {
-    /// The step's buffers are free again, to be taken in the order this step took them.
+impl<B, T> PlanStore<B, T> {
+    /// The step's buffers are free again: the same requests take the same buffers.
     pub fn begin_step(&mut self) {
         self.by_values.clear();
-        for (class, buf) in self.used.drain(..).rev() {
+        for (place, buf) in self.used.drain(..) {
             // A plan still held past its step (none is, but then it is not reused).
             if let Ok(buf) = Arc::try_unwrap(buf) {
-                self.free.entry(class).or_default().push(buf);
+                self.free.insert(place, buf);
             }
         }
     }
 
+    /// A buffer of its own written with `values` (a kernel writes into it before the others
+    /// read it), with its place for [`Self::keep`].
+    pub fn scratch<E>(
+        &mut self,
+        values: &[T],
+        make: impl FnOnce(usize) -> Result<B, E>,
+        write: impl FnOnce(&mut B, &[T]) -> Result<(), E>,
+    ) -> Result<(Place, B), E> {
+        let class = size_class(values.len());
+        let (place, mut buf) = if let Some(kept) = oldest(&mut self.free, class) {
+            kept
+        } else {
+            self.made += 1;
+            ((class, self.made), make(class)?)
+        };
+        if !values.is_empty() {
+            write(&mut buf, values)?;
+        }
+        Ok((place, buf))
+    }
+
+    /// `buf` (from [`Self::scratch`]) used this step, freed at the next.
+    pub fn keep(&mut self, place: Place, buf: B) -> Arc<B> {
+        let buf = Arc::new(buf);
+        self.used.push((place, Arc::clone(&buf)));
+        buf
+    }
+}
+
+impl<B, T: Clone + Eq + Hash> PlanStore<B, T> {
     /// `values` in a buffer of the device: the one written with them this step, or a kept
     /// buffer (made by `make` if none is free) written with `write`.
     pub fn plan<E>(
@@ -170,36 +211,10 @@ impl<B, T: Clone + Eq + Hash> PlanStore<B, T> {
         if let Some(&i) = self.by_values.get(values) {
             return Ok(Arc::clone(&self.used[i].1));
         }
-        let (class, buf) = self.scratch(values, make, write)?;
-        let kept = self.keep(class, buf);
+        let (place, buf) = self.scratch(values, make, write)?;
+        let kept = self.keep(place, buf);
         self.by_values.insert(values.to_vec(), self.used.len() - 1);
         Ok(kept)
-    }
-
-    /// A buffer of its own written with `values` (a kernel writes into it before the others
-    /// read it), with its class for [`Self::keep`].
-    pub fn scratch<E>(
-        &mut self,
-        values: &[T],
-        make: impl FnOnce(usize) -> Result<B, E>,
-        write: impl FnOnce(&mut B, &[T]) -> Result<(), E>,
-    ) -> Result<(usize, B), E> {
-        let class = size_class(values.len());
-        let mut buf = match self.free.get_mut(&class).and_then(Vec::pop) {
-            Some(buf) => buf,
-            None => make(class)?,
-        };
-        if !values.is_empty() {
-            write(&mut buf, values)?;
-        }
-        Ok((class, buf))
-    }
-
-    /// `buf` (from [`Self::scratch`]) used this step, freed at the next.
-    pub fn keep(&mut self, class: usize, buf: B) -> Arc<B> {
-        let buf = Arc::new(buf);
-        self.used.push((class, Arc::clone(&buf)));
-        buf
     }
 }
 
@@ -246,6 +261,33 @@ mod tests {
         let kept = StepBuf::kept(vec![1.0f32; 3]);
         drop(kept);
         assert_eq!(pool.free_count(), 2, "a kept buffer is no pool's");
+    }
+
+    /// Which buffers a step's requests get does not depend on the order the last step gave
+    /// its buffers back in.
+    #[test]
+    fn the_order_buffers_come_back_in_does_not_matter() {
+        let pool = Arc::new(BufPool::<Vec<f32>>::default());
+        let make = |class: usize| -> Result<Vec<f32>, ()> { Ok(vec![0.0; class]) };
+        let (a, b) = (
+            take(&pool, 20, make).unwrap(),
+            take(&pool, 20, make).unwrap(),
+        );
+        let ids = (a.as_ptr(), b.as_ptr());
+        drop(a);
+        drop(b);
+        let (a, b) = (
+            take(&pool, 20, make).unwrap(),
+            take(&pool, 20, make).unwrap(),
+        );
+        assert_eq!(ids, (a.as_ptr(), b.as_ptr()));
+        drop(b);
+        drop(a);
+        let (a, b) = (
+            take(&pool, 20, make).unwrap(),
+            take(&pool, 20, make).unwrap(),
+        );
+        assert_eq!(ids, (a.as_ptr(), b.as_ptr()));
     }
 
     #[test]
