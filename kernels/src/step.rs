@@ -26,6 +26,8 @@ pub mod emulated;
 pub mod kernels;
 pub mod layout;
 pub mod pool;
+pub mod replay;
+pub mod staged;
 #[cfg(test)]
 mod tests;
 

@@ -8,7 +8,10 @@ use std::{
     sync::{Arc, Mutex, PoisonError},
 };
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaGraph, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+    sys::{CUgraphInstantiate_flags, CUstreamCaptureMode},
+};
 use engine::{
     tensor::{Weight, WeightForm},
     weights::{ExpertWeights, MoeWeights},
@@ -35,6 +38,25 @@ pub struct CudaKernels {
     /// was 5 buffers made and filled from the host per layer per step (12.6 MB of NaNs for
     /// 32 requests of 64 heads).
     attn_scratch: Arc<Mutex<HashMap<ScratchKey, Fp8AttnScratch>>>,
+}
+
+/// A decode step recorded as a CUDA graph.
+pub struct StepGraph(CudaGraph);
+
+// SAFETY: a graph is used by the decoder that recorded it, which one thread at a time owns
+// (CUDA asks that calls on one graph be serialised, not that they come from one thread).
+unsafe impl Send for StepGraph {}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
+    }
+}
+
+/// Where `b`'s values start on its device.
+fn addr<T>(b: &CudaSlice<T>) -> usize {
+    let (ptr, _sync) = b.device_ptr(b.stream());
+    ptr as usize
 }
 
 /// A fast-attention scratch's batch and shape (its scale by bits).
@@ -110,6 +132,7 @@ impl Kernels for CudaKernels {
     type Stack = PairStack;
     type Table = DeviceTable;
     type Hash = CudaSlice<u32>;
+    type Graph = StepGraph;
 
     fn f_len(b: &CudaSlice<f32>) -> usize {
         b.len()
@@ -117,6 +140,37 @@ impl Kernels for CudaKernels {
 
     fn i_len(b: &CudaSlice<i32>) -> usize {
         b.len()
+    }
+
+    fn f_addr(b: &CudaSlice<f32>) -> usize {
+        addr(b)
+    }
+
+    fn i_addr(b: &CudaSlice<i32>) -> usize {
+        addr(b)
+    }
+
+    fn l_addr(b: &CudaSlice<i64>) -> usize {
+        addr(b)
+    }
+
+    fn begin_capture(&self) -> Result<bool, KernelError> {
+        // SAFETY: the decode step's buffers live on this one stream, so cudarc's events between
+        // streams order nothing; and a capture may not wait on an event recorded before it.
+        unsafe { self.gpu.stream.context().disable_event_tracking() };
+        self.gpu
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> Result<Option<StepGraph>, KernelError> {
+        let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
+        Ok(graph.map(StepGraph))
+    }
+
+    fn launch_graph(&self, graph: &StepGraph) -> Result<(), KernelError> {
+        Ok(graph.0.launch()?)
     }
 
     fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {

@@ -44,10 +44,41 @@ pub fn decode_step<O: StepOps>(
     seats: &mut [Seat],
     tokens: &[u32],
 ) -> Result<Vec<Vec<f32>>, StepError<O::Error>> {
+    let Some(logits) = decode_launch(ops, c, layout, arenas, seats, tokens)? else {
+        return Ok(Vec::new());
+    };
+    read_logits(ops, c, &logits, seats)
+}
+
+/// The step's logits `[n, vocab]` from the device; each sequence advances a token.
+pub fn read_logits<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    logits: &O::Buf,
+    seats: &mut [Seat],
+) -> Result<Vec<Vec<f32>>, StepError<O::Error>> {
+    let (n, v) = (seats.len(), c.vocab_size);
+    let flat = ops.get(logits, 0..n * v)?;
+    for seat in seats.iter_mut() {
+        seat.len += 1;
+    }
+    Ok(flat.chunks_exact(v).map(<[f32]>::to_vec).collect())
+}
+
+/// [`decode_step`] up to its logits on the device: every plan written and every launch
+/// made, nothing read back and no sequence advanced; `None` for no tokens.
+pub fn decode_launch<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    layout: &StateLayout,
+    arenas: &mut [O::Buf],
+    seats: &[Seat],
+    tokens: &[u32],
+) -> Result<Option<O::Buf>, StepError<O::Error>> {
     check(c, layout, seats, tokens).map_err(StepError::Input)?;
     let n = tokens.len();
     if n == 0 {
-        return Ok(Vec::new());
+        return Ok(None);
     }
     ops.begin_step();
     let d = c.hidden_size;
@@ -75,11 +106,7 @@ pub fn decode_step<O: StepOps>(
         View::rows(v),
         n,
     )?;
-    let flat = ops.get(&logits, 0..n * v)?;
-    for seat in seats.iter_mut() {
-        seat.len += 1;
-    }
-    Ok(flat.chunks_exact(v).map(<[f32]>::to_vec).collect())
+    Ok(Some(logits))
 }
 
 /// The reference of [`decode_step`]: the engine's forward for token `tokens[i]` of the

@@ -16,16 +16,20 @@ use super::{
     device_ops::{DBuf, DeviceStepOps},
     kernels::Kernels,
     layout::StateLayout,
+    replay::{ReplayStats, Replays, graph_step},
+    staged::Staged,
 };
 
 /// The decode step over `K`'s kernels with the state of `slots` sequences on the device.
 pub struct StepDecoder<K: Kernels> {
     name: String,
-    ops: DeviceStepOps<K>,
+    ops: DeviceStepOps<Staged<K>>,
     config: ModelConfig,
     layout: StateLayout,
     arenas: Vec<DBuf<K>>,
     kv_rows: RowFormat,
+    /// Steps replayed as graphs (`None`: every step runs as it comes).
+    replays: Option<Replays<K::Graph>>,
 }
 
 impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
@@ -57,9 +61,12 @@ impl<K: Kernels> StepDecoder<K> {
         (slots, tokens): (usize, usize),
         room: impl FnOnce(&K, usize) -> Result<(), K::Error>,
     ) -> Result<Self, K::Error> {
-        let ops = DeviceStepOps::new(k, model)?;
+        let ops = DeviceStepOps::new(Staged::new(k), model)?;
         let kv = model.kv_rows();
-        room(ops.kernels(), arena_bytes(&model.config, slots, tokens, kv))?;
+        room(
+            ops.kernels().inner(),
+            arena_bytes(&model.config, slots, tokens, kv),
+        )?;
         let layout = StateLayout::stored(&model.config, slots, tokens, kv);
         let arenas = layout.arenas(&ops)?;
         Ok(Self {
@@ -69,12 +76,27 @@ impl<K: Kernels> StepDecoder<K> {
             layout,
             arenas,
             kv_rows: model.kv_rows(),
+            replays: None,
         })
     }
 
     /// The kernels it launches.
     pub fn kernels(&self) -> &K {
-        self.ops.kernels()
+        self.ops.kernels().inner()
+    }
+
+    /// Replays steps as graphs from now on ([`graph_step`]: recorded where the device
+    /// records, the launch pass run where it does not).
+    #[must_use]
+    pub fn with_graphs(mut self) -> Self {
+        self.replays = Some(Replays::default());
+        self.name = format!("{}, graphs", self.name);
+        self
+    }
+
+    /// How its steps ran, with graphs.
+    pub fn replay_stats(&self) -> Option<ReplayStats> {
+        self.replays.as_ref().map(|r| r.stats)
     }
 
     /// Attends with the fast kernel from now on (`DeviceStepOps::with_fast_attention`: FP8 K=V
@@ -121,14 +143,24 @@ where
             })
             .collect();
         let tokens: Vec<u32> = seats.iter().map(|s| s.token).collect();
-        decode_step(
-            &self.ops,
-            &self.config,
-            &self.layout,
-            &mut self.arenas,
-            &mut at,
-            &tokens,
-        )
+        match &mut self.replays {
+            Some(replays) => graph_step(
+                &self.ops,
+                replays,
+                (&self.config, &self.layout),
+                &mut self.arenas,
+                &mut at,
+                &tokens,
+            ),
+            None => decode_step(
+                &self.ops,
+                &self.config,
+                &self.layout,
+                &mut self.arenas,
+                &mut at,
+                &tokens,
+            ),
+        }
         .map_err(DeviceError::device)
     }
 
@@ -230,20 +262,29 @@ mod tests {
         let requests = requests(model.config.vocab_size);
         let mut want = Vec::new();
         // FP8 K=V rows too: the step rounds them as the engine does.
-        for kv in [KvStorage::Fp8, KvStorage::F32] {
+        // And with steps replayed as graphs (plan pass, then launch pass, over the references).
+        for (kv, graphs) in [
+            (KvStorage::Fp8, false),
+            (KvStorage::F32, true),
+            (KvStorage::Fp8, true),
+            (KvStorage::F32, false),
+        ] {
             model.set_kv_storage(kv);
             let c = EngineConfig { kv, ..c.clone() };
             let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();
             want = run(&mut host, &requests);
             let kernels = EmulatedKernels::new(&model.config);
-            let decoder =
+            let mut decoder =
                 StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
+            if graphs {
+                decoder = decoder.with_graphs();
+            }
             let mut engine = Engine::new(model.replica(), c, "t").unwrap();
             engine.set_decode_device(Box::new(decoder)).unwrap();
             let got = run(&mut engine, &requests);
             assert_eq!(got.len(), want.len());
             for (g, w) in got.iter().zip(&want) {
-                assert_eq!(g, w, "{kv:?}");
+                assert_eq!(g, w, "{kv:?}, graphs {graphs}");
             }
             assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
             let finished = want

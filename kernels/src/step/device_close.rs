@@ -6,6 +6,7 @@ use super::{
     device_model::{DeviceCompressor, at_layer},
     device_ops::{DBuf, DIdx, DeviceStepOps},
     kernels::{Kernels, PoolSpec, RouteSpec, ScoreSpec},
+    pool,
 };
 
 /// `StepOps::close_windows`: each window's slots gathered from the arena, the position bias
@@ -120,7 +121,9 @@ pub(super) fn index_select<K: Kernels>(
         .iter()
         .map(|a| i32::try_from(a.visible).map_err(|_| "index_select: visible rows".to_owned()))
         .collect::<Result<_, _>>()?;
-    let max_keys = at.iter().map(|a| a.visible).max().unwrap_or(0).max(1);
+    // Padded to its size class (keys past a token's visible ones are not scored or read), so
+    // steps keep one launch shape as sequences grow.
+    let max_keys = pool::size_class(at.iter().map(|a| a.visible).max().unwrap_or(0));
     let (d_starts, d_visible) = (ops.plan_l(&starts)?, ops.plan_i(&visible)?);
     let mut scores = ops.alloc(n * max_keys)?;
     let spec = ScoreSpec {

@@ -647,7 +647,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             (arena, self.kv_rows),
             (&d_offsets, &d_starts),
             sinks,
-            (n, heads, hd, plan.most),
+            (n, heads, hd, padded_keys(plan.most)),
             scale,
             &mut out,
         )?;
@@ -717,6 +717,18 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
                 .moe_combine((ys, weights, shared), (n, k, d), &mut out)?;
         }
         Ok(out)
+    }
+}
+
+/// The most keys a token of a launch has, padded to its size class (within the exact
+/// attention's 96 KiB of shared memory, 4 bytes a key): a bound on every token's keys that
+/// stays the same as sequences grow, so steps keep one signature (`super::staged`) for a while.
+pub(super) fn padded_keys(most: usize) -> usize {
+    let padded = pool::size_class(most);
+    if padded * 4 <= 96 * 1024 {
+        padded
+    } else {
+        most
     }
 }
 

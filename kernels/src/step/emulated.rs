@@ -141,6 +141,8 @@ impl Kernels for EmulatedKernels {
     type Stack = Vec<Weight>;
     type Table = Weight;
     type Hash = Vec<u32>;
+    /// The CPU references record nothing: a step's launch pass runs instead.
+    type Graph = std::convert::Infallible;
 
     fn f_len(b: &Vec<f32>) -> usize {
         b.len()
@@ -148,6 +150,22 @@ impl Kernels for EmulatedKernels {
 
     fn i_len(b: &Vec<i32>) -> usize {
         b.len()
+    }
+
+    fn f_addr(b: &Vec<f32>) -> usize {
+        b.as_ptr() as usize
+    }
+
+    fn i_addr(b: &Vec<i32>) -> usize {
+        b.as_ptr() as usize
+    }
+
+    fn l_addr(b: &Vec<i64>) -> usize {
+        b.as_ptr() as usize
+    }
+
+    fn launch_graph(&self, graph: &std::convert::Infallible) -> Result<(), ShapeError> {
+        match *graph {}
     }
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>, ShapeError> {

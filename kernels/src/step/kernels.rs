@@ -83,9 +83,15 @@ pub trait Kernels {
     type Table;
     /// A layer's routing table (`tid2eid`).
     type Hash;
+    /// A recorded step the device replays (a CUDA graph); none where it records none.
+    type Graph;
 
     fn f_len(b: &Self::F) -> usize;
     fn i_len(b: &Self::I) -> usize;
+    /// Where a buffer's values start on the device (what a recorded launch names).
+    fn f_addr(b: &Self::F) -> usize;
+    fn i_addr(b: &Self::I) -> usize;
+    fn l_addr(b: &Self::L) -> usize;
     fn zeros(&self, len: usize) -> Result<Self::F, Self::Error>;
     fn zeros_i(&self, len: usize) -> Result<Self::I, Self::Error>;
     fn zeros_l(&self, len: usize) -> Result<Self::L, Self::Error>;
@@ -330,4 +336,16 @@ pub trait Kernels {
         shape: (usize, usize, usize),
         out: &mut Self::F,
     ) -> Result<(), Self::Error>;
+
+    /// Starts recording this device's launches instead of running them; false where it
+    /// records none (then the launches run).
+    fn begin_capture(&self) -> Result<bool, Self::Error> {
+        Ok(false)
+    }
+    /// The launches recorded since [`Self::begin_capture`] returned true.
+    fn end_capture(&self) -> Result<Option<Self::Graph>, Self::Error> {
+        Ok(None)
+    }
+    /// Runs a recording's launches again, over the buffers they named.
+    fn launch_graph(&self, graph: &Self::Graph) -> Result<(), Self::Error>;
 }

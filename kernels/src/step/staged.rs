@@ -1,0 +1,689 @@
+//! [`Staged`]: the step's kernels run in passes, so a decode step can be replayed as a CUDA
+//! graph. A graph replays launches over fixed addresses with the arguments they were captured
+//! with, after the host has written the step's plans; so a step splits into a plan pass (the
+//! host writes every plan; nothing launches) and a launch pass (every launch; no host write),
+//! and each pass folds every launch and write it makes, with every buffer address and scalar
+//! argument, into a signature. Two steps with one signature make the same launches over the
+//! same buffers: a graph captured in one step's launch pass replays the other's after its plan
+//! pass. Over the kernels' CPU references the launch pass runs instead of a graph, which CI
+//! checks gives the engine's bits (every write before every launch must be enough).
+
+use std::{
+    cell::{Cell, RefCell},
+    fmt::{self, Write as _},
+    hash::{DefaultHasher, Hasher},
+    ops::Range,
+};
+
+use engine::{
+    paged::layout::RowFormat,
+    tensor::Weight,
+    weights::{ExpertWeights, MoeWeights},
+};
+
+use super::{
+    Proj,
+    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+};
+
+/// What a pass of the kernels does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// Everything, as it comes (a step without graphs).
+    Run,
+    /// The host's writes; no launch, no read.
+    Plan,
+    /// The launches (captured into a graph where the device can); no host write, no new
+    /// buffer, no read.
+    Launch,
+}
+
+/// A pass's launches and writes, folded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Signature {
+    pub hash: u64,
+    pub launches: usize,
+    pub writes: usize,
+}
+
+/// `K` with passes and signatures.
+#[derive(Debug)]
+pub struct Staged<K: Kernels> {
+    k: K,
+    pass: Cell<Pass>,
+    hasher: RefCell<DefaultHasher>,
+    counts: Cell<(usize, usize)>,
+    /// Each noted launch and write in words, when asked for (to see what tells two
+    /// signatures apart).
+    trace: RefCell<Option<Vec<String>>>,
+}
+
+/// Hashes what `Debug` prints of a launch's scalars.
+struct HashWriter<'a>(&'a mut DefaultHasher);
+
+impl fmt::Write for HashWriter<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0.write(s.as_bytes());
+        Ok(())
+    }
+}
+
+/// A launch's buffer addresses, computed only in a pass (an address can cost a call).
+macro_rules! addrs {
+    ($self:ident, $($e:expr),* $(,)?) => {
+        if $self.noting() { vec![$($e),*] } else { Vec::new() }
+    };
+}
+
+/// A weight's identity (its place in the device model, which is uploaded once).
+fn at<T>(w: &T) -> usize {
+    std::ptr::from_ref(w) as usize
+}
+
+impl<K: Kernels> Staged<K> {
+    pub fn new(k: K) -> Self {
+        Self {
+            k,
+            pass: Cell::new(Pass::Run),
+            hasher: RefCell::new(DefaultHasher::new()),
+            counts: Cell::new((0, 0)),
+            trace: RefCell::new(None),
+        }
+    }
+
+    /// Keeps each pass's launches and writes in words from now on.
+    pub fn keep_trace(&self) {
+        *self.trace.borrow_mut() = Some(Vec::new());
+    }
+
+    /// The launches and writes in words since the last call (with [`Self::keep_trace`]).
+    pub fn take_trace(&self) -> Vec<String> {
+        self.trace
+            .borrow_mut()
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// The kernels it stages.
+    pub fn inner(&self) -> &K {
+        &self.k
+    }
+
+    /// Starts `pass` with a fresh signature.
+    pub fn start(&self, pass: Pass) {
+        self.pass.set(pass);
+        *self.hasher.borrow_mut() = DefaultHasher::new();
+        self.counts.set((0, 0));
+    }
+
+    /// The signature of the pass so far; the kernels run everything again.
+    pub fn finish(&self) -> Signature {
+        self.pass.set(Pass::Run);
+        let (launches, writes) = self.counts.get();
+        Signature {
+            hash: self.hasher.borrow().finish(),
+            launches,
+            writes,
+        }
+    }
+
+    /// Whether launches are folded into the signature (in the passes, not in a plain run).
+    fn noting(&self) -> bool {
+        self.pass.get() != Pass::Run
+    }
+
+    fn note(&self, tag: &str, addrs: &[usize], scalars: impl fmt::Debug) {
+        if !self.noting() {
+            return;
+        }
+        if let Some(trace) = self.trace.borrow_mut().as_mut() {
+            trace.push(format!("{tag} {addrs:x?} {scalars:?}"));
+        }
+        let mut h = self.hasher.borrow_mut();
+        h.write(tag.as_bytes());
+        for &a in addrs {
+            h.write_usize(a);
+        }
+        // Writing into a hasher cannot fail.
+        let _ = write!(HashWriter(&mut h), "{scalars:?}");
+    }
+
+    /// A launch: noted, and run unless this is a plan pass.
+    fn launch(
+        &self,
+        tag: &str,
+        addrs: &[usize],
+        scalars: impl fmt::Debug,
+        run: impl FnOnce(&K) -> Result<(), K::Error>,
+    ) -> Result<(), K::Error> {
+        self.note(tag, addrs, scalars);
+        let (launches, writes) = self.counts.get();
+        self.counts.set((launches + 1, writes));
+        match self.pass.get() {
+            Pass::Plan => Ok(()),
+            Pass::Run | Pass::Launch => run(&self.k),
+        }
+    }
+
+    /// A host write: noted (where, not what), and done unless this is a launch pass.
+    fn host_write(
+        &self,
+        tag: &str,
+        dst: Option<usize>,
+        run: impl FnOnce(&K) -> Result<(), K::Error>,
+    ) -> Result<(), K::Error> {
+        if let Some(dst) = dst {
+            self.note(tag, &[dst], ());
+        }
+        let (launches, writes) = self.counts.get();
+        self.counts.set((launches, writes + 1));
+        match self.pass.get() {
+            Pass::Launch => Ok(()),
+            Pass::Run | Pass::Plan => run(&self.k),
+        }
+    }
+
+    /// A new device buffer: refused in a launch pass (a graph replays fixed addresses).
+    fn new_buffer<T>(&self, make: impl FnOnce(&K) -> Result<T, K::Error>) -> Result<T, K::Error> {
+        if self.pass.get() == Pass::Launch {
+            return Err("a launch pass made a device buffer".to_owned().into());
+        }
+        make(&self.k)
+    }
+
+    /// A read to the host: only outside the passes.
+    fn host_read<T>(&self, read: impl FnOnce(&K) -> Result<T, K::Error>) -> Result<T, K::Error> {
+        if self.pass.get() != Pass::Run {
+            return Err("a pass read the device".to_owned().into());
+        }
+        read(&self.k)
+    }
+}
+
+impl<K: Kernels> Kernels for Staged<K> {
+    type Error = K::Error;
+    type F = K::F;
+    type I = K::I;
+    type L = K::L;
+    type Rows = K::Rows;
+    type Stack = K::Stack;
+    type Table = K::Table;
+    type Hash = K::Hash;
+    type Graph = K::Graph;
+
+    fn f_len(b: &K::F) -> usize {
+        K::f_len(b)
+    }
+    fn i_len(b: &K::I) -> usize {
+        K::i_len(b)
+    }
+    fn f_addr(b: &K::F) -> usize {
+        K::f_addr(b)
+    }
+    fn i_addr(b: &K::I) -> usize {
+        K::i_addr(b)
+    }
+    fn l_addr(b: &K::L) -> usize {
+        K::l_addr(b)
+    }
+    fn rows_shape(w: &K::Rows) -> (usize, usize) {
+        K::rows_shape(w)
+    }
+    fn stack_shape(s: &K::Stack) -> (usize, usize, usize) {
+        K::stack_shape(s)
+    }
+
+    fn zeros(&self, len: usize) -> Result<K::F, K::Error> {
+        self.new_buffer(|k| k.zeros(len))
+    }
+    fn zeros_i(&self, len: usize) -> Result<K::I, K::Error> {
+        self.new_buffer(|k| k.zeros_i(len))
+    }
+    fn zeros_l(&self, len: usize) -> Result<K::L, K::Error> {
+        self.new_buffer(|k| k.zeros_l(len))
+    }
+    fn upload(&self, v: &[f32]) -> Result<K::F, K::Error> {
+        self.new_buffer(|k| k.upload(v))
+    }
+    fn upload_i(&self, v: &[i32]) -> Result<K::I, K::Error> {
+        self.new_buffer(|k| k.upload_i(v))
+    }
+    fn upload_l(&self, v: &[i64]) -> Result<K::L, K::Error> {
+        self.new_buffer(|k| k.upload_l(v))
+    }
+    fn upload_rows(&self, w: &Weight) -> Result<K::Rows, K::Error> {
+        self.new_buffer(|k| k.upload_rows(w))
+    }
+    fn upload_matrix(&self, data: &[f32], rows: usize, cols: usize) -> Result<K::Rows, K::Error> {
+        self.new_buffer(|k| k.upload_matrix(data, rows, cols))
+    }
+    fn upload_stack(&self, experts: &[ExpertWeights], proj: Proj) -> Result<K::Stack, K::Error> {
+        self.new_buffer(|k| k.upload_stack(experts, proj))
+    }
+    fn upload_table(&self, embed: &Weight) -> Result<K::Table, K::Error> {
+        self.new_buffer(|k| k.upload_table(embed))
+    }
+    fn upload_hash(&self, moe: &MoeWeights) -> Result<Option<K::Hash>, K::Error> {
+        self.new_buffer(|k| k.upload_hash(moe))
+    }
+
+    fn write(&self, dst: &mut K::F, at: usize, v: &[f32]) -> Result<(), K::Error> {
+        let addr = self.noting().then(|| K::f_addr(dst) + 4 * at);
+        self.host_write("write", addr, |k| k.write(dst, at, v))
+    }
+    fn write_i(&self, dst: &mut K::I, v: &[i32]) -> Result<(), K::Error> {
+        let addr = self.noting().then(|| K::i_addr(dst));
+        self.host_write("write_i", addr, |k| k.write_i(dst, v))
+    }
+    fn write_l(&self, dst: &mut K::L, v: &[i64]) -> Result<(), K::Error> {
+        let addr = self.noting().then(|| K::l_addr(dst));
+        self.host_write("write_l", addr, |k| k.write_l(dst, v))
+    }
+    fn read(&self, b: &K::F, range: Range<usize>) -> Result<Vec<f32>, K::Error> {
+        self.host_read(|k| k.read(b, range))
+    }
+    fn read_l(&self, b: &K::L) -> Result<Vec<i64>, K::Error> {
+        self.host_read(|k| k.read_l(b))
+    }
+
+    fn copy(&self, src: &K::F, dst: &mut K::F, len: usize) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(src), K::f_addr(dst));
+        self.launch("copy", &addrs, len, |k| k.copy(src, dst, len))
+    }
+    fn fill_nan(&self, x: &mut K::F) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(x));
+        self.launch("fill_nan", &addrs, K::f_len(x), |k| k.fill_nan(x))
+    }
+    fn embed_rows(
+        &self,
+        table: &K::Table,
+        tokens: &K::I,
+        n_hc: (usize, usize),
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, at(table), K::i_addr(tokens), K::f_addr(out));
+        self.launch("embed_rows", &addrs, n_hc, |k| {
+            k.embed_rows(table, tokens, n_hc, out)
+        })
+    }
+    fn copy_rows(
+        &self,
+        src: &K::F,
+        from: &K::L,
+        dst: &mut K::F,
+        to: &K::L,
+        width: usize,
+        n: usize,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(src),
+            K::l_addr(from),
+            K::f_addr(dst),
+            K::l_addr(to)
+        );
+        self.launch("copy_rows", &addrs, (width, n), |k| {
+            k.copy_rows(src, from, dst, to, width, n)
+        })
+    }
+    fn exact_gemv(
+        &self,
+        w: &K::Rows,
+        rows: (usize, usize),
+        x: &K::F,
+        n: usize,
+        y: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, at(w), K::f_addr(x), K::f_addr(y));
+        self.launch("exact_gemv", &addrs, (rows, n), |k| {
+            k.exact_gemv(w, rows, x, n, y)
+        })
+    }
+    fn norm_rope_rows(
+        &self,
+        x: &mut K::F,
+        spec: RowSpec,
+        w: &K::F,
+        sin_cos: &K::F,
+        rows: usize,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(x), K::f_addr(w), K::f_addr(sin_cos));
+        self.launch("norm_rope_rows", &addrs, (spec, rows), |k| {
+            k.norm_rope_rows(x, spec, w, sin_cos, rows)
+        })
+    }
+    fn hyper_pre(
+        &self,
+        x: &K::F,
+        mixes: &K::F,
+        (scale, base): (&K::F, &K::F),
+        spec: HyperSpec,
+        n: usize,
+        (a, b, c): (&mut K::F, &mut K::F, &mut K::F),
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(x),
+            K::f_addr(mixes),
+            K::f_addr(scale),
+            K::f_addr(base),
+            K::f_addr(a),
+            K::f_addr(b),
+            K::f_addr(c)
+        );
+        self.launch("hyper_pre", &addrs, (spec, n), |k| {
+            k.hyper_pre(x, mixes, (scale, base), spec, n, (a, b, c))
+        })
+    }
+    fn hyper_post(
+        &self,
+        x: &K::F,
+        y: &K::F,
+        post: &K::F,
+        comb: &K::F,
+        spec: HyperSpec,
+        n: usize,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(x),
+            K::f_addr(y),
+            K::f_addr(post),
+            K::f_addr(comb),
+            K::f_addr(out)
+        );
+        self.launch("hyper_post", &addrs, (spec, n), |k| {
+            k.hyper_post(x, y, post, comb, spec, n, out)
+        })
+    }
+    fn hyper_head(
+        &self,
+        x: &K::F,
+        mix: &K::F,
+        (scale, base): (f32, &K::F),
+        spec: HyperSpec,
+        n: usize,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(x),
+            K::f_addr(mix),
+            K::f_addr(base),
+            K::f_addr(out)
+        );
+        self.launch("hyper_head", &addrs, (scale.to_bits(), spec, n), |k| {
+            k.hyper_head(x, mix, (scale, base), spec, n, out)
+        })
+    }
+    fn add_periodic(
+        &self,
+        x: &mut K::F,
+        bias: &K::F,
+        period: usize,
+        n: usize,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(x), K::f_addr(bias));
+        self.launch("add_periodic", &addrs, (period, n), |k| {
+            k.add_periodic(x, bias, period, n)
+        })
+    }
+    fn scale_values(&self, x: &mut K::F, by: f32, n: usize) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(x));
+        self.launch("scale_values", &addrs, (by.to_bits(), n), |k| {
+            k.scale_values(x, by, n)
+        })
+    }
+    fn fp8_kv_store(
+        &self,
+        rows: &K::F,
+        shape: (usize, usize),
+        arena: &mut K::F,
+        offsets: &K::L,
+        n: usize,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(rows), K::f_addr(arena), K::l_addr(offsets));
+        self.launch("fp8_kv_store", &addrs, (shape, n), |k| {
+            k.fp8_kv_store(rows, shape, arena, offsets, n)
+        })
+    }
+    fn fp8_kv_round(
+        &self,
+        rows: &mut K::F,
+        shape: (usize, usize),
+        n: usize,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(rows));
+        self.launch("fp8_kv_round", &addrs, (shape, n), |k| {
+            k.fp8_kv_round(rows, shape, n)
+        })
+    }
+    fn compress_pool(
+        &self,
+        kv: &K::F,
+        gate: &K::F,
+        (prev_kv, prev_gate): (&K::F, &K::F),
+        has_prev: &K::I,
+        spec: PoolSpec,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(kv),
+            K::f_addr(gate),
+            K::f_addr(prev_kv),
+            K::f_addr(prev_gate),
+            K::i_addr(has_prev),
+            K::f_addr(out)
+        );
+        self.launch("compress_pool", &addrs, spec, |k| {
+            k.compress_pool(kv, gate, (prev_kv, prev_gate), has_prev, spec, out)
+        })
+    }
+    fn indexer_scores(
+        &self,
+        q: &K::F,
+        w: &K::F,
+        keys: &K::F,
+        starts: &K::L,
+        visible: &K::I,
+        spec: ScoreSpec,
+        scores: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(q),
+            K::f_addr(w),
+            K::f_addr(keys),
+            K::l_addr(starts),
+            K::i_addr(visible),
+            K::f_addr(scores)
+        );
+        self.launch("indexer_scores", &addrs, spec, |k| {
+            k.indexer_scores(q, w, keys, starts, visible, spec, scores)
+        })
+    }
+    fn indexer_topk(
+        &self,
+        scores: &K::F,
+        visible: &K::I,
+        shape: (usize, usize, usize),
+        out: &mut K::I,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(scores), K::i_addr(visible), K::i_addr(out));
+        self.launch("indexer_topk", &addrs, shape, |k| {
+            k.indexer_topk(scores, visible, shape, out)
+        })
+    }
+    fn chosen_offsets(
+        &self,
+        chosen: &K::I,
+        k_: usize,
+        (tokens, starts, counts, bases): (&K::I, &K::L, &K::I, &K::L),
+        row_bytes: usize,
+        entries: usize,
+        offsets: &mut K::L,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::i_addr(chosen),
+            K::i_addr(tokens),
+            K::l_addr(starts),
+            K::i_addr(counts),
+            K::l_addr(bases),
+            K::l_addr(offsets)
+        );
+        self.launch("chosen_offsets", &addrs, (k_, row_bytes, entries), |k| {
+            k.chosen_offsets(
+                chosen,
+                k_,
+                (tokens, starts, counts, bases),
+                row_bytes,
+                entries,
+                offsets,
+            )
+        })
+    }
+    fn attn_exact(
+        &self,
+        q: &K::F,
+        (pool, format): (&K::F, RowFormat),
+        (offsets, starts): (&K::L, &K::L),
+        sinks: &K::F,
+        shape: (usize, usize, usize, usize),
+        scale: f32,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(q),
+            K::f_addr(pool),
+            K::l_addr(offsets),
+            K::l_addr(starts),
+            K::f_addr(sinks),
+            K::f_addr(out)
+        );
+        let scalars = (format, shape, scale.to_bits());
+        self.launch("attn_exact", &addrs, scalars, |k| {
+            k.attn_exact(
+                q,
+                (pool, format),
+                (offsets, starts),
+                sinks,
+                shape,
+                scale,
+                out,
+            )
+        })
+    }
+    fn attn_fast(
+        &self,
+        q: &K::F,
+        (pool, dims): (&K::F, (usize, usize)),
+        (offsets, starts): (&K::L, &K::L),
+        sinks: &K::F,
+        shape: (usize, usize),
+        scale: f32,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(q),
+            K::f_addr(pool),
+            K::l_addr(offsets),
+            K::l_addr(starts),
+            K::f_addr(sinks),
+            K::f_addr(out)
+        );
+        let scalars = (dims, shape, scale.to_bits());
+        self.launch("attn_fast", &addrs, scalars, |k| {
+            k.attn_fast(q, (pool, dims), (offsets, starts), sinks, shape, scale, out)
+        })
+    }
+    fn moe_route(
+        &self,
+        logits: &K::F,
+        bias: Option<&K::F>,
+        hash: Option<&K::Hash>,
+        tokens: &K::I,
+        spec: RouteSpec,
+        scores: &mut K::F,
+        (chosen, weights): (&mut K::I, &mut K::F),
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(logits),
+            bias.map_or(0, K::f_addr),
+            hash.map_or(0, at),
+            K::i_addr(tokens),
+            K::f_addr(scores),
+            K::i_addr(chosen),
+            K::f_addr(weights)
+        );
+        self.launch("moe_route", &addrs, spec, |k| {
+            k.moe_route(logits, bias, hash, tokens, spec, scores, (chosen, weights))
+        })
+    }
+    fn exact_pairs(
+        &self,
+        stack: &K::Stack,
+        (tokens, experts): (&K::I, &K::I),
+        x: &K::F,
+        pairs: usize,
+        y: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            at(stack),
+            K::i_addr(tokens),
+            K::i_addr(experts),
+            K::f_addr(x),
+            K::f_addr(y)
+        );
+        self.launch("exact_pairs", &addrs, pairs, |k| {
+            k.exact_pairs(stack, (tokens, experts), x, pairs, y)
+        })
+    }
+    fn swiglu(
+        &self,
+        gate: &K::F,
+        up: &K::F,
+        n: usize,
+        limit: f32,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(gate), K::f_addr(up), K::f_addr(out));
+        self.launch("swiglu", &addrs, (n, limit.to_bits()), |k| {
+            k.swiglu(gate, up, n, limit, out)
+        })
+    }
+    fn moe_combine(
+        &self,
+        (ys, weights, shared): (&K::F, &K::F, &K::F),
+        shape: (usize, usize, usize),
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            K::f_addr(ys),
+            K::f_addr(weights),
+            K::f_addr(shared),
+            K::f_addr(out)
+        );
+        self.launch("moe_combine", &addrs, shape, |k| {
+            k.moe_combine((ys, weights, shared), shape, out)
+        })
+    }
+
+    fn begin_capture(&self) -> Result<bool, K::Error> {
+        self.k.begin_capture()
+    }
+    fn end_capture(&self) -> Result<Option<K::Graph>, K::Error> {
+        self.k.end_capture()
+    }
+    fn launch_graph(&self, graph: &K::Graph) -> Result<(), K::Error> {
+        self.k.launch_graph(graph)
+    }
+}
