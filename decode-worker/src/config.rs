@@ -77,6 +77,19 @@ mod tests {
         assert_eq!(c.worker.decode_attention, DecodeAttention::Fast);
     }
 
+    /// Decode graphs from a flag or the environment.
+    #[test]
+    fn decode_graphs_read_from_flags_and_environment() {
+        assert!(!load(&[], &[]).worker.decode_graphs);
+        let c = load(&["--backend", "emulated", "--decode-graphs", "true"], &[]);
+        assert!(c.worker.decode_graphs);
+        let c = load(
+            &["--backend", "emulated"],
+            &[("PDSERVE_DECODE_GRAPHS", "true")],
+        );
+        assert!(c.worker.decode_graphs);
+    }
+
     /// vLLM's spellings set the same settings as ours, from flags and from the environment.
     #[test]
     fn vllm_flag_spellings_are_the_same_settings() {

@@ -380,8 +380,9 @@ fn the_advertised_context_is_what_the_decode_pools_hold() {
 /// A decode worker on the emulated device (`--backend emulated`: the GPU decode step, state in
 /// slots of device arenas, each kernel by its CPU reference) answers what the in-process engine
 /// answers, token for token and logprob for logprob, with the prompts' states arriving over
-/// the transport into its reserved pages and loaded into its slots; its start-up log names the
-/// device plan. A prefill worker refuses the emulated backend.
+/// the transport into its reserved pages and loaded into its slots, its steps replayed as graphs
+/// would replay them (`--decode-graphs`: plan pass, then launch pass); its start-up log names
+/// the device plan. A prefill worker refuses the emulated backend.
 #[test]
 fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
     let local = start_router(&["--model-dir", &model_arg()], true);
@@ -394,6 +395,8 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
             "emulated",
             "--max-running",
             "4",
+            "--decode-graphs",
+            "true",
         ],
     );
     // Its start-up plan is logged at info.
@@ -414,7 +417,7 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
     decode.terminate();
     let log = decode.stderr();
     assert!(
-        log.contains("emulated (the whole decode step on the device)"),
+        log.contains("emulated, graphs (the whole decode step on the device)"),
         "{log}"
     );
 

@@ -206,11 +206,11 @@ fn open_cuda(
 
 /// What a worker's engine computes: prompts and decode tokens, or only decode tokens (a decode
 /// worker: every request arrives with its prompt's state), then with the device step's fast
-/// attention (`attn_decode_fp8`) when asked for.
+/// attention (`attn_decode_fp8`) and its steps replayed as graphs when asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineWork {
     All,
-    DecodeOnly { fast_attention: bool },
+    DecodeOnly { fast_attention: bool, graphs: bool },
 }
 
 /// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
@@ -245,28 +245,43 @@ pub fn start_engine(
         }
         gpu_group(&ordinals, timeout)
     };
-    let (decode_only, fast_attention) = match work {
-        EngineWork::All => (false, false),
-        EngineWork::DecodeOnly { fast_attention } => (true, fast_attention),
+    let (decode_only, step) = match work {
+        EngineWork::All => (false, StepOptions::default()),
+        EngineWork::DecodeOnly {
+            fast_attention,
+            graphs,
+        } => (
+            true,
+            StepOptions {
+                fast_attention,
+                graphs,
+            },
+        ),
     };
     let decode_step = decode_only && !hybrid && group.ranks() == 1;
-    if fast_attention && !(decode_step && kind != BackendKind::Cpu) {
-        // Only the device step has it: never accepted and then run another way.
-        return Err(engine::runner::StartError::Backend(
-            BackendError::Unavailable {
-                backend: kind.name().to_owned(),
-                reason: "fast decode attention runs in the device decode step of a decode \
-                         worker of one rank on cuda or emulated, without hybrid"
-                    .to_owned(),
-            },
-        ));
+    for (asked, what) in [
+        (step.fast_attention, "fast decode attention"),
+        (step.graphs, "decode graphs"),
+    ] {
+        if asked && !(decode_step && kind != BackendKind::Cpu) {
+            // Only the device step has it: never accepted and then run another way.
+            return Err(engine::runner::StartError::Backend(
+                BackendError::Unavailable {
+                    backend: kind.name().to_owned(),
+                    reason: format!(
+                        "{what} run in the device decode step of a decode worker of one rank \
+                         on cuda or emulated, without hybrid"
+                    ),
+                },
+            ));
+        }
     }
     let cuda_decode = |model: &engine::model::Model, config: &engine::scheduler::EngineConfig| {
-        open_cuda_decode(model, config, fast_attention)
+        open_cuda_decode(model, config, step)
     };
     let emulated_decode = |model: &engine::model::Model,
                            config: &engine::scheduler::EngineConfig| {
-        open_emulated_decode(model, config, fast_attention)
+        open_emulated_decode(model, config, step)
     };
     let devices = engine::runner::RankDevices {
         open: &open,
@@ -282,6 +297,15 @@ pub fn start_engine(
         },
     };
     engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
+}
+
+/// What a device decode step does beyond the exact step.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct StepOptions {
+    /// `attn_decode_fp8` instead of `attn_exact`.
+    fast_attention: bool,
+    /// Steps replayed as graphs (`crate::step::replay`).
+    graphs: bool,
 }
 
 /// Tokens a decode slot holds: the longest request the engine's page pool and the model admit.
@@ -311,7 +335,7 @@ pub fn check_arena_room(needed: usize, (free, total): (usize, usize)) -> Result<
 fn open_emulated_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
-    fast_attention: bool,
+    step: StepOptions,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     use crate::step::{decoder::StepDecoder, emulated::EmulatedKernels};
     let unavailable = |e: String| BackendError::Unavailable {
@@ -322,10 +346,13 @@ fn open_emulated_decode(
     let shape = (config.max_running, slot_tokens(&model.config, config));
     let mut decoder = StepDecoder::new("emulated", kernels, model, shape, |_, _| Ok(()))
         .map_err(|e| unavailable(e.to_string()))?;
-    if fast_attention {
+    if step.fast_attention {
         decoder = decoder
             .with_fast_attention()
             .map_err(|e| unavailable(e.to_string()))?;
+    }
+    if step.graphs {
+        decoder = decoder.with_graphs();
     }
     Ok(Box::new(decoder))
 }
@@ -336,7 +363,7 @@ fn open_emulated_decode(
 fn open_cuda_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
-    fast_attention: bool,
+    step: StepOptions,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     use crate::{
         cuda::{CudaKernels, Gpu},
@@ -355,8 +382,11 @@ fn open_cuda_decode(
     };
     let mut decoder = StepDecoder::new("cuda", CudaKernels::new(gpu), model, (slots, tokens), room)
         .map_err(cuda_unavailable)?;
-    if fast_attention {
+    if step.fast_attention {
         decoder = decoder.with_fast_attention().map_err(cuda_unavailable)?;
+    }
+    if step.graphs {
+        decoder = decoder.with_graphs();
     }
     Ok(Box::new(decoder))
 }
@@ -365,7 +395,7 @@ fn open_cuda_decode(
 fn open_cuda_decode(
     _: &engine::model::Model,
     _: &engine::scheduler::EngineConfig,
-    _: bool,
+    _: StepOptions,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     Err(cuda_unavailable(
         "this binary was built without the CUDA backend (cargo feature `cuda`)",
@@ -448,8 +478,9 @@ mod tests {
         );
     }
 
-    /// Fast decode attention where the device step does not run (the cpu backend, a prefill
-    /// engine, hybrid, a group) is refused before anything loads, never run as exact.
+    /// Fast decode attention or decode graphs where the device step does not run (the cpu
+    /// backend, a prefill engine, hybrid, a group) are refused before anything loads, never
+    /// run as exact or eager.
     #[test]
     fn fast_attention_outside_the_device_step_is_refused() {
         use engine::{parallel::group::GroupSpec, scheduler::EngineConfig, weights::LoadProgress};
@@ -457,10 +488,17 @@ mod tests {
         let dir = std::env::temp_dir();
         let fast = EngineWork::DecodeOnly {
             fast_attention: true,
+            graphs: false,
+        };
+        let graphs = EngineWork::DecodeOnly {
+            fast_attention: false,
+            graphs: true,
         };
         for (kind, work, hybrid) in [
             (BackendKind::Cpu, fast, false),
             (BackendKind::Emulated, fast, true),
+            (BackendKind::Cpu, graphs, false),
+            (BackendKind::Emulated, graphs, true),
         ] {
             let start = (kind, work);
             let refused = start_engine(
@@ -473,10 +511,12 @@ mod tests {
                 &progress,
             )
             .unwrap_err();
-            assert!(
-                refused.to_string().contains("fast decode attention"),
-                "{refused}"
-            );
+            let what = if work == fast {
+                "fast decode attention"
+            } else {
+                "decode graphs"
+            };
+            assert!(refused.to_string().contains(what), "{refused}");
         }
     }
 

@@ -42,6 +42,12 @@ impl ServiceConfig for PrefillConfig {
                 "a prefill worker does not decode: it takes no decode attention",
             ));
         }
+        if self.worker.decode_graphs {
+            return Err(Invalid::new(
+                "decode_graphs",
+                "a prefill worker does not decode: it replays no decode steps",
+            ));
+        }
         self.worker.validate()
     }
 }
@@ -85,5 +91,21 @@ mod tests {
         let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
             .expect_err("refused");
         assert!(err.to_string().contains("decode_attention"), "{err}");
+    }
+
+    /// Nor does it replay decode steps as graphs.
+    #[test]
+    fn decode_graphs_are_refused() {
+        let cli = Cli::try_parse_from([
+            "pdserve-prefill",
+            "--decode-graphs",
+            "true",
+            "--backend",
+            "emulated",
+        ])
+        .expect("flags");
+        let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
+            .expect_err("refused");
+        assert!(err.to_string().contains("decode_graphs"), "{err}");
     }
 }

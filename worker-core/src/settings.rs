@@ -152,6 +152,11 @@ pub struct WorkerSettings {
     /// (tensor cores over FP8 rows, within a stated bound; needs `kv_cache_dtype = fp8` and
     /// the cuda or emulated backend).
     pub decode_attention: DecodeAttention,
+    /// Replay a decode worker's device steps as CUDA graphs: a step whose launches (kernels,
+    /// buffers, shapes) a recorded graph has runs as that graph after the host writes its
+    /// plans; others run as they come. Same results as without (checked over the kernels'
+    /// references on `emulated`); the cuda or emulated backend, one rank, without hybrid.
+    pub decode_graphs: bool,
     /// Attention tensor parallelism: ranks sharing each request's heads (every rank runs every
     /// request and holds a copy of its state; bit-identical to one rank). Experts are then
     /// replicated (`expert_parallel_size` 1) or split over the same ranks (equal sizes).
@@ -201,6 +206,7 @@ impl WorkerSettings {
             backend: BackendKind::Cpu,
             hybrid: false,
             decode_attention: DecodeAttention::Exact,
+            decode_graphs: false,
             tensor_parallel_size: 1,
             expert_parallel_size: 1,
             dp_attention: false,
@@ -260,6 +266,18 @@ impl WorkerSettings {
                     "fast attention reads FP8 K=V rows: set kv_cache_dtype = \"fp8\"",
                 ));
             }
+        }
+        if self.decode_graphs
+            && (self.backend == BackendKind::Cpu
+                || self.hybrid
+                || self.tensor_parallel_size > 1
+                || self.expert_parallel_size > 1)
+        {
+            return Err(Invalid::new(
+                "decode_graphs",
+                "graphs replay the device decode step: backend cuda or emulated, one rank, \
+                 without hybrid",
+            ));
         }
         self.check_group()?;
         common::cluster_auth::Security::load(self.cluster_secret_file.as_deref(), &self.tls)?;
@@ -434,6 +452,10 @@ pub struct WorkerFlags {
     #[arg(long, value_enum, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_attention: Option<DecodeAttention>,
+    /// Replay a decode worker's device steps as CUDA graphs.
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_graphs: Option<bool>,
     /// Attention tensor parallelism: ranks sharing each request's heads (`--tp`).
     #[arg(long, visible_alias = "tp", value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -522,6 +544,29 @@ mod tests {
         json["decode_attention"] = serde_json::json!("fast");
         let back: WorkerSettings = serde_json::from_value(json).unwrap();
         assert_eq!(back.decode_attention, DecodeAttention::Fast);
+    }
+
+    /// Decode graphs are honoured only where the device step runs (cuda or emulated, one
+    /// rank, without hybrid), refused elsewhere naming the key.
+    #[test]
+    fn decode_graphs_need_the_device_step() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.decode_graphs = true;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "decode_graphs", "{e:?}");
+        assert!(e.reason.contains("cuda or emulated"), "{e:?}");
+        settings.backend = BackendKind::Emulated;
+        assert!(settings.validate().is_ok());
+        settings.hybrid = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
+        settings.hybrid = false;
+        settings.tensor_parallel_size = 2;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
+        let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
+        assert_eq!(json["decode_graphs"], false);
+        json["decode_graphs"] = serde_json::json!(true);
+        let back: WorkerSettings = serde_json::from_value(json).unwrap();
+        assert!(back.decode_graphs);
     }
 
     /// A group of ranks is honoured or refused with the setting to change, never run as

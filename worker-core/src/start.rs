@@ -130,6 +130,7 @@ where
     let work = match spec.role {
         Role::Decode => kernels::backend::EngineWork::DecodeOnly {
             fast_attention: settings.decode_attention == crate::settings::DecodeAttention::Fast,
+            graphs: settings.decode_graphs,
         },
         _ => kernels::backend::EngineWork::All,
     };

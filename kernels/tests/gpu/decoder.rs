@@ -2,8 +2,9 @@
 //! with `backend = "cuda"` runs) gives the events of one decoding with the engine's host
 //! forward: every token, its log-probabilities, the finishes, with requests arriving while
 //! others decode and slots reused. The same check over the kernels' CPU references runs in CI
-//! (`step::decoder`), so a failure here is a kernel that differs from its reference. Skips
-//! without a GPU (fails under `PDSERVE_REQUIRE_GPU=1`).
+//! (`step::decoder`), so a failure here is a kernel that differs from its reference; and steps
+//! replayed as CUDA graphs give the eager steps' bits. Skips without a GPU (fails under
+//! `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, reason = "test code")]
 
@@ -87,14 +88,110 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
     let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let want = run(&mut host, &requests);
     let tokens = config.num_pages as usize * config.page_size;
-    let kernels = CudaKernels::new(gpu);
-    let decoder = StepDecoder::new("cuda", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
-    let mut engine = Engine::new(model.replica(), config, "t").unwrap();
-    engine.set_decode_device(Box::new(decoder)).unwrap();
-    let got = run(&mut engine, &requests);
-    assert_eq!(got.len(), want.len());
-    for (g, w) in got.iter().zip(&want) {
-        assert_eq!(g, w);
+    // And with its steps replayed as CUDA graphs.
+    for graphs in [false, true] {
+        let kernels = CudaKernels::new(Arc::clone(&gpu));
+        let mut decoder =
+            StepDecoder::new("cuda", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
+        if graphs {
+            decoder = decoder.with_graphs();
+        }
+        let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
+        engine.set_decode_device(Box::new(decoder)).unwrap();
+        let got = run(&mut engine, &requests);
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g, w, "graphs {graphs}");
+        }
     }
     assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
+}
+
+/// Steps replayed as CUDA graphs (`graph_step`: a signature's second sighting recorded by
+/// stream capture, later ones replayed after their plan pass) give the eager steps' logits bit
+/// for bit, for 2 sequences from their first token over 80 steps (window closes on the way);
+/// prints both step times.
+#[test]
+fn gpu_graph_steps_give_the_eager_steps_bits() {
+    use kernels::step::{
+        decode::{Seat, decode_step},
+        device_ops::DeviceStepOps,
+        layout::StateLayout,
+        replay::{Replays, graph_step},
+        staged::Staged,
+    };
+    let Some(gpu) = Gpu::for_test("gpu_graph_steps_give_the_eager_steps_bits") else {
+        return;
+    };
+    let gpu = Arc::new(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 12,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let c = &model.config;
+    let (sequences, steps) = (2, 80u64);
+    let layout = StateLayout::stored(c, sequences, steps as usize + 1, model.kv_rows());
+    let open = || {
+        let ops =
+            DeviceStepOps::new(Staged::new(CudaKernels::new(Arc::clone(&gpu))), &model).unwrap();
+        let arenas = layout.arenas(&ops).unwrap();
+        let seats: Vec<Seat> = (0..sequences).map(|slot| Seat { slot, len: 0 }).collect();
+        (ops, arenas, seats)
+    };
+    let (eager, mut eager_arenas, mut eager_seats) = open();
+    let (graphs, mut graph_arenas, mut graph_seats) = open();
+    let mut replays = Replays::default();
+    let mut rng = Rng::for_tensor(13, "gpu-graphs");
+    let (mut eager_time, mut graph_time) = (0.0, 0.0);
+    for step in 0..steps {
+        let next: Vec<u32> = (0..sequences)
+            .map(|_| (rng.next_u64() % c.vocab_size as u64) as u32)
+            .collect();
+        let started = std::time::Instant::now();
+        let want = decode_step(
+            &eager,
+            c,
+            &layout,
+            &mut eager_arenas,
+            &mut eager_seats,
+            &next,
+        )
+        .unwrap();
+        let took = started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
+        let got = graph_step(
+            &graphs,
+            &mut replays,
+            (c, &layout),
+            &mut graph_arenas,
+            &mut graph_seats,
+            &next,
+        )
+        .unwrap();
+        if step >= 20 {
+            eager_time += took;
+            graph_time += started.elapsed().as_secs_f64();
+        }
+        for (w, g) in want.iter().flatten().zip(got.iter().flatten()) {
+            assert_eq!(w.to_bits(), g.to_bits(), "step {step}");
+        }
+    }
+    let stats = replays.stats;
+    let per = |t: f64| 1e3 * t / (steps - 20) as f64;
+    eprintln!(
+        "{stats:?}; steps 20..{steps}: eager {:.3} ms a step, with graphs {:.3} ms",
+        per(eager_time),
+        per(graph_time)
+    );
+    assert_eq!(stats.fell_back, 0, "{stats:?}");
+    assert!(
+        stats.captured > 0 && stats.replayed > stats.captured,
+        "{stats:?}"
+    );
 }
