@@ -160,35 +160,14 @@ pub fn graph_step<K: Kernels>(
 
 #[cfg(test)]
 mod tests {
-    use engine::{
-        config::ExpertFormat,
-        model::Model,
-        synth::{GenerateOptions, Preset, Rng, generate},
-    };
+    use engine::{config::ExpertFormat, model::Model, synth::Preset};
 
     use super::*;
-    use crate::step::{decode::engine_decode, emulated::EmulatedKernels};
-
-    fn model(format: ExpertFormat) -> (tempfile::TempDir, Model) {
-        let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 31,
-            experts: format,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
-        let model = Model::load(dir.path()).unwrap();
-        (dir, model)
-    }
-
-    fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
-        let mut rng = Rng::for_tensor(seed, "replay");
-        (0..n)
-            .map(|_| (rng.next_u64() % vocab as u64) as u32)
-            .collect()
-    }
+    use crate::step::{
+        decode::engine_decode,
+        emulated::EmulatedKernels,
+        tests::{model_of, tokens},
+    };
 
     /// Sequences decoded from their first token by `graph_step` over the kernels' CPU
     /// references: every step whose signature repeats runs as its plan pass (every write)
@@ -245,7 +224,7 @@ mod tests {
     /// host after kernels used it in a step) fails this and no other step test.
     #[test]
     fn replayed_steps_give_the_engines_bits() {
-        let (_dir, model) = model(ExpertFormat::Nvfp4);
+        let (_dir, model) = model_of(Preset::Tiny, ExpertFormat::Nvfp4);
         let (stats, want, got) = run(&model, 3, 150);
         eprintln!("{stats:?}");
         assert!(same(&want, &got));

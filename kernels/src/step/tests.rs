@@ -21,7 +21,7 @@ fn model(format: ExpertFormat) -> (tempfile::TempDir, Model) {
     model_of(Preset::Tiny, format)
 }
 
-fn model_of(preset: Preset, format: ExpertFormat) -> (tempfile::TempDir, Model) {
+pub(super) fn model_of(preset: Preset, format: ExpertFormat) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     generate(&GenerateOptions {
         preset,
@@ -35,7 +35,7 @@ fn model_of(preset: Preset, format: ExpertFormat) -> (tempfile::TempDir, Model) 
     (dir, model)
 }
 
-fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+pub(super) fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
     let mut rng = Rng::for_tensor(seed, "prompt");
     (0..n)
         .map(|_| (rng.next_u64() % vocab as u64) as u32)
