@@ -67,6 +67,8 @@ pub enum SamplingError {
     NoFiniteLogit,
     #[error("the request already finished ({0:?}); no further token may be sampled")]
     Finished(FinishReason),
+    #[error("this request's next token is not the argmax of its logits as they come")]
+    NotArgmax,
     #[error(transparent)]
     Constraint(#[from] GrammarError),
 }
@@ -376,6 +378,53 @@ impl Sampler {
         })
     }
 
+    /// Whether the next token is the argmax of the logits as they come (ties to the lowest
+    /// id), when they are all finite: greedy, no log-probabilities, and no bias, penalty,
+    /// constraint or stop suppression between the logits and the choice. A device can then
+    /// send back the argmax alone ([`Self::take_argmax`]).
+    #[allow(
+        clippy::float_cmp,
+        reason = "0 and 1 are exactly the documented 'disabled' values"
+    )]
+    pub fn takes_argmax(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0
+            && !p.logprobs
+            && p.logit_bias.is_empty()
+            && p.frequency_penalty == 0.0
+            && p.presence_penalty == 0.0
+            && p.repetition_penalty == 1.0
+            && self.seen.is_empty()
+            && self.constraint.is_none()
+            && (self.generated.len() >= self.stop.min_tokens as usize || self.stop_set.is_empty())
+    }
+
+    /// Takes `token`, the argmax of logits that were all finite, as [`Self::sample`] would
+    /// have chosen it from them when [`Self::takes_argmax`] holds: the same result and the
+    /// same state after (the random stream advances once, as it does for a greedy draw).
+    pub fn take_argmax(&mut self, token: u32) -> Result<Sampled, SamplingError> {
+        if let Some(reason) = self.finish() {
+            return Err(SamplingError::Finished(reason));
+        }
+        if !self.takes_argmax() {
+            return Err(SamplingError::NotArgmax);
+        }
+        if token as usize >= self.vocab_size {
+            return Err(SamplingError::TokenOutOfVocab {
+                name: "argmax",
+                token,
+                vocab_size: self.vocab_size,
+            });
+        }
+        let _ = self.rng.next_uniform();
+        self.record(token);
+        Ok(Sampled {
+            token,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        })
+    }
+
     /// Steps 1-4 without a constraint: the logits every later step sees. Masked tokens are
     /// -inf, all others finite.
     #[cfg(test)]
@@ -501,6 +550,22 @@ impl Sampler {
             self.seen.insert(token);
         }
     }
+}
+
+/// The id of the largest value of a logits row, ties to the lowest id (what greedy sampling
+/// picks from finite logits), or the index of its first value that is not finite (or 0 for an
+/// empty row). The reference of a device's argmax (`argmax_rows`).
+pub fn argmax(row: &[f32]) -> Result<u32, usize> {
+    if let Some(at) = row.iter().position(|v| !v.is_finite()) {
+        return Err(at);
+    }
+    let mut best = (0usize, *row.first().ok_or(0usize)?);
+    for (i, &v) in row.iter().enumerate() {
+        if v > best.1 {
+            best = (i, v);
+        }
+    }
+    Ok(best.0 as u32)
 }
 
 /// Argmax with ties to the lowest id: `cands` is in id order and only a strictly larger logit

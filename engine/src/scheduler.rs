@@ -12,7 +12,7 @@ mod device;
 mod handoff;
 mod host_step;
 
-pub use device::{DecodeDevice, DecodeSeat, DeviceError, HostDecodeDevice};
+pub use device::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError, HostDecodeDevice};
 pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
 use crate::{

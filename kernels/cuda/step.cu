@@ -87,3 +87,54 @@ extern "C" __global__ void chosen_offsets(const int* __restrict__ chosen, int k,
         offsets[starts[t] + j] = (poisoned || row < 0) ? -2 : bases[t] + row * row_bytes;
     }
 }
+
+// Per row of `width` logits: out[2r] the index of the largest value (ties to the lowest index,
+// only a strictly larger value replaces the best, as greedy sampling picks), out[2r + 1] the
+// index of the first value that is not finite, or -1. One block of 256 threads per row.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long width,
+                                       int* __restrict__ out) {
+    const long long row = blockIdx.x;
+    const float* v = x + row * width;
+    float best = -INFINITY;
+    long long best_at = width;  // none yet
+    long long bad_at = width;   // none yet
+    for (long long i = threadIdx.x; i < width; i += blockDim.x) {
+        const float value = v[i];
+        if (!isfinite(value)) {
+            bad_at = bad_at < i ? bad_at : i;
+        } else if (best_at == width || value > best) {
+            // A thread's indices rise, so a tie keeps its earlier (lower) index.
+            best = value;
+            best_at = i;
+        }
+    }
+    __shared__ float best_of[256];
+    __shared__ long long best_at_of[256];
+    __shared__ long long bad_at_of[256];
+    best_of[threadIdx.x] = best;
+    best_at_of[threadIdx.x] = best_at;
+    bad_at_of[threadIdx.x] = bad_at;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            const int other = threadIdx.x + half;
+            const long long a = best_at_of[threadIdx.x], b = best_at_of[other];
+            // The other's best wins if it is larger, or equal at a lower index; an empty
+            // side never wins.
+            if (b != width &&
+                (a == width || best_of[other] > best_of[threadIdx.x] ||
+                 (best_of[other] == best_of[threadIdx.x] && b < a))) {
+                best_of[threadIdx.x] = best_of[other];
+                best_at_of[threadIdx.x] = b;
+            }
+            const long long c = bad_at_of[other];
+            bad_at_of[threadIdx.x] = bad_at_of[threadIdx.x] < c ? bad_at_of[threadIdx.x] : c;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const long long at = best_at_of[0] == width ? 0 : best_at_of[0];
+        out[2 * row] = static_cast<int>(at);
+        out[2 * row + 1] = bad_at_of[0] == width ? -1 : static_cast<int>(bad_at_of[0]);
+    }
+}

@@ -227,6 +227,16 @@ pub trait StepOps {
     fn put_idx(&self, values: &[i32]) -> Result<Self::Idx, Self::Error>;
     /// `range` of `buf` to the host (the logits; or state, outside a step).
     fn get(&self, buf: &Self::Buf, range: Range<usize>) -> Result<Vec<f32>, Self::Error>;
+    /// For each of `rows` rows of `width` values, the index of its largest finite value (ties
+    /// to the lowest) and of its first value that is not finite (-1 for none): `[rows, 2]`.
+    fn argmax_rows(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        width: usize,
+    ) -> Result<Self::Idx, Self::Error>;
+    /// `range` of an index buffer to the host (the step's argmaxes).
+    fn get_idx(&self, b: &Self::Idx, range: Range<usize>) -> Result<Vec<i32>, Self::Error>;
     /// A copy of the first `len` values.
     fn copy(&self, buf: &Self::Buf, len: usize) -> Result<Self::Buf, Self::Error>;
 

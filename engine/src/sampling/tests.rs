@@ -767,3 +767,81 @@ proptest! {
         }
     }
 }
+
+/// Where `takes_argmax` holds, the argmax of the logits is what `sample` picks, and taking it
+/// leaves the sampler as sampling does (the next draws agree too), over random rows with ties
+/// and signed zeros; where it does not hold (log-probabilities, a bias, a penalty, a
+/// temperature, stops still suppressed), `take_argmax` refuses.
+#[test]
+fn an_argmax_taken_is_what_greedy_sampling_picks() {
+    let mut rows = random_rows(40, 37, 5);
+    rows[3] = vec![0.5; 37];
+    rows[4][7] = 9.0;
+    rows[4][20] = 9.0;
+    rows[5] = vec![0.0; 37];
+    rows[5][0] = -0.0;
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        seed: Some(3),
+        ..SamplingParams::default()
+    };
+    let (mut by_logits, mut by_argmax) = (sampler(greedy.clone(), 37), sampler(greedy, 37));
+    for row in &rows {
+        assert!(by_argmax.takes_argmax());
+        let want = by_logits.sample(row).unwrap();
+        let got = by_argmax.take_argmax(argmax(row).unwrap()).unwrap();
+        assert_eq!(got, want);
+    }
+    assert_eq!(argmax(&rows[3]), Ok(0));
+    assert_eq!(argmax(&rows[4]), Ok(7));
+    assert_eq!(argmax(&rows[5]), Ok(0));
+    assert_eq!(argmax(&[1.0, f32::NAN, f32::INFINITY]), Err(1));
+    assert_eq!(argmax(&[]), Err(0));
+    let others = [
+        SamplingParams {
+            logprobs: true,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            logit_bias: vec![(3, 1.0)],
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            frequency_penalty: 0.5,
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            repetition_penalty: 1.2,
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        random(0.7, 1),
+    ];
+    for params in others {
+        let mut s = sampler(params.clone(), 37);
+        assert!(!s.takes_argmax(), "{params:?}");
+        assert!(matches!(s.take_argmax(0), Err(SamplingError::NotArgmax)));
+    }
+    // Stops suppressed until `min_tokens`: logits only until then.
+    let mut s = Sampler::new(
+        SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        StopConditions {
+            min_tokens: 2,
+            eos_token_ids: vec![1],
+            ..stop(10)
+        },
+        &[],
+        37,
+        0,
+    )
+    .unwrap();
+    assert!(!s.takes_argmax());
+    s.sample(&rows[0]).unwrap();
+    s.sample(&rows[1]).unwrap();
+    assert!(s.takes_argmax());
+}

@@ -30,6 +30,31 @@ pub struct DecodeSeat {
     pub token: u32,
 }
 
+/// What a decode step gives back for a sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DecodeOut {
+    /// Its logits (`vocab_size` values), which the host samples.
+    Logits(Vec<f32>),
+    /// The id of its largest logit, ties to the lowest id (`sampling::argmax`), every logit
+    /// finite: all a greedy request without log-probabilities needs.
+    Argmax(u32),
+    /// The first of its logits that is not finite.
+    NonFinite(usize),
+}
+
+impl DecodeOut {
+    /// A sequence's output from its logits row: the row, or (`argmax`) its argmax.
+    pub fn of(row: Vec<f32>, argmax: bool) -> Self {
+        if !argmax {
+            return Self::Logits(row);
+        }
+        match crate::sampling::argmax(&row) {
+            Ok(token) => Self::Argmax(token),
+            Err(at) => Self::NonFinite(at),
+        }
+    }
+}
+
 /// A device that holds sequences' state in slots and runs whole decode steps over them.
 pub trait DecodeDevice: Send + fmt::Debug {
     /// What steps, for logs and errors ("cuda").
@@ -50,6 +75,23 @@ pub trait DecodeDevice: Send + fmt::Debug {
     /// One decode step over `seats`: each sequence's logits (`vocab_size` values), in order.
     /// After an error the seated sequences' states are lost.
     fn step(&mut self, seats: &[DecodeSeat]) -> Result<Vec<Vec<f32>>, DeviceError>;
+
+    /// One decode step over `seats`, where `argmax[i]` says sequence i needs only the argmax
+    /// of its logits (a greedy request without log-probabilities or anything else between
+    /// its logits and its token): a device that can computes it there and sends back the id
+    /// alone. This one steps and takes it here.
+    fn step_outputs(
+        &mut self,
+        seats: &[DecodeSeat],
+        argmax: &[bool],
+    ) -> Result<Vec<DecodeOut>, DeviceError> {
+        let rows = self.step(seats)?;
+        Ok(rows
+            .into_iter()
+            .zip(argmax.iter().chain(std::iter::repeat(&false)))
+            .map(|(row, &argmax)| DecodeOut::of(row, argmax))
+            .collect())
+    }
 
     /// The state of the `len`-token sequence in slot `slot`, in the engine's form.
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError>;
@@ -186,12 +228,22 @@ impl Engine {
         }
         let vocab = self.model.config.vocab_size;
         let name = d.device.name().to_owned();
-        let logits = match d.device.step(&seats) {
-            Ok(rows) if rows.len() == seats.len() && rows.iter().all(|r| r.len() == vocab) => rows,
-            Ok(rows) => {
+        let argmax: Vec<bool> = stepping
+            .iter()
+            .map(|&i| self.running[i].sampler.takes_argmax())
+            .collect();
+        let fits = |out: &DecodeOut| match out {
+            DecodeOut::Logits(row) => row.len() == vocab,
+            DecodeOut::Argmax(token) => (*token as usize) < vocab,
+            DecodeOut::NonFinite(at) => *at < vocab,
+        };
+        let outputs = match d.device.step_outputs(&seats, &argmax) {
+            Ok(outs) if outs.len() == seats.len() && outs.iter().all(fits) => outs,
+            Ok(outs) => {
                 let e = StepError::Forward(format!(
-                    "{name} decode step: {} logit rows for {} sequences, not all of {vocab}",
-                    rows.len(),
+                    "{name} decode step: {} outputs for {} sequences, not all within a \
+                     vocabulary of {vocab}",
+                    outs.len(),
                     seats.len()
                 ));
                 failed.extend(stepping.iter().map(|&i| (i, e.clone())));
@@ -205,18 +257,31 @@ impl Engine {
         };
         // A device's result is checked where it enters, as a backend's op is: a non-finite
         // logit fails its request (the sampler would mask it and answer anyway).
+        let non_finite =
+            |at: usize| StepError::Forward(format!("{name} decode step: non-finite logit at {at}"));
         let mut rows: Vec<(usize, Option<&[f32]>)> = Vec::with_capacity(stepping.len());
-        for (&i, row) in stepping.iter().zip(&logits) {
-            match row.iter().position(|v| !v.is_finite()) {
-                None => rows.push((i, Some(row.as_slice()))),
-                Some(at) => failed.push((
-                    i,
-                    StepError::Forward(format!("{name} decode step: non-finite logit at {at}")),
-                )),
+        let mut argmaxes = Vec::new();
+        for (&i, out) in stepping.iter().zip(&outputs) {
+            match out {
+                DecodeOut::Logits(row) => match row.iter().position(|v| !v.is_finite()) {
+                    None => rows.push((i, Some(row.as_slice()))),
+                    Some(at) => failed.push((i, non_finite(at))),
+                },
+                DecodeOut::Argmax(token) => argmaxes.push((i, *token)),
+                DecodeOut::NonFinite(at) => failed.push((i, non_finite(*at))),
             }
         }
-        let sampled = self.sample_all(&rows);
-        for (&(i, _), sampled) in rows.iter().zip(sampled) {
+        let mut sampled: Vec<_> = rows
+            .iter()
+            .map(|&(i, _)| i)
+            .zip(self.sample_all(&rows))
+            .collect();
+        for (i, token) in argmaxes {
+            sampled.push((i, Some(self.running[i].sampler.take_argmax(token))));
+        }
+        // In the order the requests stepped, as without a device.
+        sampled.sort_by_key(|&(i, _)| stepping.iter().position(|&s| s == i));
+        for (i, sampled) in sampled {
             // Its rows are on the device: the pages reserved for them stay unwritten.
             self.running[i].seq.len += 1;
             if let Err(e) = self.take_sampled(i, sampled, events) {

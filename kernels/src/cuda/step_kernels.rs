@@ -220,6 +220,13 @@ impl Kernels for CudaKernels {
         Ok(self.gpu.stream.clone_dtoh(&b.slice(range))?)
     }
 
+    fn read_i(&self, b: &CudaSlice<i32>, range: Range<usize>) -> Result<Vec<i32>, KernelError> {
+        let view = b
+            .try_slice(range)
+            .ok_or_else(|| KernelError::Shape("read_i: past the buffer".into()))?;
+        Ok(self.gpu.stream.clone_dtoh(&view)?)
+    }
+
     fn read_l(&self, b: &CudaSlice<i64>) -> Result<Vec<i64>, KernelError> {
         Ok(self.gpu.stream.clone_dtoh(b)?)
     }
@@ -799,6 +806,28 @@ impl Kernels for CudaKernels {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
         self.gpu.launch_swiglu_clamp(gate, up, n, limit, out)
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        (rows, width): (usize, usize),
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        if x.len() < rows * width || out.len() < 2 * rows || width > i32::MAX as usize {
+            return Err(KernelError::Shape("argmax_rows buffers".into()));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = function(&self.gpu.step, "argmax_rows")?;
+        let width_l = width as i64;
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(x).arg(&width_l).arg(out);
+        // SAFETY: `argmax_rows(const float*, long long, int*)`: a block of 256 threads per row
+        // (its shared arrays are 256 long), `x` holds `rows * width` values, `out` `2 * rows`.
+        unsafe { launch.launch(per_item(rows, 256, "rows")?)? };
+        Ok(())
     }
 
     fn moe_combine(

@@ -224,6 +224,23 @@ impl StepOps for CpuStepOps<'_> {
         Ok(buf.get(range).ok_or_else(|| short("get"))?.to_vec())
     }
 
+    fn argmax_rows(&self, x: &Vec<f32>, rows: usize, width: usize) -> Result<Vec<i32>, ShapeError> {
+        let x = x.get(..rows * width).ok_or_else(|| short("argmax_rows"))?;
+        Ok(x.chunks_exact(width.max(1))
+            .take(rows)
+            .flat_map(|row| match engine::sampling::argmax(row) {
+                Ok(token) => [token as i32, -1],
+                Err(at) => [0, at as i32],
+            })
+            .collect())
+    }
+
+    fn get_idx(&self, b: &Vec<i32>, range: Range<usize>) -> Result<Vec<i32>, ShapeError> {
+        let (calls, values) = self.reads.get();
+        self.reads.set((calls + 1, values + range.len()));
+        Ok(b.get(range).ok_or_else(|| short("get_idx"))?.to_vec())
+    }
+
     fn copy(&self, buf: &Vec<f32>, len: usize) -> Result<Vec<f32>, ShapeError> {
         Ok(buf.get(..len).ok_or_else(|| short("copy"))?.to_vec())
     }

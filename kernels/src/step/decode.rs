@@ -5,6 +5,7 @@
 use engine::{
     backend::LinearId,
     config::{Attention, ModelConfig},
+    scheduler::DecodeOut,
 };
 
 use super::{
@@ -44,25 +45,74 @@ pub fn decode_step<O: StepOps>(
     seats: &mut [Seat],
     tokens: &[u32],
 ) -> Result<Vec<Vec<f32>>, StepError<O::Error>> {
-    let Some(logits) = decode_launch(ops, c, layout, arenas, seats, tokens)? else {
+    let Some(out) = decode_launch(ops, c, layout, arenas, seats, tokens)? else {
         return Ok(Vec::new());
     };
-    read_logits(ops, c, &logits, seats)
+    read_logits(ops, c, &out, seats)
 }
 
-/// The step's logits `[n, vocab]` from the device; each sequence advances a token.
+/// What a step leaves on the device: its logits `[n, vocab]` and each row's argmax and first
+/// non-finite index (`StepOps::argmax_rows`, `[n, 2]`).
+#[derive(Debug)]
+pub struct StepOutputs<B, I> {
+    pub logits: B,
+    pub argmax: I,
+}
+
+/// The outputs of a step launched over `O`.
+pub type Launched<O> = StepOutputs<<O as StepOps>::Buf, <O as StepOps>::Idx>;
+
+/// The step's logits from the device; each sequence advances a token.
 pub fn read_logits<O: StepOps>(
     ops: &O,
     c: &ModelConfig,
-    logits: &O::Buf,
+    out: &StepOutputs<O::Buf, O::Idx>,
     seats: &mut [Seat],
 ) -> Result<Vec<Vec<f32>>, StepError<O::Error>> {
     let (n, v) = (seats.len(), c.vocab_size);
-    let flat = ops.get(logits, 0..n * v)?;
+    let flat = ops.get(&out.logits, 0..n * v)?;
     for seat in seats.iter_mut() {
         seat.len += 1;
     }
     Ok(flat.chunks_exact(v).map(<[f32]>::to_vec).collect())
+}
+
+/// Each sequence's output from the device: its argmax where `argmax[i]` (read for all of them
+/// at once: two indices a sequence), else its logits row; each sequence advances a token.
+pub fn read_outputs<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    out: &StepOutputs<O::Buf, O::Idx>,
+    seats: &mut [Seat],
+    argmax: &[bool],
+) -> Result<Vec<DecodeOut>, StepError<O::Error>> {
+    let (n, v) = (seats.len(), c.vocab_size);
+    if argmax.len() != n {
+        return Err(StepError::Input(format!(
+            "{} argmax choices for {n} sequences",
+            argmax.len()
+        )));
+    }
+    let picks = if argmax.iter().any(|&a| a) {
+        ops.get_idx(&out.argmax, 0..2 * n)?
+    } else {
+        Vec::new()
+    };
+    let mut outs = Vec::with_capacity(n);
+    for (r, &wanted) in argmax.iter().enumerate() {
+        outs.push(if wanted {
+            match (picks[2 * r], picks[2 * r + 1]) {
+                (token, -1) => DecodeOut::Argmax(token as u32),
+                (_, at) => DecodeOut::NonFinite(at as usize),
+            }
+        } else {
+            DecodeOut::Logits(ops.get(&out.logits, r * v..(r + 1) * v)?)
+        });
+    }
+    for seat in seats.iter_mut() {
+        seat.len += 1;
+    }
+    Ok(outs)
 }
 
 /// [`decode_step`] up to its logits on the device: every plan written and every launch
@@ -74,7 +124,7 @@ pub fn decode_launch<O: StepOps>(
     arenas: &mut [O::Buf],
     seats: &[Seat],
     tokens: &[u32],
-) -> Result<Option<O::Buf>, StepError<O::Error>> {
+) -> Result<Option<Launched<O>>, StepError<O::Error>> {
     check(c, layout, seats, tokens).map_err(StepError::Input)?;
     let n = tokens.len();
     if n == 0 {
@@ -106,7 +156,8 @@ pub fn decode_launch<O: StepOps>(
         View::rows(v),
         n,
     )?;
-    Ok(Some(logits))
+    let argmax = ops.argmax_rows(&logits, n, v)?;
+    Ok(Some(StepOutputs { logits, argmax }))
 }
 
 /// The reference of [`decode_step`]: the engine's forward for token `tokens[i]` of the

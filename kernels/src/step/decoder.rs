@@ -8,15 +8,15 @@ use engine::{
     config::ModelConfig,
     model::{Model, SequenceState},
     paged::layout::RowFormat,
-    scheduler::{DecodeDevice, DecodeSeat, DeviceError},
+    scheduler::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError},
 };
 
 use super::{
-    decode::{Seat, decode_step},
+    decode::{Seat, decode_launch, read_logits, read_outputs},
     device_ops::{DBuf, DeviceStepOps},
     kernels::Kernels,
     layout::StateLayout,
-    replay::{ReplayStats, Replays, graph_step},
+    replay::{Outputs, ReplayStats, Replays, graph_step},
     staged::Staged,
 };
 
@@ -108,6 +108,34 @@ impl<K: Kernels> StepDecoder<K> {
     }
 }
 
+fn seated(seats: &[DecodeSeat]) -> Vec<Seat> {
+    seats
+        .iter()
+        .map(|s| Seat {
+            slot: s.slot,
+            len: s.len,
+        })
+        .collect()
+}
+
+impl<K: Kernels> StepDecoder<K> {
+    /// Runs a step over `at` (the seats' slots and lengths), replayed where graphs are on:
+    /// its outputs on the device.
+    fn run(
+        &mut self,
+        at: &[Seat],
+        seats: &[DecodeSeat],
+    ) -> Result<Option<Outputs<K>>, DeviceError> {
+        let tokens: Vec<u32> = seats.iter().map(|s| s.token).collect();
+        let shape = (&self.config, &self.layout);
+        match &mut self.replays {
+            Some(replays) => graph_step(&self.ops, replays, shape, &mut self.arenas, at, &tokens),
+            None => decode_launch(&self.ops, shape.0, shape.1, &mut self.arenas, at, &tokens),
+        }
+        .map_err(DeviceError::device)
+    }
+}
+
 impl<K: Kernels> DecodeDevice for StepDecoder<K>
 where
     StepDecoder<K>: Send,
@@ -135,31 +163,25 @@ where
     }
 
     fn step(&mut self, seats: &[DecodeSeat]) -> Result<Vec<Vec<f32>>, DeviceError> {
-        let mut at: Vec<Seat> = seats
-            .iter()
-            .map(|s| Seat {
-                slot: s.slot,
-                len: s.len,
-            })
-            .collect();
-        let tokens: Vec<u32> = seats.iter().map(|s| s.token).collect();
-        match &mut self.replays {
-            Some(replays) => graph_step(
-                &self.ops,
-                replays,
-                (&self.config, &self.layout),
-                &mut self.arenas,
-                &mut at,
-                &tokens,
-            ),
-            None => decode_step(
-                &self.ops,
-                &self.config,
-                &self.layout,
-                &mut self.arenas,
-                &mut at,
-                &tokens,
-            ),
+        let mut at = seated(seats);
+        match self.run(&at, seats)? {
+            Some(out) => read_logits(&self.ops, &self.config, &out, &mut at),
+            None => Ok(Vec::new()),
+        }
+        .map_err(DeviceError::device)
+    }
+
+    /// The argmax of a greedy sequence's logits is taken on the device: what crosses back for
+    /// it is two indices, not its logits.
+    fn step_outputs(
+        &mut self,
+        seats: &[DecodeSeat],
+        argmax: &[bool],
+    ) -> Result<Vec<DecodeOut>, DeviceError> {
+        let mut at = seated(seats);
+        match self.run(&at, seats)? {
+            Some(out) => read_outputs(&self.ops, &self.config, &out, &mut at, argmax),
+            None => Ok(Vec::new()),
         }
         .map_err(DeviceError::device)
     }
@@ -212,8 +234,9 @@ mod tests {
                 sampling: SamplingParams {
                     temperature: [0.0, 0.9][id as usize % 2],
                     seed: Some(id + 3),
-                    logprobs: true,
-                    top_logprobs: 2,
+                    // The first greedy without log-probabilities: its argmax on the device.
+                    logprobs: id != 0,
+                    top_logprobs: if id == 0 { 0 } else { 2 },
                     ..SamplingParams::default()
                 },
                 stop: StopConditions {
@@ -322,6 +345,72 @@ mod tests {
             .forward(&mut state, &fed, engine::model::Logits::None)
             .unwrap();
         assert_eq!(held, state.normalized(&model.config));
+    }
+
+    /// A greedy sequence without log-probabilities gets its argmax from the device: a step of
+    /// three sequences, two of them greedy, reads back 6 indices and one logits row, and gives
+    /// the argmaxes of the rows a plain step gives (and that row), with graphs or without.
+    #[test]
+    fn greedy_sequences_read_back_their_argmax_only() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 6,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let model = Model::load(dir.path()).unwrap();
+        let vocab = model.config.vocab_size;
+        let mut rng = Rng::for_tensor(2, "argmax");
+        let mut random = |n: usize| -> Vec<u32> {
+            (0..n)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect()
+        };
+        let prompts = [random(5), random(17), random(9)];
+        let open = || {
+            let kernels = EmulatedKernels::new(&model.config);
+            let mut d =
+                StepDecoder::new("emulated", kernels, &model, (3, 64), |_, _| Ok(())).unwrap();
+            for (slot, prompt) in prompts.iter().enumerate() {
+                let mut state = model.new_state();
+                model
+                    .forward(&mut state, prompt, engine::model::Logits::None)
+                    .unwrap();
+                d.load(slot, &state).unwrap();
+            }
+            d
+        };
+        let (mut plain, mut greedy, mut graphs) = (open(), open(), open().with_graphs());
+        let argmax = [true, false, true];
+        for step in 0..6 {
+            let next = random(3);
+            let seats: Vec<DecodeSeat> = (0..3)
+                .map(|slot| DecodeSeat {
+                    slot,
+                    len: prompts[slot].len() + step,
+                    token: next[slot],
+                })
+                .collect();
+            let rows = plain.step(&seats).unwrap();
+            let want: Vec<DecodeOut> = rows
+                .into_iter()
+                .zip(argmax)
+                .map(|(row, a)| DecodeOut::of(row, a))
+                .collect();
+            for d in [&mut greedy, &mut graphs] {
+                d.kernels().take_reads();
+                assert_eq!(
+                    d.step_outputs(&seats, &argmax).unwrap(),
+                    want,
+                    "step {step}"
+                );
+                assert_eq!(d.kernels().take_reads(), (2, 6 + vocab), "step {step}");
+            }
+            assert!(matches!(want[0], DecodeOut::Argmax(_)));
+        }
     }
 
     /// The arenas' bytes: the window ring of every layer, the compressors' rows at their

@@ -297,6 +297,27 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         self.k.read(buf, range)
     }
 
+    fn argmax_rows(&self, x: &DBuf<K>, rows: usize, width: usize) -> Result<DIdx<K>, K::Error> {
+        if K::f_len(x) < rows * width {
+            return Err("argmax_rows: fewer values than rows".to_owned().into());
+        }
+        let mut out = self.alloc_i(2 * rows)?;
+        if rows > 0 {
+            self.k.argmax_rows(x, (rows, width), &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn get_idx(&self, b: &DIdx<K>, range: Range<usize>) -> Result<Vec<i32>, K::Error> {
+        if range.end > K::i_len(b) || range.start > range.end {
+            return Err("get_idx: past the buffer".to_owned().into());
+        }
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.k.read_i(b, range)
+    }
+
     fn copy(&self, buf: &DBuf<K>, len: usize) -> Result<DBuf<K>, K::Error> {
         if len > K::f_len(buf) {
             return Err("copy: past the buffer".to_owned().into());

@@ -9,16 +9,18 @@ use std::{cell::Cell, ops::Range};
 
 use engine::{
     config::ModelConfig,
-    model::{attention, hyper, moe},
+    model::{hyper, moe},
     paged::layout::RowFormat,
-    tensor::{Matrix, Weight, WeightForm, dot, exp, rms_norm, rms_norm_unweighted, sigmoid},
+    tensor::{Matrix, Weight, WeightForm, dot, rms_norm, rms_norm_unweighted, sigmoid},
     weights::{ExpertWeights, HyperWeights, MoeWeights},
 };
+
+mod attend;
 
 use super::{
     Proj, ShapeError,
     kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
-    layout::{kv_stride, pack_kv_row, unpack_kv_row},
+    layout::{kv_stride, pack_kv_row},
 };
 
 /// The decode step's kernels on host buffers.
@@ -229,6 +231,14 @@ impl Kernels for EmulatedKernels {
         let (calls, values) = self.reads.get();
         self.reads.set((calls + 1, values + range.len()));
         b.get(range).map(<[f32]>::to_vec).ok_or_else(|| err("read"))
+    }
+
+    fn read_i(&self, b: &Vec<i32>, range: Range<usize>) -> Result<Vec<i32>, ShapeError> {
+        let (calls, values) = self.reads.get();
+        self.reads.set((calls + 1, values + range.len()));
+        b.get(range)
+            .map(<[i32]>::to_vec)
+            .ok_or_else(|| err("read_i"))
     }
 
     fn read_l(&self, b: &Vec<i64>) -> Result<Vec<i64>, ShapeError> {
@@ -568,44 +578,7 @@ impl Kernels for EmulatedKernels {
         p: PoolSpec,
         out: &mut Vec<f32>,
     ) -> Result<(), ShapeError> {
-        let (r, d, width) = (p.ratio, p.d, p.width);
-        let slots = if p.overlap { 2 * r } else { r };
-        for w in 0..p.windows {
-            let k = part(kv, w * r * width, r * width, "compress_pool kv")?;
-            let g = part(gate, w * r * width, r * width, "compress_pool gate")?;
-            let pk = part(prev_kv, w * r * d, r * d, "compress_pool prev")?;
-            let pg = part(prev_gate, w * r * d, r * d, "compress_pool prev")?;
-            let hp =
-                p.overlap && has_prev[w] != 0 && self.plant != Some(KernelPlant::OverlapIgnored);
-            for c in 0..d {
-                // `compress.cu`'s slot order: (previous Ca,) this window's slots.
-                let score = |s: usize| match (p.overlap, s < r) {
-                    (false, _) => g[s * width + c],
-                    (true, true) if hp => pg[s * d + c],
-                    (true, true) => f32::NEG_INFINITY,
-                    (true, false) => g[(s - r) * width + d + c],
-                };
-                let value = |s: usize| match (p.overlap, s < r) {
-                    (false, _) => Some(k[s * width + c]),
-                    (true, true) => hp.then(|| pk[s * d + c]),
-                    (true, false) => Some(k[(s - r) * width + d + c]),
-                };
-                let big = (0..slots).map(score).fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0f32;
-                for s in 0..slots {
-                    sum += exp(score(s) - big);
-                }
-                let mut o = 0.0f32;
-                for s in 0..slots {
-                    let weight = exp(score(s) - big) / sum;
-                    if let Some(v) = value(s) {
-                        o += v * weight;
-                    }
-                }
-                out[w * d + c] = o;
-            }
-        }
-        Ok(())
+        attend::compress_pool(kv, gate, (prev_kv, prev_gate), has_prev, p, out, self.plant)
     }
 
     fn indexer_scores(
@@ -700,34 +673,11 @@ impl Kernels for EmulatedKernels {
         (pool, kv): (&Vec<f32>, RowFormat),
         (offsets, starts): (&Vec<i64>, &Vec<i64>),
         sinks: &Vec<f32>,
-        (tokens, heads, dim, _most): (usize, usize, usize, usize),
+        shape: (usize, usize, usize, usize),
         scale: f32,
         out: &mut Vec<f32>,
     ) -> Result<(), ShapeError> {
-        for t in 0..tokens {
-            let keys = &offsets[index(starts[t], "starts")?..index(starts[t + 1], "starts")?];
-            let o = if keys.iter().any(|&o| o < 0) {
-                vec![f32::NAN; heads * dim]
-            } else {
-                let rows: Vec<Vec<f32>> = keys
-                    .iter()
-                    .map(|&b| {
-                        if b % 4 != 0 {
-                            return Err(err("attn_exact: an unaligned row"));
-                        }
-                        let stride = kv_stride(dim, kv)?;
-                        let stored =
-                            part(pool, index(b / 4, "attn_exact")?, stride, "attn_exact rows")?;
-                        Ok(unpack_kv_row(kv, &stored, dim))
-                    })
-                    .collect::<Result<_, _>>()?;
-                let rows: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
-                let qt = part(q, t * heads * dim, heads * dim, "attn_exact queries")?;
-                attention::attend(&qt, &rows, &sinks[..heads], scale, dim)
-            };
-            store(out, t * heads * dim, &o)?;
-        }
-        Ok(())
+        attend::attn_exact(q, (pool, kv), (offsets, starts), sinks, shape, scale, out)
     }
 
     fn attn_fast(
@@ -740,32 +690,15 @@ impl Kernels for EmulatedKernels {
         scale: f32,
         out: &mut Vec<f32>,
     ) -> Result<(), ShapeError> {
-        let shape = crate::attn_fp8::Fp8AttnShape {
-            heads,
-            nope,
-            rope,
+        attend::attn_fast(
+            q,
+            (pool, (nope, rope)),
+            (offsets, starts),
+            sinks,
+            (tokens, heads),
             scale,
-            parts: super::kernels::FAST_ATTENTION_PARTS,
-        };
-        shape.check()?;
-        let dim = nope + rope;
-        let bytes: Vec<u8> = pool
-            .iter()
-            .flat_map(|v| v.to_bits().to_le_bytes())
-            .collect();
-        let starts = part(starts, 0, tokens + 1, "attn_fast starts")?;
-        let last = index(starts[tokens], "attn_fast starts")?;
-        let offsets = part(offsets, 0, last, "attn_fast offsets")?;
-        if offsets
-            .iter()
-            .any(|&o| o >= 0 && o as usize + shape.row_bytes() > bytes.len())
-        {
-            return Err(err("attn_fast: a row outside the pool"));
-        }
-        let q = part(q, 0, tokens * heads * dim, "attn_fast queries")?;
-        let sinks = part(sinks, 0, heads, "attn_fast sinks")?;
-        let o = crate::emulate::attn_decode_fp8(&q, &bytes, &offsets, &starts, &sinks, &shape);
-        store(out, 0, &o)
+            out,
+        )
     }
 
     fn moe_route(
@@ -848,6 +781,15 @@ impl Kernels for EmulatedKernels {
             out.get_mut(..n).ok_or_else(|| err("swiglu"))?,
         );
         Ok(())
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &Vec<f32>,
+        (rows, width): (usize, usize),
+        out: &mut Vec<i32>,
+    ) -> Result<(), ShapeError> {
+        attend::argmax_rows(x, (rows, width), out)
     }
 
     fn moe_combine(

@@ -105,6 +105,8 @@ pub trait Kernels {
     /// Host offsets into the start of `dst` (a kept plan buffer at least that long).
     fn write_l(&self, dst: &mut Self::L, v: &[i64]) -> Result<(), Self::Error>;
     fn read(&self, b: &Self::F, range: std::ops::Range<usize>) -> Result<Vec<f32>, Self::Error>;
+    /// `range` of an index buffer to the host (the step's argmaxes).
+    fn read_i(&self, b: &Self::I, range: std::ops::Range<usize>) -> Result<Vec<i32>, Self::Error>;
     /// A whole index buffer to the host (tests and debugging; a step reads none).
     fn read_l(&self, b: &Self::L) -> Result<Vec<i64>, Self::Error>;
     /// `src[0..len]` into `dst[0..len]`.
@@ -328,6 +330,15 @@ pub trait Kernels {
         n: usize,
         limit: f32,
         out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
+    /// `argmax_rows`: for each of `rows` rows of `width` values of `x`, `out[2r]` the index of
+    /// its largest finite value (ties to the lowest index; 0 when none is finite) and
+    /// `out[2r + 1]` the index of its first value that is not finite, or -1.
+    fn argmax_rows(
+        &self,
+        x: &Self::F,
+        shape: (usize, usize),
+        out: &mut Self::I,
     ) -> Result<(), Self::Error>;
     /// `moe_combine`.
     fn moe_combine(

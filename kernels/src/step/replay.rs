@@ -8,8 +8,8 @@
 use engine::config::ModelConfig;
 
 use super::{
-    decode::{Seat, StepError, decode_launch, decode_step, read_logits},
-    device_ops::{DBuf, DeviceStepOps},
+    decode::{Seat, StepError, StepOutputs, decode_launch},
+    device_ops::{DBuf, DIdx, DeviceStepOps},
     kernels::Kernels,
     layout::StateLayout,
     staged::{Pass, Signature, Staged},
@@ -75,27 +75,32 @@ impl<G> Replays<G> {
     }
 }
 
+/// A step's outputs on the device.
+pub type Outputs<K> = StepOutputs<DBuf<K>, DIdx<K>>;
+
 /// The step run as it comes (also what a failed capture falls back to).
 fn run_as_it_comes<K: Kernels>(
     ops: &DeviceStepOps<Staged<K>>,
     (c, layout): (&ModelConfig, &StateLayout),
     arenas: &mut [DBuf<Staged<K>>],
-    seats: &mut [Seat],
+    seats: &[Seat],
     tokens: &[u32],
-) -> Result<Vec<Vec<f32>>, StepError<K::Error>> {
+) -> Result<Option<Outputs<K>>, StepError<K::Error>> {
     ops.kernels().start(Pass::Run);
-    decode_step(ops, c, layout, arenas, seats, tokens)
+    decode_launch(ops, c, layout, arenas, seats, tokens)
 }
 
-/// One decode step as [`decode_step`] computes it, replayed where it can be.
+/// One decode step as [`decode_launch`] computes it, replayed where it can be: its outputs on
+/// the device once it ran (to read with `read_logits` or `read_outputs`, which advance the
+/// seats), `None` for no tokens.
 pub fn graph_step<K: Kernels>(
     ops: &DeviceStepOps<Staged<K>>,
     replays: &mut Replays<K::Graph>,
     (c, layout): (&ModelConfig, &StateLayout),
     arenas: &mut [DBuf<Staged<K>>],
-    seats: &mut [Seat],
+    seats: &[Seat],
     tokens: &[u32],
-) -> Result<Vec<Vec<f32>>, StepError<K::Error>> {
+) -> Result<Option<Outputs<K>>, StepError<K::Error>> {
     let k = ops.kernels();
     replays.stats.steps += 1;
     k.start(Pass::Plan);
@@ -103,7 +108,7 @@ pub fn graph_step<K: Kernels>(
     let sig = k.finish();
     let logits = match planned {
         Ok(Some(logits)) => logits,
-        Ok(None) => return Ok(Vec::new()),
+        Ok(None) => return Ok(None),
         Err(StepError::Input(e)) => return Err(StepError::Input(e)),
         // Nothing launched: the plans are written again as the step runs.
         Err(StepError::Device(_)) => {
@@ -115,7 +120,7 @@ pub fn graph_step<K: Kernels>(
         if let Some(graph) = &replays.kept[i].1 {
             k.launch_graph(graph)?;
             replays.stats.replayed += 1;
-            return read_logits(ops, c, &logits, seats);
+            return Ok(Some(logits));
         }
     } else if !replays.seen_again(sig) {
         drop(logits);
@@ -141,7 +146,7 @@ pub fn graph_step<K: Kernels>(
             if !replays.kept.iter().any(|(s, _)| *s == sig) {
                 replays.keep(sig, graph);
             }
-            read_logits(ops, c, &logits, seats)
+            Ok(Some(logits))
         }
         // A recording ran nothing: the step runs as it comes.
         _ if capturing => {
@@ -164,7 +169,7 @@ mod tests {
 
     use super::*;
     use crate::step::{
-        decode::engine_decode,
+        decode::{engine_decode, read_logits},
         emulated::EmulatedKernels,
         tests::{model_of, tokens},
     };
@@ -190,17 +195,10 @@ mod tests {
         for step in 0..steps {
             let next = tokens(sequences, 700 + step, c.vocab_size);
             want.push(engine_decode(model, &mut states, &next).unwrap());
-            got.push(
-                graph_step(
-                    &ops,
-                    &mut replays,
-                    (c, &layout),
-                    &mut arenas,
-                    &mut seats,
-                    &next,
-                )
-                .unwrap(),
-            );
+            let out = graph_step(&ops, &mut replays, (c, &layout), &mut arenas, &seats, &next)
+                .unwrap()
+                .unwrap();
+            got.push(read_logits(&ops, c, &out, &mut seats).unwrap());
         }
         (replays.stats, want, got)
     }

@@ -283,6 +283,9 @@ impl<K: Kernels> Kernels for Staged<K> {
     fn read(&self, b: &K::F, range: Range<usize>) -> Result<Vec<f32>, K::Error> {
         self.host_read(|k| k.read(b, range))
     }
+    fn read_i(&self, b: &K::I, range: Range<usize>) -> Result<Vec<i32>, K::Error> {
+        self.host_read(|k| k.read_i(b, range))
+    }
     fn read_l(&self, b: &K::L) -> Result<Vec<i64>, K::Error> {
         self.host_read(|k| k.read_l(b))
     }
@@ -657,6 +660,12 @@ impl<K: Kernels> Kernels for Staged<K> {
         let addrs = addrs!(self, K::f_addr(gate), K::f_addr(up), K::f_addr(out));
         self.launch("swiglu", &addrs, (n, limit.to_bits()), |k| {
             k.swiglu(gate, up, n, limit, out)
+        })
+    }
+    fn argmax_rows(&self, x: &K::F, shape: (usize, usize), out: &mut K::I) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(x), K::i_addr(out));
+        self.launch("argmax_rows", &addrs, shape, |k| {
+            k.argmax_rows(x, shape, out)
         })
     }
     fn moe_combine(

@@ -114,7 +114,7 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
 #[test]
 fn gpu_graph_steps_give_the_eager_steps_bits() {
     use kernels::step::{
-        decode::{Seat, decode_step},
+        decode::{Seat, decode_step, read_logits},
         device_ops::DeviceStepOps,
         layout::StateLayout,
         replay::{Replays, graph_step},
@@ -165,15 +165,17 @@ fn gpu_graph_steps_give_the_eager_steps_bits() {
         .unwrap();
         let took = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
-        let got = graph_step(
+        let out = graph_step(
             &graphs,
             &mut replays,
             (c, &layout),
             &mut graph_arenas,
-            &mut graph_seats,
+            &graph_seats,
             &next,
         )
+        .unwrap()
         .unwrap();
+        let got = read_logits(&graphs, c, &out, &mut graph_seats).unwrap();
         if step >= 20 {
             eager_time += took;
             graph_time += started.elapsed().as_secs_f64();

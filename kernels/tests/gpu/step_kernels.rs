@@ -85,6 +85,35 @@ where
     )
     .unwrap();
     out.push(read(&attended));
+    // Argmaxes of 6 rows of 1000 (not a multiple of the block): random; all equal (ties to
+    // the first); the largest twice (the first); an infinity then a NaN (the first bad index
+    // is the infinity's); none finite; signed zeros only (equal: the first). Then 3 rows of 3.
+    let mut logits = values(6 * 1000);
+    logits[1000..2000].fill(0.25);
+    logits[2000 + 417] = 50.0;
+    logits[2000 + 999] = 50.0;
+    logits[3000 + 300] = f32::INFINITY;
+    logits[3000 + 500] = f32::NAN;
+    logits[4000..5000].fill(f32::NEG_INFINITY);
+    logits[5000..6000].fill(0.0);
+    logits[5000 + 3] = -0.0;
+    let logits = k.upload(&logits).unwrap();
+    let mut picks = k.zeros_i(12).unwrap();
+    k.argmax_rows(&logits, (6, 1000), &mut picks).unwrap();
+    let small = k
+        .upload(&[1.0, 3.0, 3.0, f32::NAN, 2.0, 2.0, -1.0, -1.0, -0.5])
+        .unwrap();
+    let mut small_picks = k.zeros_i(6).unwrap();
+    k.argmax_rows(&small, (3, 3), &mut small_picks).unwrap();
+    for (b, n) in [(&picks, 12), (&small_picks, 6)] {
+        out.push(
+            k.read_i(b, 0..n)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f32)
+                .collect(),
+        );
+    }
     // Chosen key offsets: three tokens of k = 4, the middle one poisoned, the last short.
     let chosen = k
         .upload_i(&[0, 2, 5, 9, -2, -2, -2, -2, 1, 3, -1, -1])
