@@ -12,7 +12,7 @@ mod device;
 mod handoff;
 mod host_step;
 
-pub use device::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError, HostDecodeDevice};
+pub use device::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun, HostDecodeDevice};
 pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
 use crate::{
@@ -201,6 +201,8 @@ pub struct Engine {
     observer: Option<StepObserver>,
     /// Where decode tokens step when they do not step here ([`Engine::set_decode_device`]).
     device: Option<device::OnDevice>,
+    /// How the device ran the last device step, and the tokens it sent back as argmaxes.
+    last_device: (Option<DeviceRun>, usize),
 }
 
 /// What one forward step did, for metrics.
@@ -218,6 +220,10 @@ pub struct StepRecord {
     /// cache (not computed).
     pub admitted: usize,
     pub cached_tokens: usize,
+    /// How the decode device ran its part of the step, if it has one and stepped.
+    pub device_run: Option<DeviceRun>,
+    /// Tokens the decode device sent back as their argmax rather than their logits.
+    pub argmax_tokens: usize,
 }
 
 /// Receives a [`StepRecord`] after each step, on the engine's thread.
@@ -255,6 +261,7 @@ impl Engine {
             token_table: TokenTableSource::none(),
             observer: None,
             device: None,
+            last_device: (None, 0),
         })
     }
 
@@ -487,7 +494,9 @@ impl Engine {
         let mut failed: Vec<(usize, StepError)> = Vec::new();
         if !on_device.is_empty() {
             let seated: Vec<usize> = on_device.iter().map(|(i, ..)| *i).collect();
+            self.last_device = (None, 0);
             self.device_step(&seated, &mut events, &mut failed);
+            (record.device_run, record.argmax_tokens) = self.last_device;
         }
         let mut emitted = 0;
         if !plan.is_empty() {

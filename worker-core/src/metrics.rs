@@ -39,12 +39,20 @@ pub const NAMES: &[&str] = &[
     "pdserve_engine_rank_requests_running",
     "pdserve_engine_rank_pages",
     "pdserve_engine_rank_pages_used",
+    "pdserve_engine_device_steps_total",
+    "pdserve_engine_device_argmax_tokens_total",
 ];
 
 /// The `rank` label of a worker's per-rank families.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
 struct RankLabel {
     rank: u32,
+}
+
+/// The `how` label of the device steps: `DeviceRun::name`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+struct RunLabel {
+    how: &'static str,
 }
 
 /// One worker's metric families.
@@ -70,6 +78,8 @@ pub struct WorkerMetrics {
     rank_running: Family<RankLabel, Gauge>,
     rank_pages_total: Family<RankLabel, Gauge>,
     rank_pages_used: Family<RankLabel, Gauge>,
+    device_steps: Family<RunLabel, Counter>,
+    argmax_tokens: Counter,
 }
 
 impl WorkerMetrics {
@@ -103,6 +113,8 @@ impl WorkerMetrics {
             rank_running: Family::default(),
             rank_pages_total: Family::default(),
             rank_pages_used: Family::default(),
+            device_steps: Family::default(),
+            argmax_tokens: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -193,6 +205,18 @@ impl WorkerMetrics {
             "Pages held on each rank (a worker over several ranks)",
             metrics.rank_pages_used.clone(),
         );
+        r.register(
+            "device_steps",
+            "Decode steps on the device, by how they ran: as_it_came, replayed (a recorded graph), \
+             recorded (captured, then replayed), launch_pass (plans, then launches, where the \
+             device records no graphs), fell_back (a failed capture, then as it came)",
+            metrics.device_steps.clone(),
+        );
+        r.register(
+            "device_argmax_tokens",
+            "Tokens the decode device sent back as their argmax instead of their logits",
+            metrics.argmax_tokens.clone(),
+        );
         Arc::new(Self {
             registry,
             ..metrics
@@ -209,6 +233,12 @@ impl WorkerMetrics {
         self.prompt_tokens_computed.inc_by(n(record.prompt_tokens));
         self.prompt_tokens_cached.inc_by(n(record.cached_tokens));
         self.decode_tokens.inc_by(n(record.decode_tokens));
+        if let Some(run) = record.device_run {
+            self.device_steps
+                .get_or_create(&RunLabel { how: run.name() })
+                .inc();
+        }
+        self.argmax_tokens.inc_by(n(record.argmax_tokens));
     }
 
     /// The engine observer that records every step here.
@@ -296,6 +326,8 @@ mod tests {
             decode_tokens: 1,
             admitted: 2,
             cached_tokens: 64,
+            device_run: Some(engine::scheduler::DeviceRun::Replayed),
+            argmax_tokens: 1,
         });
         let rank = |used| proto::v1::Load {
             pages_total: 512,
@@ -335,6 +367,8 @@ mod tests {
             "pdserve_engine_step_seconds_count{role=\"prefill\"} 1",
             "pdserve_engine_step_batch_requests_sum{role=\"prefill\"} 2.0",
             "# TYPE pdserve_engine_state_transfer_seconds histogram",
+            "pdserve_engine_device_steps_total{role=\"prefill\",how=\"replayed\"} 1",
+            "pdserve_engine_device_argmax_tokens_total{role=\"prefill\"} 1",
         ] {
             assert!(text.contains(line), "{line} missing from:\n{text}");
         }

@@ -55,6 +55,35 @@ impl DecodeOut {
     }
 }
 
+/// How a device ran its last step (for the worker's metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceRun {
+    /// Its launches as they came.
+    AsItCame,
+    /// A graph recorded by an earlier step with the same launches.
+    Replayed,
+    /// Recorded as a graph, then replayed.
+    Recorded,
+    /// Its plans first, then its launches, as a graph would run them (where the device
+    /// records none).
+    LaunchPass,
+    /// A recording that failed, then its launches as they came.
+    FellBack,
+}
+
+impl DeviceRun {
+    /// The metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::AsItCame => "as_it_came",
+            Self::Replayed => "replayed",
+            Self::Recorded => "recorded",
+            Self::LaunchPass => "launch_pass",
+            Self::FellBack => "fell_back",
+        }
+    }
+}
+
 /// A device that holds sequences' state in slots and runs whole decode steps over them.
 pub trait DecodeDevice: Send + fmt::Debug {
     /// What steps, for logs and errors ("cuda").
@@ -95,6 +124,11 @@ pub trait DecodeDevice: Send + fmt::Debug {
 
     /// The state of the `len`-token sequence in slot `slot`, in the engine's form.
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError>;
+
+    /// How its last step ran (where it has more than one way).
+    fn last_run(&self) -> Option<DeviceRun> {
+        None
+    }
 }
 
 /// An attached device and its free slots.
@@ -271,6 +305,7 @@ impl Engine {
                 DecodeOut::NonFinite(at) => failed.push((i, non_finite(*at))),
             }
         }
+        self.last_device = (d.device.last_run(), argmaxes.len());
         let mut sampled: Vec<_> = rows
             .iter()
             .map(|&(i, _)| i)

@@ -8,7 +8,7 @@ use engine::{
     config::ModelConfig,
     model::{Model, SequenceState},
     paged::layout::RowFormat,
-    scheduler::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError},
+    scheduler::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun},
 };
 
 use super::{
@@ -30,6 +30,8 @@ pub struct StepDecoder<K: Kernels> {
     kv_rows: RowFormat,
     /// Steps replayed as graphs (`None`: every step runs as it comes).
     replays: Option<Replays<K::Graph>>,
+    /// How the last step ran.
+    last: Option<DeviceRun>,
 }
 
 impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
@@ -77,6 +79,7 @@ impl<K: Kernels> StepDecoder<K> {
             arenas,
             kv_rows: model.kv_rows(),
             replays: None,
+            last: None,
         })
     }
 
@@ -108,6 +111,21 @@ impl<K: Kernels> StepDecoder<K> {
     }
 }
 
+/// How a step ran, from the replay counts before and after it.
+fn run_of(before: ReplayStats, after: ReplayStats) -> DeviceRun {
+    if after.fell_back > before.fell_back {
+        DeviceRun::FellBack
+    } else if after.captured > before.captured {
+        DeviceRun::Recorded
+    } else if after.replayed > before.replayed {
+        DeviceRun::Replayed
+    } else if after.matched > before.matched {
+        DeviceRun::LaunchPass
+    } else {
+        DeviceRun::AsItCame
+    }
+}
+
 fn seated(seats: &[DecodeSeat]) -> Vec<Seat> {
     seats
         .iter()
@@ -128,11 +146,16 @@ impl<K: Kernels> StepDecoder<K> {
     ) -> Result<Option<Outputs<K>>, DeviceError> {
         let tokens: Vec<u32> = seats.iter().map(|s| s.token).collect();
         let shape = (&self.config, &self.layout);
-        match &mut self.replays {
-            Some(replays) => graph_step(&self.ops, replays, shape, &mut self.arenas, at, &tokens),
-            None => decode_launch(&self.ops, shape.0, shape.1, &mut self.arenas, at, &tokens),
-        }
-        .map_err(DeviceError::device)
+        let out = if let Some(replays) = &mut self.replays {
+            let before = replays.stats;
+            let out = graph_step(&self.ops, replays, shape, &mut self.arenas, at, &tokens);
+            self.last = Some(run_of(before, replays.stats));
+            out
+        } else {
+            self.last = Some(DeviceRun::AsItCame);
+            decode_launch(&self.ops, shape.0, shape.1, &mut self.arenas, at, &tokens)
+        };
+        out.map_err(DeviceError::device)
     }
 }
 
@@ -184,6 +207,10 @@ where
             None => Ok(Vec::new()),
         }
         .map_err(DeviceError::device)
+    }
+
+    fn last_run(&self) -> Option<DeviceRun> {
+        self.last
     }
 
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {
@@ -304,7 +331,25 @@ mod tests {
             }
             let mut engine = Engine::new(model.replica(), c, "t").unwrap();
             engine.set_decode_device(Box::new(decoder)).unwrap();
+            // Each device step reports how it ran; the greedy request's tokens come back as
+            // argmaxes.
+            let records = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let seen = std::sync::Arc::clone(&records);
+            engine.set_step_observer(engine::scheduler::StepObserver(Box::new(move |r| {
+                seen.lock().unwrap().push((r.device_run, r.argmax_tokens));
+            })));
             let got = run(&mut engine, &requests);
+            let records = records.lock().unwrap().clone();
+            let runs: Vec<DeviceRun> = records.iter().filter_map(|r| r.0).collect();
+            assert!(!runs.is_empty());
+            // (These short, changing batches repeat no step's launches: none is replayed.)
+            assert!(
+                runs.iter()
+                    .all(|r| *r == DeviceRun::AsItCame || (graphs && *r == DeviceRun::LaunchPass)),
+                "{kv:?}: {runs:?}"
+            );
+            let argmaxes: usize = records.iter().map(|r| r.1).sum();
+            assert!(argmaxes > 0, "{kv:?}");
             assert_eq!(got.len(), want.len());
             for (g, w) in got.iter().zip(&want) {
                 assert_eq!(g, w, "{kv:?}, graphs {graphs}");
@@ -385,6 +430,7 @@ mod tests {
         };
         let (mut plain, mut greedy, mut graphs) = (open(), open(), open().with_graphs());
         let argmax = [true, false, true];
+        let mut runs = Vec::new();
         for step in 0..6 {
             let next = random(3);
             let seats: Vec<DecodeSeat> = (0..3)
@@ -409,8 +455,12 @@ mod tests {
                 );
                 assert_eq!(d.kernels().take_reads(), (2, 6 + vocab), "step {step}");
             }
+            assert_eq!(greedy.last_run(), Some(DeviceRun::AsItCame));
+            runs.push(graphs.last_run());
             assert!(matches!(want[0], DecodeOut::Argmax(_)));
         }
+        // The same three sequences step after step: the later steps run as a graph would.
+        assert!(runs.contains(&Some(DeviceRun::LaunchPass)), "{runs:?}");
     }
 
     /// The arenas' bytes: the window ring of every layer, the compressors' rows at their
