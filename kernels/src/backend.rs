@@ -352,7 +352,9 @@ fn open_emulated_decode(
             .map_err(|e| unavailable(e.to_string()))?;
     }
     if step.graphs {
-        decoder = decoder.with_graphs();
+        decoder = decoder
+            .with_graphs()
+            .map_err(|e| unavailable(e.to_string()))?;
     }
     Ok(Box::new(decoder))
 }
@@ -386,7 +388,7 @@ fn open_cuda_decode(
         decoder = decoder.with_fast_attention().map_err(cuda_unavailable)?;
     }
     if step.graphs {
-        decoder = decoder.with_graphs();
+        decoder = decoder.with_graphs().map_err(cuda_unavailable)?;
     }
     Ok(Box::new(decoder))
 }

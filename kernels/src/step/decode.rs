@@ -20,6 +20,16 @@ pub struct Seat {
     pub len: usize,
 }
 
+/// The batch size a step of `n` sequences is padded to where steps are replayed as graphs:
+/// 1, 2, 4, 8, then multiples of 8 (a graph for each, not for each size).
+pub fn batch_bucket(n: usize) -> usize {
+    if n <= 8 {
+        n.max(1).next_power_of_two()
+    } else {
+        n.next_multiple_of(8)
+    }
+}
+
 /// A step that cannot run: its inputs (in words), or an op that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StepError<E: std::fmt::Display> {
@@ -203,7 +213,12 @@ fn check(
             c.vocab_size
         ));
     }
-    let mut slots: Vec<usize> = seats.iter().map(|s| s.slot).collect();
+    // Padding seats may share the shared slot: nothing of theirs is read.
+    let mut slots: Vec<usize> = seats
+        .iter()
+        .map(|s| s.slot)
+        .filter(|&s| Some(s) != layout.shared)
+        .collect();
     slots.sort_unstable();
     if slots.windows(2).any(|w| w[0] == w[1]) {
         return Err("two sequences in one slot".into());
@@ -347,7 +362,7 @@ fn attention<O: StepOps>(
             let at: Vec<i64> = seats.iter().map(|s| slot_of(s, gate)).collect();
             ops.write_rows(&y, r.width, arena, &at)?;
         }
-        let closing: Vec<(&Seat, super::WindowClose)> = seats
+        let mut closing: Vec<(&Seat, super::WindowClose)> = seats
             .iter()
             .filter_map(|s| {
                 layout
@@ -355,6 +370,21 @@ fn attention<O: StepOps>(
                     .map(|close| (s, close))
             })
             .collect();
+        // With a shared slot, the closes are padded to a batch size (at least one) by closes
+        // of the shared slot's first window: a step keeps its launches however many of its
+        // sequences close a window.
+        let padding = layout.shared.map(|slot| Seat {
+            slot,
+            len: r.ratio - 1,
+        });
+        if let Some(pad) = padding.as_ref() {
+            let close = layout.close_at(&r, layout.base(l, pad.slot), pad.len);
+            while let Some(close) =
+                close.filter(|_| closing.len() < batch_bucket(closing.len().max(1)))
+            {
+                closing.push((pad, close));
+            }
+        }
         if closing.is_empty() {
             continue;
         }

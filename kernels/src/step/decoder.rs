@@ -32,13 +32,15 @@ pub struct StepDecoder<K: Kernels> {
     replays: Option<Replays<K::Graph>>,
     /// How the last step ran.
     last: Option<DeviceRun>,
+    /// Whether a state was ever loaded (graphs are turned on before).
+    loaded: bool,
 }
 
 impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StepDecoder")
             .field("name", &self.name)
-            .field("slots", &self.layout.slots)
+            .field("slots", &self.layout.sequence_slots())
             .field("tokens", &self.layout.tokens)
             .finish_non_exhaustive()
     }
@@ -80,6 +82,7 @@ impl<K: Kernels> StepDecoder<K> {
             kv_rows: model.kv_rows(),
             replays: None,
             last: None,
+            loaded: false,
         })
     }
 
@@ -89,12 +92,21 @@ impl<K: Kernels> StepDecoder<K> {
     }
 
     /// Replays steps as graphs from now on ([`graph_step`]: recorded where the device
-    /// records, the launch pass run where it does not).
-    #[must_use]
-    pub fn with_graphs(mut self) -> Self {
+    /// records, the launch pass run where it does not), padded to batch sizes with seats of
+    /// a shared slot the arenas gain (one slot's bytes more; before any state is loaded).
+    pub fn with_graphs(mut self) -> Result<Self, K::Error> {
+        if self.loaded {
+            return Err("graphs are turned on before any state is loaded"
+                .to_owned()
+                .into());
+        }
+        self.layout = self.layout.clone().with_shared_slot();
+        // The old arenas go first: both would not fit where the state fills the device.
+        self.arenas = Vec::new();
+        self.arenas = self.layout.arenas(&self.ops)?;
         self.replays = Some(Replays::default());
         self.name = format!("{}, graphs", self.name);
-        self
+        Ok(self)
     }
 
     /// How its steps ran, with graphs.
@@ -144,6 +156,13 @@ impl<K: Kernels> StepDecoder<K> {
         at: &[Seat],
         seats: &[DecodeSeat],
     ) -> Result<Option<Outputs<K>>, DeviceError> {
+        if let Some(s) = at.iter().find(|s| s.slot >= self.layout.sequence_slots()) {
+            return Err(DeviceError::device(format!(
+                "no slot {}: {} slots",
+                s.slot,
+                self.layout.sequence_slots()
+            )));
+        }
         let tokens: Vec<u32> = seats.iter().map(|s| s.token).collect();
         let shape = (&self.config, &self.layout);
         let out = if let Some(replays) = &mut self.replays {
@@ -168,7 +187,7 @@ where
     }
 
     fn slots(&self) -> usize {
-        self.layout.slots
+        self.layout.sequence_slots()
     }
 
     fn max_tokens(&self) -> usize {
@@ -180,6 +199,13 @@ where
     }
 
     fn load(&mut self, slot: usize, state: &SequenceState) -> Result<(), DeviceError> {
+        if slot >= self.layout.sequence_slots() {
+            return Err(DeviceError::device(format!(
+                "no slot {slot}: {} slots",
+                self.layout.sequence_slots()
+            )));
+        }
+        self.loaded = true;
         self.layout
             .load(&self.ops, &mut self.arenas, slot, state)
             .map_err(DeviceError::device)
@@ -214,10 +240,10 @@ where
     }
 
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {
-        if slot >= self.layout.slots || len > self.layout.tokens {
+        if slot >= self.layout.sequence_slots() || len > self.layout.tokens {
             return Err(DeviceError::device(format!(
                 "no {len}-token state in slot {slot} of {}",
-                self.layout.slots
+                self.layout.sequence_slots()
             )));
         }
         self.layout
@@ -327,7 +353,7 @@ mod tests {
             let mut decoder =
                 StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
             if graphs {
-                decoder = decoder.with_graphs();
+                decoder = decoder.with_graphs().unwrap();
             }
             let mut engine = Engine::new(model.replica(), c, "t").unwrap();
             engine.set_decode_device(Box::new(decoder)).unwrap();
@@ -415,10 +441,13 @@ mod tests {
                 .collect()
         };
         let prompts = [random(5), random(17), random(9)];
-        let open = || {
+        let open = |graphs: bool| {
             let kernels = EmulatedKernels::new(&model.config);
             let mut d =
                 StepDecoder::new("emulated", kernels, &model, (3, 64), |_, _| Ok(())).unwrap();
+            if graphs {
+                d = d.with_graphs().unwrap();
+            }
             for (slot, prompt) in prompts.iter().enumerate() {
                 let mut state = model.new_state();
                 model
@@ -428,7 +457,8 @@ mod tests {
             }
             d
         };
-        let (mut plain, mut greedy, mut graphs) = (open(), open(), open().with_graphs());
+        let (mut plain, mut greedy, mut graphs) = (open(false), open(false), open(true));
+        assert!(open(false).with_graphs().is_err(), "after a load");
         let argmax = [true, false, true];
         let mut runs = Vec::new();
         for step in 0..6 {

@@ -87,6 +87,10 @@ pub struct StateLayout {
     /// f32s a stored K=V row takes.
     pub kv_stride: usize,
     pub layers: Vec<LayerRegion>,
+    /// A slot that padding seats share (the last): steps padded to a batch size, and their
+    /// window closes to a count, with seats and closes that write only there and whose
+    /// results nobody reads (`StateLayout::with_shared_slot`).
+    pub shared: Option<usize>,
 }
 
 /// f32s a K=V row of `head_dim` values takes stored as `kv` (its bytes, a whole number of
@@ -180,7 +184,23 @@ impl StateLayout {
             kv,
             kv_stride: stride,
             layers,
+            shared: None,
         }
+    }
+
+    /// Slots for sequences (all but the shared one).
+    pub fn sequence_slots(&self) -> usize {
+        self.slots - usize::from(self.shared.is_some())
+    }
+
+    /// The same arenas with one slot more, for padding (`shared`).
+    #[must_use]
+    pub fn with_shared_slot(mut self) -> Self {
+        if self.shared.is_none() {
+            self.shared = Some(self.slots);
+            self.slots += 1;
+        }
+        self
     }
 
     /// f32s of layer `layer`'s arena.
