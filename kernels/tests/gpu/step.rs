@@ -153,6 +153,99 @@ fn check_model(
     );
 }
 
+/// `steps` steps of the sequences of `lengths` replayed as CUDA graphs (`graph_step`, padded to
+/// a batch size with a shared slot) against eager steps, bit for bit; prints both step times
+/// over the steps after the first 8 (when graphs were recorded).
+fn graphs_against_eager(
+    gpu: &Arc<Gpu>,
+    model: &Model,
+    what: &str,
+    lengths: &[usize],
+    steps: usize,
+) {
+    use kernels::step::{
+        decode::read_logits,
+        device_ops::DeviceStepOps,
+        replay::{Replays, graph_step},
+        staged::Staged,
+    };
+    let c = &model.config;
+    let most = lengths.iter().max().unwrap() + steps + 1;
+    let layout = StateLayout::stored(c, lengths.len(), most, model.kv_rows()).with_shared_slot();
+    let states: Vec<SequenceState> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let mut state = model.new_state();
+            let prompt = tokens(len, i as u64, c.vocab_size);
+            if !prompt.is_empty() {
+                model.forward(&mut state, &prompt, Logits::None).unwrap();
+            }
+            state
+        })
+        .collect();
+    let open = || {
+        let ops =
+            DeviceStepOps::new(Staged::new(CudaKernels::new(Arc::clone(gpu))), model).unwrap();
+        let mut arenas = layout.arenas(&ops).unwrap();
+        for (slot, state) in states.iter().enumerate() {
+            layout.load(&ops, &mut arenas, slot, state).unwrap();
+        }
+        let seats: Vec<Seat> = lengths
+            .iter()
+            .enumerate()
+            .map(|(slot, &len)| Seat { slot, len })
+            .collect();
+        (ops, arenas, seats)
+    };
+    let (eager, mut eager_arenas, mut eager_seats) = open();
+    let (graphs, mut graph_arenas, mut graph_seats) = open();
+    let mut replays = Replays::default();
+    let (mut eager_time, mut graph_time) = (0.0f64, 0.0f64);
+    for step in 0..steps {
+        let next = tokens(lengths.len(), 2000 + step as u64, c.vocab_size);
+        let started = std::time::Instant::now();
+        let want = decode_step(
+            &eager,
+            c,
+            &layout,
+            &mut eager_arenas,
+            &mut eager_seats,
+            &next,
+        )
+        .unwrap();
+        let took = started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
+        let out = graph_step(
+            &graphs,
+            &mut replays,
+            (c, &layout),
+            &mut graph_arenas,
+            &graph_seats,
+            &next,
+        )
+        .unwrap()
+        .unwrap();
+        let got = read_logits(&graphs, c, &out, &mut graph_seats).unwrap();
+        if step >= 8 {
+            eager_time += took;
+            graph_time += started.elapsed().as_secs_f64();
+        }
+        for (s, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(same(w, g), "{what}: graph step {step}, sequence {s}");
+        }
+    }
+    let per = |t: f64| 1e3 * t / (steps - 8) as f64;
+    eprintln!(
+        "{what}: {:?}; a step of {} sequences {:.2} ms eager, {:.2} ms with graphs",
+        replays.stats,
+        lengths.len(),
+        per(eager_time),
+        per(graph_time)
+    );
+    assert_eq!(replays.stats.fell_back, 0, "{:?}", replays.stats);
+}
+
 #[test]
 fn gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit() {
     let Some(gpu) = Gpu::for_test("gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit")
@@ -206,5 +299,12 @@ fn gpu_decode_step_of_flash_shape() {
     check_model(&gpu, &model, (what, Held::Bits), &lengths, 3);
     let what = "flash-shape, 4 layers, FP8 K=V rows, fast attention";
     check_model(&gpu, &model, (what, Held::Greedy(0.02)), &lengths, 3);
+    graphs_against_eager(
+        &gpu,
+        &model,
+        "flash-shape, 4 layers, FP8 K=V rows",
+        &lengths,
+        24,
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
