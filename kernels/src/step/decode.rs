@@ -111,9 +111,16 @@ pub fn read_outputs<O: StepOps>(
     let mut outs = Vec::with_capacity(n);
     for (r, &wanted) in argmax.iter().enumerate() {
         outs.push(if wanted {
-            match (picks[2 * r], picks[2 * r + 1]) {
-                (token, -1) => DecodeOut::Argmax(token as u32),
-                (_, at) => DecodeOut::NonFinite(at as usize),
+            match picks.get(2 * r..2 * r + 2) {
+                // A negative or out-of-range index is refused where it enters the engine.
+                Some(&[token, -1]) => DecodeOut::Argmax(token as u32),
+                Some(&[_, at]) => DecodeOut::NonFinite(at as usize),
+                _ => {
+                    return Err(StepError::Input(format!(
+                        "{} argmax indices for {n} sequences",
+                        picks.len()
+                    )));
+                }
             }
         } else {
             DecodeOut::Logits(ops.get(&out.logits, r * v..(r + 1) * v)?)
