@@ -326,13 +326,14 @@ pub fn start_with_backend(
             },
         )?
     } else {
-        let mut engine = Engine::new(model, config, &fingerprint)?;
-        engine.set_token_table(table);
-        let layout = engine.store().layout.to_proto();
-        (
-            group::Ranks::single(Runner::start(engine, thread_name)?),
-            layout,
-        )
+        let start = (|_: &mut Engine| Ok(()), backend_plan);
+        return start_single(
+            model,
+            config,
+            (dir, &fingerprint),
+            (thread_name, group),
+            start,
+        );
     };
     Ok(LoadedEngine {
         ranks,
@@ -341,6 +342,36 @@ pub fn start_with_backend(
         eos_token_ids,
         vocab_size,
         fingerprint,
+        backend_plan,
+    })
+}
+
+/// One engine thread of `model` (its token table from `dir`), `setup` run on the engine first;
+/// its plan says what the backend runs.
+fn start_single(
+    model: crate::model::Model,
+    config: crate::scheduler::EngineConfig,
+    (dir, fingerprint): (&std::path::Path, &str),
+    (thread_name, group): (&str, crate::parallel::group::GroupSpec),
+    (setup, backend_plan): (
+        impl FnOnce(&mut Engine) -> Result<(), StartError>,
+        Option<crate::backend::BackendPlan>,
+    ),
+) -> Result<LoadedEngine, StartError> {
+    let eos_token_ids = model.config.eos_token_ids.clone();
+    let vocab_size = model.config.vocab_size;
+    let table = crate::grammar::TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
+    let mut engine = Engine::new(model, config, fingerprint)?;
+    setup(&mut engine)?;
+    engine.set_token_table(table);
+    let layout = engine.store().layout.to_proto();
+    Ok(LoadedEngine {
+        ranks: crate::parallel::group::Ranks::single(Runner::start(engine, thread_name)?),
+        group,
+        layout,
+        eos_token_ids,
+        vocab_size,
+        fingerprint: fingerprint.to_owned(),
         backend_plan,
     })
 }
@@ -375,22 +406,14 @@ fn start_decoding_on_device(
         on_device: Op::ALL.to_vec(),
         on_cpu: Vec::new(),
     };
-    let eos_token_ids = model.config.eos_token_ids.clone();
-    let vocab_size = model.config.vocab_size;
-    let table = crate::grammar::TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
-    let mut engine = Engine::new(model, config, fingerprint)?;
-    engine.set_decode_device(device)?;
-    engine.set_token_table(table);
-    let layout = engine.store().layout.to_proto();
-    Ok(LoadedEngine {
-        ranks: crate::parallel::group::Ranks::single(Runner::start(engine, thread_name)?),
-        group,
-        layout,
-        eos_token_ids,
-        vocab_size,
-        fingerprint: fingerprint.to_owned(),
-        backend_plan: Some(backend_plan),
-    })
+    let setup = |engine: &mut Engine| Ok(engine.set_decode_device(device)?);
+    start_single(
+        model,
+        config,
+        (dir, fingerprint),
+        (thread_name, group),
+        (setup, Some(backend_plan)),
+    )
 }
 
 fn run(mut engine: Engine, jobs: &std_mpsc::Receiver<Job>) {
