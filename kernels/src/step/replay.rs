@@ -40,6 +40,8 @@ pub struct Replays<G> {
     kept: Vec<(Signature, Option<G>)>,
     /// Signatures of recent steps that were not kept.
     seen: Vec<Signature>,
+    /// Why recordings failed, each logged once.
+    reasons: Vec<String>,
     pub stats: ReplayStats,
 }
 
@@ -48,12 +50,26 @@ impl<G> Default for Replays<G> {
         Self {
             kept: Vec::new(),
             seen: Vec::new(),
+            reasons: Vec::new(),
             stats: ReplayStats::default(),
         }
     }
 }
 
 impl<G> Replays<G> {
+    /// A recording failed (`why`): counted, and logged the first time for each reason, so an
+    /// operator learns why steps are not replayed without a line per step.
+    fn fell_back(&mut self, why: &str) {
+        self.stats.fell_back += 1;
+        if !self.reasons.iter().any(|r| r == why) && self.reasons.len() < KEPT {
+            self.reasons.push(why.to_owned());
+            tracing::warn!(
+                reason = why,
+                "a decode step could not be recorded as a graph; it ran as it came"
+            );
+        }
+    }
+
     fn keep(&mut self, sig: Signature, graph: Option<G>) {
         if self.kept.len() == KEPT {
             self.kept.remove(0);
@@ -148,9 +164,12 @@ pub fn graph_step<K: Kernels>(
     // The launch pass takes the plan pass's buffers (each request the oldest free one).
     drop(logits);
     k.start(Pass::Launch);
-    let Ok(capturing) = k.begin_capture() else {
-        replays.stats.fell_back += 1;
-        return run_as_it_comes(ops, (c, layout), arenas, seats, tokens);
+    let capturing = match k.begin_capture() {
+        Ok(capturing) => capturing,
+        Err(e) => {
+            replays.fell_back(&e.to_string());
+            return run_as_it_comes(ops, (c, layout), arenas, seats, tokens);
+        }
     };
     let launched = decode_launch(ops, c, layout, arenas, seats, tokens);
     let graph = if capturing { k.end_capture() } else { Ok(None) };
@@ -168,8 +187,13 @@ pub fn graph_step<K: Kernels>(
             Ok(Some(logits))
         }
         // A recording ran nothing: the step runs as it comes.
-        _ if capturing => {
-            replays.stats.fell_back += 1;
+        (launched, graph) if capturing => {
+            let why = match (launched, graph) {
+                (Err(e), _) => e.to_string(),
+                (_, Err(e)) => format!("recording: {e}"),
+                _ => "the recording made other launches than the plan pass".to_owned(),
+            };
+            replays.fell_back(&why);
             run_as_it_comes(ops, (c, layout), arenas, seats, tokens)
         }
         // Launches ran over plans they may not match: the state cannot be trusted.
