@@ -27,7 +27,7 @@ pub use attention_fp8::Fp8AttnScratch;
 pub use backend::CudaBackend;
 pub use compress::Windows;
 pub use dense::{DenseWeight, HostDense};
-pub use exact::{DeviceRows, Routing, StoredExperts, StoredRows};
+pub use exact::{DeviceRows, PairStackRef, Routing, StoredExperts, StoredRows};
 pub use fp4::{DeviceExperts, GemvFormat};
 pub use hyper::{HyperPre, MAX_HC, Streams};
 pub use moe::{DeviceStack, MoeGrouping};

@@ -97,6 +97,12 @@ fn planned() -> Vec<Row> {
         format!("exact attention {batch}x{heads} heads, {per} f32 rows of {dim}"),
         cost::attn_decode(batch, heads, dim, per, 4 * dim),
     ));
+    // What the device decode step runs for the routed experts (`exact_pairs`), next to the
+    // grouped GEMV above.
+    out.push(row(
+        format!("exact pairs MXFP4 {pairs} of {experts} experts {er}x{ec}"),
+        cost::mxfp4_grouped_gemv(pairs, 1, er, ec),
+    ));
     out
 }
 
@@ -247,7 +253,18 @@ fn main() -> Result<(), KernelError> {
         gpu.launch_grouped_gemv(&stack, &d_ex, &d_token, &d_expert, pairs, &mut d_ey)
     })?;
     times.push(t);
-    drop((d_ep, d_es));
+    let ones = gpu.stream.clone_htod(&vec![1.0f32; experts])?;
+    let exact_stack = kernels::cuda::PairStackRef {
+        kernel: "exact_pairs_mxfp4",
+        packed: &d_ep,
+        scales: &d_es,
+        scale_2: &ones,
+        shape: (experts, er, ec),
+    };
+    let exact_pairs = time(&gpu, || {
+        gpu.launch_exact_pairs(&exact_stack, (&d_token, &d_expert), &d_ex, pairs, &mut d_ey)
+    })?;
+    drop((d_ep, d_es, ones));
 
     let (vocab, hidden) = HEAD;
     let head: Vec<u16> = random(&mut rng, vocab * hidden)
@@ -300,6 +317,7 @@ fn main() -> Result<(), KernelError> {
     times.push(time_moe_prefill(&gpu, &mut rng)?);
     times.extend(time_attn_fp8(&gpu, &mut rng)?);
     times.extend(time_exact(&gpu, &mut rng)?);
+    times.push(exact_pairs);
 
     for (row, t) in rows.iter_mut().zip(&times) {
         row.seconds = Some(*t);
