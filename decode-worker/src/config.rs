@@ -77,6 +77,20 @@ mod tests {
         assert_eq!(c.worker.decode_attention, DecodeAttention::Fast);
     }
 
+    /// Fast decode experts from a flag or the environment.
+    #[test]
+    fn decode_experts_read_from_flags_and_environment() {
+        use worker_core::settings::DecodeExperts;
+        assert_eq!(load(&[], &[]).worker.decode_experts, DecodeExperts::Exact);
+        let c = load(&["--backend", "emulated", "--decode-experts", "fast"], &[]);
+        assert_eq!(c.worker.decode_experts, DecodeExperts::Fast);
+        let c = load(
+            &["--backend", "emulated"],
+            &[("PDSERVE_DECODE_EXPERTS", "fast")],
+        );
+        assert_eq!(c.worker.decode_experts, DecodeExperts::Fast);
+    }
+
     /// Decode graphs from a flag or the environment.
     #[test]
     fn decode_graphs_read_from_flags_and_environment() {

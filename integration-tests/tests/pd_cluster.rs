@@ -430,18 +430,22 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
 }
 
 /// A decode worker with the fast attention (`--decode-attention fast`: every head of a request
-/// against each tile of its FP8 rows, within the kernel's bound) gives the greedy answers of
-/// one with the exact attention, both on the emulated device with FP8 rows; its plan says so.
+/// against each tile of its FP8 rows, within the kernel's bound) and the fast routed experts
+/// (`--decode-experts fast`: the grouped FP4 GEMV) gives the greedy answers of one with the
+/// exact kernels, both on the emulated device with FP8 rows; its plan says so.
 #[test]
 fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
     let fp8 = ["--page-size", "16", "--kv-cache-dtype", "fp8"];
     let mut answers = Vec::new();
     for attention in ["exact", "fast"] {
+        // The fast variant runs the fast routed experts too.
+        let experts = if attention == "fast" { "fast" } else { "exact" };
         let mut command = integration_tests::pd::worker_command(
             "pdserve-decode",
             &[
                 &fp8[..],
                 &["--backend", "emulated", "--decode-attention", attention],
+                &["--decode-experts", experts],
             ]
             .concat(),
         );
@@ -458,7 +462,9 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
         decode.terminate();
         let log = decode.stderr();
         assert_eq!(
-            log.contains("emulated, fast attention (the whole decode step on the device)"),
+            log.contains(
+                "emulated, fast attention, fast experts (the whole decode step on the device)"
+            ),
             attention == "fast",
             "{log}"
         );

@@ -210,7 +210,11 @@ fn open_cuda(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineWork {
     All,
-    DecodeOnly { fast_attention: bool, graphs: bool },
+    DecodeOnly {
+        fast_attention: bool,
+        fast_experts: bool,
+        graphs: bool,
+    },
 }
 
 /// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
@@ -249,11 +253,13 @@ pub fn start_engine(
         EngineWork::All => (false, StepOptions::default()),
         EngineWork::DecodeOnly {
             fast_attention,
+            fast_experts,
             graphs,
         } => (
             true,
             StepOptions {
                 fast_attention,
+                fast_experts,
                 graphs,
             },
         ),
@@ -261,6 +267,7 @@ pub fn start_engine(
     let decode_step = decode_only && !hybrid && group.ranks() == 1;
     for (asked, what) in [
         (step.fast_attention, "fast decode attention"),
+        (step.fast_experts, "fast decode experts"),
         (step.graphs, "decode graphs"),
     ] {
         if asked && !(decode_step && kind != BackendKind::Cpu) {
@@ -304,6 +311,8 @@ pub fn start_engine(
 struct StepOptions {
     /// `attn_decode_fp8` instead of `attn_exact`.
     fast_attention: bool,
+    /// The grouped FP4 GEMV instead of `exact_pairs`.
+    fast_experts: bool,
     /// Steps replayed as graphs (`crate::step::replay`).
     graphs: bool,
 }
@@ -351,6 +360,9 @@ fn open_emulated_decode(
             .with_fast_attention()
             .map_err(|e| unavailable(e.to_string()))?;
     }
+    if step.fast_experts {
+        decoder = decoder.with_fast_experts();
+    }
     if step.graphs {
         decoder = decoder
             .with_graphs()
@@ -386,6 +398,9 @@ fn open_cuda_decode(
         .map_err(cuda_unavailable)?;
     if step.fast_attention {
         decoder = decoder.with_fast_attention().map_err(cuda_unavailable)?;
+    }
+    if step.fast_experts {
+        decoder = decoder.with_fast_experts();
     }
     if step.graphs {
         decoder = decoder.with_graphs().map_err(cuda_unavailable)?;
@@ -490,17 +505,26 @@ mod tests {
         let dir = std::env::temp_dir();
         let fast = EngineWork::DecodeOnly {
             fast_attention: true,
+            fast_experts: false,
             graphs: false,
         };
         let graphs = EngineWork::DecodeOnly {
             fast_attention: false,
+            fast_experts: false,
             graphs: true,
+        };
+        let experts = EngineWork::DecodeOnly {
+            fast_attention: false,
+            fast_experts: true,
+            graphs: false,
         };
         for (kind, work, hybrid) in [
             (BackendKind::Cpu, fast, false),
             (BackendKind::Emulated, fast, true),
             (BackendKind::Cpu, graphs, false),
             (BackendKind::Emulated, graphs, true),
+            (BackendKind::Cpu, experts, false),
+            (BackendKind::Emulated, experts, true),
         ] {
             let start = (kind, work);
             let refused = start_engine(
@@ -515,8 +539,10 @@ mod tests {
             .unwrap_err();
             let what = if work == fast {
                 "fast decode attention"
-            } else {
+            } else if work == graphs {
                 "decode graphs"
+            } else {
+                "fast decode experts"
             };
             assert!(refused.to_string().contains(what), "{refused}");
         }

@@ -42,6 +42,12 @@ impl ServiceConfig for PrefillConfig {
                 "a prefill worker does not decode: it takes no decode attention",
             ));
         }
+        if self.worker.decode_experts != worker_core::settings::DecodeExperts::Exact {
+            return Err(Invalid::new(
+                "decode_experts",
+                "a prefill worker does not decode: it takes no decode experts",
+            ));
+        }
         if self.worker.decode_graphs {
             return Err(Invalid::new(
                 "decode_graphs",
@@ -91,6 +97,22 @@ mod tests {
         let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
             .expect_err("refused");
         assert!(err.to_string().contains("decode_attention"), "{err}");
+    }
+
+    /// Nor does it take decode experts.
+    #[test]
+    fn decode_experts_are_refused() {
+        let cli = Cli::try_parse_from([
+            "pdserve-prefill",
+            "--decode-experts",
+            "fast",
+            "--backend",
+            "emulated",
+        ])
+        .expect("flags");
+        let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
+            .expect_err("refused");
+        assert!(err.to_string().contains("decode_experts"), "{err}");
     }
 
     /// Nor does it replay decode steps as graphs.

@@ -66,6 +66,18 @@ pub enum DecodeAttention {
     Fast,
 }
 
+/// How a decode worker's device step runs the routed experts (decode workers on `cuda` or
+/// `emulated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeExperts {
+    /// `exact_pairs`: the CPU reference's bits.
+    Exact,
+    /// The grouped FP4 GEMV the per-op CUDA backend uses: within its bound of f64 sums over
+    /// the decoded weights, not the reference's bits.
+    Fast,
+}
+
 /// `--enable-prefix-caching` / `--no-enable-prefix-caching` (vLLM's spellings), as the one
 /// setting `enable_prefix_caching`.
 #[derive(Debug, Default, clap::Args)]
@@ -152,6 +164,9 @@ pub struct WorkerSettings {
     /// (tensor cores over FP8 rows, within a stated bound; needs `kv_cache_dtype = fp8` and
     /// the cuda or emulated backend).
     pub decode_attention: DecodeAttention,
+    /// How a decode worker's device step runs the routed experts: `exact` (the reference's
+    /// bits) or `fast` (the grouped FP4 GEMV, within its bound; the cuda or emulated backend).
+    pub decode_experts: DecodeExperts,
     /// Replay a decode worker's device steps as CUDA graphs: a step whose launches (kernels,
     /// buffers, shapes) a recorded graph has runs as that graph after the host writes its
     /// plans; others run as they come. Same results as without (checked over the kernels'
@@ -206,6 +221,7 @@ impl WorkerSettings {
             backend: BackendKind::Cpu,
             hybrid: false,
             decode_attention: DecodeAttention::Exact,
+            decode_experts: DecodeExperts::Exact,
             decode_graphs: false,
             tensor_parallel_size: 1,
             expert_parallel_size: 1,
@@ -267,16 +283,22 @@ impl WorkerSettings {
                 ));
             }
         }
-        if self.decode_graphs
-            && (self.backend == BackendKind::Cpu
-                || self.hybrid
-                || self.tensor_parallel_size > 1
-                || self.expert_parallel_size > 1)
-        {
+        let device_step = self.backend != BackendKind::Cpu
+            && !self.hybrid
+            && self.tensor_parallel_size == 1
+            && self.expert_parallel_size == 1;
+        if self.decode_graphs && !device_step {
             return Err(Invalid::new(
                 "decode_graphs",
                 "graphs replay the device decode step: backend cuda or emulated, one rank, \
                  without hybrid",
+            ));
+        }
+        if self.decode_experts == DecodeExperts::Fast && !device_step {
+            return Err(Invalid::new(
+                "decode_experts",
+                "fast experts run in the device decode step: backend cuda or emulated, one \
+                 rank, without hybrid",
             ));
         }
         self.check_group()?;
@@ -452,6 +474,10 @@ pub struct WorkerFlags {
     #[arg(long, value_enum, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_attention: Option<DecodeAttention>,
+    /// A decode worker's device routed experts: exact or fast.
+    #[arg(long, value_enum, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_experts: Option<DecodeExperts>,
     /// Replay a decode worker's device steps as CUDA graphs.
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -544,6 +570,25 @@ mod tests {
         json["decode_attention"] = serde_json::json!("fast");
         let back: WorkerSettings = serde_json::from_value(json).unwrap();
         assert_eq!(back.decode_attention, DecodeAttention::Fast);
+    }
+
+    /// Fast decode experts are honoured only where the device step runs, refused elsewhere
+    /// naming the key.
+    #[test]
+    fn fast_decode_experts_need_the_device_step() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.decode_experts = DecodeExperts::Fast;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "decode_experts", "{e:?}");
+        settings.backend = BackendKind::Emulated;
+        assert!(settings.validate().is_ok());
+        settings.hybrid = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_experts");
+        let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
+        assert_eq!(json["decode_experts"], "exact");
+        json["decode_experts"] = serde_json::json!("fast");
+        let back: WorkerSettings = serde_json::from_value(json).unwrap();
+        assert_eq!(back.decode_experts, DecodeExperts::Fast);
     }
 
     /// Decode graphs are honoured only where the device step runs (cuda or emulated, one

@@ -131,6 +131,7 @@ where
         Role::Decode => kernels::backend::EngineWork::DecodeOnly {
             fast_attention: settings.decode_attention == crate::settings::DecodeAttention::Fast,
             graphs: settings.decode_graphs,
+            fast_experts: settings.decode_experts == crate::settings::DecodeExperts::Fast,
         },
         _ => kernels::backend::EngineWork::All,
     };

@@ -797,6 +797,27 @@ impl Kernels for CudaKernels {
         self.gpu.launch_exact_pairs(&view, pairs_of, x, pairs, y)
     }
 
+    fn fast_pairs(
+        &self,
+        stack: &PairStack,
+        (tokens, experts): (&CudaSlice<i32>, &CudaSlice<i32>),
+        x: &CudaSlice<f32>,
+        pairs: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        // The exact kernels' stack is the checkpoint's bytes, as the grouped GEMV reads them.
+        let device = super::DeviceExperts {
+            packed: &stack.packed,
+            scales: &stack.scales,
+            scale_2: (stack.kernel == "exact_pairs_nvfp4").then_some(&stack.scale_2),
+            experts: stack.experts,
+            rows: stack.rows,
+            cols: stack.cols,
+        };
+        self.gpu
+            .launch_grouped_gemv(&device, x, tokens, experts, pairs, y)
+    }
+
     fn swiglu(
         &self,
         gate: &CudaSlice<f32>,

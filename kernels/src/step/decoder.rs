@@ -91,6 +91,15 @@ impl<K: Kernels> StepDecoder<K> {
         self.ops.kernels().inner()
     }
 
+    /// Runs the routed experts with the fast grouped GEMV from now on
+    /// (`DeviceStepOps::with_fast_experts`: within its bound, not the engine's bits).
+    #[must_use]
+    pub fn with_fast_experts(mut self) -> Self {
+        self.ops = self.ops.with_fast_experts();
+        self.name = format!("{}, fast experts", self.name);
+        self
+    }
+
     /// Replays steps as graphs from now on ([`graph_step`]: recorded where the device
     /// records, the launch pass run where it does not), padded to batch sizes with seats of
     /// a shared slot the arenas gain (one slot's bytes more; before any state is loaded).

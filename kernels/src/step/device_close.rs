@@ -214,7 +214,12 @@ pub(super) fn expert_pairs<K: Kernels>(
     }
     let pair_token: Vec<i32> = (0..pairs).map(|p| (p / per) as i32).collect();
     let d_token = ops.plan_i(&pair_token)?;
-    ops.k
-        .exact_pairs(stack, (&d_token, experts), x, pairs, &mut y)?;
+    if ops.fast_experts {
+        ops.k
+            .fast_pairs(stack, (&d_token, experts), x, pairs, &mut y)?;
+    } else {
+        ops.k
+            .exact_pairs(stack, (&d_token, experts), x, pairs, &mut y)?;
+    }
     Ok(y)
 }

@@ -46,6 +46,8 @@ pub struct DeviceStepOps<K: Kernels> {
     /// Attention by `attn_decode_fp8` (all heads of a token on tensor cores, within its bound)
     /// instead of `attn_exact` (the engine's bits).
     fast_attention: bool,
+    /// Routed experts by the grouped GEMV (within its bound) instead of `exact_pairs`.
+    pub(super) fast_experts: bool,
 }
 
 /// The step's plans, in buffers kept from step to step.
@@ -110,6 +112,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             kv_rows: model.kv_rows(),
             kv_stride: kv_stride(model.config.head_dim, model.kv_rows())?,
             fast_attention: false,
+            fast_experts: false,
         })
     }
 
@@ -134,6 +137,14 @@ impl<K: Kernels> DeviceStepOps<K> {
         .check()?;
         self.fast_attention = true;
         Ok(self)
+    }
+
+    /// Runs the routed experts with the fast grouped GEMV from now on (`Kernels::fast_pairs`:
+    /// within its bound of f64 sums over the decoded weights, not the engine's bits).
+    #[must_use]
+    pub fn with_fast_experts(mut self) -> Self {
+        self.fast_experts = true;
+        self
     }
 
     /// `values` as a read-only plan on the device: written once a step (kernels only read

@@ -765,6 +765,53 @@ impl Kernels for EmulatedKernels {
         Ok(())
     }
 
+    fn fast_pairs(
+        &self,
+        stack: &Vec<Weight>,
+        (tokens, experts): (&Vec<i32>, &Vec<i32>),
+        x: &Vec<f32>,
+        pairs: usize,
+        y: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        let (_, rows, cols) = Self::stack_shape(stack);
+        for p in 0..pairs {
+            let out = match usize::try_from(experts[p]).ok().and_then(|e| stack.get(e)) {
+                Some(w) => {
+                    let t = index(i64::from(tokens[p]), "pair token")?;
+                    let xt = part(x, t * cols, cols, "pairs input")?;
+                    let fast = |e: engine::quant::QuantError| ShapeError(e.to_string());
+                    match w.form() {
+                        WeightForm::Nvfp4 {
+                            packed,
+                            scales,
+                            scale_2,
+                        } => crate::cpu::nvfp4_gemv(
+                            packed.as_slice(),
+                            scales.as_slice(),
+                            *scale_2,
+                            &xt,
+                            rows,
+                            cols,
+                        )
+                        .map_err(fast)?,
+                        WeightForm::Mxfp4 { packed, scales } => crate::cpu::mxfp4_gemv(
+                            packed.as_slice(),
+                            scales.as_slice(),
+                            &xt,
+                            rows,
+                            cols,
+                        )
+                        .map_err(fast)?,
+                        _ => return Err(err("fast pairs: experts that are not FP4")),
+                    }
+                }
+                None => vec![f32::NAN; rows],
+            };
+            store(y, p * rows, &out)?;
+        }
+        Ok(())
+    }
+
     fn swiglu(
         &self,
         gate: &Vec<f32>,

@@ -322,6 +322,17 @@ pub trait Kernels {
         pairs: usize,
         y: &mut Self::F,
     ) -> Result<(), Self::Error>;
+    /// `nvfp4_grouped_gemv` / `mxfp4_grouped_gemv`: [`Self::exact_pairs`] by the fast grouped
+    /// GEMV, within its bound of `cpu::grouped_gemv` (f64 sums over the exactly decoded
+    /// weights) rather than the engine's bits; an expert outside the stack gives a NaN row.
+    fn fast_pairs(
+        &self,
+        stack: &Self::Stack,
+        pairs_of: (&Self::I, &Self::I),
+        x: &Self::F,
+        pairs: usize,
+        y: &mut Self::F,
+    ) -> Result<(), Self::Error>;
     /// `swiglu_clamp` over `n` values.
     fn swiglu(
         &self,

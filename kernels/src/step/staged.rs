@@ -649,6 +649,26 @@ impl<K: Kernels> Kernels for Staged<K> {
             k.exact_pairs(stack, (tokens, experts), x, pairs, y)
         })
     }
+    fn fast_pairs(
+        &self,
+        stack: &K::Stack,
+        (tokens, experts): (&K::I, &K::I),
+        x: &K::F,
+        pairs: usize,
+        y: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            at(stack),
+            K::i_addr(tokens),
+            K::i_addr(experts),
+            K::f_addr(x),
+            K::f_addr(y),
+        );
+        self.launch("fast_pairs", &addrs, pairs, |k| {
+            k.fast_pairs(stack, (tokens, experts), x, pairs, y)
+        })
+    }
     fn swiglu(
         &self,
         gate: &K::F,

@@ -172,5 +172,70 @@ fn gpu_step_kernels_equal_their_references() {
             }
         }
     }
+    // The fast routed experts: the grouped GEMV against its f64 reference, within 1e-5 of the
+    // largest output (its own tests hold it to a per-row bound), an expert outside the stack
+    // a NaN row in both.
+    let layer = &model.weights.layers[0].moe.experts;
+    let mut rng = Rng::for_tensor(4, "gpu-fast-pairs");
+    let x: Vec<f32> = (0..3 * model.config.hidden_size)
+        .map(|_| rng.normal())
+        .collect();
+    let experts = layer.len() as i32;
+    let (tokens, which) = ([0, 1, 2, 1, 0], [0, experts - 1, 3, experts, 2]);
+    let got = cuda.pairs(layer, &tokens, &which, &x);
+    let want = reference.pairs(layer, &tokens, &which, &x);
+    let top = want
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0.0f32, |m, v| m.max(v.abs()));
+    let rows = want.len() / 5;
+    for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+        if j / rows == 3 {
+            assert!(
+                a.is_nan() && b.is_nan(),
+                "an expert outside the stack at {j}"
+            );
+        } else {
+            assert!((a - b).abs() <= 1e-5 * top, "fast pairs at {j}: {a} vs {b}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `fast_pairs` of a layer's gate projections, whatever the kernels.
+trait KernelsForPairs {
+    fn pairs(
+        &self,
+        experts: &[engine::weights::ExpertWeights],
+        tokens: &[i32],
+        which: &[i32],
+        x: &[f32],
+    ) -> Vec<f32>;
+}
+
+impl<K: Kernels> KernelsForPairs for K
+where
+    K::Error: std::fmt::Debug,
+{
+    fn pairs(
+        &self,
+        experts: &[engine::weights::ExpertWeights],
+        tokens: &[i32],
+        which: &[i32],
+        x: &[f32],
+    ) -> Vec<f32> {
+        let stack = self
+            .upload_stack(experts, kernels::step::Proj::Gate)
+            .unwrap();
+        let (_, rows, _) = K::stack_shape(&stack);
+        let (t, e) = (
+            self.upload_i(tokens).unwrap(),
+            self.upload_i(which).unwrap(),
+        );
+        let x = self.upload(x).unwrap();
+        let mut y = self.zeros(tokens.len() * rows).unwrap();
+        self.fast_pairs(&stack, (&t, &e), &x, tokens.len(), &mut y)
+            .unwrap();
+        self.read(&y, 0..tokens.len() * rows).unwrap()
+    }
 }
