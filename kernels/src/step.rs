@@ -24,6 +24,7 @@ pub mod device_model;
 pub mod device_ops;
 pub mod emulated;
 pub mod kernels;
+pub mod key_plan;
 pub mod layout;
 pub mod pool;
 pub mod replay;

@@ -3,6 +3,11 @@
 //! (batch, parts) alone, so a graph can capture the three launches with lengths that change
 //! from step to step in device memory.
 
+use std::{
+    collections::{HashMap, hash_map::Entry},
+    sync::{Mutex, PoisonError},
+};
+
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg, sys::CUfunction_attribute_enum};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
@@ -23,12 +28,23 @@ pub struct Fp8AttnScratch {
     pub out: CudaSlice<f32>,
 }
 
-impl Fp8AttnScratch {
-    /// The partials and the output (what a launch writes as values).
-    pub fn values_mut(&mut self) -> [&mut CudaSlice<f32>; 4] {
-        [&mut self.m, &mut self.l, &mut self.acc, &mut self.out]
-    }
-}
+/// Scratches kept by batch and shape (its scale by bits), each made once: a scratch is 5
+/// buffers made and filled from the host (12.6 MB of NaNs for 32 requests of 64 heads).
+#[derive(Debug, Default)]
+pub struct KeptScratch(Mutex<HashMap<ScratchKey, Fp8AttnScratch>>);
+
+/// A scratch's batch, heads, nope and rope values, scale bits and parts.
+type ScratchKey = (usize, usize, usize, usize, u32, usize);
+
+/// The attention's inputs on the device: queries, the rows' pool, their offsets and starts,
+/// the sinks.
+pub type Fp8AttnInputs<'a, P> = (
+    &'a CudaSlice<f32>,
+    &'a CudaSlice<P>,
+    &'a CudaSlice<i64>,
+    &'a CudaSlice<i64>,
+    &'a CudaSlice<f32>,
+);
 
 impl Gpu {
     /// Decode attention over FP8 rows at byte offsets of `pool` (see `cpu::attn_decode_fp8`,
@@ -62,6 +78,51 @@ impl Gpu {
         let mut out = self.stream.clone_dtoh(&scratch.out)?;
         out.truncate(batch * shape.heads * shape.dim());
         Ok(out)
+    }
+
+    /// [`Self::launch_attn_decode_fp8`] for `batch` requests into `out`, with the scratch of
+    /// that batch and shape from `kept` (poisoned again on the device, so a value the launch
+    /// leaves unwritten shows as NaN rather than as the last one's).
+    pub fn attn_decode_fp8_kept<P: cudarc::driver::DeviceRepr>(
+        &self,
+        kept: &KeptScratch,
+        (q, pool, offsets, starts, sinks): Fp8AttnInputs<'_, P>,
+        (batch, shape): (usize, Fp8AttnShape),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let n = batch * shape.heads * shape.dim();
+        if out.len() < n {
+            return Err(KernelError::Shape("attn_fast output".into()));
+        }
+        let key = (
+            batch,
+            shape.heads,
+            shape.nope,
+            shape.rope,
+            shape.scale.to_bits(),
+            shape.parts,
+        );
+        let mut kept = kept.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let scratch = match kept.entry(key) {
+            Entry::Occupied(e) => {
+                let scratch = e.into_mut();
+                for buf in [
+                    &mut scratch.m,
+                    &mut scratch.l,
+                    &mut scratch.acc,
+                    &mut scratch.out,
+                ] {
+                    self.launch_fill_nan(buf)?;
+                }
+                scratch
+            }
+            Entry::Vacant(e) => e.insert(self.attn_fp8_scratch(batch, shape)?),
+        };
+        self.launch_attn_decode_fp8(q, pool, offsets, starts, sinks, scratch)?;
+        let mut view = out.slice_mut(0..n);
+        Ok(self
+            .stream
+            .memcpy_dtod(&scratch.out.slice(0..n), &mut view)?)
     }
 
     /// Plan, partials and output for `batch` requests of `shape`, poisoned with NaN.

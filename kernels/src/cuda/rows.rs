@@ -170,3 +170,54 @@ impl Gpu {
         Ok(())
     }
 }
+
+impl Gpu {
+    /// Every value of `x` NaN (`fill_nan`, on the device).
+    pub fn launch_fill_nan(&self, x: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        let f = self.moe_align.load_function("fill_nan")?;
+        let n = x.len() as i64;
+        let grid = grid_dim(x.len().div_ceil(256).max(1), "values")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(x).arg(&n);
+        // SAFETY: `fill_nan(float*, long long)` over the whole buffer.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `argmax_rows` (step.cu) on device buffers: for each of `rows` rows of `width` values,
+    /// `out[2r]` the index of its largest finite value (ties to the lowest) and `out[2r + 1]`
+    /// that of its first value that is not finite, or -1.
+    pub fn launch_argmax_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        (rows, width): (usize, usize),
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        if x.len() < rows * width || out.len() < 2 * rows || width > i32::MAX as usize {
+            return Err(KernelError::Shape("argmax_rows buffers".into()));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.step.load_function("argmax_rows")?;
+        let width_l = width as i64;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(x).arg(&width_l).arg(out);
+        // SAFETY: `argmax_rows(const float*, long long, int*)`: a block of 256 threads per row
+        // (its shared arrays are 256 long), `x` holds `rows * width` values, `out` `2 * rows`.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (grid_dim(rows, "rows")?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        Ok(())
+    }
+}

@@ -2,23 +2,19 @@
 //! and [`CudaStepOps`], the step's ops over them. Each launch passes the kernel's parameters in
 //! order; the shapes were checked by `crate::step::device_ops` before.
 
-use std::{
-    collections::HashMap,
-    ops::Range,
-    sync::{Arc, Mutex, PoisonError},
-};
+use std::{ops::Range, sync::Arc};
 
-use cudarc::driver::{
-    CudaGraph, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
-    sys::{CUgraphInstantiate_flags, CUstreamCaptureMode},
-};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use engine::{
     tensor::{Weight, WeightForm},
     weights::{ExpertWeights, MoeWeights},
 };
 
 use super::{
-    DeviceRows, Gpu, KernelError, StoredRows, attention_fp8::Fp8AttnScratch, exact::PairStackRef,
+    DeviceRows, Gpu, KernelError, StoredRows,
+    attention_fp8::KeptScratch,
+    exact::PairStackRef,
+    graph::{StepGraph, addr},
     grid_dim, non_empty,
 };
 use crate::step::{
@@ -37,30 +33,8 @@ pub struct CudaKernels {
     /// The fast attention's plan, partials and output by batch and shape, made once: each
     /// was 5 buffers made and filled from the host per layer per step (12.6 MB of NaNs for
     /// 32 requests of 64 heads).
-    attn_scratch: Arc<Mutex<HashMap<ScratchKey, Fp8AttnScratch>>>,
+    attn_scratch: Arc<KeptScratch>,
 }
-
-/// A decode step recorded as a CUDA graph.
-pub struct StepGraph(CudaGraph);
-
-// SAFETY: a graph is used by the decoder that recorded it, which one thread at a time owns
-// (CUDA asks that calls on one graph be serialised, not that they come from one thread).
-unsafe impl Send for StepGraph {}
-
-impl std::fmt::Debug for StepGraph {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StepGraph")
-    }
-}
-
-/// Where `b`'s values start on its device.
-fn addr<T>(b: &CudaSlice<T>) -> usize {
-    let (ptr, _sync) = b.device_ptr(b.stream());
-    ptr as usize
-}
-
-/// A fast-attention scratch's batch and shape (its scale by bits).
-type ScratchKey = (usize, usize, usize, usize, u32, usize);
 
 impl CudaKernels {
     pub fn new(gpu: Arc<Gpu>) -> Self {
@@ -155,22 +129,15 @@ impl Kernels for CudaKernels {
     }
 
     fn begin_capture(&self) -> Result<bool, KernelError> {
-        // SAFETY: the decode step's buffers live on this one stream, so cudarc's events between
-        // streams order nothing; and a capture may not wait on an event recorded before it.
-        unsafe { self.gpu.stream.context().disable_event_tracking() };
-        self.gpu
-            .stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        Ok(true)
+        super::graph::begin_capture(&self.gpu)
     }
 
     fn end_capture(&self) -> Result<Option<StepGraph>, KernelError> {
-        let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
-        Ok(graph.map(StepGraph))
+        super::graph::end_capture(&self.gpu)
     }
 
     fn launch_graph(&self, graph: &StepGraph) -> Result<(), KernelError> {
-        Ok(graph.0.launch()?)
+        graph.launch()
     }
 
     fn zeros(&self, len: usize) -> Result<CudaSlice<f32>, KernelError> {
@@ -346,14 +313,7 @@ impl Kernels for CudaKernels {
     }
 
     fn fill_nan(&self, x: &mut CudaSlice<f32>) -> Result<(), KernelError> {
-        let f = function(&self.gpu.moe_align, "fill_nan")?;
-        let n = x.len() as i64;
-        let config = blocks(x.len(), 256, "values")?;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(x).arg(&n);
-        // SAFETY: `fill_nan(float*, long long)` over the whole buffer.
-        unsafe { launch.launch(config)? };
-        Ok(())
+        self.gpu.launch_fill_nan(x)
     }
 
     fn embed_rows(
@@ -727,37 +687,13 @@ impl Kernels for CudaKernels {
             scale,
             parts: crate::step::kernels::FAST_ATTENTION_PARTS,
         };
-        let n = tokens * heads * (nope + rope);
-        if out.len() < n {
-            return Err(KernelError::Shape("attn_fast output".into()));
-        }
-        let key = (tokens, heads, nope, rope, scale.to_bits(), shape.parts);
-        let mut kept = self
-            .attn_scratch
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let scratch = match kept.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => {
-                let scratch = e.into_mut();
-                // Poisoned again, on the device, so a value this launch leaves unwritten
-                // shows as NaN rather than as the last step's.
-                for buf in scratch.values_mut() {
-                    self.fill_nan(buf)?;
-                }
-                scratch
-            }
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(self.gpu.attn_fp8_scratch(tokens, shape)?)
-            }
-        };
         // The arena's bytes are the kernel's pool (whole rows inside it: checked by the caller).
-        self.gpu
-            .launch_attn_decode_fp8(q, pool, offsets, starts, sinks, scratch)?;
-        let mut view = out.slice_mut(0..n);
-        Ok(self
-            .gpu
-            .stream
-            .memcpy_dtod(&scratch.out.slice(0..n), &mut view)?)
+        self.gpu.attn_decode_fp8_kept(
+            &self.attn_scratch,
+            (q, pool, offsets, starts, sinks),
+            (tokens, shape),
+            out,
+        )
     }
 
     fn moe_route(
@@ -832,23 +768,10 @@ impl Kernels for CudaKernels {
     fn argmax_rows(
         &self,
         x: &CudaSlice<f32>,
-        (rows, width): (usize, usize),
+        shape: (usize, usize),
         out: &mut CudaSlice<i32>,
     ) -> Result<(), KernelError> {
-        if x.len() < rows * width || out.len() < 2 * rows || width > i32::MAX as usize {
-            return Err(KernelError::Shape("argmax_rows buffers".into()));
-        }
-        if rows == 0 {
-            return Ok(());
-        }
-        let f = function(&self.gpu.step, "argmax_rows")?;
-        let width_l = width as i64;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(x).arg(&width_l).arg(out);
-        // SAFETY: `argmax_rows(const float*, long long, int*)`: a block of 256 threads per row
-        // (its shared arrays are 256 long), `x` holds `rows * width` values, `out` `2 * rows`.
-        unsafe { launch.launch(per_item(rows, 256, "rows")?)? };
-        Ok(())
+        self.gpu.launch_argmax_rows(x, shape, out)
     }
 
     fn moe_combine(

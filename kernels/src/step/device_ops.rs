@@ -12,10 +12,11 @@ use std::{cell::RefCell, ops::Range, sync::Arc};
 use engine::{config::ModelConfig, model::Model, paged::layout::RowFormat, rope::Rope};
 
 use super::{
-    Comp, Compressed, IndexAt, Lin, Mixed, Norm, Proj, RopeKind, RowOp, StepOps, Sub, TokenKeys,
-    View, WindowClose,
+    Comp, IndexAt, Lin, Mixed, Norm, Proj, RopeKind, RowOp, StepOps, Sub, TokenKeys, View,
+    WindowClose,
     device_model::{DeviceModel, at_layer},
     kernels::{HyperSpec, Kernels, RowSpec},
+    key_plan::{Fill, KeyPlan},
     layout::kv_stride,
     pool::{self, BufPool, PlanStore, StepBuf},
 };
@@ -766,60 +767,4 @@ pub(super) fn padded_keys(most: usize) -> usize {
 
 fn non_empty(v: &[i64]) -> Vec<i64> {
     if v.is_empty() { vec![0] } else { v.to_vec() }
-}
-
-/// The indexer choice's slots of a token in a [`KeyPlan`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fill {
-    /// The token (its row of the chosen indices).
-    pub token: usize,
-    /// Where its slots start in the offsets.
-    pub at: i64,
-    pub count: usize,
-    /// Byte offset of its first compressed row.
-    pub base: i64,
-}
-
-/// Every token's key offsets for `attn_exact` (bytes, CSR by `starts`), with the indexer's
-/// choice left as -1 slots for `chosen_offsets` to fill.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyPlan {
-    pub offsets: Vec<i64>,
-    pub starts: Vec<i64>,
-    pub fills: Vec<Fill>,
-    /// The most keys a token has.
-    pub most: usize,
-}
-
-impl KeyPlan {
-    pub fn of(keys: &[TokenKeys], head_dim: usize) -> Self {
-        let row_bytes = 4 * head_dim as i64;
-        let (mut offsets, mut starts, mut fills) = (Vec::new(), vec![0i64], Vec::new());
-        for (token, tk) in keys.iter().enumerate() {
-            offsets.extend(tk.window.iter().map(|&o| 4 * o));
-            match tk.compressed {
-                Compressed::None => {}
-                Compressed::All { rows, count } => {
-                    offsets.extend((0..count as i64).map(|i| 4 * rows + i * row_bytes));
-                }
-                Compressed::Chosen { rows, count } => {
-                    fills.push(Fill {
-                        token,
-                        at: offsets.len() as i64,
-                        count,
-                        base: 4 * rows,
-                    });
-                    offsets.extend(std::iter::repeat_n(-1, count));
-                }
-            }
-            starts.push(offsets.len() as i64);
-        }
-        let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as usize;
-        Self {
-            offsets,
-            starts,
-            fills,
-            most,
-        }
-    }
 }
