@@ -113,17 +113,9 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
 /// prints both step times.
 #[test]
 fn gpu_graph_steps_give_the_eager_steps_bits() {
-    use kernels::step::{
-        decode::{Seat, decode_step, read_logits},
-        device_ops::DeviceStepOps,
-        layout::StateLayout,
-        replay::{Replays, graph_step},
-        staged::Staged,
-    };
     let Some(gpu) = Gpu::for_test("gpu_graph_steps_give_the_eager_steps_bits") else {
         return;
     };
-    let gpu = Arc::new(gpu);
     let dir = tempfile::tempdir().unwrap();
     generate(&GenerateOptions {
         preset: Preset::Tiny,
@@ -134,64 +126,7 @@ fn gpu_graph_steps_give_the_eager_steps_bits() {
     })
     .unwrap();
     let model = Model::load(dir.path()).unwrap();
-    let c = &model.config;
-    let (sequences, steps) = (2, 80u64);
-    let layout = StateLayout::stored(c, sequences, steps as usize + 1, model.kv_rows());
-    let open = || {
-        let ops =
-            DeviceStepOps::new(Staged::new(CudaKernels::new(Arc::clone(&gpu))), &model).unwrap();
-        let arenas = layout.arenas(&ops).unwrap();
-        let seats: Vec<Seat> = (0..sequences).map(|slot| Seat { slot, len: 0 }).collect();
-        (ops, arenas, seats)
-    };
-    let (eager, mut eager_arenas, mut eager_seats) = open();
-    let (graphs, mut graph_arenas, mut graph_seats) = open();
-    let mut replays = Replays::default();
-    let mut rng = Rng::for_tensor(13, "gpu-graphs");
-    let (mut eager_time, mut graph_time) = (0.0, 0.0);
-    for step in 0..steps {
-        let next: Vec<u32> = (0..sequences)
-            .map(|_| (rng.next_u64() % c.vocab_size as u64) as u32)
-            .collect();
-        let started = std::time::Instant::now();
-        let want = decode_step(
-            &eager,
-            c,
-            &layout,
-            &mut eager_arenas,
-            &mut eager_seats,
-            &next,
-        )
-        .unwrap();
-        let took = started.elapsed().as_secs_f64();
-        let started = std::time::Instant::now();
-        let out = graph_step(
-            &graphs,
-            &mut replays,
-            (c, &layout),
-            &mut graph_arenas,
-            &graph_seats,
-            &next,
-        )
-        .unwrap()
-        .unwrap();
-        let got = read_logits(&graphs, c, &out, &mut graph_seats).unwrap();
-        if step >= 20 {
-            eager_time += took;
-            graph_time += started.elapsed().as_secs_f64();
-        }
-        for (w, g) in want.iter().flatten().zip(got.iter().flatten()) {
-            assert_eq!(w.to_bits(), g.to_bits(), "step {step}");
-        }
-    }
-    let stats = replays.stats;
-    let per = |t: f64| 1e3 * t / (steps - 20) as f64;
-    eprintln!(
-        "{stats:?}; steps 20..{steps}: eager {:.3} ms a step, with graphs {:.3} ms",
-        per(eager_time),
-        per(graph_time)
-    );
-    assert_eq!(stats.fell_back, 0, "{stats:?}");
+    let stats = crate::step::graphs_against_eager(&Arc::new(gpu), &model, "tiny", &[0, 0], 80);
     assert!(
         stats.captured > 0 && stats.replayed > stats.captured,
         "{stats:?}"

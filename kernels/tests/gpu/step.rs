@@ -156,13 +156,13 @@ fn check_model(
 /// `steps` steps of the sequences of `lengths` replayed as CUDA graphs (`graph_step`, padded to
 /// a batch size with a shared slot) against eager steps, bit for bit; prints both step times
 /// over the steps after the first 8 (when graphs were recorded).
-fn graphs_against_eager(
+pub(crate) fn graphs_against_eager(
     gpu: &Arc<Gpu>,
     model: &Model,
     what: &str,
     lengths: &[usize],
     steps: usize,
-) {
+) -> kernels::step::replay::ReplayStats {
     use kernels::step::{
         decode::read_logits,
         device_ops::DeviceStepOps,
@@ -244,6 +244,7 @@ fn graphs_against_eager(
         per(graph_time)
     );
     assert_eq!(replays.stats.fell_back, 0, "{:?}", replays.stats);
+    replays.stats
 }
 
 #[test]
@@ -299,12 +300,8 @@ fn gpu_decode_step_of_flash_shape() {
     check_model(&gpu, &model, (what, Held::Bits), &lengths, 3);
     let what = "flash-shape, 4 layers, FP8 K=V rows, fast attention";
     check_model(&gpu, &model, (what, Held::Greedy(0.02)), &lengths, 3);
-    graphs_against_eager(
-        &gpu,
-        &model,
-        "flash-shape, 4 layers, FP8 K=V rows",
-        &lengths,
-        24,
-    );
+    let what = "flash-shape, 4 layers, FP8 K=V rows";
+    let stats = graphs_against_eager(&gpu, &model, what, &lengths, 24);
+    assert!(stats.replayed > stats.captured, "{stats:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
