@@ -365,7 +365,7 @@ fn open_emulated_decode(
     }
     if step.graphs {
         decoder = decoder
-            .with_graphs()
+            .with_graphs(|_, _| Ok(()))
             .map_err(|e| unavailable(e.to_string()))?;
     }
     Ok(Box::new(decoder))
@@ -403,7 +403,12 @@ fn open_cuda_decode(
         decoder = decoder.with_fast_experts();
     }
     if step.graphs {
-        decoder = decoder.with_graphs().map_err(cuda_unavailable)?;
+        // The graphs' shared slot, checked as the arenas were.
+        let room = |k: &CudaKernels, bytes: usize| {
+            let memory = k.gpu.memory()?;
+            check_arena_room(bytes, memory).map_err(crate::cuda::KernelError::from)
+        };
+        decoder = decoder.with_graphs(room).map_err(cuda_unavailable)?;
     }
     Ok(Box::new(decoder))
 }

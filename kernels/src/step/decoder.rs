@@ -102,16 +102,31 @@ impl<K: Kernels> StepDecoder<K> {
 
     /// Replays steps as graphs from now on ([`graph_step`]: recorded where the device
     /// records, the launch pass run where it does not), padded to batch sizes with seats of
-    /// a shared slot the arenas gain (one slot's bytes more; before any state is loaded).
-    pub fn with_graphs(mut self) -> Result<Self, K::Error> {
+    /// a shared slot the arenas gain (one slot's bytes more, once `room` says those bytes fit;
+    /// before any state is loaded).
+    pub fn with_graphs(
+        mut self,
+        room: impl FnOnce(&K, usize) -> Result<(), K::Error>,
+    ) -> Result<Self, K::Error> {
         if self.loaded {
             return Err("graphs are turned on before any state is loaded"
                 .to_owned()
                 .into());
         }
-        self.layout = self.layout.clone().with_shared_slot();
+        let layout = self.layout.clone().with_shared_slot();
+        // What the shared slot adds, checked while the old arenas still hold their bytes.
+        let bytes = |layout: &StateLayout| -> usize {
+            (0..self.config.layers.len())
+                .map(|l| 4 * layout.arena_len(l))
+                .sum()
+        };
+        room(
+            self.ops.kernels().inner(),
+            bytes(&layout) - bytes(&self.layout),
+        )?;
         // The old arenas go first: both would not fit where the state fills the device.
         self.arenas = Vec::new();
+        self.layout = layout;
         self.arenas = self.layout.arenas(&self.ops)?;
         self.replays = Some(Replays::default());
         self.name = format!("{}, graphs", self.name);
@@ -362,7 +377,7 @@ mod tests {
             let mut decoder =
                 StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
             if graphs {
-                decoder = decoder.with_graphs().unwrap();
+                decoder = decoder.with_graphs(|_, _| Ok(())).unwrap();
             }
             let mut engine = Engine::new(model.replica(), c, "t").unwrap();
             engine.set_decode_device(Box::new(decoder)).unwrap();
@@ -455,7 +470,7 @@ mod tests {
             let mut d =
                 StepDecoder::new("emulated", kernels, &model, (3, 64), |_, _| Ok(())).unwrap();
             if graphs {
-                d = d.with_graphs().unwrap();
+                d = d.with_graphs(|_, _| Ok(())).unwrap();
             }
             for (slot, prompt) in prompts.iter().enumerate() {
                 let mut state = model.new_state();
@@ -467,7 +482,10 @@ mod tests {
             d
         };
         let (mut plain, mut greedy, mut graphs) = (open(false), open(false), open(true));
-        assert!(open(false).with_graphs().is_err(), "after a load");
+        assert!(
+            open(false).with_graphs(|_, _| Ok(())).is_err(),
+            "after a load"
+        );
         let argmax = [true, false, true];
         let mut runs = Vec::new();
         for step in 0..6 {
@@ -500,6 +518,39 @@ mod tests {
         }
         // The same three sequences step after step: the later steps run as a graph would.
         assert!(runs.contains(&Some(DeviceRun::LaunchPass)), "{runs:?}");
+    }
+
+    /// Turning graphs on asks for the shared slot's bytes (one slot's arenas) and is refused
+    /// with the room's words when they do not fit.
+    #[test]
+    fn graphs_ask_room_for_their_shared_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 6,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let model = Model::load(dir.path()).unwrap();
+        let open = || {
+            let kernels = EmulatedKernels::new(&model.config);
+            StepDecoder::new("emulated", kernels, &model, (3, 64), |_, _| Ok(())).unwrap()
+        };
+        let one_slot = arena_bytes(&model.config, 1, 64, model.kv_rows());
+        let refused = open()
+            .with_graphs(|_, bytes| Err(crate::step::ShapeError(format!("{bytes} bytes"))))
+            .unwrap_err();
+        assert_eq!(refused.to_string(), format!("{one_slot} bytes"));
+        let asked = std::cell::Cell::new(0);
+        let d = open()
+            .with_graphs(|_, bytes| {
+                asked.set(bytes);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!((asked.get(), d.slots()), (one_slot, 3));
     }
 
     /// The arenas' bytes: the window ring of every layer, the compressors' rows at their

@@ -94,7 +94,7 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
         let mut decoder =
             StepDecoder::new("cuda", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
         if graphs {
-            decoder = decoder.with_graphs().unwrap();
+            decoder = decoder.with_graphs(|_, _| Ok(())).unwrap();
         }
         let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
         engine.set_decode_device(Box::new(decoder)).unwrap();
