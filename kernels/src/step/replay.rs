@@ -42,6 +42,8 @@ pub struct Replays<G> {
     seen: Vec<Signature>,
     /// Why recordings failed, each logged once.
     reasons: Vec<String>,
+    /// Signatures whose recording failed once.
+    failed: Vec<Signature>,
     pub stats: ReplayStats,
 }
 
@@ -51,16 +53,27 @@ impl<G> Default for Replays<G> {
             kept: Vec::new(),
             seen: Vec::new(),
             reasons: Vec::new(),
+            failed: Vec::new(),
             stats: ReplayStats::default(),
         }
     }
 }
 
 impl<G> Replays<G> {
-    /// A recording failed (`why`): counted, and logged the first time for each reason, so an
-    /// operator learns why steps are not replayed without a line per step.
-    fn fell_back(&mut self, why: &str) {
+    /// Recording `sig` failed (`why`): counted, and logged the first time for each reason, so
+    /// an operator learns why steps are not replayed without a line per step. A signature
+    /// that failed twice is kept without a graph: its steps run their launch pass and are not
+    /// recorded again.
+    fn fell_back(&mut self, sig: Signature, why: &str) {
         self.stats.fell_back += 1;
+        if self.failed.contains(&sig) {
+            self.keep(sig, None);
+        } else {
+            if self.failed.len() == KEPT {
+                self.failed.remove(0);
+            }
+            self.failed.push(sig);
+        }
         if !self.reasons.iter().any(|r| r == why) && self.reasons.len() < KEPT {
             self.reasons.push(why.to_owned());
             tracing::warn!(
@@ -150,24 +163,29 @@ pub fn graph_step<K: Kernels>(
             return run_as_it_comes(ops, (c, layout), arenas, seats, tokens);
         }
     };
-    if let Some(i) = replays.kept.iter().position(|(s, _)| *s == sig) {
+    // Kept without a graph (the device records none, or gave up on this one): the launch
+    // pass runs; seen before: it is recorded.
+    let record = if let Some(i) = replays.kept.iter().position(|(s, _)| *s == sig) {
         replays.stats.matched += 1;
         if let Some(graph) = &replays.kept[i].1 {
             k.launch_graph(graph)?;
             replays.stats.replayed += 1;
             return Ok(Some(logits));
         }
-    } else if !replays.seen_again(sig) {
+        false
+    } else if replays.seen_again(sig) {
+        true
+    } else {
         drop(logits);
         return run_as_it_comes(ops, (c, layout), arenas, seats, tokens);
-    }
+    };
     // The launch pass takes the plan pass's buffers (each request the oldest free one).
     drop(logits);
     k.start(Pass::Launch);
-    let capturing = match k.begin_capture() {
+    let capturing = match if record { k.begin_capture() } else { Ok(false) } {
         Ok(capturing) => capturing,
         Err(e) => {
-            replays.fell_back(&e.to_string());
+            replays.fell_back(sig, &e.to_string());
             return run_as_it_comes(ops, (c, layout), arenas, seats, tokens);
         }
     };
@@ -193,7 +211,7 @@ pub fn graph_step<K: Kernels>(
                 (_, Err(e)) => format!("recording: {e}"),
                 _ => "the recording made other launches than the plan pass".to_owned(),
             };
-            replays.fell_back(&why);
+            replays.fell_back(sig, &why);
             run_as_it_comes(ops, (c, layout), arenas, seats, tokens)
         }
         // Launches ran over plans they may not match: the state cannot be trusted.
@@ -289,6 +307,26 @@ mod tests {
         let stats = staggered(&model, true, 100);
         eprintln!("{stats:?}");
         assert!(stats.matched > 0, "{stats:?}");
+    }
+
+    /// A signature whose recording failed twice is kept without a graph (its steps then run
+    /// their launch pass, never a third recording); one failure is retried.
+    #[test]
+    fn a_signature_that_fails_to_record_twice_is_not_recorded_again() {
+        let mut replays = Replays::<()>::default();
+        let sig = |hash| Signature {
+            hash,
+            launches: 3,
+            writes: 1,
+        };
+        replays.fell_back(sig(1), "capture refused");
+        replays.fell_back(sig(2), "capture refused");
+        assert!(replays.kept.is_empty());
+        replays.fell_back(sig(1), "another reason");
+        assert_eq!(replays.kept.len(), 1);
+        assert!(replays.kept[0].0 == sig(1) && replays.kept[0].1.is_none());
+        assert_eq!(replays.stats.fell_back, 3);
+        assert_eq!(replays.reasons.len(), 2, "each reason logged once");
     }
 
     /// A step's logits, by sequence.
