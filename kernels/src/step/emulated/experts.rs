@@ -58,63 +58,61 @@ pub(super) fn moe_route(
 
 pub(super) fn exact_pairs(
     stack: &[Weight],
-    (tokens, experts): (&[i32], &[i32]),
+    pairs_of: (&[i32], &[i32]),
     x: &[f32],
     pairs: usize,
     y: &mut [f32],
 ) -> Result<(), ShapeError> {
-    let (_, rows, cols) = stack_shape(stack);
-    for p in 0..pairs {
-        let out = match usize::try_from(experts[p]).ok().and_then(|e| stack.get(e)) {
-            Some(w) => {
-                let t = index(i64::from(tokens[p]), "pair token")?;
-                w.apply(&part(x, t * cols, cols, "pairs input")?)
-            }
-            None => vec![f32::NAN; rows],
-        };
-        store(y, p * rows, &out)?;
-    }
-    Ok(())
+    each_pair(stack, pairs_of, (x, pairs, y), |w, xt| Ok(w.apply(xt)))
 }
 
 pub(super) fn fast_pairs(
     stack: &[Weight],
-    (tokens, experts): (&[i32], &[i32]),
+    pairs_of: (&[i32], &[i32]),
     x: &[f32],
     pairs: usize,
     y: &mut [f32],
+) -> Result<(), ShapeError> {
+    let (_, rows, cols) = stack_shape(stack);
+    each_pair(stack, pairs_of, (x, pairs, y), |w, xt| {
+        let fast = |e: engine::quant::QuantError| ShapeError(e.to_string());
+        match w.form() {
+            WeightForm::Nvfp4 {
+                packed,
+                scales,
+                scale_2,
+            } => crate::cpu::nvfp4_gemv(
+                packed.as_slice(),
+                scales.as_slice(),
+                *scale_2,
+                xt,
+                rows,
+                cols,
+            )
+            .map_err(fast),
+            WeightForm::Mxfp4 { packed, scales } => {
+                crate::cpu::mxfp4_gemv(packed.as_slice(), scales.as_slice(), xt, rows, cols)
+                    .map_err(fast)
+            }
+            _ => Err(err("fast pairs: experts that are not FP4")),
+        }
+    })
+}
+
+/// Pair p's expert `experts[p]` applied (`apply`) to row `tokens[p]` of `x`, into row p of
+/// `y`; an expert outside the stack gives a NaN row, as the kernels do.
+fn each_pair(
+    stack: &[Weight],
+    (tokens, experts): (&[i32], &[i32]),
+    (x, pairs, y): (&[f32], usize, &mut [f32]),
+    apply: impl Fn(&Weight, &[f32]) -> Result<Vec<f32>, ShapeError>,
 ) -> Result<(), ShapeError> {
     let (_, rows, cols) = stack_shape(stack);
     for p in 0..pairs {
         let out = match usize::try_from(experts[p]).ok().and_then(|e| stack.get(e)) {
             Some(w) => {
                 let t = index(i64::from(tokens[p]), "pair token")?;
-                let xt = part(x, t * cols, cols, "pairs input")?;
-                let fast = |e: engine::quant::QuantError| ShapeError(e.to_string());
-                match w.form() {
-                    WeightForm::Nvfp4 {
-                        packed,
-                        scales,
-                        scale_2,
-                    } => crate::cpu::nvfp4_gemv(
-                        packed.as_slice(),
-                        scales.as_slice(),
-                        *scale_2,
-                        &xt,
-                        rows,
-                        cols,
-                    )
-                    .map_err(fast)?,
-                    WeightForm::Mxfp4 { packed, scales } => crate::cpu::mxfp4_gemv(
-                        packed.as_slice(),
-                        scales.as_slice(),
-                        &xt,
-                        rows,
-                        cols,
-                    )
-                    .map_err(fast)?,
-                    _ => return Err(err("fast pairs: experts that are not FP4")),
-                }
+                apply(w, &part(x, t * cols, cols, "pairs input")?)?
             }
             None => vec![f32::NAN; rows],
         };
