@@ -680,13 +680,7 @@ impl Kernels for CudaKernels {
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let shape = crate::attn_fp8::Fp8AttnShape {
-            heads,
-            nope,
-            rope,
-            scale,
-            parts: crate::step::kernels::FAST_ATTENTION_PARTS,
-        };
+        let shape = crate::step::kernels::fast_attention_shape(heads, (nope, rope), scale);
         // The arena's bytes are the kernel's pool (whole rows inside it: checked by the caller).
         self.gpu.attn_decode_fp8_kept(
             &self.attn_scratch,

@@ -128,14 +128,7 @@ impl<K: Kernels> DeviceStepOps<K> {
                 .into());
         };
         // The kernel's own shape check, here once rather than at the first step.
-        crate::attn_fp8::Fp8AttnShape {
-            heads: self.config.num_heads,
-            nope,
-            rope,
-            scale: 1.0,
-            parts: super::kernels::FAST_ATTENTION_PARTS,
-        }
-        .check()?;
+        super::kernels::fast_attention_shape(self.config.num_heads, (nope, rope), 1.0).check()?;
         self.fast_attention = true;
         Ok(self)
     }

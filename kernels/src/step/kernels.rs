@@ -17,6 +17,22 @@ use super::Proj;
 /// fixed, so the device and the kernels' emulation cut the same splits.
 pub const FAST_ATTENTION_PARTS: usize = 64;
 
+/// `attn_fast`'s kernel shape for `heads` heads of FP8 rows of `nope + rope` values: the
+/// device's and the emulation's alike.
+pub fn fast_attention_shape(
+    heads: usize,
+    (nope, rope): (usize, usize),
+    scale: f32,
+) -> crate::attn_fp8::Fp8AttnShape {
+    crate::attn_fp8::Fp8AttnShape {
+        heads,
+        nope,
+        rope,
+        scale,
+        parts: FAST_ATTENTION_PARTS,
+    }
+}
+
 /// `norm_rope_rows`' shape: rows of `heads` heads of `head_dim`, per head the norm (`0` none,
 /// `1` unweighted, `2` weighted by the device vector), then the rotation of the trailing `rope`
 /// dims by each row's (sin, cos) pairs.

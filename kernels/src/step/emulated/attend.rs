@@ -102,13 +102,7 @@ pub(super) fn attn_fast(
     scale: f32,
     out: &mut [f32],
 ) -> Result<(), ShapeError> {
-    let shape = crate::attn_fp8::Fp8AttnShape {
-        heads,
-        nope,
-        rope,
-        scale,
-        parts: crate::step::kernels::FAST_ATTENTION_PARTS,
-    };
+    let shape = crate::step::kernels::fast_attention_shape(heads, (nope, rope), scale);
     shape.check()?;
     let dim = nope + rope;
     let bytes: Vec<u8> = pool
