@@ -262,16 +262,24 @@ fn fast_attention_stays_within_its_bound_and_keeps_greedy_tokens() {
         .unwrap();
     let reads = || ops.kernels().take_reads();
     let runs = run_on(&model, &ops, &reads, (&LENGTHS, &SLOTS, STEPS), false);
-    let argmax = |v: &[f32]| {
-        v.iter()
-            .enumerate()
-            .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
-            .0
-    };
+    let worst = greedy_kept(&runs, "fast attention");
+    eprintln!("fast attention: largest logit difference {worst:.2e} of the largest logit");
+    assert!(worst > 0.0, "bf16 rounding shows");
+    assert!(worst < 0.02, "{worst}");
+    let poisoned = run_on(&model, &ops, &reads, (&LENGTHS, &SLOTS, 1), true);
+    for (s, logits) in poisoned.device[0].iter().enumerate() {
+        assert_eq!(logits.iter().all(|v| v.is_nan()), s == 2, "sequence {s}");
+    }
+}
+
+/// Asserts the device's greedy token is the engine's at every step for every sequence, and
+/// returns the largest logit difference as a share of the engine's largest logit.
+fn greedy_kept(runs: &Runs, what: &str) -> f32 {
+    let argmax = |v: &[f32]| engine::sampling::argmax(v).unwrap();
     let mut worst = 0.0f32;
     for (step, (e, d)) in runs.engine.iter().zip(&runs.device).enumerate() {
         for (s, (a, b)) in e.iter().zip(d).enumerate() {
-            assert_eq!(argmax(a), argmax(b), "step {step}, sequence {s}");
+            assert_eq!(argmax(a), argmax(b), "{what}: step {step}, sequence {s}");
             let top = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let diff = a
                 .iter()
@@ -280,13 +288,7 @@ fn fast_attention_stays_within_its_bound_and_keeps_greedy_tokens() {
             worst = worst.max(diff / top);
         }
     }
-    eprintln!("fast attention: largest logit difference {worst:.2e} of the largest logit");
-    assert!(worst > 0.0, "bf16 rounding shows");
-    assert!(worst < 0.02, "{worst}");
-    let poisoned = run_on(&model, &ops, &reads, (&LENGTHS, &SLOTS, 1), true);
-    for (s, logits) in poisoned.device[0].iter().enumerate() {
-        assert_eq!(logits.iter().all(|v| v.is_nan()), s == 2, "sequence {s}");
-    }
+    worst
 }
 
 /// The fast routed experts (the grouped GEMV, f64 sums over the decoded weights in its CPU
@@ -302,23 +304,7 @@ fn fast_experts_stay_within_their_bound_and_keep_greedy_tokens() {
             .with_fast_experts();
         let reads = || ops.kernels().take_reads();
         let runs = run_on(&model, &ops, &reads, (&LENGTHS, &SLOTS, STEPS), false);
-        let argmax = |v: &[f32]| engine::sampling::argmax(v).unwrap();
-        let mut worst = 0.0f32;
-        for (step, (e, d)) in runs.engine.iter().zip(&runs.device).enumerate() {
-            for (s, (a, b)) in e.iter().zip(d).enumerate() {
-                assert_eq!(
-                    argmax(a),
-                    argmax(b),
-                    "{format:?}: step {step}, sequence {s}"
-                );
-                let top = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let diff = a
-                    .iter()
-                    .zip(b)
-                    .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-                worst = worst.max(diff / top);
-            }
-        }
+        let worst = greedy_kept(&runs, &format!("fast experts ({format:?})"));
         eprintln!("fast experts ({format:?}): largest logit difference {worst:.2e} of the largest");
         assert!(worst > 0.0, "{format:?}: another summation order shows");
         assert!(worst < 1e-4, "{format:?}: {worst}");
