@@ -289,6 +289,21 @@ mod tests {
     use super::*;
     use crate::step::emulated::EmulatedKernels;
 
+    /// The tiny checkpoint of `seed`, loaded.
+    fn tiny(seed: u64) -> (tempfile::TempDir, Model) {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let model = Model::load(dir.path()).unwrap();
+        (dir, model)
+    }
+
     fn config() -> EngineConfig {
         EngineConfig {
             page_size: 16,
@@ -347,16 +362,7 @@ mod tests {
     /// slot is the engine's.
     #[test]
     fn an_engine_decoding_on_the_device_step_gives_the_host_forwards_events() {
-        let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 4,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
-        let mut model = Model::load(dir.path()).unwrap();
+        let (_dir, mut model) = tiny(4);
         let c = config();
         let tokens = c.num_pages as usize * c.page_size;
         let requests = requests(model.config.vocab_size);
@@ -447,16 +453,7 @@ mod tests {
     /// the argmaxes of the rows a plain step gives (and that row), with graphs or without.
     #[test]
     fn greedy_sequences_read_back_their_argmax_only() {
-        let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 6,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
-        let model = Model::load(dir.path()).unwrap();
+        let (_dir, model) = tiny(6);
         let vocab = model.config.vocab_size;
         let mut rng = Rng::for_tensor(2, "argmax");
         let mut random = |n: usize| -> Vec<u32> {
@@ -524,16 +521,7 @@ mod tests {
     /// with the room's words when they do not fit.
     #[test]
     fn graphs_ask_room_for_their_shared_slot() {
-        let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 6,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
-        let model = Model::load(dir.path()).unwrap();
+        let (_dir, model) = tiny(6);
         let open = || {
             let kernels = EmulatedKernels::new(&model.config);
             StepDecoder::new("emulated", kernels, &model, (3, 64), |_, _| Ok(())).unwrap()
