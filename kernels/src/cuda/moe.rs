@@ -137,12 +137,7 @@ impl Gpu {
             return Ok(());
         }
         let (pairs_i, experts_i) = (pairs as i32, experts as i32);
-        let len = (pairs * n) as i64;
-        let fill = self.moe_align.load_function("fill_nan")?;
-        let mut launch = self.stream.launch_builder(&fill);
-        launch.arg(&mut *out).arg(&len);
-        // SAFETY: `fill_nan(float*, long long)`; `out` holds `len` values (checked).
-        unsafe { launch.launch(LaunchConfig::for_num_elems(len as u32))? };
+        self.launch_fill_nan_first(out, pairs * n)?;
         let zero = self.moe_align.load_function("moe_zero")?;
         let mut launch = self.stream.launch_builder(&zero);
         launch.arg(&mut g.counts).arg(&experts_i);

@@ -174,12 +174,23 @@ impl Gpu {
 impl Gpu {
     /// Every value of `x` NaN (`fill_nan`, on the device).
     pub fn launch_fill_nan(&self, x: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        let n = x.len();
+        self.launch_fill_nan_first(x, n)
+    }
+
+    /// The first `n` values of `x` NaN (at most its length).
+    pub fn launch_fill_nan_first(
+        &self,
+        x: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let n = n.min(x.len());
         let f = self.moe_align.load_function("fill_nan")?;
-        let n = x.len() as i64;
-        let grid = grid_dim(x.len().div_ceil(256).max(1), "values")?;
+        let grid = grid_dim(n.div_ceil(256).max(1), "values")?;
+        let n_arg = n as i64;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(x).arg(&n);
-        // SAFETY: `fill_nan(float*, long long)` over the whole buffer.
+        launch.arg(x).arg(&n_arg);
+        // SAFETY: `fill_nan(float*, long long)` over the first `n` values, `n` within `x`.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (grid, 1, 1),
