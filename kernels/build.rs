@@ -35,6 +35,10 @@ const TENSOR_CORE_OPCODES: &[(&str, &str, &str)] = &[
     ("nvfp4_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
     ("nvfp4_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
     ("nvfp4_gemm", "sm_120a", "HMMA.16816.F32.BF16"),
+    // Dense bf16 / FP8-block weights dequantized to bf16 on WMMA (not wgmma yet).
+    ("dense_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
+    ("dense_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
+    ("dense_gemm", "sm_120a", "HMMA.16816.F32.BF16"),
     // Decode attention with the heads as the M side of bf16 mma.sync (not wgmma yet).
     ("attn_decode_fp8", "sm_90a", "HMMA.16816.F32.BF16"),
     ("attn_decode_fp8", "sm_100a", "HMMA.16816.F32.BF16"),

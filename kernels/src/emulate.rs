@@ -21,8 +21,11 @@
 //! - [`nvfp4_gemm_bf16`]: `nvfp4_gemm.cu` (the sm_90 path: FP4 dequantized to bf16 in shared
 //!   memory, WMMA bf16 tensor cores), its staging, fragment origins and masked store around a
 //!   model of the WMMA API.
+//! - [`dense_gemm`]: `dense_gemm.cu` (bf16 and FP8-block weights dequantized to bf16 on WMMA
+//!   tensor cores, K split over grid z and summed in split order), on the same WMMA model.
 
 mod attn_fp8;
+mod dense_gemm;
 mod exact_dots;
 mod mma_sm120;
 mod moe_grouped;
@@ -31,6 +34,7 @@ mod topk_radix;
 mod wmma_bf16;
 
 pub use attn_fp8::{Mma, Tamper, attn_decode_fp8};
+pub use dense_gemm::dense_gemm;
 pub use exact_dots::exact_dots;
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 pub use moe_grouped::{StackedExperts, moe_grouped_gemm};

@@ -59,6 +59,10 @@
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,
 //!   the shared expert, attention's linears).
+//! - `dense_gemm.cu` `dense_gemm_bf16`, `dense_gemm_fp8_block`, `sum_splits` —
+//!   [`dense_gemm::reference`] (the same dense weights on WMMA bf16 tensor cores, each weight
+//!   byte read once per 64 activation rows, K split by [`dense_gemm::splits`]; emulated in CI
+//!   by [`emulate::dense_gemm`]).
 //!
 //! [`step`] is the decode step written once over the device ops it needs, its state in
 //! per-layer arenas; over the engine's own ops ([`step::cpu_ops`]) it is `Model::forward` bit
@@ -97,6 +101,7 @@ pub mod cost;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dense_gemm;
 pub mod emulate;
 pub mod gpu_test;
 pub mod moe_group;

@@ -450,3 +450,124 @@ fn a_wrong_wmma_staging_is_caught() {
         );
     }
 }
+
+/// A random dense weight of `rows x k` in `form` ("bf16", "fp8" with power-of-two scales,
+/// "fp8-any" with scales that are not): its bytes and (FP8) scales.
+fn dense_weight(rng: &mut Rng, form: &str, rows: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    if form == "bf16" {
+        let bytes = (0..rows * k)
+            .flat_map(|_| engine::formats::f32_to_bf16(rng.normal()).to_le_bytes())
+            .collect();
+        return (bytes, Vec::new());
+    }
+    // Any e4m3 code but the two NaNs.
+    let codes = (0..rows * k)
+        .map(|_| match (rng.next_u64() % 256) as u8 {
+            0x7F | 0xFF => 0x38,
+            code => code,
+        })
+        .collect();
+    let scales = (0..rows.div_ceil(128) * k.div_ceil(128))
+        .map(|_| {
+            let power = 2f32.powi((rng.next_u64() % 9) as i32 - 4);
+            if form == "fp8" {
+                power
+            } else {
+                power * (1.0 + rng.uniform())
+            }
+        })
+        .collect();
+    (codes, scales)
+}
+
+fn dense_rows<'a>(form: &str, w: &'a (Vec<u8>, Vec<f32>)) -> crate::dense_gemm::DenseRows<'a> {
+    if form == "bf16" {
+        crate::dense_gemm::DenseRows::Bf16(&w.0)
+    } else {
+        crate::dense_gemm::DenseRows::Fp8Block {
+            codes: &w.0,
+            scales: &w.1,
+        }
+    }
+}
+
+/// The dense GEMM's split of K, staging (both weight forms, rows from any `row0`, scales of
+/// any value), live bands, masked store and split sum compute the reference product within
+/// its bound at shapes that are not tile multiples, split or not; NaN in, NaN out.
+#[test]
+fn the_dense_gemms_tiles_and_splits_compute_the_reference_product() {
+    use crate::dense_gemm::{bound, mismatches, reference, splits};
+    let mut rng = Rng::for_tensor(20, "emulate-dense-gemm");
+    let mut split_runs = 0;
+    for form in ["bf16", "fp8", "fp8-any"] {
+        for (m, n, k, row0, sms) in [
+            (1usize, 1usize, 16usize, 0usize, 132usize),
+            (3, 5, 48, 7, 1),
+            (65, 130, 600, 100, 1),
+            (2, 70, 1100, 130, 132),
+            (33, 40, 2000, 0, 132),
+            (0, 8, 32, 0, 132),
+            (5, 0, 32, 0, 132),
+        ] {
+            let w = dense_weight(&mut rng, form, row0 + n + 3, k);
+            let rows = dense_rows(form, &w);
+            let mut a: Vec<f32> = (0..m * k).map(|_| rng.normal() * 3.0).collect();
+            if m > 1 && k > 0 {
+                a[k + k / 2] = f32::NAN;
+            }
+            let plan = splits(m, n, k, sms);
+            split_runs += usize::from(plan.0 > 1);
+            let got = dense_gemm(&a, rows, row0, (m, n, k), plan);
+            let want = reference(&a, rows, row0, (m, n, k)).unwrap();
+            let limit = bound(&a, rows, row0, (m, n, k)).unwrap();
+            assert_eq!(
+                mismatches(&got, &want, &limit),
+                0,
+                "{form} {m}x{n}x{k} at row {row0}, plan {plan:?}"
+            );
+            if m > 1 && n > 0 {
+                assert!(got[n..2 * n].iter().all(|v| v.is_nan()), "a NaN row");
+            }
+        }
+    }
+    assert!(split_runs >= 6, "{split_runs} runs split K");
+}
+
+/// The check is sharp: each planted error in the dense GEMM's index math gives a product that
+/// is not the reference.
+#[test]
+fn a_wrong_dense_gemm_index_is_caught() {
+    use crate::dense_gemm::{bound, mismatches, reference, splits};
+    use dense_gemm::Plant;
+    let mut rng = Rng::for_tensor(21, "emulate-dense-gemm-plant");
+    let (m, n, k, row0) = (70, 150, 1100, 100);
+    let w = dense_weight(&mut rng, "fp8-any", row0 + n, k);
+    let rows = dense_rows("fp8-any", &w);
+    let a: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+    let want = reference(&a, rows, row0, (m, n, k)).unwrap();
+    let limit = bound(&a, rows, row0, (m, n, k)).unwrap();
+    let plan = splits(m, n, k, 132);
+    assert!(plan.0 > 1, "the plan splits K");
+    assert_eq!(
+        mismatches(
+            &dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, Plant::None),
+            &want,
+            &limit
+        ),
+        0
+    );
+    for plant in [
+        Plant::WRowMajor,
+        Plant::HalfOffset,
+        Plant::ScaleRowWithoutRow0,
+        Plant::LiveByColumn,
+        Plant::SplitStartsLate,
+        Plant::SumSkipsLast,
+    ] {
+        let got = dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, plant);
+        assert!(
+            mismatches(&got, &want, &limit) > 0,
+            "{plant:?} went unnoticed"
+        );
+    }
+}

@@ -15,7 +15,7 @@ use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, f32_to_bf16};
 pub(super) const BM: usize = 64;
 const BN: usize = 64;
 const BK: usize = 32;
-const LDS: usize = BK + 8;
+pub(super) const LDS: usize = BK + 8;
 const THREADS: usize = 128;
 
 /// A deliberate error in the kernel's index math, to show the emulation catches it.
@@ -32,7 +32,12 @@ pub(super) enum Plant {
 
 /// The WMMA model's 16 x 16 tile of `tile` (rows of `LDS` bf16 values) at (`row`, `col`):
 /// element (r, c) of the fragment, row- or column-major.
-fn load(tile: &[[f32; LDS]], row: usize, col: usize, column_major: bool) -> [[f32; 16]; 16] {
+pub(super) fn load(
+    tile: &[[f32; LDS]],
+    row: usize,
+    col: usize,
+    column_major: bool,
+) -> [[f32; 16]; 16] {
     let flat = |i: usize| tile[row + i / LDS][col + i % LDS];
     let mut out = [[0.0f32; 16]; 16];
     for (r, line) in out.iter_mut().enumerate() {
@@ -50,7 +55,7 @@ fn load(tile: &[[f32; LDS]], row: usize, col: usize, column_major: bool) -> [[f3
 /// `mma_sync`: `acc += a b` (a is 16 x K=16 by rows, b is K x 16 by rows), products exact,
 /// summed in f64 per step then added in f32 (the tensor cores' partial-sum rounding is within
 /// the tests' bound).
-fn mma(acc: &mut [[f32; 16]; 16], a: &[[f32; 16]; 16], b: &[[f32; 16]; 16]) {
+pub(super) fn mma(acc: &mut [[f32; 16]; 16], a: &[[f32; 16]; 16], b: &[[f32; 16]; 16]) {
     for (i, row) in acc.iter_mut().enumerate() {
         for (j, d) in row.iter_mut().enumerate() {
             let sum: f64 = (0..16)
