@@ -61,6 +61,20 @@ pub fn bf16_gemv(rows: usize, cols: usize, vectors: usize) -> Cost {
     }
 }
 
+/// `C = bf16(A) Wᵀ` for a dense weight `[n, k]` read once: bf16 (2 bytes a value) or FP8
+/// (1 byte a value and an f32 scale per 128 x 128 tile); f32 `A` `[m, k]` and `C` `[m, n]`.
+pub fn dense_gemm(m: usize, nn: usize, k: usize, fp8: bool) -> Cost {
+    let weight = if fp8 {
+        n(nn) * n(k) + 4 * n(nn.div_ceil(128)) * n(k.div_ceil(128))
+    } else {
+        2 * n(nn) * n(k)
+    };
+    Cost {
+        bytes: weight + 4 * n(m) * (n(k) + n(nn)),
+        flops: 2 * n(m) * n(nn) * n(k),
+    }
+}
+
 /// Decode attention (K = V): `batch` requests of `heads` query heads over `rows` rows each of
 /// `row_bytes` bytes and `dim` values: every row read once for all heads (the minimum; a kernel
 /// that reads it once per head moves `heads` times more), its 8-byte offset, f32 queries and
@@ -118,6 +132,15 @@ mod tests {
         assert!(g.bytes > 8 * 2048 * 7168 / 2);
         assert_eq!(bf16_gemv(10, 20, 3).bytes, 400 + 4 * 3 * 30);
         assert_eq!(nvfp4_gemm(2, 4, 32).flops, 2 * 2 * 4 * 32);
+        // The weight once for every row of A: 256 x 256 FP8 is 64 KiB and four tile scales.
+        assert_eq!(
+            dense_gemm(3, 256, 256, true).bytes,
+            65_536 + 16 + 4 * 3 * 512
+        );
+        assert_eq!(
+            dense_gemm(64, 256, 256, false).bytes - dense_gemm(32, 256, 256, false).bytes,
+            4 * 32 * 512
+        );
         assert_eq!(indexer(100, 8, 16, 4).flops, 2 * 100 * 8 * 16);
         // Each expert once however many pairs use it.
         let g = grouped_gemm(600, 100, 4, 64, 32);

@@ -9,6 +9,7 @@ mod attention_fp8;
 mod backend;
 mod compress;
 mod dense;
+mod dense_gemm;
 mod exact;
 mod fp4;
 mod graph;
@@ -28,6 +29,7 @@ pub use attention_fp8::{Fp8AttnScratch, KeptScratch};
 pub use backend::CudaBackend;
 pub use compress::Windows;
 pub use dense::{DenseWeight, HostDense};
+pub use dense_gemm::GemmWeight;
 pub use exact::{DeviceRows, PairStackRef, Routing, StoredExperts, StoredRows};
 pub use fp4::{DeviceExperts, GemvFormat};
 pub use graph::StepGraph;
@@ -72,6 +74,9 @@ pub struct Gpu {
     moe_act: Arc<CudaModule>,
     moe_align: Arc<CudaModule>,
     dense: Arc<CudaModule>,
+    dense_gemm: Arc<CudaModule>,
+    /// Streaming multiprocessors (the dense GEMM's split plan).
+    multiprocessors: usize,
     rows: Arc<CudaModule>,
     hyper: Arc<CudaModule>,
     exact: Arc<CudaModule>,
@@ -145,6 +150,10 @@ impl Gpu {
         let moe_act = load(fatbins::MOE_ACT)?;
         let moe_align = load(fatbins::MOE_ALIGN)?;
         let dense = load(fatbins::DENSE_GEMV)?;
+        let dense_gemm = load(fatbins::DENSE_GEMM)?;
+        let multiprocessors = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
         let rows = load(fatbins::KV_ROWS)?;
         let hyper = load(fatbins::HYPER)?;
         let exact = load(fatbins::EXACT_GEMV)?;
@@ -165,6 +174,8 @@ impl Gpu {
             moe_act,
             moe_align,
             dense,
+            dense_gemm,
+            multiprocessors: usize::try_from(multiprocessors).unwrap_or(1).max(1),
             rows,
             hyper,
             exact,

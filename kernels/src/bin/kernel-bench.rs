@@ -14,7 +14,7 @@ use cudarc::driver::CudaSlice;
 use engine::{quant, synth::Rng};
 use kernels::{
     cost::{self, Cost},
-    cuda::{AttnShape, DeviceExperts, GemvFormat, Gpu, KernelError},
+    cuda::{AttnShape, DenseWeight, DeviceExperts, GemmWeight, GemvFormat, Gpu, KernelError},
 };
 
 /// Shapes of the cases, shared by the analytic table and the timed runs.
@@ -38,6 +38,16 @@ const MOE_PREFILL: (usize, usize, usize, usize, usize) = (2048, 6, 256, 4096, 40
 /// Decode attention over the engine's 584-byte FP8 rows, all heads of a request per tile:
 /// 32 requests x 8192 rows, 64 heads (one GPU) and 16 (TP 4), 132 parts (an H100's SMs).
 const ATTN_FP8: (usize, usize, [usize; 2], usize) = (32, 8192, [64, 16], 132);
+
+/// Dense linears of V4-Flash through the dense GEMM: (name, FP8, m, n, k). A decode step of 32
+/// sequences through wq_b, the shared expert's gate (few tiles: K split) and the bf16 output
+/// head; a prefill chunk of 2048 tokens through a 4096 x 4096 FP8 linear.
+const DENSE: [(&str, bool, usize, usize, usize); 4] = [
+    ("wq_b", true, 32, 32_768, 1024),
+    ("shared gate", true, 32, 2048, 4096),
+    ("output head", false, 32, 129_280, 4096),
+    ("prefill", true, 2048, 4096, 4096),
+];
 
 /// The cases in table order, with their analytic costs.
 fn planned() -> Vec<Row> {
@@ -103,6 +113,19 @@ fn planned() -> Vec<Row> {
         format!("exact pairs MXFP4 {pairs} of {experts} experts {er}x{ec}"),
         cost::mxfp4_grouped_gemv(pairs, 1, er, ec),
     ));
+    for (what, fp8, m, n, k) in DENSE {
+        let form = if fp8 { "FP8" } else { "bf16" };
+        out.push(row(
+            format!("dense GEMM {form} ({what}) {m}x{n}x{k} (tensor cores)"),
+            cost::dense_gemm(m, n, k, fp8),
+        ));
+    }
+    // The FP8 GEMV the per-op backend runs, one weight read per vector, at wq_b's shape.
+    let (_, _, m, n, k) = DENSE[0];
+    out.push(row(
+        format!("FP8 GEMV per vector (wq_b) {m}x{n}x{k}"),
+        cost::dense_gemm(m, n, k, true),
+    ));
     out
 }
 
@@ -136,6 +159,16 @@ fn time(gpu: &Gpu, mut run: impl FnMut() -> Result<(), KernelError>) -> Result<f
         best = best.min(start.elapsed().as_secs_f64() / f64::from(calls));
     }
     Ok(best)
+}
+
+/// `count` random bytes, each and-ed with `mask`.
+fn random_bytes(rng: &mut Rng, count: usize, mask: u8) -> Vec<u8> {
+    let mut out: Vec<u8> = (0..count.div_ceil(8))
+        .flat_map(|_| rng.next_u64().to_le_bytes())
+        .map(|b| b & mask)
+        .collect();
+    out.truncate(count);
+    out
 }
 
 fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -318,6 +351,7 @@ fn main() -> Result<(), KernelError> {
     times.extend(time_attn_fp8(&gpu, &mut rng)?);
     times.extend(time_exact(&gpu, &mut rng)?);
     times.push(exact_pairs);
+    times.extend(time_dense(&gpu, &mut rng)?);
 
     for (row, t) in rows.iter_mut().zip(&times) {
         row.seconds = Some(*t);
@@ -382,6 +416,57 @@ fn time_exact(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
         )
     })?;
     Ok(vec![gemv, attn])
+}
+
+/// Times the dense GEMM on each of [`DENSE`], then the per-vector FP8 GEMV on the first.
+/// Weights are random bytes (finite values): the timing does not depend on them.
+fn time_dense(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
+    let mut times = Vec::with_capacity(DENSE.len() + 1);
+    for (_, fp8, m, n, k) in DENSE {
+        // FP8 codes below 0x78 (no NaN); bf16 bytes whose high byte keeps the value small.
+        let (w, scales) = if fp8 {
+            let scales: Vec<u8> = (0..n.div_ceil(128) * k.div_ceil(128))
+                .flat_map(|_| (1.0f32 / 256.0).to_le_bytes())
+                .collect();
+            (random_bytes(rng, n * k, 0x77), scales)
+        } else {
+            (random_bytes(rng, 2 * n * k, 0xBF), vec![0; 4])
+        };
+        let d_w = gpu.stream.clone_htod(&w)?;
+        let d_s = gpu.stream.clone_htod(&scales)?;
+        drop(w);
+        let weight = if fp8 {
+            GemmWeight::Fp8Block {
+                codes: &d_w,
+                scales: &d_s,
+            }
+        } else {
+            GemmWeight::Bf16(&d_w)
+        };
+        let a = gpu.stream.clone_htod(&random(rng, m * k))?;
+        let mut c: CudaSlice<f32> = gpu.stream.alloc_zeros(m * n)?;
+        let mut scratch: CudaSlice<f32> = gpu
+            .stream
+            .alloc_zeros(gpu.dense_gemm_scratch((m, n, k)).max(1))?;
+        times.push(time(gpu, || {
+            gpu.launch_dense_gemm(weight, 0, &a, (m, n, k), &mut scratch, &mut c)
+        })?);
+    }
+    let (_, _, m, n, k) = DENSE[0];
+    let d_w = gpu.stream.clone_htod(&random_bytes(rng, n * k, 0x77))?;
+    let d_s = gpu
+        .stream
+        .clone_htod(&vec![120u8; n.div_ceil(128) * k.div_ceil(128)])?;
+    let x = gpu.stream.clone_htod(&random(rng, m * k))?;
+    let mut y: CudaSlice<f32> = gpu.stream.alloc_zeros(m * n)?;
+    let weight = DenseWeight::Fp8Block {
+        w: &d_w,
+        scales: &d_s,
+    };
+    times.push(time(gpu, || {
+        gpu.launch_dense_gemv(weight, 0, &x, (n, k), m, &mut y)
+    })?);
+    Ok(times)
 }
 
 /// Times the grouped GEMM on [`MOE_PREFILL`] (uniform routing: every expert used).

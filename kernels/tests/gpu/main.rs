@@ -11,6 +11,7 @@ mod attn_exact;
 mod compress;
 mod cuda_backend;
 mod decoder;
+mod dense_gemm;
 mod device_pages;
 mod exact_gemv;
 mod fp4_gemv;
