@@ -91,6 +91,20 @@ mod tests {
         assert_eq!(c.worker.decode_experts, DecodeExperts::Fast);
     }
 
+    /// Fast decode linears from a flag or the environment.
+    #[test]
+    fn decode_linears_read_from_flags_and_environment() {
+        use worker_core::settings::DecodeLinears;
+        assert_eq!(load(&[], &[]).worker.decode_linears, DecodeLinears::Exact);
+        let c = load(&["--backend", "emulated", "--decode-linears", "fast"], &[]);
+        assert_eq!(c.worker.decode_linears, DecodeLinears::Fast);
+        let c = load(
+            &["--backend", "emulated"],
+            &[("PDSERVE_DECODE_LINEARS", "fast")],
+        );
+        assert_eq!(c.worker.decode_linears, DecodeLinears::Fast);
+    }
+
     /// Decode graphs from a flag or the environment.
     #[test]
     fn decode_graphs_read_from_flags_and_environment() {

@@ -431,21 +431,22 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
 
 /// A decode worker with the fast attention (`--decode-attention fast`: every head of a request
 /// against each tile of its FP8 rows, within the kernel's bound) and the fast routed experts
-/// (`--decode-experts fast`: the grouped FP4 GEMV) gives the greedy answers of one with the
-/// exact kernels, both on the emulated device with FP8 rows; its plan says so.
+/// (`--decode-experts fast`: the grouped FP4 GEMV) and the fast linears (`--decode-linears
+/// fast`: the dense GEMM on bf16 tensor cores) gives the greedy answers of one with the exact
+/// kernels, both on the emulated device with FP8 rows; its plan says so.
 #[test]
 fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
     let fp8 = ["--page-size", "16", "--kv-cache-dtype", "fp8"];
     let mut answers = Vec::new();
     for attention in ["exact", "fast"] {
-        // The fast variant runs the fast routed experts too.
+        // The fast variant runs the fast routed experts and linears too.
         let experts = if attention == "fast" { "fast" } else { "exact" };
         let mut command = integration_tests::pd::worker_command(
             "pdserve-decode",
             &[
                 &fp8[..],
                 &["--backend", "emulated", "--decode-attention", attention],
-                &["--decode-experts", experts],
+                &["--decode-experts", experts, "--decode-linears", experts],
             ]
             .concat(),
         );
@@ -463,7 +464,8 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
         let log = decode.stderr();
         assert_eq!(
             log.contains(
-                "emulated, fast attention, fast experts (the whole decode step on the device)"
+                "emulated, fast attention, fast experts, fast linears (the whole decode step on \
+                 the device)"
             ),
             attention == "fast",
             "{log}"

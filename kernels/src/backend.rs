@@ -213,6 +213,7 @@ pub enum EngineWork {
     DecodeOnly {
         fast_attention: bool,
         fast_experts: bool,
+        fast_linears: bool,
         graphs: bool,
     },
 }
@@ -254,12 +255,14 @@ pub fn start_engine(
         EngineWork::DecodeOnly {
             fast_attention,
             fast_experts,
+            fast_linears,
             graphs,
         } => (
             true,
             StepOptions {
                 fast_attention,
                 fast_experts,
+                fast_linears,
                 graphs,
             },
         ),
@@ -268,6 +271,7 @@ pub fn start_engine(
     for (asked, what) in [
         (step.fast_attention, "fast decode attention"),
         (step.fast_experts, "fast decode experts"),
+        (step.fast_linears, "fast decode linears"),
         (step.graphs, "decode graphs"),
     ] {
         if asked && !(decode_step && kind != BackendKind::Cpu) {
@@ -308,11 +312,17 @@ pub fn start_engine(
 
 /// What a device decode step does beyond the exact step.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[expect(
+    clippy::struct_excessive_bools,
+    reason = "independent switches of the device step, each a worker setting of its own"
+)]
 struct StepOptions {
     /// `attn_decode_fp8` instead of `attn_exact`.
     fast_attention: bool,
     /// The grouped FP4 GEMV instead of `exact_pairs`.
     fast_experts: bool,
+    /// The dense GEMM instead of `exact_gemv` for the bf16 and FP8 linears.
+    fast_linears: bool,
     /// Steps replayed as graphs (`crate::step::replay`).
     graphs: bool,
 }
@@ -363,6 +373,9 @@ fn open_emulated_decode(
     if step.fast_experts {
         decoder = decoder.with_fast_experts();
     }
+    if step.fast_linears {
+        decoder = decoder.with_fast_linears();
+    }
     if step.graphs {
         decoder = decoder
             .with_graphs(|_, _| Ok(()))
@@ -401,6 +414,9 @@ fn open_cuda_decode(
     }
     if step.fast_experts {
         decoder = decoder.with_fast_experts();
+    }
+    if step.fast_linears {
+        decoder = decoder.with_fast_linears();
     }
     if step.graphs {
         // The graphs' shared slot, checked as the arenas were.
@@ -511,16 +527,25 @@ mod tests {
         let fast = EngineWork::DecodeOnly {
             fast_attention: true,
             fast_experts: false,
+            fast_linears: false,
             graphs: false,
         };
         let graphs = EngineWork::DecodeOnly {
             fast_attention: false,
             fast_experts: false,
+            fast_linears: false,
             graphs: true,
         };
         let experts = EngineWork::DecodeOnly {
             fast_attention: false,
             fast_experts: true,
+            fast_linears: false,
+            graphs: false,
+        };
+        let linears = EngineWork::DecodeOnly {
+            fast_attention: false,
+            fast_experts: false,
+            fast_linears: true,
             graphs: false,
         };
         for (kind, work, hybrid) in [
@@ -530,6 +555,8 @@ mod tests {
             (BackendKind::Emulated, graphs, true),
             (BackendKind::Cpu, experts, false),
             (BackendKind::Emulated, experts, true),
+            (BackendKind::Cpu, linears, false),
+            (BackendKind::Emulated, linears, true),
         ] {
             let start = (kind, work);
             let refused = start_engine(
@@ -546,6 +573,8 @@ mod tests {
                 "fast decode attention"
             } else if work == graphs {
                 "decode graphs"
+            } else if work == linears {
+                "fast decode linears"
             } else {
                 "fast decode experts"
             };

@@ -48,6 +48,12 @@ impl ServiceConfig for PrefillConfig {
                 "a prefill worker does not decode: it takes no decode experts",
             ));
         }
+        if self.worker.decode_linears != worker_core::settings::DecodeLinears::Exact {
+            return Err(Invalid::new(
+                "decode_linears",
+                "a prefill worker does not decode: it takes no decode linears",
+            ));
+        }
         if self.worker.decode_graphs {
             return Err(Invalid::new(
                 "decode_graphs",
@@ -113,6 +119,22 @@ mod tests {
         let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
             .expect_err("refused");
         assert!(err.to_string().contains("decode_experts"), "{err}");
+    }
+
+    /// Nor does it take decode linears.
+    #[test]
+    fn decode_linears_are_refused() {
+        let cli = Cli::try_parse_from([
+            "pdserve-prefill",
+            "--decode-linears",
+            "fast",
+            "--backend",
+            "emulated",
+        ])
+        .expect("flags");
+        let err = common::config::load::<PrefillConfig>(None, std::iter::empty(), &cli)
+            .expect_err("refused");
+        assert!(err.to_string().contains("decode_linears"), "{err}");
     }
 
     /// Nor does it replay decode steps as graphs.

@@ -78,6 +78,18 @@ pub enum DecodeExperts {
     Fast,
 }
 
+/// How a decode worker's device step runs the bf16 and FP8 linears (attention, shared expert,
+/// output head; decode workers on `cuda` or `emulated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeLinears {
+    /// `exact_gemv`: the CPU reference's bits (each weight read once per four sequences).
+    Exact,
+    /// The dense GEMM on bf16 tensor cores: each weight read once per 64 sequences, the
+    /// activations rounded to bf16, within its bound of f64 sums over the bf16 operands.
+    Fast,
+}
+
 /// `--enable-prefix-caching` / `--no-enable-prefix-caching` (vLLM's spellings), as the one
 /// setting `enable_prefix_caching`.
 #[derive(Debug, Default, clap::Args)]
@@ -167,6 +179,10 @@ pub struct WorkerSettings {
     /// How a decode worker's device step runs the routed experts: `exact` (the reference's
     /// bits) or `fast` (the grouped FP4 GEMV, within its bound; the cuda or emulated backend).
     pub decode_experts: DecodeExperts,
+    /// How a decode worker's device step runs its bf16 and FP8 linears: `exact` (the
+    /// reference's bits) or `fast` (the dense GEMM on tensor cores, within its bound; the
+    /// cuda or emulated backend).
+    pub decode_linears: DecodeLinears,
     /// Replay a decode worker's device steps as CUDA graphs: a step whose launches (kernels,
     /// buffers, shapes) a recorded graph has runs as that graph after the host writes its
     /// plans; others run as they come. Same results as without (checked over the kernels'
@@ -222,6 +238,7 @@ impl WorkerSettings {
             hybrid: false,
             decode_attention: DecodeAttention::Exact,
             decode_experts: DecodeExperts::Exact,
+            decode_linears: DecodeLinears::Exact,
             decode_graphs: false,
             tensor_parallel_size: 1,
             expert_parallel_size: 1,
@@ -298,6 +315,13 @@ impl WorkerSettings {
             return Err(Invalid::new(
                 "decode_experts",
                 "fast experts run in the device decode step: backend cuda or emulated, one \
+                 rank, without hybrid",
+            ));
+        }
+        if self.decode_linears == DecodeLinears::Fast && !device_step {
+            return Err(Invalid::new(
+                "decode_linears",
+                "fast linears run in the device decode step: backend cuda or emulated, one \
                  rank, without hybrid",
             ));
         }
@@ -478,6 +502,10 @@ pub struct WorkerFlags {
     #[arg(long, value_enum, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_experts: Option<DecodeExperts>,
+    /// A decode worker's device bf16 and FP8 linears: exact or fast.
+    #[arg(long, value_enum, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_linears: Option<DecodeLinears>,
     /// Replay a decode worker's device steps as CUDA graphs.
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -589,6 +617,25 @@ mod tests {
         json["decode_experts"] = serde_json::json!("fast");
         let back: WorkerSettings = serde_json::from_value(json).unwrap();
         assert_eq!(back.decode_experts, DecodeExperts::Fast);
+    }
+
+    /// Fast decode linears are honoured only where the device step runs, refused elsewhere
+    /// naming the key.
+    #[test]
+    fn fast_decode_linears_need_the_device_step() {
+        let mut settings = WorkerSettings::listening_on(0);
+        settings.decode_linears = DecodeLinears::Fast;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "decode_linears", "{e:?}");
+        settings.backend = BackendKind::Emulated;
+        assert!(settings.validate().is_ok());
+        settings.hybrid = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_linears");
+        let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
+        assert_eq!(json["decode_linears"], "exact");
+        json["decode_linears"] = serde_json::json!("fast");
+        let back: WorkerSettings = serde_json::from_value(json).unwrap();
+        assert_eq!(back.decode_linears, DecodeLinears::Fast);
     }
 
     /// Decode graphs are honoured only where the device step runs (cuda or emulated, one

@@ -132,6 +132,7 @@ where
             fast_attention: settings.decode_attention == crate::settings::DecodeAttention::Fast,
             graphs: settings.decode_graphs,
             fast_experts: settings.decode_experts == crate::settings::DecodeExperts::Fast,
+            fast_linears: settings.decode_linears == crate::settings::DecodeLinears::Fast,
         },
         _ => kernels::backend::EngineWork::All,
     };

@@ -132,6 +132,21 @@ impl StoredRows<'_> {
     }
 }
 
+impl DeviceRows {
+    /// The same bytes as the dense GEMM reads them, for bf16 and FP8-block weights (the
+    /// f32 and FP4 forms have none).
+    pub fn gemm_weight(&self) -> Option<super::GemmWeight<'_>> {
+        match self.kernel {
+            "exact_gemv_bf16" => Some(super::GemmWeight::Bf16(&self.data)),
+            "exact_gemv_fp8_block" => Some(super::GemmWeight::Fp8Block {
+                codes: &self.data,
+                scales: &self.scales,
+            }),
+            _ => None,
+        }
+    }
+}
+
 impl Gpu {
     /// Uploads a stored weight for [`Self::launch_exact_gemv`].
     pub fn upload_rows(

@@ -748,6 +748,30 @@ impl Kernels for CudaKernels {
             .launch_grouped_gemv(&device, x, tokens, experts, pairs, y)
     }
 
+    fn fast_linear_takes(w: &DeviceRows) -> bool {
+        w.gemm_weight().is_some()
+    }
+
+    fn fast_linear_scratch(&self, n: usize, rows: usize, cols: usize) -> usize {
+        self.gpu.dense_gemm_scratch((n, rows, cols))
+    }
+
+    fn fast_linear(
+        &self,
+        w: &DeviceRows,
+        (row0, rows): (usize, usize),
+        x: &CudaSlice<f32>,
+        n: usize,
+        scratch: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let weight = w.gemm_weight().ok_or_else(|| {
+            KernelError::Shape("the fast linear takes bf16 and FP8-block weights only".into())
+        })?;
+        self.gpu
+            .launch_dense_gemm(weight, row0, x, (n, rows, w.cols), scratch, y)
+    }
+
     fn swiglu(
         &self,
         gate: &CudaSlice<f32>,

@@ -100,6 +100,15 @@ impl<K: Kernels> StepDecoder<K> {
         self
     }
 
+    /// Runs the bf16 and FP8 linears with the dense GEMM from now on
+    /// (`DeviceStepOps::with_fast_linears`: within its bound, not the engine's bits).
+    #[must_use]
+    pub fn with_fast_linears(mut self) -> Self {
+        self.ops = self.ops.with_fast_linears();
+        self.name = format!("{}, fast linears", self.name);
+        self
+    }
+
     /// Replays steps as graphs from now on ([`graph_step`]: recorded where the device
     /// records, the launch pass run where it does not), padded to batch sizes with seats of
     /// a shared slot the arenas gain (one slot's bytes more, once `room` says those bytes fit;

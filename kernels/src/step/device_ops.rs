@@ -49,6 +49,9 @@ pub struct DeviceStepOps<K: Kernels> {
     fast_attention: bool,
     /// Routed experts by the grouped GEMV (within its bound) instead of `exact_pairs`.
     pub(super) fast_experts: bool,
+    /// The bf16 and FP8 attention, shared-expert and head linears by the dense GEMM (within
+    /// its bound) instead of `exact_gemv`.
+    fast_linears: bool,
 }
 
 /// The step's plans, in buffers kept from step to step.
@@ -114,6 +117,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             kv_stride: kv_stride(model.config.head_dim, model.kv_rows())?,
             fast_attention: false,
             fast_experts: false,
+            fast_linears: false,
         })
     }
 
@@ -138,6 +142,16 @@ impl<K: Kernels> DeviceStepOps<K> {
     #[must_use]
     pub fn with_fast_experts(mut self) -> Self {
         self.fast_experts = true;
+        self
+    }
+
+    /// Runs the bf16 and FP8 attention, shared-expert and output-head linears with the dense
+    /// GEMM from now on (`Kernels::fast_linear`: bf16 tensor cores, each weight read once per
+    /// 64 sequences, within its bound of f64 sums over the bf16 operands, not the engine's
+    /// bits). The hyper-connections' mixing and the MoE gate stay exact.
+    #[must_use]
+    pub fn with_fast_linears(mut self) -> Self {
+        self.fast_linears = true;
         self
     }
 
@@ -380,15 +394,31 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         if K::f_len(input) < n * cols {
             return Err(format!("{w:?}: fewer inputs than {n} vectors of {cols}").into());
         }
+        // The dense GEMM where asked, for the large bf16 and FP8 linears it takes; the
+        // hyper-connections' mixing and the MoE gate (which choose experts) stay exact.
+        let fast = self.fast_linears
+            && matches!(w, Lin::Attn(..) | Lin::Shared(..) | Lin::Head)
+            && K::fast_linear_takes(dev);
+        let mut scratch = if fast {
+            let len = self.k.fast_linear_scratch(n, out, cols);
+            Some(pool::take(&self.f_pool, len, |class| self.k.zeros(class))?)
+        } else {
+            None
+        };
+        let mut run = |y: &mut K::F| match scratch.as_mut() {
+            Some(part) => self
+                .k
+                .fast_linear(dev, (rows.start, out), input, n, part, y),
+            None => self.k.exact_gemv(dev, (rows.start, out), input, n, y),
+        };
         if y_view == View::rows(out) {
             if K::f_len(y) < n * out {
                 return Err(format!("{w:?}: output shorter than {n} x {out}").into());
             }
-            return self.k.exact_gemv(dev, (rows.start, out), input, n, y);
+            return run(y);
         }
         let mut tmp = self.alloc(n * out)?;
-        self.k
-            .exact_gemv(dev, (rows.start, out), input, n, &mut tmp)?;
+        run(&mut tmp)?;
         let to = offsets(n, y_view.stride, y_view.start);
         self.copy_rows(&tmp, &offsets(n, out, 0), y, &to, out)
     }

@@ -17,6 +17,7 @@ use engine::{
 
 mod attend;
 mod experts;
+mod linear;
 
 use super::{
     Proj, ShapeError,
@@ -736,6 +737,26 @@ impl Kernels for EmulatedKernels {
         y: &mut Vec<f32>,
     ) -> Result<(), ShapeError> {
         experts::fast_pairs(stack, (tokens, experts), x, pairs, y)
+    }
+
+    fn fast_linear_takes(w: &EmuRows) -> bool {
+        linear::dense_rows(w).is_some()
+    }
+
+    fn fast_linear_scratch(&self, n: usize, rows: usize, cols: usize) -> usize {
+        linear::scratch(n, rows, cols)
+    }
+
+    fn fast_linear(
+        &self,
+        w: &EmuRows,
+        rows: (usize, usize),
+        x: &Vec<f32>,
+        n: usize,
+        scratch: &mut Vec<f32>,
+        y: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        linear::fast_linear(w, rows, x, n, scratch, y)
     }
 
     fn swiglu(

@@ -349,6 +349,24 @@ pub trait Kernels {
         pairs: usize,
         y: &mut Self::F,
     ) -> Result<(), Self::Error>;
+    /// Whether [`Self::fast_linear`] takes `w` (bf16 and FP8-block weights; f32 and FP4 ones
+    /// stay with [`Self::exact_gemv`]).
+    fn fast_linear_takes(w: &Self::Rows) -> bool;
+    /// The scratch values [`Self::fast_linear`] needs for `n` vectors through `rows` rows of
+    /// `cols` (its split plan's partials; 0 when it does not split).
+    fn fast_linear_scratch(&self, n: usize, rows: usize, cols: usize) -> usize;
+    /// `dense_gemm`: [`Self::exact_gemv`] on bf16 tensor cores, each weight byte read once
+    /// per 64 vectors, within `dense_gemm::bound` of `dense_gemm::reference` (f64 over the
+    /// bf16 operands) rather than the engine's bits.
+    fn fast_linear(
+        &self,
+        w: &Self::Rows,
+        rows: (usize, usize),
+        x: &Self::F,
+        n: usize,
+        scratch: &mut Self::F,
+        y: &mut Self::F,
+    ) -> Result<(), Self::Error>;
     /// `swiglu_clamp` over `n` values.
     fn swiglu(
         &self,

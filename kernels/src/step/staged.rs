@@ -669,6 +669,26 @@ impl<K: Kernels> Kernels for Staged<K> {
             k.fast_pairs(stack, (tokens, experts), x, pairs, y)
         })
     }
+    fn fast_linear_takes(w: &K::Rows) -> bool {
+        K::fast_linear_takes(w)
+    }
+    fn fast_linear_scratch(&self, n: usize, rows: usize, cols: usize) -> usize {
+        self.k.fast_linear_scratch(n, rows, cols)
+    }
+    fn fast_linear(
+        &self,
+        w: &K::Rows,
+        rows: (usize, usize),
+        x: &K::F,
+        n: usize,
+        scratch: &mut K::F,
+        y: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, at(w), K::f_addr(x), K::f_addr(scratch), K::f_addr(y));
+        self.launch("fast_linear", &addrs, (rows, n), |k| {
+            k.fast_linear(w, rows, x, n, scratch, y)
+        })
+    }
     fn swiglu(
         &self,
         gate: &K::F,
