@@ -90,17 +90,23 @@ pub fn reference(
     (m, n, k): (usize, usize, usize),
 ) -> Result<Vec<f32>, String> {
     check(a, w, row0, (m, n, k))?;
-    let mut c = Vec::with_capacity(m * n);
-    for i in 0..m {
-        let row: Vec<f64> = a[i * k..(i + 1) * k]
-            .iter()
-            .map(|&v| f64::from(bf16(v)))
-            .collect();
-        for j in 0..n {
-            let sum: f64 = (0..k)
-                .map(|x| row[x] * f64::from(w.value(row0 + j, x, k)))
-                .sum();
-            c.push(sum as f32);
+    let rows: Vec<Vec<f64>> = (0..m)
+        .map(|i| {
+            a[i * k..(i + 1) * k]
+                .iter()
+                .map(|&v| f64::from(bf16(v)))
+                .collect()
+        })
+        .collect();
+    let mut c = vec![0f32; m * n];
+    let mut weight = vec![0f64; k];
+    for j in 0..n {
+        for (x, v) in weight.iter_mut().enumerate() {
+            *v = f64::from(w.value(row0 + j, x, k));
+        }
+        for (i, row) in rows.iter().enumerate() {
+            let sum: f64 = row.iter().zip(&weight).map(|(a, b)| a * b).sum();
+            c[i * n + j] = sum as f32;
         }
     }
     Ok(c)
