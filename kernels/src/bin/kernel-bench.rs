@@ -8,7 +8,10 @@
 //! Times are best-of-three means over enough calls to run ~0.3 s.
 #![allow(clippy::print_stdout, reason = "benchmark output")]
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use cudarc::driver::CudaSlice;
 use engine::{quant, synth::Rng};
@@ -529,8 +532,6 @@ fn time_attn_fp8(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
 /// with the CUDA backend in hybrid mode: a 256-token prefill, then decode steps of 8 sequences.
 /// On a model this small the device's per-op overhead shows, not its bandwidth.
 fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
-    use std::sync::Arc;
-
     use engine::{
         config::ExpertFormat,
         model::{Logits, Model, SequenceState, Step},
@@ -555,6 +556,7 @@ fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
     let _ = std::fs::remove_dir_all(&dir);
     let prompt: Vec<u32> = (0..256).map(|i| (i * 7919 + 5) % 1000).collect();
     let mut rows = Vec::new();
+    let mut prefilled: Vec<SequenceState> = Vec::new();
     for (name, model) in [("cpu", &cpu), ("cuda hybrid", &cuda)] {
         let start = Instant::now();
         let mut states: Vec<SequenceState> = Vec::new();
@@ -568,6 +570,9 @@ fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
             states.push(state);
         }
         let prefill = start.elapsed().as_secs_f64() / 8.0;
+        if prefilled.is_empty() {
+            prefilled.clone_from(&states);
+        }
         rows.push(StepRow {
             what: format!("engine prefill, small model, 256 tokens ({name})"),
             seconds: prefill,
@@ -596,6 +601,64 @@ fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
             what: format!("engine decode step, small model, batch 8 ({name})"),
             seconds: step,
             rate: 8.0 / step,
+            unit: "tok/s",
+        });
+    }
+    rows.extend(device_steps(&cpu, &prefilled, prompt.len())?);
+    Ok(rows)
+}
+
+/// The whole decode step on the GPU (`StepDecoder`) over `prefilled` sequences of `len`
+/// tokens: exact kernels, the fast linears and experts, and the exact step replayed as graphs;
+/// 16 timed steps after 4 (which record the graphs).
+fn device_steps(
+    model: &engine::model::Model,
+    prefilled: &[engine::model::SequenceState],
+    len: usize,
+) -> Result<Vec<StepRow>, KernelError> {
+    use engine::scheduler::{DecodeDevice, DecodeSeat};
+    use kernels::{cuda::CudaKernels, step::decoder::StepDecoder};
+    let (warm, timed) = (4usize, 16usize);
+    let fail = |e: String| KernelError::Checkpoint(e);
+    let mut rows = Vec::new();
+    for (name, fast, graphs) in [
+        ("exact", false, false),
+        ("fast linears and experts", true, false),
+        ("exact, graphs", false, true),
+    ] {
+        let gpu =
+            Arc::new(Gpu::open()?.ok_or_else(|| KernelError::Unsupported("no device".into()))?);
+        let shape = (prefilled.len(), len + warm + timed + 1);
+        let mut decoder =
+            StepDecoder::new("cuda", CudaKernels::new(gpu), model, shape, |_, _| Ok(()))?;
+        if fast {
+            decoder = decoder.with_fast_linears().with_fast_experts();
+        }
+        if graphs {
+            decoder = decoder.with_graphs(|_, _| Ok(()))?;
+        }
+        for (slot, state) in prefilled.iter().enumerate() {
+            decoder.load(slot, state).map_err(|e| fail(e.to_string()))?;
+        }
+        let mut start = Instant::now();
+        for t in 0..warm + timed {
+            if t == warm {
+                start = Instant::now();
+            }
+            let seats: Vec<DecodeSeat> = (0..prefilled.len())
+                .map(|slot| DecodeSeat {
+                    slot,
+                    len: len + t,
+                    token: ((t * 8 + slot) % 1000) as u32,
+                })
+                .collect();
+            decoder.step(&seats).map_err(|e| fail(e.to_string()))?;
+        }
+        let step = start.elapsed().as_secs_f64() / timed as f64;
+        rows.push(StepRow {
+            what: format!("device decode step, small model, batch 8 ({name})"),
+            seconds: step,
+            rate: prefilled.len() as f64 / step,
             unit: "tok/s",
         });
     }
