@@ -559,20 +559,26 @@ pub fn argmax(row: &[f32]) -> Result<u32, usize> {
     if let Some(at) = row.iter().position(|v| !v.is_finite()) {
         return Err(at);
     }
-    let mut best = (0usize, *row.first().ok_or(0usize)?);
-    for (i, &v) in row.iter().enumerate() {
-        if v > best.1 {
-            best = (i, v);
-        }
+    if row.is_empty() {
+        return Err(0);
     }
-    Ok(best.0 as u32)
+    Ok(first_max(row.iter().enumerate().map(|(i, &v)| (i as u32, v))))
 }
 
 /// Argmax with ties to the lowest id: `cands` is in id order and only a strictly larger logit
 /// replaces the current best.
 fn greedy(cands: &[(u32, f32)]) -> u32 {
-    let mut best = cands.first().copied().unwrap_or((0, f32::NEG_INFINITY));
-    for &c in cands {
+    first_max(cands.iter().copied())
+}
+
+/// The id of the first largest value of `(id, value)`s in id order (0 when there are none):
+/// the one tie rule of greedy sampling and of the device's argmax.
+fn first_max(cands: impl IntoIterator<Item = (u32, f32)>) -> u32 {
+    let mut cands = cands.into_iter();
+    let Some(mut best) = cands.next() else {
+        return 0;
+    };
+    for c in cands {
         if c.1 > best.1 {
             best = c;
         }
