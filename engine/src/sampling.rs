@@ -562,7 +562,9 @@ pub fn argmax(row: &[f32]) -> Result<u32, usize> {
     if row.is_empty() {
         return Err(0);
     }
-    Ok(first_max(row.iter().enumerate().map(|(i, &v)| (i as u32, v))))
+    Ok(first_max(
+        row.iter().enumerate().map(|(i, &v)| (i as u32, v)),
+    ))
 }
 
 /// Argmax with ties to the lowest id: `cands` is in id order and only a strictly larger logit

@@ -59,3 +59,38 @@ pub(super) fn fast_linear(
     let c = dense_gemm::reference(a, w_rows, row0, (n, rows, cols)).map_err(ShapeError)?;
     store(y, 0, &c)
 }
+
+#[cfg(test)]
+mod tests {
+    use engine::tensor::{SharedBytes, Weight};
+
+    use super::*;
+
+    /// A linear the dense GEMM splits (few tiles, long rows): the scratch its plan asks for is
+    /// required and left poisoned, the rows from an offset are the reference's.
+    #[test]
+    fn a_split_linear_takes_its_scratch_and_gives_the_reference() {
+        let (rows, cols, n, row0) = (300usize, 2048usize, 2usize, 130usize);
+        let codes: Vec<u8> = (0..rows * cols).map(|i| (i * 37 % 0x77) as u8).collect();
+        let scales: Vec<u8> = (0..rows.div_ceil(128) * cols.div_ceil(128))
+            .map(|i| 120 + (i % 5) as u8)
+            .collect();
+        let w = EmuRows::Weight(
+            Weight::fp8_block(rows, cols, SharedBytes::owned(codes), &scales).unwrap(),
+        );
+        let out = rows - row0;
+        let needed = scratch(n, out, cols);
+        assert!(needed >= 2 * n * out, "the plan splits K: {needed}");
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i % 19) as f32 - 9.0) / 7.0)
+            .collect();
+        let mut y = vec![f32::NAN; n * out];
+        let mut short = vec![0.0; needed - 1];
+        assert!(fast_linear(&w, (row0, out), &x, n, &mut short, &mut y).is_err());
+        let mut part = vec![0.0; needed];
+        fast_linear(&w, (row0, out), &x, n, &mut part, &mut y).unwrap();
+        assert!(part.iter().all(|v| v.is_nan()));
+        let want = dense_gemm::reference(&x, dense_rows(&w).unwrap(), row0, (n, out, cols));
+        assert_eq!(y, want.unwrap());
+    }
+}
