@@ -120,16 +120,27 @@ pub fn device_weight_bytes(
         let prefix = engine::schema::layer(layer);
         for w in ["w1", "w2", "w3"] {
             let name = format!("{prefix}ffn.shared_experts.{w}");
-            bytes += stored.linear(&name)?.stored_bytes();
+            bytes += linear_device_bytes(&stored.linear(&name)?);
         }
         for which in engine::backend::LinearId::ALL {
             let name = which.tensor(layer);
             if stored.contains(&name) {
-                bytes += stored.linear(&name)?.stored_bytes();
+                bytes += linear_device_bytes(&stored.linear(&name)?);
             }
         }
     }
     Ok(bytes)
+}
+
+/// Bytes a dense linear takes on the device: as stored, plus an f32 copy of an FP8 linear's
+/// tile scales (the dense GEMM's form of them).
+pub fn linear_device_bytes(w: &engine::weights::stored::StoredLinear<'_>) -> usize {
+    match w {
+        engine::weights::stored::StoredLinear::Fp8Block { scales, .. } => {
+            w.stored_bytes() + 4 * scales.len()
+        }
+        engine::weights::stored::StoredLinear::Bf16 { .. } => w.stored_bytes(),
+    }
 }
 
 /// Refuses a rank whose weights (`needed` bytes) do not fit the `free` bytes of its GPU

@@ -18,7 +18,7 @@ use engine::{
     weights::stored::{Fp4Stack, StoredLinear, StoredWeights},
 };
 
-use super::{AttnShape, DenseWeight, DeviceExperts, Gpu, KernelError, non_empty};
+use super::{AttnShape, DenseWeight, DeviceExperts, GemmWeight, Gpu, KernelError, non_empty};
 use crate::compose::{self, ExpertDims, Ops, Proj};
 
 /// One projection of every routed expert of a layer, on the device.
@@ -106,7 +106,10 @@ enum DeviceLinear {
     Bf16(CudaSlice<u16>),
     Fp8Block {
         codes: CudaSlice<u8>,
+        /// ue8m0 per 128 x 128 tile (the GEMV's form).
         scales: CudaSlice<u8>,
+        /// The same scales as f32 bytes (the dense GEMM's form).
+        f32_scales: CudaSlice<u8>,
     },
 }
 
@@ -115,21 +118,43 @@ impl DeviceLinear {
     /// bytes.
     fn upload(gpu: &Gpu, stored: &StoredLinear<'_>) -> Result<(Self, usize), KernelError> {
         Ok(match *stored {
-            StoredLinear::Bf16 { bytes, .. } => (Self::Bf16(upload_bf16(gpu, bytes)?), bytes.len()),
-            StoredLinear::Fp8Block { codes, scales, .. } => (
-                Self::Fp8Block {
-                    codes: upload_bytes(gpu, codes)?,
-                    scales: upload_bytes(gpu, scales)?,
-                },
-                codes.len() + scales.len(),
+            StoredLinear::Bf16 { bytes, .. } => (
+                Self::Bf16(upload_bf16(gpu, bytes)?),
+                crate::backend::linear_device_bytes(stored),
             ),
+            StoredLinear::Fp8Block { codes, scales, .. } => {
+                let f32_scales: Vec<u8> = scales
+                    .iter()
+                    .flat_map(|&e| engine::formats::e8m0_to_f32(e).to_le_bytes())
+                    .collect();
+                (
+                    Self::Fp8Block {
+                        codes: upload_bytes(gpu, codes)?,
+                        scales: upload_bytes(gpu, scales)?,
+                        f32_scales: upload_bytes(gpu, &f32_scales)?,
+                    },
+                    crate::backend::linear_device_bytes(stored),
+                )
+            }
         })
+    }
+
+    fn gemm(&self) -> GemmWeight<'_> {
+        match self {
+            Self::Bf16(w) => GemmWeight::Bf16Bits(w),
+            Self::Fp8Block {
+                codes, f32_scales, ..
+            } => GemmWeight::Fp8Block {
+                codes,
+                scales: f32_scales,
+            },
+        }
     }
 
     fn view(&self) -> DenseWeight<'_> {
         match self {
             Self::Bf16(w) => DenseWeight::Bf16(w),
-            Self::Fp8Block { codes, scales } => DenseWeight::Fp8Block { w: codes, scales },
+            Self::Fp8Block { codes, scales, .. } => DenseWeight::Fp8Block { w: codes, scales },
         }
     }
 }
@@ -180,7 +205,7 @@ pub struct CudaBackend {
     /// Every layer's attention linears that exist in it, with their `(rows, cols)`.
     linears: BTreeMap<(usize, LinearId), (DeviceLinear, (usize, usize))>,
     /// `head.weight`, bf16 `[vocab, hidden]`.
-    head: CudaSlice<u16>,
+    head: DeviceLinear,
     vocab: usize,
     hidden: usize,
     inter: usize,
@@ -265,7 +290,7 @@ impl CudaBackend {
         }
         let head_bytes = stored.bf16("head.weight").map_err(checkpoint)?;
         device_bytes += head_bytes.len();
-        let head = upload_bf16(&gpu, head_bytes)?;
+        let head = DeviceLinear::Bf16(upload_bf16(&gpu, head_bytes)?);
         gpu.stream.synchronize()?;
         Ok(Some(Self {
             gpu,
@@ -297,17 +322,30 @@ impl CudaBackend {
         let s = &self.gpu.stream;
         let d_x = s.clone_htod(&hidden.concat())?;
         let mut d_y = s.clone_htod(&vec![f32::NAN; hidden.len() * self.vocab])?;
-        self.gpu.launch_bf16_gemv(
-            &self.head,
-            &d_x,
-            self.vocab,
-            self.hidden,
-            hidden.len(),
-            &mut d_y,
-        )?;
+        let shape = (hidden.len(), self.vocab, self.hidden);
+        dense_product(&self.gpu, &self.head, 0, &d_x, shape, &mut d_y)?;
         let y = s.clone_dtoh(&d_y)?;
         Ok(y.chunks_exact(self.vocab).map(<[f32]>::to_vec).collect())
     }
+}
+
+/// `y = W[row0..row0 + n] · x[v]` for `m` vectors of `k`: the dense GEMM from
+/// `prefill_gemm::GEMM_ROWS` vectors (a prompt chunk: each weight read once per 64 of them,
+/// the vectors rounded to bf16), the GEMV below (each weight read once per vector).
+fn dense_product(
+    gpu: &Gpu,
+    w: &DeviceLinear,
+    row0: usize,
+    x: &CudaSlice<f32>,
+    (m, n, k): (usize, usize, usize),
+    y: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    if crate::prefill_gemm::takes_gemm(m) {
+        let parts = gpu.dense_gemm_scratch((m, n, k));
+        let mut scratch = gpu.stream.alloc_zeros::<f32>(parts.max(1))?;
+        return gpu.launch_dense_gemm(w.gemm(), row0, x, (m, n, k), &mut scratch, y);
+    }
+    gpu.launch_dense_gemv(w.view(), row0, x, (n, k), m, y)
 }
 
 /// Keys per split of the attention kernel (a token with more keys gets more splits).
@@ -384,12 +422,12 @@ impl CudaBackend {
         let s = &self.gpu.stream;
         let d_x = s.clone_htod(&xs.concat())?;
         let mut d_y = s.clone_htod(&vec![f32::NAN; xs.len() * n])?;
-        self.gpu.launch_dense_gemv(
-            weight.view(),
+        dense_product(
+            &self.gpu,
+            weight,
             rows.start,
             &d_x,
-            (n, *cols),
-            xs.len(),
+            (xs.len(), n, *cols),
             &mut d_y,
         )?;
         Ok(s.clone_dtoh(&d_y)?
@@ -399,7 +437,8 @@ impl CudaBackend {
     }
 
     /// The compositions' device operations for `layer`.
-    fn layer_ops(&self, layer: usize) -> Result<LayerOps<'_>, KernelError> {
+    /// Layer `layer`'s ops for a batch of `tokens` tokens.
+    fn layer_ops(&self, layer: usize, tokens: usize) -> Result<LayerOps<'_>, KernelError> {
         // A backend loaded without the routed experts has none in any layer.
         let routed = self.layers.get(layer);
         match self.shared.get(layer) {
@@ -408,6 +447,7 @@ impl CudaBackend {
                 routed,
                 shared,
                 dims: self.dims(routed.map_or(0, |r| r.w1.experts)),
+                gemm: crate::prefill_gemm::takes_gemm(tokens),
             }),
             None => Err(KernelError::Shape(format!("no layer {layer}"))),
         }
@@ -431,6 +471,8 @@ struct LayerOps<'a> {
     routed: Option<&'a DeviceLayer>,
     shared: &'a DeviceShared,
     dims: ExpertDims,
+    /// A prompt chunk's tokens (`prefill_gemm::takes_gemm`): NVFP4 experts as the grouped GEMM.
+    gemm: bool,
 }
 
 impl Ops for LayerOps<'_> {
@@ -471,6 +513,27 @@ impl Ops for LayerOps<'_> {
             Proj::Down => &routed.w2,
             Proj::Up => &routed.w3,
         };
+        // A prompt chunk's NVFP4 experts as the grouped GEMM: each expert read once per 64
+        // of its pairs (`crate::prefill_gemm`).
+        if let (true, Some(scale_2)) = (self.gemm, stack.scale_2.as_ref()) {
+            let grouped = super::DeviceStack {
+                packed: &stack.packed,
+                scales: &stack.scales,
+                scale_2,
+                experts: stack.experts,
+                n: stack.rows,
+                k: stack.cols,
+            };
+            let mut grouping = self.gpu.moe_grouping(pairs, stack.experts)?;
+            return self.gpu.launch_nvfp4_grouped_gemm(
+                x,
+                token,
+                expert,
+                &grouped,
+                &mut grouping,
+                y,
+            );
+        }
         self.gpu
             .launch_grouped_gemv(&stack.view(), x, token, expert, pairs, y)
     }
@@ -488,8 +551,7 @@ impl Ops for LayerOps<'_> {
             Proj::Down => (&self.shared.w2, hidden, inter),
             Proj::Up => (&self.shared.w3, inter, hidden),
         };
-        self.gpu
-            .launch_dense_gemv(weight.view(), 0, x, (rows, cols), vectors, y)
+        dense_product(self.gpu, weight, 0, x, (vectors, rows, cols), y)
     }
 
     fn swiglu(
@@ -531,7 +593,9 @@ impl Backend for CudaBackend {
     }
 
     fn routed_experts(&self, batch: ExpertBatch<'_>) -> Result<Vec<Vec<f32>>, DeviceError> {
-        let ops = self.layer_ops(batch.layer).map_err(DeviceError::device)?;
+        let ops = self
+            .layer_ops(batch.layer, batch.xs.len())
+            .map_err(DeviceError::device)?;
         compose::routed_experts(&ops, ops.dims, batch.xs, batch.pairs).map_err(DeviceError::device)
     }
 
@@ -540,7 +604,9 @@ impl Backend for CudaBackend {
     }
 
     fn shared_expert(&self, layer: usize, xs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, DeviceError> {
-        let ops = self.layer_ops(layer).map_err(DeviceError::device)?;
+        let ops = self
+            .layer_ops(layer, xs.len())
+            .map_err(DeviceError::device)?;
         compose::shared_expert(&ops, ops.dims, xs).map_err(DeviceError::device)
     }
 

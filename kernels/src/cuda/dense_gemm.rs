@@ -16,6 +16,8 @@ const SUM_THREADS: u32 = 256;
 pub enum GemmWeight<'a> {
     /// bf16 bits, two bytes a value.
     Bf16(&'a CudaSlice<u8>),
+    /// The same, held as `u16`s.
+    Bf16Bits(&'a CudaSlice<u16>),
     /// e4m3 codes and the f32 scale of each 128 x 128 tile (their bytes).
     Fp8Block {
         codes: &'a CudaSlice<u8>,
@@ -28,6 +30,7 @@ impl GemmWeight<'_> {
     fn holds(&self, rows: usize, k: usize) -> bool {
         match *self {
             Self::Bf16(w) => w.len() >= 2 * rows * k,
+            Self::Bf16Bits(w) => w.len() >= rows * k,
             Self::Fp8Block { codes, scales } => {
                 codes.len() >= rows * k && scales.len() >= 4 * rows.div_ceil(128) * k.div_ceil(128)
             }
@@ -84,13 +87,14 @@ impl Gpu {
             (m as i64, row0 as i64, n as i64, k as i64, k_split as i64);
         let out = if split { &mut *scratch } else { &mut *c };
         let f = self.dense_gemm.load_function(match w {
-            GemmWeight::Bf16(_) => "dense_gemm_bf16",
+            GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_) => "dense_gemm_bf16",
             GemmWeight::Fp8Block { .. } => "dense_gemm_fp8_block",
         })?;
         let mut launch = self.stream.launch_builder(&f);
         launch.arg(a).arg(&m_arg);
         match w {
             GemmWeight::Bf16(w) => launch.arg(w),
+            GemmWeight::Bf16Bits(w) => launch.arg(w),
             GemmWeight::Fp8Block { codes, scales } => launch.arg(codes).arg(scales),
         };
         launch
