@@ -112,7 +112,7 @@ pub fn reference(
     Ok(c)
 }
 
-/// Each output's error bound against [`reference`]: the kernel sums in f32 (in slices, then
+/// Each output's error bound against [`reference()`]: the kernel sums in f32 (in slices, then
 /// splits), so `|got - want| <= k * 2^-23 * Σ_k |bf16(a) · w|` (twice the worst case of a
 /// sequential f32 sum of exact products), plus the smallest normal f32 for sums of zeros.
 pub fn bound(
