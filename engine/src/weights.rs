@@ -22,6 +22,7 @@ use std::{
 };
 
 use crate::{
+    backend::LinearId,
     config::{Attention, ConfigError, ExpertFormat, LinearFormat, ModelConfig, Routing},
     formats, quant,
     safetensors::{Dtype, SafetensorsError, SafetensorsFile, TensorView},
@@ -376,6 +377,26 @@ pub struct AttentionWeights {
     pub sink: Vec<f32>,
     pub compressor: Option<CompressorWeights>,
     pub indexer: Option<IndexerWeights>,
+}
+
+impl AttentionWeights {
+    /// The weight of attention linear `which`, where this layer has it.
+    pub fn linear(&self, which: LinearId) -> Option<&Weight> {
+        let (compressor, indexer) = (self.compressor.as_ref(), self.indexer.as_ref());
+        match which {
+            LinearId::QA => Some(&self.wq_a),
+            LinearId::QB => Some(&self.wq_b),
+            LinearId::Kv => Some(&self.wkv),
+            LinearId::OA => Some(&self.wo_a),
+            LinearId::OB => Some(&self.wo_b),
+            LinearId::CompressorKv => compressor.map(|c| &c.wkv),
+            LinearId::CompressorGate => compressor.map(|c| &c.wgate),
+            LinearId::IndexerCompressorKv => indexer.map(|i| &i.compressor.wkv),
+            LinearId::IndexerCompressorGate => indexer.map(|i| &i.compressor.wgate),
+            LinearId::IndexerQB => indexer.map(|i| &i.wq_b),
+            LinearId::IndexerWeights => indexer.map(|i| &i.weights_proj),
+        }
+    }
 }
 
 /// One SwiGLU expert.

@@ -89,23 +89,9 @@ impl Backend for ReferenceOps {
         xs: &[&[f32]],
     ) -> Result<Vec<Vec<f32>>, DeviceError> {
         self.linear_calls.fetch_add(1, Ordering::Relaxed);
-        let a = &self.attn[layer];
-        let compressor = a.compressor.as_ref();
-        let indexer = a.indexer.as_ref();
-        let m = match which {
-            LinearId::QA => Some(&a.wq_a),
-            LinearId::QB => Some(&a.wq_b),
-            LinearId::Kv => Some(&a.wkv),
-            LinearId::OA => Some(&a.wo_a),
-            LinearId::OB => Some(&a.wo_b),
-            LinearId::CompressorKv => compressor.map(|c| &c.wkv),
-            LinearId::CompressorGate => compressor.map(|c| &c.wgate),
-            LinearId::IndexerCompressorKv => indexer.map(|i| &i.compressor.wkv),
-            LinearId::IndexerCompressorGate => indexer.map(|i| &i.compressor.wgate),
-            LinearId::IndexerQB => indexer.map(|i| &i.wq_b),
-            LinearId::IndexerWeights => indexer.map(|i| &i.weights_proj),
-        }
-        .ok_or_else(|| DeviceError::device(format!("layer {layer} has no {which:?}")))?;
+        let m = self.attn[layer]
+            .linear(which)
+            .ok_or_else(|| DeviceError::device(format!("layer {layer} has no {which:?}")))?;
         Ok(m.apply_rows_many(rows.start, rows.len(), xs))
     }
 

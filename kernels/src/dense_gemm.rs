@@ -25,7 +25,20 @@ pub enum DenseRows<'a> {
     Fp8Block { codes: &'a [u8], scales: &'a [f32] },
 }
 
-impl DenseRows<'_> {
+impl<'a> DenseRows<'a> {
+    /// The engine weight's bytes as the GEMM reads them: bf16 or FP8-block rows (`None` for
+    /// the other forms).
+    pub fn of(w: &'a engine::tensor::Weight) -> Option<Self> {
+        match w.form() {
+            engine::tensor::WeightForm::Bf16(bytes) => Some(Self::Bf16(bytes.as_slice())),
+            engine::tensor::WeightForm::Fp8Block { codes, scales } => Some(Self::Fp8Block {
+                codes: codes.as_slice(),
+                scales,
+            }),
+            _ => None,
+        }
+    }
+
     /// The rows it holds at `k` columns, or `None` when its bytes or scales do not fit.
     pub fn rows(&self, k: usize) -> Option<usize> {
         if k == 0 {

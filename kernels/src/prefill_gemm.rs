@@ -51,17 +51,6 @@ impl GemmReference {
     }
 }
 
-fn dense_form(w: &Weight) -> Option<DenseRows<'_>> {
-    match w.form() {
-        WeightForm::Bf16(bytes) => Some(DenseRows::Bf16(bytes.as_slice())),
-        WeightForm::Fp8Block { codes, scales } => Some(DenseRows::Fp8Block {
-            codes: codes.as_slice(),
-            scales,
-        }),
-        _ => None,
-    }
-}
-
 /// Rows `rows` of `w` times each of `xs`: the dense GEMM's reference for many rows of a bf16
 /// or FP8 weight, the engine's product otherwise.
 fn apply<V: AsRef<[f32]> + Sync>(
@@ -69,7 +58,7 @@ fn apply<V: AsRef<[f32]> + Sync>(
     rows: Range<usize>,
     xs: &[V],
 ) -> Result<Vec<Vec<f32>>, DeviceError> {
-    let gemm = dense_form(w).filter(|_| takes_gemm(xs.len()));
+    let gemm = DenseRows::of(w).filter(|_| takes_gemm(xs.len()));
     let Some(form) = gemm else {
         return Ok(w.apply_rows_many(rows.start, rows.len(), xs));
     };
@@ -151,21 +140,9 @@ impl Backend for GemmReference {
             .attn
             .get(layer)
             .ok_or_else(|| DeviceError::device(format!("no layer {layer}")))?;
-        let (compressor, indexer) = (a.compressor.as_ref(), a.indexer.as_ref());
-        let w = match which {
-            LinearId::QA => Some(&a.wq_a),
-            LinearId::QB => Some(&a.wq_b),
-            LinearId::Kv => Some(&a.wkv),
-            LinearId::OA => Some(&a.wo_a),
-            LinearId::OB => Some(&a.wo_b),
-            LinearId::CompressorKv => compressor.map(|c| &c.wkv),
-            LinearId::CompressorGate => compressor.map(|c| &c.wgate),
-            LinearId::IndexerCompressorKv => indexer.map(|i| &i.compressor.wkv),
-            LinearId::IndexerCompressorGate => indexer.map(|i| &i.compressor.wgate),
-            LinearId::IndexerQB => indexer.map(|i| &i.wq_b),
-            LinearId::IndexerWeights => indexer.map(|i| &i.weights_proj),
-        }
-        .ok_or_else(|| DeviceError::device(format!("layer {layer} has no {which:?}")))?;
+        let w = a
+            .linear(which)
+            .ok_or_else(|| DeviceError::device(format!("layer {layer} has no {which:?}")))?;
         apply(w, rows, xs)
     }
 

@@ -96,27 +96,8 @@ impl<K: Kernels> DeviceModel<K> {
             let a = &layer.attn;
             let comp = a.compressor.as_ref();
             let index = a.indexer.as_ref();
-            let attn: [(LinearId, Option<&Weight>); 11] = [
-                (LinearId::QA, Some(&a.wq_a)),
-                (LinearId::QB, Some(&a.wq_b)),
-                (LinearId::Kv, Some(&a.wkv)),
-                (LinearId::OA, Some(&a.wo_a)),
-                (LinearId::OB, Some(&a.wo_b)),
-                (LinearId::CompressorKv, comp.map(|c| &c.wkv)),
-                (LinearId::CompressorGate, comp.map(|c| &c.wgate)),
-                (
-                    LinearId::IndexerCompressorKv,
-                    index.map(|i| &i.compressor.wkv),
-                ),
-                (
-                    LinearId::IndexerCompressorGate,
-                    index.map(|i| &i.compressor.wgate),
-                ),
-                (LinearId::IndexerQB, index.map(|i| &i.wq_b)),
-                (LinearId::IndexerWeights, index.map(|i| &i.weights_proj)),
-            ];
-            for (id, weight) in attn {
-                if let Some(weight) = weight {
+            for id in LinearId::ALL {
+                if let Some(weight) = a.linear(id) {
                     linears.insert(Lin::Attn(l, id), k.upload_rows(weight)?);
                 }
             }

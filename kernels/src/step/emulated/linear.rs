@@ -1,8 +1,6 @@
 //! The fast linear of [`super::EmulatedKernels`]: `dense_gemm`'s reference (f64 over the bf16
 //! operands) on the weights the device GEMM takes, with the scratch its split plan asks for.
 
-use engine::tensor::WeightForm;
-
 use super::{EmuRows, err, store};
 use crate::{
     dense_gemm::{self, DenseRows},
@@ -14,16 +12,9 @@ const MULTIPROCESSORS: usize = 132;
 
 /// The weight as the dense GEMM reads it: bf16 or FP8-block rows.
 pub(super) fn dense_rows(w: &EmuRows) -> Option<DenseRows<'_>> {
-    let EmuRows::Weight(w) = w else {
-        return None;
-    };
-    match w.form() {
-        WeightForm::Bf16(bytes) => Some(DenseRows::Bf16(bytes.as_slice())),
-        WeightForm::Fp8Block { codes, scales } => Some(DenseRows::Fp8Block {
-            codes: codes.as_slice(),
-            scales,
-        }),
-        _ => None,
+    match w {
+        EmuRows::Weight(w) => DenseRows::of(w),
+        EmuRows::Matrix(_) => None,
     }
 }
 
