@@ -32,7 +32,10 @@ constexpr int THREADS = 128;
 // The block's 64 x 64 tile of C: rows `a_row[r]` of A (-1: a zero row) times weight rows
 // col0.. of W, stored to rows `c_row[r]` of C (-1: not stored). Both row maps are in shared
 // memory, written by the caller before a barrier. A row's results depend only on its own A row
-// and W (each output is its own dot product), not on the tile's other rows.
+// and W (each output is its own dot product), not on the tile's other rows. `MX`: W is MXFP4
+// (a ue8m0 scale per 32 values, `scale_2` 1), else NVFP4 (an e4m3 scale per 16); either
+// product of an e2m1 value and its scale is a bf16 without rounding.
+template <bool MX>
 __device__ __forceinline__ void gemm_tile(const float* __restrict__ a, const long long* a_row,
                                           const uint8_t* __restrict__ packed,
                                           const uint8_t* __restrict__ scales, float scale_2,
@@ -75,7 +78,8 @@ __device__ __forceinline__ void gemm_tile(const float* __restrict__ a, const lon
             const long long gk = k0 + blk * 16;
             __nv_bfloat16* dst = &tile_w[r][blk * 16];
             if (gn < n && gk < k) {
-                const float s = fp4::e4m3_value(scales[gn * (k / 16) + gk / 16]);
+                const float s = MX ? fp4::e8m0_value(scales[gn * (k / 32) + gk / 32])
+                                   : fp4::e4m3_value(scales[gn * (k / 16) + gk / 16]);
                 const uint8_t* codes = packed + gn * (k / 2) + gk / 2;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
@@ -144,25 +148,27 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         rows[threadIdx.x] = r < m ? r : -1;
     }
     __syncthreads();
-    gemm_tile(a, rows, packed, scales, scale_2, n, k, static_cast<long long>(blockIdx.x) * BN, c,
-              rows);
+    gemm_tile<false>(a, rows, packed, scales, scale_2, n, k,
+                     static_cast<long long>(blockIdx.x) * BN, c, rows);
 }
 
 // The routed experts of a prefill chunk as one grouped GEMM: block (tile, column block) takes
 // the up to 64 pairs `sorted_pair[tile * 64 ..]` of expert `tile_expert[tile]` (see
 // `moe_align.cu`; -1 pads a tile), gathers their tokens' rows of A, and writes each pair's
 // output row `c[pair]`: out[p][j] = scale_2[e] * sum_k bf16(A[token(p)][k]) * W_e[j][k].
-// Experts are stacked `[experts, n, k]` (codes `k / 2` and e4m3 scales `k / 16` bytes per row).
-// Blocks past `*tile_count` return at once, so the grid can be sized for the most tiles.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    nvfp4_grouped_gemm_bf16(const float* __restrict__ a, const int* __restrict__ pair_token,
-                            const int* __restrict__ sorted_pair,
-                            const int* __restrict__ tile_expert,
-                            const int* __restrict__ tile_count,
-                            const uint8_t* __restrict__ packed,
-                            const uint8_t* __restrict__ scales,
-                            const float* __restrict__ scale_2, long long n, long long k,
-                            float* __restrict__ c) {
+// Experts are stacked `[experts, n, k]` (codes `k / 2` bytes per row; NVFP4 e4m3 scales
+// `k / 16` and a `scale_2` per expert, MXFP4 ue8m0 scales `k / 32` and no `scale_2`). Blocks
+// past `*tile_count` return at once, so the grid can be sized for the most tiles.
+template <bool MX>
+__device__ __forceinline__ void grouped_tile(const float* __restrict__ a,
+                                             const int* __restrict__ pair_token,
+                                             const int* __restrict__ sorted_pair,
+                                             const int* __restrict__ tile_expert,
+                                             const int* __restrict__ tile_count,
+                                             const uint8_t* __restrict__ packed,
+                                             const uint8_t* __restrict__ scales,
+                                             const float* __restrict__ scale_2, long long n,
+                                             long long k, float* __restrict__ c) {
     __shared__ long long a_rows[BM];
     __shared__ long long c_rows[BM];
     const int tile = blockIdx.x;
@@ -176,6 +182,34 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         c_rows[threadIdx.x] = p;
     }
     __syncthreads();
-    gemm_tile(a, a_rows, packed + e * n * (k / 2), scales + e * n * (k / 16), scale_2[e], n, k,
-              static_cast<long long>(blockIdx.y) * BN, c, c_rows);
+    const long long block = MX ? 32 : 16;
+    gemm_tile<MX>(a, a_rows, packed + e * n * (k / 2), scales + e * n * (k / block),
+                  MX ? 1.0f : scale_2[e], n, k, static_cast<long long>(blockIdx.y) * BN, c,
+                  c_rows);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_grouped_gemm_bf16(const float* __restrict__ a, const int* __restrict__ pair_token,
+                            const int* __restrict__ sorted_pair,
+                            const int* __restrict__ tile_expert,
+                            const int* __restrict__ tile_count,
+                            const uint8_t* __restrict__ packed,
+                            const uint8_t* __restrict__ scales,
+                            const float* __restrict__ scale_2, long long n, long long k,
+                            float* __restrict__ c) {
+    grouped_tile<false>(a, pair_token, sorted_pair, tile_expert, tile_count, packed, scales,
+                        scale_2, n, k, c);
+}
+
+// The same for MXFP4 experts (`k` a multiple of 32).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    mxfp4_grouped_gemm_bf16(const float* __restrict__ a, const int* __restrict__ pair_token,
+                            const int* __restrict__ sorted_pair,
+                            const int* __restrict__ tile_expert,
+                            const int* __restrict__ tile_count,
+                            const uint8_t* __restrict__ packed,
+                            const uint8_t* __restrict__ scales, long long n, long long k,
+                            float* __restrict__ c) {
+    grouped_tile<true>(a, pair_token, sorted_pair, tile_expert, tile_count, packed, scales,
+                       nullptr, n, k, c);
 }

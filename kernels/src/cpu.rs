@@ -151,6 +151,24 @@ pub fn nvfp4_gemm(
     Ok(c)
 }
 
+/// `C = bf16(A) · Wᵀ` for f32 activations `A` (`[m, k]`) and an MXFP4 weight `W` (`[n, k]`:
+/// codes, ue8m0 scales per 32), in f64 over activations rounded to bf16 and exactly dequantized
+/// weights: the reference of `mxfp4_grouped_gemm_bf16`'s tiles. Returns `[m, n]`.
+pub fn mxfp4_gemm(
+    a: &[f32],
+    packed: &[u8],
+    scales: &[u8],
+    (m, n, k): (usize, usize, usize),
+) -> Result<Vec<f32>, QuantError> {
+    let w = quant::dequant_mxfp4(packed, scales, n, k)?;
+    let a: Vec<f32> = a.iter().map(|&v| crate::dense_gemm::bf16(v)).collect();
+    let mut c = Vec::with_capacity(m * n);
+    for i in 0..m {
+        c.extend(matvec_f64(&w, &a[i * k..(i + 1) * k], n, k));
+    }
+    Ok(c)
+}
+
 /// The routed experts of a prefill chunk (reference of `nvfp4_grouped_gemm_bf16`): pair `p`
 /// multiplies token `pair_token[p]` of `a` (`[tokens, k]`, rounded to bf16) by expert
 /// `pair_expert[p]` of the stacked NVFP4 experts (`[experts, n, k]`, global scale per expert),

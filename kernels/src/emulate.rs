@@ -40,7 +40,7 @@ pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 pub use moe_grouped::{StackedExperts, moe_grouped_gemm};
 pub use tcgen05_sm100::nvfp4_gemm_w4a4_sm100;
 pub use topk_radix::topk_radix;
-pub use wmma_bf16::nvfp4_gemm_bf16;
+pub use wmma_bf16::{mxfp4_gemm_bf16, nvfp4_gemm_bf16};
 
 /// Threads per block of `attn_decode_partial`.
 const ATTN_THREADS: usize = 128;

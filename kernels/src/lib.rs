@@ -74,7 +74,7 @@
 //! device in their stored FP4 form, run as grouped GEMVs, the shared expert, attention's
 //! linears and core, and the bf16 output head (see `engine::backend`); the other ops of the forward pass stay on the CPU,
 //! so it runs in the engine's explicit hybrid mode. From [`prefill_gemm::GEMM_ROWS`] tokens (a
-//! prompt chunk) its dense linears and NVFP4 routed experts run as the dense and grouped GEMMs
+//! prompt chunk) its dense linears and routed experts run as the dense and grouped GEMMs
 //! ([`prefill_gemm::GemmReference`] is that rule over the CPU references). `cuda::DevicePages` is the device page
 //! pool.
 //! [`backend::open`] picks the backend a worker's configuration names.

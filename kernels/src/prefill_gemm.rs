@@ -1,9 +1,9 @@
 //! Prompt chunks through the per-op CUDA backend (`cuda::CudaBackend`, what a prefill worker on
 //! `cuda` runs): from [`GEMM_ROWS`] rows (tokens) an op takes, the dense linears (attention, shared
-//! expert, output head) run as the dense GEMM (`dense_gemm.cu`) and NVFP4 routed experts as the
-//! grouped GEMM (`moe_align.cu` + `nvfp4_grouped_gemm_bf16`), each weight read once per 64 rows
-//! instead of once per row (the GEMVs); below it the GEMVs stay. Both GEMMs round the
-//! activations to bf16.
+//! expert, output head) run as the dense GEMM (`dense_gemm.cu`) and the routed experts as the
+//! grouped GEMM (`moe_align.cu` + `nvfp4_grouped_gemm_bf16` / `mxfp4_grouped_gemm_bf16`), each
+//! weight read once per 64 rows instead of once per row (the GEMVs); below it the GEMVs stay.
+//! Both GEMMs round the activations to bf16.
 //!
 //! [`GemmReference`] is that rule on the CPU, each op by its kernel's f64 reference: an engine
 //! backend whose logits are what the CUDA backend's should be within f32 summation, so the
@@ -69,35 +69,39 @@ fn apply<V: AsRef<[f32]> + Sync>(
     Ok(c.chunks(n.max(1)).map(<[f32]>::to_vec).collect())
 }
 
-/// `W · bf16(x)` for an NVFP4 weight (`nvfp4_grouped_gemm_bf16`'s reference for one pair).
-fn nvfp4_pair(w: &Weight, x: &[f32]) -> Result<Vec<f32>, DeviceError> {
-    let WeightForm::Nvfp4 {
-        packed,
-        scales,
-        scale_2,
-    } = w.form()
-    else {
-        return Err(DeviceError::device(
-            "the grouped GEMM takes NVFP4 experts only",
-        ));
+/// `W · bf16(x)` for an FP4 weight (the grouped GEMM's reference for one pair).
+fn fp4_pair(w: &Weight, x: &[f32]) -> Result<Vec<f32>, DeviceError> {
+    let product = match w.form() {
+        WeightForm::Nvfp4 {
+            packed,
+            scales,
+            scale_2,
+        } => crate::cpu::nvfp4_gemm(
+            x,
+            packed.as_slice(),
+            scales.as_slice(),
+            *scale_2,
+            1,
+            w.rows,
+            w.cols,
+        ),
+        WeightForm::Mxfp4 { packed, scales } => {
+            crate::cpu::mxfp4_gemm(x, packed.as_slice(), scales.as_slice(), (1, w.rows, w.cols))
+        }
+        _ => {
+            return Err(DeviceError::device(
+                "the grouped GEMM takes FP4 experts only",
+            ));
+        }
     };
-    crate::cpu::nvfp4_gemm(
-        x,
-        packed.as_slice(),
-        scales.as_slice(),
-        *scale_2,
-        1,
-        w.rows,
-        w.cols,
-    )
-    .map_err(|e| DeviceError::device(e.to_string()))
+    product.map_err(|e| DeviceError::device(e.to_string()))
 }
 
 /// One pair's expert output through the grouped GEMM: gate and up, SwiGLU, down.
 fn grouped_expert(e: &ExpertWeights, x: &[f32], limit: f32) -> Result<Vec<f32>, DeviceError> {
-    let gate = nvfp4_pair(&e.w1, x)?;
-    let up = nvfp4_pair(&e.w3, x)?;
-    nvfp4_pair(&e.w2, &crate::cpu::swiglu_clamp(&gate, &up, limit))
+    let gate = fp4_pair(&e.w1, x)?;
+    let up = fp4_pair(&e.w3, x)?;
+    fp4_pair(&e.w2, &crate::cpu::swiglu_clamp(&gate, &up, limit))
 }
 
 /// The shared expert of many rows through the dense GEMM's reference.
@@ -172,10 +176,7 @@ impl Backend for GemmReference {
             .ok_or_else(|| DeviceError::device(format!("no layer {}", batch.layer)))?
             .experts;
         // By tokens, not pairs: a few tokens' pairs read few rows of each expert.
-        let gemm = takes_gemm(batch.xs.len())
-            && experts
-                .first()
-                .is_some_and(|e| matches!(e.w1.form(), WeightForm::Nvfp4 { .. }));
+        let gemm = takes_gemm(batch.xs.len());
         batch
             .pairs
             .iter()
@@ -239,10 +240,11 @@ mod tests {
     /// last position by up to 0.39 of the largest (NVFP4 experts, this checkpoint: the same
     /// 0.39 with the engine's own expert product on bf16-rounded inputs, so it is the rounding
     /// and not the kernel; 6.7e-3 with f32 expert inputs) and of the decode steps after it by
-    /// up to 3.8e-2. Asserted: the GEMMs ran (no logit equal), every difference below 0.5 of
-    /// the largest, the greedy token of 3 of the 5 positions kept (measured: 4 and 5 of 5);
-    /// a 45-token prompt takes no GEMM and gives the engine's bits (the GPU test holds the
-    /// CUDA backend to this rule's own logits, not the engine's).
+    /// up to 3.8e-2; with MXFP4 experts by 5.7e-3 and up to 5.1e-2. Asserted: the GEMMs ran
+    /// (no logit row equal), every difference below 0.5 of the largest, the greedy token of 3
+    /// of the 5 positions kept (measured: 4 and 5 of 5); a 45-token prompt takes no GEMM and
+    /// gives the engine's bits (the GPU test holds the CUDA backend to this rule's own logits,
+    /// not the engine's).
     #[test]
     fn prompt_chunks_through_the_gemms_stay_near_the_engine() {
         for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {

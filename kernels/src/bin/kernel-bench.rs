@@ -492,13 +492,13 @@ fn time_moe_prefill(gpu: &Gpu, rng: &mut Rng) -> Result<f64, KernelError> {
     let stack = kernels::cuda::DeviceStack {
         packed: &d_packed,
         scales: &d_scales,
-        scale_2: &d_scale_2,
+        scale_2: Some(&d_scale_2),
         experts,
         n,
         k,
     };
     time(gpu, || {
-        gpu.launch_nvfp4_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)
+        gpu.launch_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)
     })
 }
 

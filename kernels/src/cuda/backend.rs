@@ -471,7 +471,7 @@ struct LayerOps<'a> {
     routed: Option<&'a DeviceLayer>,
     shared: &'a DeviceShared,
     dims: ExpertDims,
-    /// A prompt chunk's tokens (`prefill_gemm::takes_gemm`): NVFP4 experts as the grouped GEMM.
+    /// A prompt chunk's tokens (`prefill_gemm::takes_gemm`): experts as the grouped GEMM.
     gemm: bool,
 }
 
@@ -513,26 +513,21 @@ impl Ops for LayerOps<'_> {
             Proj::Down => &routed.w2,
             Proj::Up => &routed.w3,
         };
-        // A prompt chunk's NVFP4 experts as the grouped GEMM: each expert read once per 64
-        // of its pairs (`crate::prefill_gemm`).
-        if let (true, Some(scale_2)) = (self.gemm, stack.scale_2.as_ref()) {
+        // A prompt chunk's experts as the grouped GEMM: each expert read once per 64 of its
+        // pairs (`crate::prefill_gemm`).
+        if self.gemm {
             let grouped = super::DeviceStack {
                 packed: &stack.packed,
                 scales: &stack.scales,
-                scale_2,
+                scale_2: stack.scale_2.as_ref(),
                 experts: stack.experts,
                 n: stack.rows,
                 k: stack.cols,
             };
             let mut grouping = self.gpu.moe_grouping(pairs, stack.experts)?;
-            return self.gpu.launch_nvfp4_grouped_gemm(
-                x,
-                token,
-                expert,
-                &grouped,
-                &mut grouping,
-                y,
-            );
+            return self
+                .gpu
+                .launch_grouped_gemm(x, token, expert, &grouped, &mut grouping, y);
         }
         self.gpu
             .launch_grouped_gemv(&stack.view(), x, token, expert, pairs, y)

@@ -1,5 +1,6 @@
 //! Launch wrapper of the grouped routed-expert GEMM for prefill chunks: `moe_align.cu` groups
-//! the pairs by expert on the device, `nvfp4_grouped_gemm_bf16` multiplies each expert's tiles.
+//! the pairs by expert on the device, `nvfp4_grouped_gemm_bf16` / `mxfp4_grouped_gemm_bf16`
+//! multiplies each expert's tiles.
 //! Every buffer is sized by (pairs, experts) alone, so a graph can capture the launches with a
 //! routing that changes from step to step in device memory.
 
@@ -21,13 +22,14 @@ pub struct MoeGrouping {
     sorted_pair: CudaSlice<i32>,
 }
 
-/// Stacked NVFP4 experts on the device, `[experts, n, k]`.
+/// Stacked FP4 experts on the device, `[experts, n, k]`: NVFP4 (e4m3 scales per 16 and a
+/// global scale per expert) or MXFP4 (ue8m0 scales per 32, no global scale).
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceStack<'a> {
     pub packed: &'a CudaSlice<u8>,
     pub scales: &'a CudaSlice<u8>,
-    /// One global scale per expert.
-    pub scale_2: &'a CudaSlice<f32>,
+    /// NVFP4's global scale per expert; `None` for MXFP4.
+    pub scale_2: Option<&'a CudaSlice<f32>>,
     pub experts: usize,
     pub n: usize,
     pub k: usize,
@@ -76,12 +78,12 @@ impl Gpu {
         let stack = DeviceStack {
             packed: &d_packed,
             scales: &d_scales,
-            scale_2: &d_scale_2,
+            scale_2: Some(&d_scale_2),
             experts,
             n,
             k,
         };
-        self.launch_nvfp4_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)?;
+        self.launch_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)?;
         let mut out = self.stream.clone_dtoh(&out)?;
         out.truncate(pairs * n);
         Ok(out)
@@ -108,7 +110,7 @@ impl Gpu {
     /// The grouping and the grouped GEMM on device buffers: `out` (`[pairs, n]`) is filled with
     /// NaN first, so a pair routed outside the stack shows. Tokens of `pair_token` must lie in
     /// `a` (the host wrapper checks; here it is the caller's contract).
-    pub fn launch_nvfp4_grouped_gemm(
+    pub fn launch_grouped_gemm(
         &self,
         a: &CudaSlice<f32>,
         pair_token: &CudaSlice<i32>,
@@ -119,15 +121,16 @@ impl Gpu {
     ) -> Result<(), KernelError> {
         let (pairs, experts) = (g.pairs, g.experts);
         let (n, k) = (stack.n, stack.k);
+        let block = if stack.scale_2.is_some() { 16 } else { 32 };
         if experts != stack.experts
-            || !k.is_multiple_of(16)
+            || !k.is_multiple_of(block)
             || n == 0
             || pair_token.len() < pairs
             || pair_expert.len() < pairs
             || out.len() < pairs * n
             || stack.packed.len() < experts * n * k / 2
-            || stack.scales.len() < experts * n * k / 16
-            || stack.scale_2.len() < experts
+            || stack.scales.len() < experts * n * k / block
+            || stack.scale_2.is_some_and(|s| s.len() < experts)
         {
             return Err(KernelError::Shape(format!(
                 "grouped gemm: {pairs} pairs, {experts} experts of {n}x{k}"
@@ -187,7 +190,10 @@ impl Gpu {
             .arg(&mut g.sorted_pair);
         // SAFETY: `moe_scatter`'s parameters in order; slots within the aligned tiles.
         unsafe { launch.launch(by_pair)? };
-        let gemm = self.gemm.load_function("nvfp4_grouped_gemm_bf16")?;
+        let gemm = self.gemm.load_function(match stack.scale_2 {
+            Some(_) => "nvfp4_grouped_gemm_bf16",
+            None => "mxfp4_grouped_gemm_bf16",
+        })?;
         let (n_i, k_i) = (n as i64, k as i64);
         let mut launch = self.stream.launch_builder(&gemm);
         launch
@@ -197,17 +203,18 @@ impl Gpu {
             .arg(&g.tile_expert)
             .arg(&g.tile_count)
             .arg(stack.packed)
-            .arg(stack.scales)
-            .arg(stack.scale_2)
-            .arg(&n_i)
-            .arg(&k_i)
-            .arg(&mut *out);
+            .arg(stack.scales);
+        if let Some(scale_2) = stack.scale_2 {
+            launch.arg(scale_2);
+        }
+        launch.arg(&n_i).arg(&k_i).arg(&mut *out);
         let column_blocks = grid_dim(n.div_ceil(64), "grouped gemm columns")?;
         if column_blocks > 65_535 {
             return Err(KernelError::Shape(format!("grouped gemm n = {n}")));
         }
-        // SAFETY: `nvfp4_grouped_gemm_bf16`'s parameters in order; blocks past the tile count
-        // return at once.
+        // SAFETY: `nvfp4_grouped_gemm_bf16`'s (or, without `scale_2`,
+        // `mxfp4_grouped_gemm_bf16`'s) parameters in order; blocks past the tile count return
+        // at once.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (

@@ -57,7 +57,7 @@ pub(super) fn grouped_with(
         let weights = (
             &w.packed[e * code_bytes..(e + 1) * code_bytes],
             &w.scales[e * scale_bytes..(e + 1) * scale_bytes],
-            w.scale_2[e],
+            Some(w.scale_2[e]),
         );
         for col0 in (0..n).step_by(64) {
             gemm_tile(

@@ -443,7 +443,7 @@ fn a_wrong_wmma_staging_is_caught() {
     let shape = (70, 90, 64);
     let (a, w, bound) = bf16_gemm_operands(&mut rng, shape);
     for plant in [Plant::WRowMajor, Plant::WarpOrigin, Plant::WBlockOffset] {
-        let got = wmma_bf16::gemm_with(&a, (&w.0, &w.1, w.2), shape, plant);
+        let got = wmma_bf16::gemm_with(&a, (&w.0, &w.1, Some(w.2)), shape, plant);
         assert!(
             bf16_gemm_mismatches(&got, &a, &w, &bound, shape) > 0,
             "{plant:?} went unnoticed"
@@ -569,5 +569,59 @@ fn a_wrong_dense_gemm_index_is_caught() {
             mismatches(&got, &want, &limit) > 0,
             "{plant:?} went unnoticed"
         );
+    }
+}
+
+/// The MXFP4 staging of the bf16 tensor-core tiles (what `mxfp4_grouped_gemm_bf16` runs for a
+/// prompt chunk's MXFP4 experts) computes the reference product at awkward shapes; scales
+/// indexed without the row's offset are caught.
+#[test]
+fn the_mxfp4_tiles_compute_the_reference_product() {
+    let mut rng = Rng::for_tensor(23, "emulate-wmma-mxfp4");
+    for (m, n, k) in [
+        (1usize, 1usize, 32usize),
+        (3, 5, 96),
+        (65, 130, 160),
+        (0, 8, 32),
+    ] {
+        let a: Vec<f32> = (0..m * k).map(|_| rng.normal() * 3.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+        let (packed, scales) = quant::quant_mxfp4(&w, n, k).unwrap();
+        let want = cpu::mxfp4_gemm(&a, &packed, &scales, (m, n, k)).unwrap();
+        let deq = quant::dequant_mxfp4(&packed, &scales, n, k).unwrap();
+        let bound: Vec<f64> = (0..m * n)
+            .map(|o| {
+                let (i, j) = (o / n.max(1), o % n.max(1));
+                let mag: f64 = (0..k)
+                    .map(|x| {
+                        let a16 = crate::dense_gemm::bf16(a[i * k + x]);
+                        f64::from((a16 * deq[j * k + x]).abs())
+                    })
+                    .sum();
+                1e-5 * mag + 1e-30
+            })
+            .collect();
+        let close = |got: &[f32]| {
+            got.iter()
+                .zip(&want)
+                .zip(&bound)
+                .all(|((g, w), b)| f64::from((g - w).abs()) <= *b)
+        };
+        assert!(
+            close(&mxfp4_gemm_bf16(&a, (&packed, &scales), (m, n, k))),
+            "{m}x{n}x{k}"
+        );
+        if m * n > 10 {
+            let planted = wmma_bf16::gemm_with(
+                &a,
+                (&packed, &scales, None),
+                (m, n, k),
+                wmma_bf16::Plant::MxScaleWithoutRow,
+            );
+            assert!(
+                !close(&planted),
+                "{m}x{n}x{k}: scales without the row went unnoticed"
+            );
+        }
     }
 }

@@ -10,7 +10,7 @@
 //! declared W's fragment with the wrong major-ness or stored to the wrong place, this
 //! emulation disagrees with [`crate::cpu::nvfp4_gemm`]; the tests plant such errors.
 
-use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, f32_to_bf16};
+use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, f32_to_bf16};
 
 pub(super) const BM: usize = 64;
 const BN: usize = 64;
@@ -28,6 +28,8 @@ pub(super) enum Plant {
     WarpOrigin,
     /// The second NVFP4 block of a W row staged over the first.
     WBlockOffset,
+    /// MXFP4 scales indexed without the row's offset.
+    MxScaleWithoutRow,
 }
 
 /// The WMMA model's 16 x 16 tile of `tile` (rows of `LDS` bf16 values) at (`row`, `col`):
@@ -76,7 +78,7 @@ pub(super) fn mma(acc: &mut [[f32; 16]; 16], a: &[[f32; 16]; 16], b: &[[f32; 16]
 pub(super) fn gemm_tile(
     a: &[f32],
     a_row: &[Option<usize>; BM],
-    (packed, scales, scale_2): (&[u8], &[u8], f32),
+    (packed, scales, scale_2): (&[u8], &[u8], Option<f32>),
     (n, k): (usize, usize),
     col0: usize,
     c: &mut [f32],
@@ -107,7 +109,12 @@ pub(super) fn gemm_tile(
                 blk * 16
             };
             if gn < n && gk < k {
-                let s = e4m3_to_f32(scales[gn * (k / 16) + gk / 16]);
+                // NVFP4: an e4m3 scale per 16; MXFP4 (no scale_2): a ue8m0 scale per 32.
+                let s = match scale_2 {
+                    Some(_) => e4m3_to_f32(scales[gn * (k / 16) + gk / 16]),
+                    None if plant == Plant::MxScaleWithoutRow => e8m0_to_f32(scales[gk / 32]),
+                    None => e8m0_to_f32(scales[gn * (k / 32) + gk / 32]),
+                };
                 let codes = &packed[gn * (k / 2) + gk / 2..];
                 for i in 0..8 {
                     let byte = codes[i];
@@ -161,17 +168,18 @@ pub(super) fn gemm_tile(
             if let Some(gr) = c_row[warp_m * 32 + r]
                 && gc < n
             {
-                c[gr * n + gc] = stage[r][col] * scale_2;
+                c[gr * n + gc] = stage[r][col] * scale_2.unwrap_or(1.0);
             }
         }
     }
 }
 
-/// `nvfp4_gemm_bf16` over the whole grid with `plant` in its index math. Output poisoned with
-/// NaN first, as the wrapper does.
+/// `nvfp4_gemm_bf16` over the whole grid with `plant` in its index math (MXFP4 staging where
+/// `w` has no `scale_2`, as `mxfp4_grouped_gemm_bf16`'s tiles do). Output poisoned with NaN
+/// first, as the wrapper does.
 pub(super) fn gemm_with(
     a: &[f32],
-    w: (&[u8], &[u8], f32),
+    w: (&[u8], &[u8], Option<f32>),
     (m, n, k): (usize, usize, usize),
     plant: Plant,
 ) -> Vec<f32> {
@@ -194,5 +202,11 @@ pub fn nvfp4_gemm_bf16(
     w: (&[u8], &[u8], f32),
     shape: (usize, usize, usize),
 ) -> Vec<f32> {
-    gemm_with(a, w, shape, Plant::None)
+    gemm_with(a, (w.0, w.1, Some(w.2)), shape, Plant::None)
+}
+
+/// The same tiles over MXFP4 weights (codes, ue8m0 scales per 32), as the grouped GEMM's
+/// MXFP4 kernel stages them (arguments of [`crate::cpu::mxfp4_gemm`]).
+pub fn mxfp4_gemm_bf16(a: &[f32], w: (&[u8], &[u8]), shape: (usize, usize, usize)) -> Vec<f32> {
+    gemm_with(a, (w.0, w.1, None), shape, Plant::None)
 }

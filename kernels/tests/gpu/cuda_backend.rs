@@ -270,7 +270,7 @@ fn gpu_backend_refuses_non_fp4_experts() {
     assert!(matches!(err, KernelError::Unsupported(_)), "{err}");
 }
 
-/// A 150-token prompt (one chunk: the dense linears, the shared expert, NVFP4 routed experts
+/// A 150-token prompt (one chunk: the dense linears, the shared expert, the routed experts
 /// and the head take the GEMMs, `kernels::prefill_gemm`) then 4 decode tokens through the
 /// per-op backend against `GemmReference` (the same rule over the kernels' CPU references):
 /// every logit within 2e-3 of the largest, as the per-op backend is held to the engine where
