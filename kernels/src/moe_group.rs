@@ -55,24 +55,27 @@ pub fn group(pair_expert: &[i32], experts: usize, arrival: &[usize]) -> Grouping
 }
 
 /// Checks a grouped GEMM's host inputs: every pair's token inside `tokens`, `k` a multiple of
-/// 16 (one NVFP4 block), the stacked experts' bytes and scales for `experts` experts of
-/// `[n, k]`. Expert indices are not checked here: one outside the model gets a NaN row.
+/// the scale block (16 for NVFP4, whose `scale_2_len` is given; 32 for MXFP4, `None`), the
+/// stacked experts' bytes and scales for `experts` experts of `[n, k]`. Expert indices are not
+/// checked here: one outside the model gets a NaN row.
 pub fn check(
     (tokens, pairs, experts): (usize, usize, usize),
     (n, k): (usize, usize),
     pair_token: &[i32],
-    (a_len, packed_len, scales_len, scale_2_len): (usize, usize, usize, usize),
+    (a_len, packed_len, scales_len): (usize, usize, usize),
+    scale_2_len: Option<usize>,
 ) -> Result<(), String> {
-    if n == 0 || k == 0 || !k.is_multiple_of(16) || experts == 0 {
+    let block = if scale_2_len.is_some() { 16 } else { 32 };
+    if n == 0 || k == 0 || !k.is_multiple_of(block) || experts == 0 {
         return Err(format!(
-            "grouped gemm: n {n}, k {k} (a multiple of 16), experts {experts} must not be 0"
+            "grouped gemm: n {n}, k {k} (a multiple of {block}), experts {experts} must not be 0"
         ));
     }
     if pair_token.len() != pairs
         || a_len != tokens * k
         || packed_len != experts * n * k / 2
-        || scales_len != experts * n * k / 16
-        || scale_2_len != experts
+        || scales_len != experts * n * k / block
+        || scale_2_len.is_some_and(|len| len != experts)
     {
         return Err(format!(
             "grouped gemm: buffers do not match {tokens} tokens, {pairs} pairs and {experts} \
@@ -243,13 +246,18 @@ mod tests {
                 (tokens, pair_token.len(), 2),
                 (8, k),
                 pair_token,
-                (tokens * k, 2 * 8 * k / 2, 2 * 8 * k / 16, 2),
+                (tokens * k, 2 * 8 * k / 2, 2 * 8 * k / 16),
+                Some(2),
             )
         };
         assert_eq!(ok(3, &[0, 2, 1], 32), Ok(()));
         assert!(ok(3, &[0, 3], 32).is_err(), "token past the chunk");
         assert!(ok(3, &[-1], 32).is_err(), "negative token");
         assert!(ok(3, &[0], 24).is_err(), "k not whole blocks");
-        assert!(check((1, 1, 2), (8, 32), &[0], (32, 1, 32, 2)).is_err());
+        assert!(check((1, 1, 2), (8, 32), &[0], (32, 1, 32), Some(2)).is_err());
+        // MXFP4: a scale per 32, no global scale; k of whole 32-blocks.
+        let mx = |k: usize| check((1, 1, 2), (8, k), &[0], (k, 8 * k, 2 * 8 * k / 32), None);
+        assert_eq!(mx(64), Ok(()));
+        assert!(mx(48).is_err(), "k not whole MXFP4 blocks");
     }
 }

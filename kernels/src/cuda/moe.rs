@@ -41,8 +41,8 @@ fn blocks(count: usize, per: usize) -> Result<u32, KernelError> {
 
 impl Gpu {
     /// The routed experts of a prefill chunk (see `cpu::grouped_gemm`): pair `p` multiplies
-    /// token `pair_token[p]` of `a` (`[tokens, k]`) by expert `pair_expert[p]` of the stack;
-    /// `[pairs, n]`, a NaN row for an expert outside the stack. Inputs checked first.
+    /// token `pair_token[p]` of `a` (`[tokens, k]`) by expert `pair_expert[p]` of the NVFP4
+    /// stack; `[pairs, n]`, a NaN row for an expert outside the stack. Inputs checked first.
     #[expect(
         clippy::too_many_arguments,
         reason = "the chunk, its routing and the stack"
@@ -57,7 +57,31 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<Vec<f32>, KernelError> {
-        let (pairs, experts) = (pair_token.len(), scale_2.len());
+        let stack = (packed, scales, Some(scale_2), scale_2.len());
+        self.grouped_gemm_host(a, (pair_token, pair_expert), stack, (tokens, n, k))
+    }
+
+    /// The same over `experts` stacked MXFP4 experts (codes, ue8m0 scales per 32; see
+    /// `cpu::mxfp4_gemm` per pair).
+    pub fn mxfp4_grouped_gemm(
+        &self,
+        a: &[f32],
+        (pair_token, pair_expert): (&[i32], &[i32]),
+        (packed, scales, experts): (&[u8], &[u8], usize),
+        (tokens, n, k): (usize, usize, usize),
+    ) -> Result<Vec<f32>, KernelError> {
+        let stack = (packed, scales, None, experts);
+        self.grouped_gemm_host(a, (pair_token, pair_expert), stack, (tokens, n, k))
+    }
+
+    fn grouped_gemm_host(
+        &self,
+        a: &[f32],
+        (pair_token, pair_expert): (&[i32], &[i32]),
+        (packed, scales, scale_2, experts): (&[u8], &[u8], Option<&[f32]>, usize),
+        (tokens, n, k): (usize, usize, usize),
+    ) -> Result<Vec<f32>, KernelError> {
+        let pairs = pair_token.len();
         if pair_expert.len() != pairs {
             return Err(KernelError::Shape("grouped gemm: pair lists differ".into()));
         }
@@ -65,20 +89,21 @@ impl Gpu {
             (tokens, pairs, experts),
             (n, k),
             pair_token,
-            (a.len(), packed.len(), scales.len(), scale_2.len()),
+            (a.len(), packed.len(), scales.len()),
+            scale_2.map(<[f32]>::len),
         )?;
         let d_a = self.stream.clone_htod(&non_empty(a))?;
         let d_token = self.stream.clone_htod(&non_empty(pair_token))?;
         let d_expert = self.stream.clone_htod(&non_empty(pair_expert))?;
         let d_packed = self.stream.clone_htod(packed)?;
         let d_scales = self.stream.clone_htod(scales)?;
-        let d_scale_2 = self.stream.clone_htod(scale_2)?;
+        let d_scale_2 = scale_2.map(|s| self.stream.clone_htod(s)).transpose()?;
         let mut grouping = self.moe_grouping(pairs, experts)?;
         let mut out = self.stream.clone_htod(&vec![0.0f32; (pairs * n).max(1)])?;
         let stack = DeviceStack {
             packed: &d_packed,
             scales: &d_scales,
-            scale_2: Some(&d_scale_2),
+            scale_2: d_scale_2.as_ref(),
             experts,
             n,
             k,
