@@ -148,6 +148,24 @@ impl DeviceRows {
 }
 
 impl Gpu {
+    /// [`Self::launch_exact_gemv`]'s product by the dense GEMM (bf16 and FP8-block weights
+    /// only): `y` `[n, rows]` within `dense_gemm::bound`; `scratch` holds
+    /// [`Self::dense_gemm_scratch`] values.
+    pub fn launch_fast_linear(
+        &self,
+        w: &DeviceRows,
+        (row0, rows): (usize, usize),
+        x: &CudaSlice<f32>,
+        n: usize,
+        scratch: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let weight = w.gemm_weight().ok_or_else(|| {
+            KernelError::Shape("the fast linear takes bf16 and FP8-block weights only".into())
+        })?;
+        self.launch_dense_gemm(weight, row0, x, (n, rows, w.cols), scratch, y)
+    }
+
     /// Uploads a stored weight for [`Self::launch_exact_gemv`].
     pub fn upload_rows(
         &self,

@@ -765,11 +765,8 @@ impl Kernels for CudaKernels {
         scratch: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let weight = w.gemm_weight().ok_or_else(|| {
-            KernelError::Shape("the fast linear takes bf16 and FP8-block weights only".into())
-        })?;
         self.gpu
-            .launch_dense_gemm(weight, row0, x, (n, rows, w.cols), scratch, y)
+            .launch_fast_linear(w, (row0, rows), x, n, scratch, y)
     }
 
     fn swiglu(

@@ -367,26 +367,12 @@ impl Kernels for EmulatedKernels {
     fn exact_gemv(
         &self,
         w: &EmuRows,
-        (row0, rows): (usize, usize),
+        rows: (usize, usize),
         x: &Vec<f32>,
         n: usize,
         y: &mut Vec<f32>,
     ) -> Result<(), ShapeError> {
-        let (_, cols) = Self::rows_shape(w);
-        let inputs: Vec<&[f32]> = (0..n)
-            .map(|v| {
-                x.get(v * cols..(v + 1) * cols)
-                    .ok_or_else(|| err("exact_gemv"))
-            })
-            .collect::<Result<_, _>>()?;
-        let outs = match w {
-            EmuRows::Weight(w) => w.apply_rows_many(row0, rows, &inputs),
-            EmuRows::Matrix(m) => m.apply_rows_many(row0, rows, &inputs),
-        };
-        for (v, o) in outs.iter().enumerate() {
-            store(y, v * rows, o)?;
-        }
-        Ok(())
+        linear::exact_gemv(w, rows, x, n, y)
     }
 
     fn norm_rope_rows(

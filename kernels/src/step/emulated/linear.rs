@@ -1,5 +1,6 @@
-//! The fast linear of [`super::EmulatedKernels`]: `dense_gemm`'s reference (f64 over the bf16
-//! operands) on the weights the device GEMM takes, with the scratch its split plan asks for.
+//! The linears of [`super::EmulatedKernels`]: the exact one (the engine's own products) and the
+//! fast one (`dense_gemm`'s reference, f64 over the bf16 operands, on the weights the device
+//! GEMM takes, with the scratch its split plan asks for).
 
 use super::{EmuRows, err, store};
 use crate::{
@@ -11,6 +12,34 @@ use crate::{
 const MULTIPROCESSORS: usize = 132;
 
 /// The weight as the dense GEMM reads it: bf16 or FP8-block rows.
+/// `exact_gemv`: rows `row0..row0 + rows` of `w` times `n` vectors of `x`, `[n, rows]`.
+pub(super) fn exact_gemv(
+    w: &EmuRows,
+    (row0, rows): (usize, usize),
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> Result<(), ShapeError> {
+    let cols = match w {
+        EmuRows::Weight(w) => w.cols,
+        EmuRows::Matrix(m) => m.cols,
+    };
+    let inputs: Vec<&[f32]> = (0..n)
+        .map(|v| {
+            x.get(v * cols..(v + 1) * cols)
+                .ok_or_else(|| err("exact_gemv"))
+        })
+        .collect::<Result<_, _>>()?;
+    let outs = match w {
+        EmuRows::Weight(w) => w.apply_rows_many(row0, rows, &inputs),
+        EmuRows::Matrix(m) => m.apply_rows_many(row0, rows, &inputs),
+    };
+    for (v, o) in outs.iter().enumerate() {
+        store(y, v * rows, o)?;
+    }
+    Ok(())
+}
+
 pub(super) fn dense_rows(w: &EmuRows) -> Option<DenseRows<'_>> {
     match w {
         EmuRows::Weight(w) => DenseRows::of(w),
