@@ -1,4 +1,5 @@
-//! `moe_align.cu` and `nvfp4_gemm.cu` `nvfp4_grouped_gemm_bf16` on the CPU: the grouping of the
+//! `moe_align.cu` and `nvfp4_gemm.cu` `nvfp4_grouped_gemm_bf16` / `mxfp4_grouped_gemm_bf16` on
+//! the CPU: the grouping of the
 //! pairs by expert with the atomics' arrival order as a parameter ([`crate::moe_group::group`]),
 //! then every tile's row maps (token rows in, pair rows out) and expert slices around the same
 //! `gemm_tile` model as the plain GEMM.
@@ -16,12 +17,14 @@ pub(super) enum GroupPlant {
     NextExpert,
 }
 
-/// Stacked NVFP4 experts `[experts, n, k]`: codes, e4m3 scales, one global scale each.
+/// Stacked FP4 experts `[experts, n, k]`: codes and scales; NVFP4 (e4m3 scales per 16, one
+/// global scale each in `scale_2`) or MXFP4 (ue8m0 scales per 32, `scale_2` `None`).
 #[derive(Debug, Clone, Copy)]
 pub struct StackedExperts<'a> {
     pub packed: &'a [u8],
     pub scales: &'a [u8],
-    pub scale_2: &'a [f32],
+    pub scale_2: Option<&'a [f32]>,
+    pub experts: usize,
     pub n: usize,
     pub k: usize,
 }
@@ -35,7 +38,7 @@ pub(super) fn grouped_with(
     plant: GroupPlant,
 ) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
-    let experts = w.scale_2.len();
+    let experts = w.experts;
     let mut c = vec![f32::NAN; pair_token.len() * n];
     let g = group(pair_expert, experts, arrival);
     assert_eq!(BM, TILE_ROWS);
@@ -53,11 +56,13 @@ pub(super) fn grouped_with(
         } else {
             std::array::from_fn(|r| slots[r])
         };
-        let (code_bytes, scale_bytes) = (n * k / 2, n * k / 16);
+        // `grouped_tile`'s expert offsets: scales per 16 (NVFP4) or per 32 (MXFP4).
+        let block = if w.scale_2.is_some() { 16 } else { 32 };
+        let (code_bytes, scale_bytes) = (n * k / 2, n * k / block);
         let weights = (
             &w.packed[e * code_bytes..(e + 1) * code_bytes],
             &w.scales[e * scale_bytes..(e + 1) * scale_bytes],
-            Some(w.scale_2[e]),
+            w.scale_2.map(|s| s[e]),
         );
         for col0 in (0..n).step_by(64) {
             gemm_tile(

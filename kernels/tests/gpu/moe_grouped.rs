@@ -59,7 +59,8 @@ fn gpu_grouped_gemm_matches_reference() {
         let stack = StackedExperts {
             packed: &m.packed,
             scales: &m.scales,
-            scale_2: &m.scale_2,
+            scale_2: Some(&m.scale_2),
+            experts: m.scale_2.len(),
             n,
             k,
         };
