@@ -108,18 +108,43 @@ pub struct SyntheticMoe {
     pub pair_expert: Vec<i32>,
     pub packed: Vec<u8>,
     pub scales: Vec<u8>,
+    /// NVFP4's global scale per expert; empty for MXFP4.
     pub scale_2: Vec<f32>,
+    pub experts: usize,
+    /// MXFP4 (ue8m0 scales per 32) rather than NVFP4.
+    pub mx: bool,
     /// The experts dequantized, `[experts, n, k]` (for error bounds).
     pub dequant: Vec<f32>,
 }
 
-/// `tokens` tokens each routed to `top_k` distinct experts of `experts`, skewed so that some
-/// experts get many pairs and some none. `k` must be a multiple of 16.
+/// `tokens` tokens each routed to `top_k` distinct experts of `experts` (NVFP4), skewed so that
+/// some experts get many pairs and some none; every `bad_every`-th pair to an expert outside
+/// the stack. `k` must be a multiple of 16.
 pub fn synthetic_moe(
+    rng: &mut engine::synth::Rng,
+    route: (usize, usize, usize),
+    nk: (usize, usize),
+    bad_every: usize,
+) -> Result<SyntheticMoe, engine::quant::QuantError> {
+    synthetic(rng, route, nk, bad_every, false)
+}
+
+/// The same chunk over MXFP4 experts (`k` a multiple of 32).
+pub fn synthetic_mxfp4_moe(
+    rng: &mut engine::synth::Rng,
+    route: (usize, usize, usize),
+    nk: (usize, usize),
+    bad_every: usize,
+) -> Result<SyntheticMoe, engine::quant::QuantError> {
+    synthetic(rng, route, nk, bad_every, true)
+}
+
+fn synthetic(
     rng: &mut engine::synth::Rng,
     (tokens, top_k, experts): (usize, usize, usize),
     (n, k): (usize, usize),
     bad_every: usize,
+    mx: bool,
 ) -> Result<SyntheticMoe, engine::quant::QuantError> {
     let a: Vec<f32> = (0..tokens * k).map(|_| rng.normal()).collect();
     let (mut pair_token, mut pair_expert) = (Vec::new(), Vec::new());
@@ -142,11 +167,18 @@ pub fn synthetic_moe(
     let (mut packed, mut scales, mut scale_2, mut dequant) = (vec![], vec![], vec![], vec![]);
     for _ in 0..experts {
         let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
-        let (p, s, s2) = engine::quant::quant_nvfp4(&w, n, k)?;
-        dequant.extend(engine::quant::dequant_nvfp4(&p, &s, s2, n, k)?);
-        packed.extend(p);
-        scales.extend(s);
-        scale_2.push(s2);
+        if mx {
+            let (p, s) = engine::quant::quant_mxfp4(&w, n, k)?;
+            dequant.extend(engine::quant::dequant_mxfp4(&p, &s, n, k)?);
+            packed.extend(p);
+            scales.extend(s);
+        } else {
+            let (p, s, s2) = engine::quant::quant_nvfp4(&w, n, k)?;
+            dequant.extend(engine::quant::dequant_nvfp4(&p, &s, s2, n, k)?);
+            packed.extend(p);
+            scales.extend(s);
+            scale_2.push(s2);
+        }
     }
     Ok(SyntheticMoe {
         tokens,
@@ -158,17 +190,44 @@ pub fn synthetic_moe(
         packed,
         scales,
         scale_2,
+        experts,
+        mx,
         dequant,
     })
 }
 
 impl SyntheticMoe {
+    /// Each pair's output by the reference of its format (`cpu::nvfp4_gemm` or
+    /// `cpu::mxfp4_gemm`, bf16 activations, f64 sums): `[pairs, n]`, a NaN row for an expert
+    /// outside the stack.
+    pub fn reference(&self) -> Result<Vec<f32>, engine::quant::QuantError> {
+        let (n, k) = (self.n, self.k);
+        let block = if self.mx { 32 } else { 16 };
+        let (code_bytes, scale_bytes) = (n * k / 2, n * k / block);
+        let mut out = Vec::with_capacity(self.pair_token.len() * n);
+        for (&t, &e) in self.pair_token.iter().zip(&self.pair_expert) {
+            let Some(e) = usize::try_from(e).ok().filter(|&e| e < self.experts) else {
+                out.extend(std::iter::repeat_n(f32::NAN, n));
+                continue;
+            };
+            let x = &self.a[t as usize * k..(t as usize + 1) * k];
+            let packed = &self.packed[e * code_bytes..(e + 1) * code_bytes];
+            let scales = &self.scales[e * scale_bytes..(e + 1) * scale_bytes];
+            out.extend(if self.mx {
+                crate::cpu::mxfp4_gemm(x, packed, scales, (1, n, k))?
+            } else {
+                crate::cpu::nvfp4_gemm(x, packed, scales, self.scale_2[e], 1, n, k)?
+            });
+        }
+        Ok(out)
+    }
+
     /// The largest error of `got` against `want` in units of the bound, `1e-4 · Σ|a·w|` (bf16
     /// activations, exact weights: the products are exact, the f32 sums are not); NaN where
     /// exactly one of them is NaN.
     pub fn worst(&self, got: &[f32], want: &[f32]) -> f32 {
         let (n, k) = (self.n, self.k);
-        let experts = self.scale_2.len();
+        let experts = self.experts;
         crate::cpu::worst_ratio(got, want, |i| {
             let (p, j) = (i / n, i % n);
             let (t, e) = (

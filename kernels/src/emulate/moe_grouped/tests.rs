@@ -3,7 +3,7 @@ use engine::synth::Rng;
 use super::*;
 use crate::{
     cpu,
-    moe_group::{SyntheticMoe, synthetic_moe},
+    moe_group::{SyntheticMoe, synthetic_moe, synthetic_mxfp4_moe},
 };
 
 fn stacked(m: &SyntheticMoe) -> StackedExperts<'_> {
@@ -11,7 +11,7 @@ fn stacked(m: &SyntheticMoe) -> StackedExperts<'_> {
         packed: &m.packed,
         scales: &m.scales,
         scale_2: Some(&m.scale_2),
-        experts: m.scale_2.len(),
+        experts: m.experts,
         n: m.n,
         k: m.k,
     }
@@ -112,81 +112,40 @@ fn planted_errors_in_the_grouping_are_caught() {
     }
 }
 
-/// MXFP4 experts (`mxfp4_grouped_gemm_bf16`): every pair's row is `cpu::mxfp4_gemm` of its
-/// token and expert within `1e-4 · Σ|a·w|` (an expert with no pair, one of several tiles, a
-/// pair outside the stack a NaN row), in any arrival order; the next expert's weights are
-/// caught.
+/// MXFP4 experts (`mxfp4_grouped_gemm_bf16`): every pair's row within `1e-4 · Σ|a·w|` of
+/// `cpu::mxfp4_gemm` of its token and expert (a skewed routing: the first expert over several
+/// tiles; pairs outside the stack NaN rows), in a shuffled arrival order; the next expert's weights
+/// are caught.
 #[test]
 fn mxfp4_experts_group_and_multiply_as_the_reference() {
     let mut rng = Rng::for_tensor(43, "emulate-moe-mxfp4");
-    let (tokens, experts, n, k) = (90usize, 5usize, 70usize, 96usize);
-    let a: Vec<f32> = (0..tokens * k).map(|_| rng.normal() * 3.0).collect();
-    let (mut packed, mut scales, mut dequant) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..experts {
-        let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
-        let (p, s) = engine::quant::quant_mxfp4(&w, n, k).unwrap();
-        dequant.push(engine::quant::dequant_mxfp4(&p, &s, n, k).unwrap());
-        packed.extend(p);
-        scales.extend(s);
-    }
-    let (mut pair_token, mut pair_expert) = (Vec::new(), Vec::new());
-    for t in 0..tokens {
-        for e in [0, 1 + t % 3] {
-            pair_token.push(t as i32);
-            pair_expert.push(e as i32);
-        }
-    }
-    pair_token.push(7);
-    pair_expert.push(experts as i32);
+    let m = synthetic_mxfp4_moe(&mut rng, (200, 2, 5), (70, 96), 11).unwrap();
     let stack = StackedExperts {
-        packed: &packed,
-        scales: &scales,
+        packed: &m.packed,
+        scales: &m.scales,
         scale_2: None,
-        experts,
-        n,
-        k,
+        experts: m.experts,
+        n: m.n,
+        k: m.k,
     };
-    let mismatches = |got: &[f32]| {
-        let mut bad = 0;
-        for (p, (&t, &e)) in pair_token.iter().zip(&pair_expert).enumerate() {
-            let row = &got[p * n..(p + 1) * n];
-            let Some(e) = usize::try_from(e).ok().filter(|&e| e < experts) else {
-                bad += usize::from(!row.iter().all(|v| v.is_nan()));
-                continue;
-            };
-            let x = &a[t as usize * k..(t as usize + 1) * k];
-            let (code_bytes, scale_bytes) = (n * k / 2, n * k / 32);
-            let want = cpu::mxfp4_gemm(
-                x,
-                &packed[e * code_bytes..(e + 1) * code_bytes],
-                &scales[e * scale_bytes..(e + 1) * scale_bytes],
-                (1, n, k),
-            )
-            .unwrap();
-            for (j, (g, w)) in row.iter().zip(&want).enumerate() {
-                let mag: f32 = x
-                    .iter()
-                    .zip(&dequant[e][j * k..(j + 1) * k])
-                    .map(|(a, w)| (crate::dense_gemm::bf16(*a) * w).abs())
-                    .sum();
-                bad += usize::from((g - w).abs() > 1e-4 * mag + 1e-30 || g.is_nan());
-            }
-        }
-        bad
-    };
-    let arrival = shuffled(&mut rng, pair_token.len());
-    let got = moe_grouped_gemm(&a, &pair_token, &pair_expert, stack, &arrival);
-    assert_eq!(mismatches(&got), 0);
+    let want = m.reference().unwrap();
+    let arrival = shuffled(&mut rng, m.pair_token.len());
+    let got = moe_grouped_gemm(&m.a, &m.pair_token, &m.pair_expert, stack, &arrival);
+    assert!(m.worst(&got, &want) <= 1.0, "{}", m.worst(&got, &want));
+    assert!(
+        got[10 * m.n..11 * m.n].iter().all(|v| v.is_nan()),
+        "a pair outside the stack"
+    );
     let planted = grouped_with(
-        &a,
-        &pair_token,
-        &pair_expert,
+        &m.a,
+        &m.pair_token,
+        &m.pair_expert,
         stack,
         &arrival,
         GroupPlant::NextExpert,
     );
     assert!(
-        mismatches(&planted) > 0,
+        m.worst(&planted, &want) > 1.0,
         "the next expert's weights went unnoticed"
     );
 }
