@@ -1,7 +1,8 @@
 //! Compiles `cuda/*.cu` into one fatbin per file with nvcc (sm_90a, sm_100a, sm_120a and
 //! compute_90 PTX), embeds them, and writes ptxas resource reports (registers, shared memory,
 //! spills) next to them. A register spill or any local memory (stack frame) in any kernel on
-//! any architecture fails the build, and so does a tensor-core kernel whose SASS lacks the
+//! any architecture fails the build, and so do warpgroup MMAs that ptxas serialized, and a
+//! tensor-core kernel whose SASS lacks the
 //! tensor-core instruction of its architecture ([`TENSOR_CORE_OPCODES`], read with cuobjdump
 //! when it is installed next to nvcc; `scripts/setup --cuda` installs it). Without nvcc the crate builds
 //! CPU-only with one warning; `PDSERVE_REQUIRE_CUDA_KERNELS=1` turns that into an error (CI).
@@ -35,7 +36,9 @@ const TENSOR_CORE_OPCODES: &[(&str, &str, &str)] = &[
     ("nvfp4_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
     ("nvfp4_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
     ("nvfp4_gemm", "sm_120a", "HMMA.16816.F32.BF16"),
-    // Dense bf16 / FP8-block weights dequantized to bf16 on WMMA (not wgmma yet).
+    // Dense bf16 / FP8-block weights dequantized to bf16: the warpgroup MMA on sm_90a
+    // (`dense_gemm_*_wgmma`, what an sm_90 device runs), WMMA everywhere.
+    ("dense_gemm", "sm_90a", "HGMMA.64x64x16.F32.BF16"),
     ("dense_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
     ("dense_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
     ("dense_gemm", "sm_120a", "HMMA.16816.F32.BF16"),
@@ -147,6 +150,14 @@ fn build() -> Result<(), String> {
             .find(|l| l.contains("bytes stack frame") && !l.trim_start().starts_with("0 bytes"))
         {
             return Err(format!("{}: local memory: {line}", k.display()));
+        }
+        // ptxas waits after each warpgroup MMA when it cannot keep the accumulators apart from
+        // the code between issue and wait: correct, but the MMAs no longer overlap the loads.
+        if let Some(line) = report.lines().find(|l| l.contains("wgmma.mma_async")) {
+            return Err(format!(
+                "{}: warpgroup MMAs serialized: {line}",
+                k.display()
+            ));
         }
         check_sass(&nvcc, name, &fatbin, require)?;
         let _ = writeln!(

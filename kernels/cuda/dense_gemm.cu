@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "fp4.cuh"
+#include "wgmma.cuh"
 
 using namespace nvcuda;
 
@@ -194,16 +195,115 @@ __device__ __forceinline__ void dense_tile(const float* __restrict__ a, long lon
     }
 }
 
+// The same tile on Hopper's warpgroup MMA (`wgmma.cuh`, sm_90a): the same bf16 values staged
+// in the tensor core's core-matrix layout, in two buffers, so that the next slice is staged
+// while the MMAs of this one run. The whole 64 x 64 tile is one m64n64k16 MMA per 16 k (no
+// live-band skip: a warpgroup MMA has M = 64). Elsewhere it traps (the host launches it on
+// sm_90 only).
 template <int FMT>
+__device__ __forceinline__ void dense_tile_wgmma(const float* __restrict__ a, long long m,
+                                                 const uint8_t* __restrict__ w,
+                                                 const float* __restrict__ scales,
+                                                 long long row0, long long n, long long k,
+                                                 long long k_begin, long long k_end,
+                                                 long long m0, long long col0,
+                                                 float* __restrict__ c) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(BM == wgmma::TILE && BN == wgmma::TILE && BK == wgmma::SLICE,
+                  "the tile is one warpgroup MMA tile");
+    // [buffer][A, W]: each a staged 64 x 32 operand.
+    __shared__ __align__(128) uint8_t operands[2][2][wgmma::OPERAND_BYTES];
+    const int tid = threadIdx.x;
+    const auto stage = [&](long long k0, int buf) {
+        // A: 64 rows x 4 chunks of 8 values, two chunks per thread, rounded to bf16.
+        for (int e = tid; e < BM * (BK / wgmma::CHUNK); e += THREADS) {
+            const int r = e / (BK / wgmma::CHUNK);
+            const int q = e % (BK / wgmma::CHUNK);
+            const long long gr = m0 + r;
+            __align__(16) __nv_bfloat16 v[wgmma::CHUNK];
+#pragma unroll
+            for (int i = 0; i < wgmma::CHUNK; ++i) {
+                const long long gk = k0 + q * wgmma::CHUNK + i;
+                v[i] = __float2bfloat16_rn(gr < m && gk < k_end ? a[gr * k + gk] : 0.0f);
+            }
+            *reinterpret_cast<uint4*>(
+                &operands[buf][0][wgmma::operand_offset(r, q * wgmma::CHUNK)]) =
+                *reinterpret_cast<const uint4*>(v);
+        }
+        // W: 16 values of one row per thread, as two chunks.
+        const int r = tid / 2;
+        const int half = tid % 2;
+        const long long gn = col0 + r;
+        __align__(16) __nv_bfloat16 v[16];
+        if (gn < n) {
+            stage_w<FMT>(w, scales, row0 + gn, k0 + half * 16, k, k_end, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                v[i] = __float2bfloat16_rn(0.0f);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            *reinterpret_cast<uint4*>(
+                &operands[buf][1][wgmma::operand_offset(r, half * 16 + q * wgmma::CHUNK)]) =
+                *reinterpret_cast<const uint4*>(v + q * wgmma::CHUNK);
+        }
+        wgmma::shared_to_tensor_core();
+    };
+
+    float d[wgmma::ACC];
+#pragma unroll
+    for (int i = 0; i < wgmma::ACC; ++i) {
+        d[i] = 0.0f;
+    }
+    int buf = 0;
+    stage(k_begin, 0);
+    __syncthreads();
+    for (long long k0 = k_begin; k0 < k_end; k0 += BK) {
+        const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(operands[buf][0]));
+        wgmma::mma_slice(d, at, at + wgmma::OPERAND_BYTES);
+        // The other buffer was last read by the MMAs waited for before the last barrier.
+        if (k0 + BK < k_end) {
+            stage(k0 + BK, buf ^ 1);
+        }
+        wgmma::wait_all();
+        wgmma::pin(d);
+        __syncthreads();
+        buf ^= 1;
+    }
+
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+#pragma unroll
+    for (int i = 0; i < wgmma::ACC; ++i) {
+        const long long gr = m0 + wgmma::acc_row(warp, lane, i);
+        const long long gc = col0 + wgmma::acc_col(lane, i);
+        if (gr < m && gc < n) {
+            c[gr * n + gc] = d[i];
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+template <int FMT, bool HOPPER>
 __device__ __forceinline__ void dense_gemm(const float* a, long long m, const uint8_t* w,
                                            const float* scales, long long row0, long long n,
                                            long long k, long long k_split, float* c) {
     const long long split = blockIdx.z;
     const long long k_begin = split * k_split;
     const long long k_end = k_begin + k_split < k ? k_begin + k_split : k;
-    dense_tile<FMT>(a, m, w, scales, row0, n, k, k_begin, k_end,
-                    static_cast<long long>(blockIdx.y) * BM,
-                    static_cast<long long>(blockIdx.x) * BN, c + split * m * n);
+    const long long m0 = static_cast<long long>(blockIdx.y) * BM;
+    const long long col0 = static_cast<long long>(blockIdx.x) * BN;
+    if (HOPPER) {
+        dense_tile_wgmma<FMT>(a, m, w, scales, row0, n, k, k_begin, k_end, m0, col0,
+                              c + split * m * n);
+    } else {
+        dense_tile<FMT>(a, m, w, scales, row0, n, k, k_begin, k_end, m0, col0,
+                        c + split * m * n);
+    }
 }
 }  // namespace
 
@@ -212,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     dense_gemm_bf16(const float* __restrict__ a, long long m, const uint8_t* __restrict__ w,
                     long long row0, long long n, long long k, long long k_split,
                     float* __restrict__ c) {
-    dense_gemm<BF16>(a, m, w, nullptr, row0, n, k, k_split, c);
+    dense_gemm<BF16, false>(a, m, w, nullptr, row0, n, k, k_split, c);
 }
 
 // e4m3 codes with an f32 scale per 128 x 128 tile (`[ceil(rows / 128), ceil(k / 128)]`).
@@ -221,7 +321,23 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                          const uint8_t* __restrict__ w, const float* __restrict__ scales,
                          long long row0, long long n, long long k, long long k_split,
                          float* __restrict__ c) {
-    dense_gemm<FP8_BLOCK>(a, m, w, scales, row0, n, k, k_split, c);
+    dense_gemm<FP8_BLOCK, false>(a, m, w, scales, row0, n, k, k_split, c);
+}
+
+// The same two kernels on Hopper's warpgroup MMA (sm_90a; they trap elsewhere).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    dense_gemm_bf16_wgmma(const float* __restrict__ a, long long m,
+                          const uint8_t* __restrict__ w, long long row0, long long n,
+                          long long k, long long k_split, float* __restrict__ c) {
+    dense_gemm<BF16, true>(a, m, w, nullptr, row0, n, k, k_split, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    dense_gemm_fp8_block_wgmma(const float* __restrict__ a, long long m,
+                               const uint8_t* __restrict__ w, const float* __restrict__ scales,
+                               long long row0, long long n, long long k, long long k_split,
+                               float* __restrict__ c) {
+    dense_gemm<FP8_BLOCK, true>(a, m, w, scales, row0, n, k, k_split, c);
 }
 
 // out[i] = ((parts[0][i] + parts[1][i]) + parts[2][i]) + ..., `splits` partials of `count`

@@ -26,9 +26,40 @@ pub fn fp4_mma(major: i32, minor: i32) -> Result<Fp4Mma, String> {
     }
 }
 
+/// The tensor-core instruction a device's bf16 GEMM tiles (`dense_gemm.cu`) run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Mma {
+    /// sm_90a: the warpgroup MMA (`wgmma.mma_async`, SASS `HGMMA`), Hopper's native path.
+    Wgmma,
+    /// Every other device: warp-level `mma.sync` through WMMA (SASS `HMMA`).
+    MmaSync,
+}
+
+/// The bf16 GEMM tiles' instruction for compute capability `major.minor`: the warpgroup MMA
+/// exactly where the sm_90a cubin runs (an sm_90 device), `mma.sync` elsewhere.
+pub fn bf16_mma(major: i32, minor: i32) -> Bf16Mma {
+    if (major, minor) == (9, 0) {
+        Bf16Mma::Wgmma
+    } else {
+        Bf16Mma::MmaSync
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_sm_90_gets_the_warpgroup_mma() {
+        assert_eq!(bf16_mma(9, 0), Bf16Mma::Wgmma);
+        for (major, minor) in [(8, 0), (8, 9), (9, 1), (10, 0), (12, 0), (12, 1)] {
+            assert_eq!(
+                bf16_mma(major, minor),
+                Bf16Mma::MmaSync,
+                "sm_{major}{minor}"
+            );
+        }
+    }
 
     #[test]
     fn only_the_exact_architectures_get_their_fp4_mma() {

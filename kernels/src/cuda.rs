@@ -77,6 +77,8 @@ pub struct Gpu {
     dense_gemm: Arc<CudaModule>,
     /// Streaming multiprocessors (the dense GEMM's split plan).
     multiprocessors: usize,
+    /// The instruction of the dense GEMM's tiles on this device.
+    bf16_mma: crate::arch::Bf16Mma,
     rows: Arc<CudaModule>,
     hyper: Arc<CudaModule>,
     exact: Arc<CudaModule>,
@@ -154,6 +156,7 @@ impl Gpu {
         let multiprocessors = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )?;
+        let (major, minor) = ctx.compute_capability()?;
         let rows = load(fatbins::KV_ROWS)?;
         let hyper = load(fatbins::HYPER)?;
         let exact = load(fatbins::EXACT_GEMV)?;
@@ -176,6 +179,7 @@ impl Gpu {
             dense,
             dense_gemm,
             multiprocessors: usize::try_from(multiprocessors).unwrap_or(1).max(1),
+            bf16_mma: crate::arch::bf16_mma(major, minor),
             rows,
             hyper,
             exact,

@@ -22,7 +22,9 @@
 //!   memory, WMMA bf16 tensor cores), its staging, fragment origins and masked store around a
 //!   model of the WMMA API.
 //! - [`dense_gemm`]: `dense_gemm.cu` (bf16 and FP8-block weights dequantized to bf16 on WMMA
-//!   tensor cores, K split over grid z and summed in split order), on the same WMMA model.
+//!   tensor cores, K split over grid z and summed in split order), on the same WMMA model;
+//!   [`dense_gemm_wgmma`]: its sm_90a tiles (`wgmma.cuh`: core-matrix layout, descriptors,
+//!   double buffer) on a model of Hopper's warpgroup MMA (`emulate/wgmma_sm90.rs`).
 
 mod attn_fp8;
 mod dense_gemm;
@@ -31,10 +33,11 @@ mod mma_sm120;
 mod moe_grouped;
 mod tcgen05_sm100;
 mod topk_radix;
+mod wgmma_sm90;
 mod wmma_bf16;
 
 pub use attn_fp8::{Mma, Tamper, attn_decode_fp8};
-pub use dense_gemm::dense_gemm;
+pub use dense_gemm::{dense_gemm, dense_gemm_wgmma};
 pub use exact_dots::exact_dots;
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 pub use moe_grouped::{StackedExperts, moe_grouped_gemm};

@@ -16,6 +16,7 @@ use std::{
 use cudarc::driver::CudaSlice;
 use engine::{quant, synth::Rng};
 use kernels::{
+    arch::Bf16Mma,
     cost::{self, Cost},
     cuda::{AttnShape, DenseWeight, DeviceExperts, GemmWeight, GemvFormat, Gpu, KernelError},
 };
@@ -116,12 +117,16 @@ fn planned() -> Vec<Row> {
         format!("exact pairs MXFP4 {pairs} of {experts} experts {er}x{ec}"),
         cost::mxfp4_grouped_gemv(pairs, 1, er, ec),
     ));
+    // Each on the device's own tile instruction (the warpgroup MMA on sm_90), then on
+    // `mma.sync` (the same kernel elsewhere; on sm_90 the comparison).
     for (what, fp8, m, n, k) in DENSE {
         let form = if fp8 { "FP8" } else { "bf16" };
-        out.push(row(
-            format!("dense GEMM {form} ({what}) {m}x{n}x{k} (tensor cores)"),
-            cost::dense_gemm(m, n, k, fp8),
-        ));
+        for mma in ["device MMA", "mma.sync"] {
+            out.push(row(
+                format!("dense GEMM {form} ({what}) {m}x{n}x{k} ({mma})"),
+                cost::dense_gemm(m, n, k, fp8),
+            ));
+        }
     }
     // The FP8 GEMV the per-op backend runs, one weight read per vector, at wq_b's shape.
     let (_, _, m, n, k) = DENSE[0];
@@ -421,10 +426,11 @@ fn time_exact(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
     Ok(vec![gemv, attn])
 }
 
-/// Times the dense GEMM on each of [`DENSE`], then the per-vector FP8 GEMV on the first.
-/// Weights are random bytes (finite values): the timing does not depend on them.
+/// Times the dense GEMM on each of [`DENSE`] (the device's tile instruction, then
+/// `mma.sync`), then the per-vector FP8 GEMV on the first. Weights are random bytes (finite
+/// values): the timing does not depend on them.
 fn time_dense(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
-    let mut times = Vec::with_capacity(DENSE.len() + 1);
+    let mut times = Vec::with_capacity(2 * DENSE.len() + 1);
     for (_, fp8, m, n, k) in DENSE {
         // FP8 codes below 0x78 (no NaN); bf16 bytes whose high byte keeps the value small.
         let (w, scales) = if fp8 {
@@ -451,9 +457,11 @@ fn time_dense(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
         let mut scratch: CudaSlice<f32> = gpu
             .stream
             .alloc_zeros(gpu.dense_gemm_scratch((m, n, k)).max(1))?;
-        times.push(time(gpu, || {
-            gpu.launch_dense_gemm(weight, 0, &a, (m, n, k), &mut scratch, &mut c)
-        })?);
+        for mma in [gpu.bf16_mma(), Bf16Mma::MmaSync] {
+            times.push(time(gpu, || {
+                gpu.launch_dense_gemm_on(mma, weight, 0, &a, (m, n, k), &mut scratch, &mut c)
+            })?);
+        }
     }
     let (_, _, m, n, k) = DENSE[0];
     let d_w = gpu.stream.clone_htod(&random_bytes(rng, n * k, 0x77))?;

@@ -1,12 +1,17 @@
 //! `dense_gemm.cu` on the CPU: its split of K over grid z, its staging of A (rounded to bf16)
-//! and of the dequantized W (the kernel's own scale index) into its shared tiles, its warps'
-//! fragment origins and live row bands, its masked store and `sum_splits`' order, around the
-//! WMMA model of [`super::wmma_bf16`]. A wrong index in any of them makes this disagree with
-//! [`crate::dense_gemm::reference`]; the tests plant such errors.
+//! and of the dequantized W (the kernel's own scale index) into its shared tiles, its masked
+//! store and `sum_splits`' order; for `dense_tile` (WMMA) its warps' fragment origins and live
+//! row bands around the WMMA model of [`super::wmma_bf16`], for `dense_tile_wgmma` (sm_90a)
+//! `wgmma.cuh`'s core-matrix layout, descriptors, double buffer and fragment store around the
+//! warpgroup-MMA model of [`super::wgmma_sm90`]. A wrong index in any of them makes this
+//! disagree with [`crate::dense_gemm::reference`]; the tests plant such errors.
 
 use engine::formats::e4m3_to_f32;
 
-use super::wmma_bf16::{LDS, load, mma};
+use super::{
+    wgmma_sm90::{ACC, THREADS as WARPGROUP, Warpgroup},
+    wmma_bf16::{LDS, load, mma},
+};
 use crate::dense_gemm::{DenseRows, SLICE as BK, TILE, bf16};
 
 const BM: usize = TILE;
@@ -29,6 +34,27 @@ pub(super) enum Plant {
     SplitStartsLate,
     /// `sum_splits` leaving the last split out.
     SumSkipsLast,
+    /// wgmma: the descriptors with LBO and SBO exchanged.
+    StridesSwapped,
+    /// wgmma: the second k16 MMA of a slice reading the first one's chunks.
+    SecondK16NotAdvanced,
+    /// wgmma: a thread's two W chunks stored in each other's place.
+    WChunksSwapped,
+    /// wgmma: the store taking a register's row half from `i % 2`, its column from `i / 2`.
+    FragmentHalvesSwapped,
+    /// wgmma: the next slice staged into the buffer the MMAs in flight read.
+    StageIntoBusyBuffer,
+    /// wgmma: the store reading the registers before the last slice's MMAs are waited for.
+    NoLastWait,
+}
+
+/// Which tile function the launch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tiles {
+    /// `dense_tile`: WMMA (`mma.sync`), every architecture.
+    Wmma,
+    /// `dense_tile_wgmma`: the warpgroup MMA, sm_90a.
+    Wgmma,
 }
 
 /// The kernel's `w_value` for an FP8 weight: its own tile count and scale index.
@@ -53,6 +79,32 @@ fn stage_w(w: DenseRows<'_>, gn: usize, gk: usize, (k, k_end): (usize, usize)) -
             }
             DenseRows::Fp8Block { codes, scales } => bf16(fp8_value(codes, scales, gn, c, k)),
         }
+    })
+}
+
+/// The 16 values a thread stages for tile column `gn` (weight row `row0 + gn`) from column
+/// `gk` on, with `plant`'s scale error where it is planted.
+fn staged_w(
+    w: DenseRows<'_>,
+    row0: usize,
+    gn: usize,
+    gk: usize,
+    (k, k_end): (usize, usize),
+    plant: Plant,
+) -> [f32; 16] {
+    if plant != Plant::ScaleRowWithoutRow0 {
+        return stage_w(w, row0 + gn, gk, (k, k_end));
+    }
+    let DenseRows::Fp8Block { codes, scales } = w else {
+        unreachable!("planted on FP8 weights")
+    };
+    std::array::from_fn(|i| {
+        let col = gk + i;
+        if col >= k_end {
+            return 0.0;
+        }
+        let scale = scales[(gn / 128) * k.div_ceil(128) + col / 128];
+        bf16(e4m3_to_f32(codes[(row0 + gn) * k + col]) * scale)
     })
 }
 
@@ -97,20 +149,8 @@ fn tile(
             };
             let values = if gn >= n {
                 [0.0; 16]
-            } else if plant == Plant::ScaleRowWithoutRow0 {
-                let DenseRows::Fp8Block { codes, scales } = w else {
-                    unreachable!("planted on FP8 weights")
-                };
-                std::array::from_fn(|i| {
-                    let col = k0 + half * 16 + i;
-                    if col >= k_end {
-                        return 0.0;
-                    }
-                    let scale = scales[(gn / 128) * k.div_ceil(128) + col / 128];
-                    bf16(e4m3_to_f32(codes[(row0 + gn) * k + col]) * scale)
-                })
             } else {
-                stage_w(w, row0 + gn, k0 + half * 16, (k, k_end))
+                staged_w(w, row0, gn, k0 + half * 16, (k, k_end), plant)
             };
             tile_w[r][at..at + 16].copy_from_slice(&values);
         }
@@ -149,16 +189,202 @@ fn tile(
     }
 }
 
-/// The whole launch with `plant` in its index math: `(splits, k_split)` from the host's plan,
-/// partials (poisoned with NaN as the wrapper makes them) summed by `sum_splits`.
+/// `wgmma.cuh`'s layout constants: bf16 values per core-matrix row, the byte strides to the
+/// next core matrix along k (LBO) and to the next 8 rows (SBO), one staged operand's bytes.
+const CHUNK: usize = 8;
+const LBO: usize = 128;
+const SBO: usize = (BK / CHUNK) * LBO;
+const OPERAND_BYTES: usize = TILE * BK * 2;
+/// Where the emulated block's `operands[2][2][OPERAND_BYTES]` starts in shared memory.
+const S_OPERANDS: usize = 0x400;
+
+/// `wgmma::operand_offset`: byte of element (r, kk) of a staged 64 x 32 operand.
+fn operand_offset(r: usize, kk: usize) -> usize {
+    (r / 8) * SBO + (kk / CHUNK) * LBO + (r % 8) * 16 + (kk % CHUNK) * 2
+}
+
+/// `wgmma::descriptor`.
+fn descriptor(addr: usize, plant: Plant) -> u64 {
+    let (lbo, sbo) = if plant == Plant::StridesSwapped {
+        (SBO, LBO)
+    } else {
+        (LBO, SBO)
+    };
+    (((addr & 0x3FFFF) >> 4) as u64) | (((lbo >> 4) as u64) << 16) | (((sbo >> 4) as u64) << 32)
+}
+
+/// `wgmma::acc_row` / `acc_col`: the tile row and column the store gives register `i` of
+/// thread `t`.
+fn acc_place(t: usize, i: usize, plant: Plant) -> (usize, usize) {
+    let (warp, lane) = (t / 32, t % 32);
+    let (row_half, col_pair) = if plant == Plant::FragmentHalvesSwapped {
+        (i % 2, (i / 2) % 2)
+    } else {
+        ((i / 2) % 2, i % 2)
+    };
+    (
+        16 * warp + lane / 4 + 8 * row_half,
+        2 * (lane % 4) + col_pair + 8 * (i / 4),
+    )
+}
+
+/// Writes `values` as bf16 bits from shared byte `at` on (each value is already a bf16).
+fn put(smem: &mut [u8], at: usize, values: &[f32]) {
+    for (x, v) in values.iter().enumerate() {
+        let bits = (v.to_bits() >> 16) as u16;
+        smem[at + 2 * x..at + 2 * x + 2].copy_from_slice(&bits.to_le_bytes());
+    }
+}
+
+/// `dense_tile_wgmma`'s `stage`: the slice from `k0` on into buffer `buf`.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the device lambda's captures and parameters"
+)]
+fn stage_wgmma(
+    smem: &mut [u8],
+    a: &[f32],
+    w: DenseRows<'_>,
+    row0: usize,
+    (m, n, k): (usize, usize, usize),
+    (k0, k_end): (usize, usize),
+    (m0, col0): (usize, usize),
+    buf: usize,
+    plant: Plant,
+) {
+    let base_a = S_OPERANDS + buf * 2 * OPERAND_BYTES;
+    let base_w = base_a + OPERAND_BYTES;
+    for e in 0..TILE * (BK / CHUNK) {
+        let (r, q) = (e / (BK / CHUNK), e % (BK / CHUNK));
+        let gr = m0 + r;
+        let v: Vec<f32> = (0..CHUNK)
+            .map(|i| {
+                let gk = k0 + q * CHUNK + i;
+                bf16(if gr < m && gk < k_end {
+                    a[gr * k + gk]
+                } else {
+                    0.0
+                })
+            })
+            .collect();
+        put(smem, base_a + operand_offset(r, q * CHUNK), &v);
+    }
+    for tid in 0..WARPGROUP {
+        let (r, half) = (tid / 2, tid % 2);
+        let gn = col0 + r;
+        let v = if gn < n {
+            staged_w(w, row0, gn, k0 + half * 16, (k, k_end), plant)
+        } else {
+            [0.0; 16]
+        };
+        for q in 0..2 {
+            let to = if plant == Plant::WChunksSwapped {
+                1 - q
+            } else {
+                q
+            };
+            let at = base_w + operand_offset(r, half * 16 + to * CHUNK);
+            put(smem, at, &v[q * CHUNK..(q + 1) * CHUNK]);
+        }
+    }
+}
+
+/// One block's tile: `dense_tile_wgmma` at rows `m0..`, columns `col0..`, K in `k_range`,
+/// stored into `c` (`[m, n]`).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the device function's parameters"
+)]
+fn tile_wgmma(
+    a: &[f32],
+    w: DenseRows<'_>,
+    row0: usize,
+    shape: (usize, usize, usize),
+    (k_begin, k_end): (usize, usize),
+    origin: (usize, usize),
+    c: &mut [f32],
+    plant: Plant,
+) -> Result<(), String> {
+    let mut smem = vec![0u8; S_OPERANDS + 4 * OPERAND_BYTES];
+    let mut wg = Warpgroup::new();
+    let mut buf = 0;
+    stage_wgmma(
+        &mut smem,
+        a,
+        w,
+        row0,
+        shape,
+        (k_begin, k_end),
+        origin,
+        0,
+        plant,
+    );
+    let mut k0 = k_begin;
+    while k0 < k_end {
+        let at = S_OPERANDS + buf * 2 * OPERAND_BYTES;
+        wg.fence();
+        for kk in (0..BK).step_by(16) {
+            let step = if plant == Plant::SecondK16NotAdvanced {
+                0
+            } else {
+                operand_offset(0, kk)
+            };
+            wg.mma_k16(
+                descriptor(at + step, plant),
+                descriptor(at + OPERAND_BYTES + step, plant),
+            )?;
+        }
+        wg.commit();
+        let last = k0 + BK >= k_end;
+        if !last {
+            let next = if plant == Plant::StageIntoBusyBuffer {
+                buf
+            } else {
+                buf ^ 1
+            };
+            stage_wgmma(
+                &mut smem,
+                a,
+                w,
+                row0,
+                shape,
+                (k0 + BK, k_end),
+                origin,
+                next,
+                plant,
+            );
+        }
+        if !(last && plant == Plant::NoLastWait) {
+            wg.wait_all(&smem)?;
+        }
+        buf ^= 1;
+        k0 += BK;
+    }
+    let ((m, n, _), (m0, col0)) = (shape, origin);
+    for t in 0..WARPGROUP {
+        for i in 0..ACC {
+            let (r, col) = acc_place(t, i, plant);
+            let (gr, gc) = (m0 + r, col0 + col);
+            if gr < m && gc < n {
+                c[gr * n + gc] = wg.register(t, i);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The whole launch on `tiles` with `plant` in its index math: `(splits, k_split)` from the
+/// host's plan, partials (poisoned with NaN as the wrapper makes them) summed by `sum_splits`.
+/// An error where the warpgroup-MMA model refuses what the kernel asks of it.
 pub(super) fn dense_gemm_with(
     a: &[f32],
     w: DenseRows<'_>,
     row0: usize,
     (m, n, k): (usize, usize, usize),
     (splits, k_split): (usize, usize),
+    tiles: Tiles,
     plant: Plant,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, String> {
     let count = m * n;
     let mut parts = vec![f32::NAN; splits * count];
     for split in 0..splits {
@@ -172,30 +398,27 @@ pub(super) fn dense_gemm_with(
         let part = &mut parts[split * count..(split + 1) * count];
         for m0 in (0..m).step_by(BM) {
             for col0 in (0..n).step_by(BN) {
-                tile(
-                    a,
-                    w,
-                    row0,
-                    (m, n, k),
-                    (k_begin, k_end),
-                    (m0, col0),
-                    part,
-                    plant,
-                );
+                let range = (k_begin, k_end);
+                match tiles {
+                    Tiles::Wmma => tile(a, w, row0, (m, n, k), range, (m0, col0), part, plant),
+                    Tiles::Wgmma => {
+                        tile_wgmma(a, w, row0, (m, n, k), range, (m0, col0), part, plant)?;
+                    }
+                }
             }
         }
     }
     if splits == 1 {
-        return parts;
+        return Ok(parts);
     }
     let summed = if plant == Plant::SumSkipsLast {
         splits - 1
     } else {
         splits
     };
-    (0..count)
+    Ok((0..count)
         .map(|i| (1..summed).fold(parts[i], |sum, s| sum + parts[s * count + i]))
-        .collect()
+        .collect())
 }
 
 /// `dense_gemm_bf16` / `dense_gemm_fp8_block` (then `sum_splits` when K is split) as the
@@ -208,5 +431,20 @@ pub fn dense_gemm(
     shape: (usize, usize, usize),
     plan: (usize, usize),
 ) -> Vec<f32> {
-    dense_gemm_with(a, w, row0, shape, plan, Plant::None)
+    dense_gemm_with(a, w, row0, shape, plan, Tiles::Wmma, Plant::None)
+        .unwrap_or_else(|e| unreachable!("the WMMA tiles do not fail: {e}"))
+}
+
+/// `dense_gemm_bf16_wgmma` / `dense_gemm_fp8_block_wgmma` (what an sm_90 device runs), then
+/// `sum_splits`, as [`dense_gemm`]; an error where the kernel asks the warpgroup MMA for
+/// something the model refuses (a descriptor it does not model, an operand outside shared
+/// memory).
+pub fn dense_gemm_wgmma(
+    a: &[f32],
+    w: DenseRows<'_>,
+    row0: usize,
+    shape: (usize, usize, usize),
+    plan: (usize, usize),
+) -> Result<Vec<f32>, String> {
+    dense_gemm_with(a, w, row0, shape, plan, Tiles::Wgmma, Plant::None)
 }

@@ -492,8 +492,10 @@ fn dense_rows<'a>(form: &str, w: &'a (Vec<u8>, Vec<f32>)) -> crate::dense_gemm::
 }
 
 /// The dense GEMM's split of K, staging (both weight forms, rows from any `row0`, scales of
-/// any value), live bands, masked store and split sum compute the reference product within
-/// its bound at shapes that are not tile multiples, split or not; NaN in, NaN out.
+/// any value), masked store and split sum compute the reference product within its bound at
+/// shapes that are not tile multiples, split or not, on both tile functions (WMMA with its
+/// live bands; the warpgroup MMA with its core-matrix layout and double buffer); NaN in, NaN
+/// out.
 #[test]
 fn the_dense_gemms_tiles_and_splits_compute_the_reference_product() {
     use crate::dense_gemm::{bound, mismatches, reference, splits};
@@ -517,16 +519,22 @@ fn the_dense_gemms_tiles_and_splits_compute_the_reference_product() {
             }
             let plan = splits(m, n, k, sms);
             split_runs += usize::from(plan.0 > 1);
-            let got = dense_gemm(&a, rows, row0, (m, n, k), plan);
             let want = reference(&a, rows, row0, (m, n, k)).unwrap();
             let limit = bound(&a, rows, row0, (m, n, k)).unwrap();
-            assert_eq!(
-                mismatches(&got, &want, &limit),
-                0,
-                "{form} {m}x{n}x{k} at row {row0}, plan {plan:?}"
-            );
-            if m > 1 && n > 0 {
-                assert!(got[n..2 * n].iter().all(|v| v.is_nan()), "a NaN row");
+            let wmma = dense_gemm(&a, rows, row0, (m, n, k), plan);
+            let wgmma = dense_gemm_wgmma(&a, rows, row0, (m, n, k), plan).unwrap();
+            for (tiles, got) in [("wmma", wmma), ("wgmma", wgmma)] {
+                assert_eq!(
+                    mismatches(&got, &want, &limit),
+                    0,
+                    "{tiles} {form} {m}x{n}x{k} at row {row0}, plan {plan:?}"
+                );
+                if m > 1 && n > 0 {
+                    assert!(
+                        got[n..2 * n].iter().all(|v| v.is_nan()),
+                        "{tiles}: a NaN row"
+                    );
+                }
             }
         }
     }
@@ -538,7 +546,7 @@ fn the_dense_gemms_tiles_and_splits_compute_the_reference_product() {
 #[test]
 fn a_wrong_dense_gemm_index_is_caught() {
     use crate::dense_gemm::{bound, mismatches, reference, splits};
-    use dense_gemm::Plant;
+    use dense_gemm::{Plant, Tiles};
     let mut rng = Rng::for_tensor(21, "emulate-dense-gemm-plant");
     let (m, n, k, row0) = (70, 150, 1100, 100);
     let w = dense_weight(&mut rng, "fp8-any", row0 + n, k);
@@ -550,7 +558,8 @@ fn a_wrong_dense_gemm_index_is_caught() {
     assert!(plan.0 > 1, "the plan splits K");
     assert_eq!(
         mismatches(
-            &dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, Plant::None),
+            &dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, Tiles::Wmma, Plant::None)
+                .unwrap(),
             &want,
             &limit
         ),
@@ -564,11 +573,53 @@ fn a_wrong_dense_gemm_index_is_caught() {
         Plant::SplitStartsLate,
         Plant::SumSkipsLast,
     ] {
-        let got = dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, plant);
+        let got = dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, Tiles::Wmma, plant)
+            .unwrap();
         assert!(
             mismatches(&got, &want, &limit) > 0,
             "{plant:?} went unnoticed"
         );
+    }
+}
+
+/// The check of the sm_90a tiles is sharp: each planted error in `wgmma.cuh`'s layout,
+/// descriptors, fragment store or buffering, or in the tile's staging, gives a product that is
+/// not the reference (or a request the warpgroup-MMA model refuses).
+#[test]
+fn a_wrong_wgmma_tile_is_caught() {
+    use crate::dense_gemm::{bound, mismatches, reference, splits};
+    use dense_gemm::{Plant, Tiles};
+    let mut rng = Rng::for_tensor(24, "emulate-dense-wgmma-plant");
+    // Seven slices through one pair of buffers; rows and columns past one tile, weight rows
+    // across a scale tile.
+    let (m, n, k, row0) = (70, 100, 200, 100);
+    let w = dense_weight(&mut rng, "fp8-any", row0 + n, k);
+    let rows = dense_rows("fp8-any", &w);
+    let a: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+    let want = reference(&a, rows, row0, (m, n, k)).unwrap();
+    let limit = bound(&a, rows, row0, (m, n, k)).unwrap();
+    let plan = splits(m, n, k, 1);
+    assert_eq!(
+        plan.0, 1,
+        "one split: every slice through one pair of buffers"
+    );
+    let run =
+        |plant| dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, Tiles::Wgmma, plant);
+    assert_eq!(mismatches(&run(Plant::None).unwrap(), &want, &limit), 0);
+    for plant in [
+        Plant::StridesSwapped,
+        Plant::SecondK16NotAdvanced,
+        Plant::WChunksSwapped,
+        Plant::FragmentHalvesSwapped,
+        Plant::StageIntoBusyBuffer,
+        Plant::NoLastWait,
+        Plant::ScaleRowWithoutRow0,
+    ] {
+        let caught = match run(plant) {
+            Ok(got) => mismatches(&got, &want, &limit) > 0,
+            Err(_) => true,
+        };
+        assert!(caught, "{plant:?} went unnoticed");
     }
 }
 

@@ -1,13 +1,16 @@
 //! The dense GEMM (bf16 and FP8-block weights on bf16 tensor cores, K split for this GPU)
 //! against its f64 reference within `kernels::dense_gemm::bound`, at decode and prefill shapes
 //! that are not tile multiples, rows from an offset that crosses scale tiles, NaN in and NaN
-//! out; a weight too short for the rows asked is refused. Skips without a GPU; fails instead
-//! under `PDSERVE_REQUIRE_GPU=1` (gpu-check.sh).
+//! out; a weight too short for the rows asked is refused. On an sm_90 device both tile
+//! instructions run (the warpgroup MMA the device uses, and `mma.sync`); elsewhere the warpgroup
+//! MMA is refused. Skips without a GPU; fails instead under `PDSERVE_REQUIRE_GPU=1`
+//! (gpu-check.sh).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
 use engine::{formats, synth::Rng};
 use kernels::{
+    arch::Bf16Mma,
     cuda::Gpu,
     dense_gemm::{DenseRows, bound, mismatches, reference},
 };
@@ -38,7 +41,24 @@ fn gpu_dense_gemm_matches_reference() {
     };
     let mut rng = Rng::for_tensor(22, "dense-gemm");
     let mut split = 0;
-    for fp8 in [false, true] {
+    let mmas: &[Bf16Mma] = match gpu.bf16_mma() {
+        Bf16Mma::Wgmma => &[Bf16Mma::Wgmma, Bf16Mma::MmaSync],
+        Bf16Mma::MmaSync => {
+            assert!(
+                gpu.dense_gemm(
+                    Bf16Mma::Wgmma,
+                    DenseRows::Bf16(&[0; 64]),
+                    0,
+                    &[0.0; 32],
+                    (1, 1, 32)
+                )
+                .is_err(),
+                "the warpgroup MMA is refused off sm_90"
+            );
+            &[Bf16Mma::MmaSync]
+        }
+    };
+    for (mma, fp8) in mmas.iter().flat_map(|&mma| [(mma, false), (mma, true)]) {
         for (m, n, k, row0) in [
             (1usize, 1usize, 16usize, 0usize),
             (3, 5, 48, 7),
@@ -64,17 +84,20 @@ fn gpu_dense_gemm_matches_reference() {
                 a[k + 1] = f32::NAN;
             }
             split += usize::from(gpu.dense_gemm_plan((m, n, k)).0 > 1);
-            let got = gpu.dense_gemm(w, row0, &a, (m, n, k)).unwrap();
+            let got = gpu.dense_gemm(mma, w, row0, &a, (m, n, k)).unwrap();
             let want = reference(&a, w, row0, (m, n, k)).unwrap();
             let limit = bound(&a, w, row0, (m, n, k)).unwrap();
             assert_eq!(
                 mismatches(&got, &want, &limit),
                 0,
-                "fp8 {fp8} {m}x{n}x{k} at row {row0}"
+                "{mma:?} fp8 {fp8} {m}x{n}x{k} at row {row0}"
             );
         }
         let short = DenseRows::Bf16(&[0; 64]);
-        assert!(gpu.dense_gemm(short, 1, &[0.0; 32], (1, 1, 32)).is_err());
+        assert!(
+            gpu.dense_gemm(mma, short, 1, &[0.0; 32], (1, 1, 32))
+                .is_err()
+        );
     }
     assert!(split > 0, "no shape split K on this GPU");
 }
