@@ -32,7 +32,9 @@ const TENSOR_CORE_OPCODES: &[(&str, &str, &str)] = &[
     ),
     // tcgen05.mma block-scaled FP4 from Tensor Memory.
     ("nvfp4_gemm_sm100", "sm_100a", "UTCOMMA.4X"),
-    // bf16 WMMA on every architecture (not wgmma: a Hopper-native GEMM is still to come).
+    // FP4 dequantized to bf16: the warpgroup MMA on sm_90a (`*_wgmma`, what an sm_90 device
+    // runs), WMMA everywhere.
+    ("nvfp4_gemm", "sm_90a", "HGMMA.64x64x16.F32.BF16"),
     ("nvfp4_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
     ("nvfp4_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
     ("nvfp4_gemm", "sm_120a", "HMMA.16816.F32.BF16"),

@@ -211,10 +211,8 @@ __device__ __forceinline__ void dense_tile_wgmma(const float* __restrict__ a, lo
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(BM == wgmma::TILE && BN == wgmma::TILE && BK == wgmma::SLICE,
                   "the tile is one warpgroup MMA tile");
-    // [buffer][A, W]: each a staged 64 x 32 operand.
-    __shared__ __align__(128) uint8_t operands[2][2][wgmma::OPERAND_BYTES];
     const int tid = threadIdx.x;
-    const auto stage = [&](long long k0, int buf) {
+    const auto stage = [&](long long k0, uint8_t* tile_a, uint8_t* tile_w) {
         // A: 64 rows x 4 chunks of 8 values, two chunks per thread, rounded to bf16.
         for (int e = tid; e < BM * (BK / wgmma::CHUNK); e += THREADS) {
             const int r = e / (BK / wgmma::CHUNK);
@@ -226,9 +224,7 @@ __device__ __forceinline__ void dense_tile_wgmma(const float* __restrict__ a, lo
                 const long long gk = k0 + q * wgmma::CHUNK + i;
                 v[i] = __float2bfloat16_rn(gr < m && gk < k_end ? a[gr * k + gk] : 0.0f);
             }
-            *reinterpret_cast<uint4*>(
-                &operands[buf][0][wgmma::operand_offset(r, q * wgmma::CHUNK)]) =
-                *reinterpret_cast<const uint4*>(v);
+            wgmma::put_chunk(tile_a, r, q, v);
         }
         // W: 16 values of one row per thread, as two chunks.
         const int r = tid / 2;
@@ -243,46 +239,16 @@ __device__ __forceinline__ void dense_tile_wgmma(const float* __restrict__ a, lo
                 v[i] = __float2bfloat16_rn(0.0f);
             }
         }
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            *reinterpret_cast<uint4*>(
-                &operands[buf][1][wgmma::operand_offset(r, half * 16 + q * wgmma::CHUNK)]) =
-                *reinterpret_cast<const uint4*>(v + q * wgmma::CHUNK);
-        }
-        wgmma::shared_to_tensor_core();
+        wgmma::put_chunk(tile_w, r, 2 * half, v);
+        wgmma::put_chunk(tile_w, r, 2 * half + 1, v + wgmma::CHUNK);
     };
-
-    float d[wgmma::ACC];
-#pragma unroll
-    for (int i = 0; i < wgmma::ACC; ++i) {
-        d[i] = 0.0f;
-    }
-    int buf = 0;
-    stage(k_begin, 0);
-    __syncthreads();
-    for (long long k0 = k_begin; k0 < k_end; k0 += BK) {
-        const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(operands[buf][0]));
-        wgmma::mma_slice(d, at, at + wgmma::OPERAND_BYTES);
-        // The other buffer was last read by the MMAs waited for before the last barrier.
-        if (k0 + BK < k_end) {
-            stage(k0 + BK, buf ^ 1);
-        }
-        wgmma::wait_all();
-        wgmma::pin(d);
-        __syncthreads();
-        buf ^= 1;
-    }
-
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-#pragma unroll
-    for (int i = 0; i < wgmma::ACC; ++i) {
-        const long long gr = m0 + wgmma::acc_row(warp, lane, i);
-        const long long gc = col0 + wgmma::acc_col(lane, i);
+    wgmma::tile(k_begin, k_end, stage, [&](int r, int col, float value) {
+        const long long gr = m0 + r;
+        const long long gc = col0 + col;
         if (gr < m && gc < n) {
-            c[gr * n + gc] = d[i];
+            c[gr * n + gc] = value;
         }
-    }
+    });
 #else
     __trap();
 #endif

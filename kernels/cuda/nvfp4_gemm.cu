@@ -13,11 +13,13 @@
 // Tiling: a 128-thread block computes a 64 x 64 tile of C; each of its 4 warps a 32 x 32
 // quarter with 2 x 2 WMMA 16x16x16 bf16 fragments. The K loop stages a 64 x 32 slice of A and
 // of the dequantized W in shared memory. Any m and n work (edges are zero-padded in shared
-// memory and masked on store); k must be a multiple of 16 (one NVFP4 block).
+// memory and masked on store); k must be a multiple of 16 (one NVFP4 block). On sm_90a the
+// `*_wgmma` kernels compute the same tiles on Hopper's warpgroup MMA (`wgmma.cuh`).
 #include <cuda_bf16.h>
 #include <mma.h>
 
 #include "fp4.cuh"
+#include "wgmma.cuh"
 
 using namespace nvcuda;
 
@@ -28,6 +30,31 @@ constexpr int BK = 32;
 constexpr int LDS = BK + 8;  // padded row (bf16 elements): a multiple of 8, as WMMA requires
 constexpr int THREADS = 128;
 }  // namespace
+
+// The 16 values of W's block at (row gn, columns gk..gk + 16), dequantized to bf16 into
+// `dst`; zeros past n or k.
+template <bool MX>
+__device__ __forceinline__ void w_block(const uint8_t* __restrict__ packed,
+                                        const uint8_t* __restrict__ scales, long long n,
+                                        long long k, long long gn, long long gk,
+                                        __nv_bfloat16* dst) {
+    if (gn < n && gk < k) {
+        const float s = MX ? fp4::e8m0_value(scales[gn * (k / 32) + gk / 32])
+                           : fp4::e4m3_value(scales[gn * (k / 16) + gk / 16]);
+        const uint8_t* codes = packed + gn * (k / 2) + gk / 2;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t byte = codes[i];
+            dst[2 * i] = __float2bfloat16_rn(fp4::e2m1_value(byte & 0xFu) * s);
+            dst[2 * i + 1] = __float2bfloat16_rn(fp4::e2m1_value(byte >> 4) * s);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            dst[i] = __float2bfloat16_rn(0.0f);
+        }
+    }
+}
 
 // The block's 64 x 64 tile of C: rows `a_row[r]` of A (-1: a zero row) times weight rows
 // col0.. of W, stored to rows `c_row[r]` of C (-1: not stored). Both row maps are in shared
@@ -71,29 +98,8 @@ __device__ __forceinline__ void gemm_tile(const float* __restrict__ a, const lon
             tile_a[r][kk] = __float2bfloat16_rn(v);
         }
         // W slice: 64 rows x 2 NVFP4 blocks; one block (8 bytes, 16 values) per thread.
-        {
-            const int r = tid / 2;
-            const int blk = tid % 2;
-            const long long gn = col0 + r;
-            const long long gk = k0 + blk * 16;
-            __nv_bfloat16* dst = &tile_w[r][blk * 16];
-            if (gn < n && gk < k) {
-                const float s = MX ? fp4::e8m0_value(scales[gn * (k / 32) + gk / 32])
-                                   : fp4::e4m3_value(scales[gn * (k / 16) + gk / 16]);
-                const uint8_t* codes = packed + gn * (k / 2) + gk / 2;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const uint32_t byte = codes[i];
-                    dst[2 * i] = __float2bfloat16_rn(fp4::e2m1_value(byte & 0xFu) * s);
-                    dst[2 * i + 1] = __float2bfloat16_rn(fp4::e2m1_value(byte >> 4) * s);
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    dst[i] = __float2bfloat16_rn(0.0f);
-                }
-            }
-        }
+        w_block<MX>(packed, scales, n, k, col0 + tid / 2, k0 + (tid % 2) * 16,
+                    &tile_w[tid / 2][(tid % 2) * 16]);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
@@ -137,10 +143,74 @@ __device__ __forceinline__ void gemm_tile(const float* __restrict__ a, const lon
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    nvfp4_gemm_bf16(const float* __restrict__ a, const uint8_t* __restrict__ packed,
-                    const uint8_t* __restrict__ scales, float scale_2, long long m, long long n,
-                    long long k, float* __restrict__ c) {
+// The same tile on Hopper's warpgroup MMA (`wgmma.cuh`, sm_90a; it traps elsewhere): the same
+// bf16 values staged in the tensor core's core-matrix layout, double-buffered, one m64n64k16
+// MMA per 16 k.
+template <bool MX>
+__device__ __forceinline__ void gemm_tile_wgmma(const float* __restrict__ a,
+                                                const long long* a_row,
+                                                const uint8_t* __restrict__ packed,
+                                                const uint8_t* __restrict__ scales,
+                                                float scale_2, long long n, long long k,
+                                                long long col0, float* __restrict__ c,
+                                                const long long* c_row) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(BM == wgmma::TILE && BN == wgmma::TILE && BK == wgmma::SLICE,
+                  "the tile is one warpgroup MMA tile");
+    const int tid = threadIdx.x;
+    const auto stage = [&](long long k0, uint8_t* tile_a, uint8_t* tile_w) {
+        // A: 64 rows x 4 chunks of 8 values, two chunks per thread, rounded to bf16.
+        for (int e = tid; e < BM * (BK / wgmma::CHUNK); e += THREADS) {
+            const int r = e / (BK / wgmma::CHUNK);
+            const int q = e % (BK / wgmma::CHUNK);
+            const long long gr = a_row[r];
+            __align__(16) __nv_bfloat16 v[wgmma::CHUNK];
+#pragma unroll
+            for (int i = 0; i < wgmma::CHUNK; ++i) {
+                const long long gk = k0 + q * wgmma::CHUNK + i;
+                v[i] = __float2bfloat16_rn(gr >= 0 && gk < k ? a[gr * k + gk] : 0.0f);
+            }
+            wgmma::put_chunk(tile_a, r, q, v);
+        }
+        // W: one NVFP4 block (16 values) per thread, as two chunks.
+        const int r = tid / 2;
+        const int blk = tid % 2;
+        __align__(16) __nv_bfloat16 v[16];
+        w_block<MX>(packed, scales, n, k, col0 + r, k0 + blk * 16, v);
+        wgmma::put_chunk(tile_w, r, 2 * blk, v);
+        wgmma::put_chunk(tile_w, r, 2 * blk + 1, v + wgmma::CHUNK);
+    };
+    wgmma::tile(0, k, stage, [&](int r, int col, float value) {
+        const long long gr = c_row[r];
+        const long long gc = col0 + col;
+        if (gr >= 0 && gc < n) {
+            c[gr * n + gc] = value * scale_2;
+        }
+    });
+#else
+    __trap();
+#endif
+}
+
+template <bool MX, bool HOPPER>
+__device__ __forceinline__ void any_tile(const float* __restrict__ a, const long long* a_row,
+                                         const uint8_t* __restrict__ packed,
+                                         const uint8_t* __restrict__ scales, float scale_2,
+                                         long long n, long long k, long long col0,
+                                         float* __restrict__ c, const long long* c_row) {
+    if (HOPPER) {
+        gemm_tile_wgmma<MX>(a, a_row, packed, scales, scale_2, n, k, col0, c, c_row);
+    } else {
+        gemm_tile<MX>(a, a_row, packed, scales, scale_2, n, k, col0, c, c_row);
+    }
+}
+
+template <bool HOPPER>
+__device__ __forceinline__ void plain_gemm(const float* __restrict__ a,
+                                           const uint8_t* __restrict__ packed,
+                                           const uint8_t* __restrict__ scales, float scale_2,
+                                           long long m, long long n, long long k,
+                                           float* __restrict__ c) {
     __shared__ long long rows[BM];
     const long long row0 = static_cast<long long>(blockIdx.y) * BM;
     if (threadIdx.x < BM) {
@@ -148,8 +218,22 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         rows[threadIdx.x] = r < m ? r : -1;
     }
     __syncthreads();
-    gemm_tile<false>(a, rows, packed, scales, scale_2, n, k,
-                     static_cast<long long>(blockIdx.x) * BN, c, rows);
+    any_tile<false, HOPPER>(a, rows, packed, scales, scale_2, n, k,
+                            static_cast<long long>(blockIdx.x) * BN, c, rows);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_gemm_bf16(const float* __restrict__ a, const uint8_t* __restrict__ packed,
+                    const uint8_t* __restrict__ scales, float scale_2, long long m, long long n,
+                    long long k, float* __restrict__ c) {
+    plain_gemm<false>(a, packed, scales, scale_2, m, n, k, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_gemm_bf16_wgmma(const float* __restrict__ a, const uint8_t* __restrict__ packed,
+                          const uint8_t* __restrict__ scales, float scale_2, long long m,
+                          long long n, long long k, float* __restrict__ c) {
+    plain_gemm<true>(a, packed, scales, scale_2, m, n, k, c);
 }
 
 // The routed experts of a prefill chunk as one grouped GEMM: block (tile, column block) takes
@@ -159,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // Experts are stacked `[experts, n, k]` (codes `k / 2` bytes per row; NVFP4 e4m3 scales
 // `k / 16` and a `scale_2` per expert, MXFP4 ue8m0 scales `k / 32` and no `scale_2`). Blocks
 // past `*tile_count` return at once, so the grid can be sized for the most tiles.
-template <bool MX>
+template <bool MX, bool HOPPER>
 __device__ __forceinline__ void grouped_tile(const float* __restrict__ a,
                                              const int* __restrict__ pair_token,
                                              const int* __restrict__ sorted_pair,
@@ -183,9 +267,9 @@ __device__ __forceinline__ void grouped_tile(const float* __restrict__ a,
     }
     __syncthreads();
     const long long block = MX ? 32 : 16;
-    gemm_tile<MX>(a, a_rows, packed + e * n * (k / 2), scales + e * n * (k / block),
-                  MX ? 1.0f : scale_2[e], n, k, static_cast<long long>(blockIdx.y) * BN, c,
-                  c_rows);
+    any_tile<MX, HOPPER>(a, a_rows, packed + e * n * (k / 2), scales + e * n * (k / block),
+                         MX ? 1.0f : scale_2[e], n, k, static_cast<long long>(blockIdx.y) * BN,
+                         c, c_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -197,8 +281,21 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                             const uint8_t* __restrict__ scales,
                             const float* __restrict__ scale_2, long long n, long long k,
                             float* __restrict__ c) {
-    grouped_tile<false>(a, pair_token, sorted_pair, tile_expert, tile_count, packed, scales,
-                        scale_2, n, k, c);
+    grouped_tile<false, false>(a, pair_token, sorted_pair, tile_expert, tile_count, packed,
+                               scales, scale_2, n, k, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    nvfp4_grouped_gemm_bf16_wgmma(const float* __restrict__ a, const int* __restrict__ pair_token,
+                                  const int* __restrict__ sorted_pair,
+                                  const int* __restrict__ tile_expert,
+                                  const int* __restrict__ tile_count,
+                                  const uint8_t* __restrict__ packed,
+                                  const uint8_t* __restrict__ scales,
+                                  const float* __restrict__ scale_2, long long n, long long k,
+                                  float* __restrict__ c) {
+    grouped_tile<false, true>(a, pair_token, sorted_pair, tile_expert, tile_count, packed,
+                              scales, scale_2, n, k, c);
 }
 
 // The same for MXFP4 experts (`k` a multiple of 32).
@@ -210,6 +307,18 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                             const uint8_t* __restrict__ packed,
                             const uint8_t* __restrict__ scales, long long n, long long k,
                             float* __restrict__ c) {
-    grouped_tile<true>(a, pair_token, sorted_pair, tile_expert, tile_count, packed, scales,
-                       nullptr, n, k, c);
+    grouped_tile<true, false>(a, pair_token, sorted_pair, tile_expert, tile_count, packed,
+                              scales, nullptr, n, k, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    mxfp4_grouped_gemm_bf16_wgmma(const float* __restrict__ a, const int* __restrict__ pair_token,
+                                  const int* __restrict__ sorted_pair,
+                                  const int* __restrict__ tile_expert,
+                                  const int* __restrict__ tile_count,
+                                  const uint8_t* __restrict__ packed,
+                                  const uint8_t* __restrict__ scales, long long n, long long k,
+                                  float* __restrict__ c) {
+    grouped_tile<true, true>(a, pair_token, sorted_pair, tile_expert, tile_count, packed,
+                             scales, nullptr, n, k, c);
 }

@@ -29,6 +29,7 @@
 // the instruction as the PTX ISA documents it.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 namespace wgmma {
@@ -110,6 +111,51 @@ __device__ __forceinline__ void mma_slice(float (&d)[ACC], uint32_t a, uint32_t 
     }
     commit();
     pin(d);
+}
+
+// Stores 8 bf16 values as chunk `q` (k from 8 q) of row `r` of the staged operand at `operand`.
+__device__ __forceinline__ void put_chunk(uint8_t* operand, int r, int q, const __nv_bfloat16* v) {
+    *reinterpret_cast<uint4*>(operand + operand_offset(r, q * CHUNK)) =
+        *reinterpret_cast<const uint4*>(v);
+}
+
+// The block's 64 x 64 tile over k in [k_begin, k_end): `stage(k0, a, b)` writes the slice from
+// k0 on into the operands at `a` and `b` (every thread its share, zeros past the edges);
+// `store(row, col, value)` is called for every element of the tile, each by its register's
+// thread. Two buffers: the next slice is staged while the MMAs of this one run.
+template <class Stage, class Store>
+__device__ __forceinline__ void tile(long long k_begin, long long k_end, Stage&& stage,
+                                     Store&& store) {
+    // [buffer][A, B]: each a staged 64 x 32 operand.
+    __shared__ __align__(128) uint8_t operands[2][2][OPERAND_BYTES];
+    float d[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+        d[i] = 0.0f;
+    }
+    int buf = 0;
+    stage(k_begin, operands[0][0], operands[0][1]);
+    shared_to_tensor_core();
+    __syncthreads();
+    for (long long k0 = k_begin; k0 < k_end; k0 += SLICE) {
+        const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(operands[buf][0]));
+        mma_slice(d, at, at + OPERAND_BYTES);
+        // The other buffer was last read by the MMAs waited for before the last barrier.
+        if (k0 + SLICE < k_end) {
+            stage(k0 + SLICE, operands[buf ^ 1][0], operands[buf ^ 1][1]);
+            shared_to_tensor_core();
+        }
+        wait_all();
+        pin(d);
+        __syncthreads();
+        buf ^= 1;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+        store(acc_row(warp, lane, i), acc_col(lane, i), d[i]);
+    }
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

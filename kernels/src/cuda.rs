@@ -189,6 +189,28 @@ impl Gpu {
     }
 }
 
+impl Gpu {
+    /// The instruction the bf16 GEMM tiles (`dense_gemm.cu`, `nvfp4_gemm.cu`) run on: the
+    /// device's own ([`crate::arch::bf16_mma`]) unless set.
+    pub fn bf16_mma(&self) -> crate::arch::Bf16Mma {
+        self.bf16_mma
+    }
+
+    /// Runs the bf16 GEMM tiles on `mma` from now on (the GPU tests and kernel-bench run both
+    /// on an sm_90 device); the warpgroup MMA is refused where the device's own is not.
+    pub fn set_bf16_mma(&mut self, mma: crate::arch::Bf16Mma) -> Result<(), KernelError> {
+        let (major, minor) = self.ctx.compute_capability()?;
+        if mma == crate::arch::Bf16Mma::Wgmma && crate::arch::bf16_mma(major, minor) != mma {
+            return Err(KernelError::Unsupported(format!(
+                "the warpgroup-MMA GEMM tiles are built for sm_90a only; this device is \
+                 sm_{major}{minor}"
+            )));
+        }
+        self.bf16_mma = mma;
+        Ok(())
+    }
+}
+
 /// A grid dimension from a count, or a shape error naming `what`.
 fn grid_dim(count: usize, what: &str) -> Result<u32, KernelError> {
     u32::try_from(count).map_err(|_| KernelError::Shape(format!("{what}: {count} blocks")))

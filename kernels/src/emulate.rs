@@ -20,7 +20,8 @@
 //!   (the routed experts of a prefill chunk grouped by expert, one tile model with the GEMM).
 //! - [`nvfp4_gemm_bf16`]: `nvfp4_gemm.cu` (the sm_90 path: FP4 dequantized to bf16 in shared
 //!   memory, WMMA bf16 tensor cores), its staging, fragment origins and masked store around a
-//!   model of the WMMA API.
+//!   model of the WMMA API; [`fp4_gemm_bf16_wgmma`] and [`moe_grouped_gemm_wgmma`]: its sm_90a
+//!   tiles on the warpgroup-MMA model.
 //! - [`dense_gemm`]: `dense_gemm.cu` (bf16 and FP8-block weights dequantized to bf16 on WMMA
 //!   tensor cores, K split over grid z and summed in split order), on the same WMMA model;
 //!   [`dense_gemm_wgmma`]: its sm_90a tiles (`wgmma.cuh`: core-matrix layout, descriptors,
@@ -40,10 +41,10 @@ pub use attn_fp8::{Mma, Tamper, attn_decode_fp8};
 pub use dense_gemm::{dense_gemm, dense_gemm_wgmma};
 pub use exact_dots::exact_dots;
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
-pub use moe_grouped::{StackedExperts, moe_grouped_gemm};
+pub use moe_grouped::{StackedExperts, moe_grouped_gemm, moe_grouped_gemm_wgmma};
 pub use tcgen05_sm100::nvfp4_gemm_w4a4_sm100;
 pub use topk_radix::topk_radix;
-pub use wmma_bf16::{mxfp4_gemm_bf16, nvfp4_gemm_bf16};
+pub use wmma_bf16::{fp4_gemm_bf16_wgmma, mxfp4_gemm_bf16, nvfp4_gemm_bf16};
 
 /// Threads per block of `attn_decode_partial`.
 const ATTN_THREADS: usize = 128;

@@ -222,7 +222,7 @@ fn print_table(rows: &[Row], copy: Option<f64>) {
 }
 
 fn main() -> Result<(), KernelError> {
-    let Some(gpu) = Gpu::open()? else {
+    let Some(mut gpu) = Gpu::open()? else {
         println!("kernel-bench: no CUDA driver or device; analytic costs only\n");
         print_table(&planned(), None);
         // Where a GPU is required (gpu-check.sh), measuring nothing is a failure.
@@ -359,7 +359,7 @@ fn main() -> Result<(), KernelError> {
     times.extend(time_attn_fp8(&gpu, &mut rng)?);
     times.extend(time_exact(&gpu, &mut rng)?);
     times.push(exact_pairs);
-    times.extend(time_dense(&gpu, &mut rng)?);
+    times.extend(time_dense(&mut gpu, &mut rng)?);
 
     for (row, t) in rows.iter_mut().zip(&times) {
         row.seconds = Some(*t);
@@ -429,7 +429,8 @@ fn time_exact(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
 /// Times the dense GEMM on each of [`DENSE`] (the device's tile instruction, then
 /// `mma.sync`), then the per-vector FP8 GEMV on the first. Weights are random bytes (finite
 /// values): the timing does not depend on them.
-fn time_dense(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
+fn time_dense(gpu: &mut Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
+    let own = gpu.bf16_mma();
     let mut times = Vec::with_capacity(2 * DENSE.len() + 1);
     for (_, fp8, m, n, k) in DENSE {
         // FP8 codes below 0x78 (no NaN); bf16 bytes whose high byte keeps the value small.
@@ -457,11 +458,13 @@ fn time_dense(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
         let mut scratch: CudaSlice<f32> = gpu
             .stream
             .alloc_zeros(gpu.dense_gemm_scratch((m, n, k)).max(1))?;
-        for mma in [gpu.bf16_mma(), Bf16Mma::MmaSync] {
+        for mma in [own, Bf16Mma::MmaSync] {
+            gpu.set_bf16_mma(mma)?;
             times.push(time(gpu, || {
-                gpu.launch_dense_gemm_on(mma, weight, 0, &a, (m, n, k), &mut scratch, &mut c)
+                gpu.launch_dense_gemm(weight, 0, &a, (m, n, k), &mut scratch, &mut c)
             })?);
         }
+        gpu.set_bf16_mma(own)?;
     }
     let (_, _, m, n, k) = DENSE[0];
     let d_w = gpu.stream.clone_htod(&random_bytes(rng, n * k, 0x77))?;

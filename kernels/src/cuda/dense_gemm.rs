@@ -55,32 +55,11 @@ impl Gpu {
         }
     }
 
-    /// The instruction this device's dense GEMM tiles run on ([`crate::arch::bf16_mma`]).
-    pub fn bf16_mma(&self) -> Bf16Mma {
-        self.bf16_mma
-    }
-
     /// Launches `c = bf16(a) · W[row0..row0 + n]ᵀ` (`a` `[m, k]`, `c` `[m, n]`; see
-    /// `crate::dense_gemm::reference`) on this device's tensor-core instruction. Every output
-    /// value is written; `scratch` holds [`Gpu::dense_gemm_scratch`] values.
+    /// `crate::dense_gemm::reference`) on the tiles' instruction ([`Gpu::bf16_mma`]). Every
+    /// output value is written; `scratch` holds [`Gpu::dense_gemm_scratch`] values.
     pub fn launch_dense_gemm(
         &self,
-        w: GemmWeight<'_>,
-        row0: usize,
-        a: &CudaSlice<f32>,
-        shape: (usize, usize, usize),
-        scratch: &mut CudaSlice<f32>,
-        c: &mut CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
-        self.launch_dense_gemm_on(self.bf16_mma, w, row0, a, shape, scratch, c)
-    }
-
-    /// [`Gpu::launch_dense_gemm`] on a named instruction (the GPU tests and kernel-bench run
-    /// both on an sm_90 device); the warpgroup MMA is refused elsewhere.
-    #[expect(clippy::too_many_arguments, reason = "the launch's operands")]
-    pub fn launch_dense_gemm_on(
-        &self,
-        mma: Bf16Mma,
         w: GemmWeight<'_>,
         row0: usize,
         a: &CudaSlice<f32>,
@@ -88,11 +67,6 @@ impl Gpu {
         scratch: &mut CudaSlice<f32>,
         c: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        if mma == Bf16Mma::Wgmma && self.bf16_mma != Bf16Mma::Wgmma {
-            return Err(KernelError::Unsupported(
-                "the warpgroup-MMA dense GEMM is built for sm_90a only".into(),
-            ));
-        }
         let (parts, k_split) = self.dense_gemm_plan((m, n, k));
         let split = parts > 1;
         if !w.holds(row0 + n, k)
@@ -115,7 +89,7 @@ impl Gpu {
         let (m_arg, row0_arg, n_arg, k_arg, split_arg) =
             (m as i64, row0 as i64, n as i64, k as i64, k_split as i64);
         let out = if split { &mut *scratch } else { &mut *c };
-        let f = self.dense_gemm.load_function(match (w, mma) {
+        let f = self.dense_gemm.load_function(match (w, self.bf16_mma) {
             (GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_), Bf16Mma::MmaSync) => "dense_gemm_bf16",
             (GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_), Bf16Mma::Wgmma) => {
                 "dense_gemm_bf16_wgmma"
@@ -165,11 +139,10 @@ impl Gpu {
         Ok(())
     }
 
-    /// [`Gpu::launch_dense_gemm_on`] from host buffers: `[m, n]`, poisoned with NaN before the
+    /// [`Gpu::launch_dense_gemm`] from host buffers: `[m, n]`, poisoned with NaN before the
     /// launch (the tests' entry).
     pub fn dense_gemm(
         &self,
-        mma: Bf16Mma,
         w: DenseRows<'_>,
         row0: usize,
         a: &[f32],
@@ -184,15 +157,7 @@ impl Gpu {
             DenseRows::Bf16(bytes) => {
                 let d_w = s.clone_htod(&non_empty(bytes))?;
                 let weight = GemmWeight::Bf16(&d_w);
-                self.launch_dense_gemm_on(
-                    mma,
-                    weight,
-                    row0,
-                    &d_a,
-                    (m, n, k),
-                    &mut scratch,
-                    &mut d_c,
-                )?;
+                self.launch_dense_gemm(weight, row0, &d_a, (m, n, k), &mut scratch, &mut d_c)?;
             }
             DenseRows::Fp8Block { codes, scales } => {
                 let bytes: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -204,15 +169,7 @@ impl Gpu {
                     codes: &d_w,
                     scales: &d_s,
                 };
-                self.launch_dense_gemm_on(
-                    mma,
-                    weight,
-                    row0,
-                    &d_a,
-                    (m, n, k),
-                    &mut scratch,
-                    &mut d_c,
-                )?;
+                self.launch_dense_gemm(weight, row0, &d_a, (m, n, k), &mut scratch, &mut d_c)?;
             }
         }
         let mut c = s.clone_dtoh(&d_c)?;

@@ -347,7 +347,10 @@ impl Gpu {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let f = self.gemm.load_function("nvfp4_gemm_bf16")?;
+        let f = self.gemm.load_function(match self.bf16_mma() {
+            crate::arch::Bf16Mma::MmaSync => "nvfp4_gemm_bf16",
+            crate::arch::Bf16Mma::Wgmma => "nvfp4_gemm_bf16_wgmma",
+        })?;
         let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
         let mut launch = self.stream.launch_builder(&f);
         launch
@@ -368,7 +371,8 @@ impl Gpu {
                 "gemm m = {m} (at most 65535 tiles)"
             )));
         }
-        // SAFETY: argument types and order match `nvfp4_gemm_bf16`; sizes checked above.
+        // SAFETY: argument types and order match `nvfp4_gemm_bf16` (and its `_wgmma` twin);
+        // sizes checked above.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (grid.0, grid.1, 1),

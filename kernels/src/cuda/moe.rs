@@ -7,7 +7,10 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
-use crate::moe_group::{TILE_ROWS, check, max_tiles};
+use crate::{
+    arch::Bf16Mma,
+    moe_group::{TILE_ROWS, check, max_tiles},
+};
 
 /// The grouping buffers for up to `pairs` pairs over `experts` experts.
 #[derive(Debug)]
@@ -215,10 +218,14 @@ impl Gpu {
             .arg(&mut g.sorted_pair);
         // SAFETY: `moe_scatter`'s parameters in order; slots within the aligned tiles.
         unsafe { launch.launch(by_pair)? };
-        let gemm = self.gemm.load_function(match stack.scale_2 {
-            Some(_) => "nvfp4_grouped_gemm_bf16",
-            None => "mxfp4_grouped_gemm_bf16",
-        })?;
+        let gemm = self
+            .gemm
+            .load_function(match (stack.scale_2, self.bf16_mma()) {
+                (Some(_), Bf16Mma::MmaSync) => "nvfp4_grouped_gemm_bf16",
+                (None, Bf16Mma::MmaSync) => "mxfp4_grouped_gemm_bf16",
+                (Some(_), Bf16Mma::Wgmma) => "nvfp4_grouped_gemm_bf16_wgmma",
+                (None, Bf16Mma::Wgmma) => "mxfp4_grouped_gemm_bf16_wgmma",
+            })?;
         let (n_i, k_i) = (n as i64, k as i64);
         let mut launch = self.stream.launch_builder(&gemm);
         launch
@@ -238,7 +245,7 @@ impl Gpu {
             return Err(KernelError::Shape(format!("grouped gemm n = {n}")));
         }
         // SAFETY: `nvfp4_grouped_gemm_bf16`'s (or, without `scale_2`,
-        // `mxfp4_grouped_gemm_bf16`'s) parameters in order; blocks past the tile count return
+        // `mxfp4_grouped_gemm_bf16`'s; the `_wgmma` kernels take the same) parameters in order; blocks past the tile count return
         // at once.
         unsafe {
             launch.launch(LaunchConfig {

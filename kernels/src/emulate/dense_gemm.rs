@@ -8,8 +8,9 @@
 
 use engine::formats::e4m3_to_f32;
 
+pub(super) use super::wgmma_sm90::Tiles;
 use super::{
-    wgmma_sm90::{ACC, THREADS as WARPGROUP, Warpgroup},
+    wgmma_sm90::{self, CHUNK, THREADS as WARPGROUP, TilePlant, put_chunk},
     wmma_bf16::{LDS, load, mma},
 };
 use crate::dense_gemm::{DenseRows, SLICE as BK, TILE, bf16};
@@ -34,27 +35,11 @@ pub(super) enum Plant {
     SplitStartsLate,
     /// `sum_splits` leaving the last split out.
     SumSkipsLast,
-    /// wgmma: the descriptors with LBO and SBO exchanged.
-    StridesSwapped,
-    /// wgmma: the second k16 MMA of a slice reading the first one's chunks.
-    SecondK16NotAdvanced,
+    /// wgmma: an error in `wgmma.cuh`'s index math.
+    #[cfg_attr(not(test), expect(dead_code, reason = "only the tests plant it"))]
+    Tile(TilePlant),
     /// wgmma: a thread's two W chunks stored in each other's place.
     WChunksSwapped,
-    /// wgmma: the store taking a register's row half from `i % 2`, its column from `i / 2`.
-    FragmentHalvesSwapped,
-    /// wgmma: the next slice staged into the buffer the MMAs in flight read.
-    StageIntoBusyBuffer,
-    /// wgmma: the store reading the registers before the last slice's MMAs are waited for.
-    NoLastWait,
-}
-
-/// Which tile function the launch runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Tiles {
-    /// `dense_tile`: WMMA (`mma.sync`), every architecture.
-    Wmma,
-    /// `dense_tile_wgmma`: the warpgroup MMA, sm_90a.
-    Wgmma,
 }
 
 /// The kernel's `w_value` for an FP8 weight: its own tile count and scale index.
@@ -189,54 +174,8 @@ fn tile(
     }
 }
 
-/// `wgmma.cuh`'s layout constants: bf16 values per core-matrix row, the byte strides to the
-/// next core matrix along k (LBO) and to the next 8 rows (SBO), one staged operand's bytes.
-const CHUNK: usize = 8;
-const LBO: usize = 128;
-const SBO: usize = (BK / CHUNK) * LBO;
-const OPERAND_BYTES: usize = TILE * BK * 2;
-/// Where the emulated block's `operands[2][2][OPERAND_BYTES]` starts in shared memory.
-const S_OPERANDS: usize = 0x400;
-
-/// `wgmma::operand_offset`: byte of element (r, kk) of a staged 64 x 32 operand.
-fn operand_offset(r: usize, kk: usize) -> usize {
-    (r / 8) * SBO + (kk / CHUNK) * LBO + (r % 8) * 16 + (kk % CHUNK) * 2
-}
-
-/// `wgmma::descriptor`.
-fn descriptor(addr: usize, plant: Plant) -> u64 {
-    let (lbo, sbo) = if plant == Plant::StridesSwapped {
-        (SBO, LBO)
-    } else {
-        (LBO, SBO)
-    };
-    (((addr & 0x3FFFF) >> 4) as u64) | (((lbo >> 4) as u64) << 16) | (((sbo >> 4) as u64) << 32)
-}
-
-/// `wgmma::acc_row` / `acc_col`: the tile row and column the store gives register `i` of
-/// thread `t`.
-fn acc_place(t: usize, i: usize, plant: Plant) -> (usize, usize) {
-    let (warp, lane) = (t / 32, t % 32);
-    let (row_half, col_pair) = if plant == Plant::FragmentHalvesSwapped {
-        (i % 2, (i / 2) % 2)
-    } else {
-        ((i / 2) % 2, i % 2)
-    };
-    (
-        16 * warp + lane / 4 + 8 * row_half,
-        2 * (lane % 4) + col_pair + 8 * (i / 4),
-    )
-}
-
-/// Writes `values` as bf16 bits from shared byte `at` on (each value is already a bf16).
-fn put(smem: &mut [u8], at: usize, values: &[f32]) {
-    for (x, v) in values.iter().enumerate() {
-        let bits = (v.to_bits() >> 16) as u16;
-        smem[at + 2 * x..at + 2 * x + 2].copy_from_slice(&bits.to_le_bytes());
-    }
-}
-
-/// `dense_tile_wgmma`'s `stage`: the slice from `k0` on into buffer `buf`.
+/// `dense_tile_wgmma`'s `stage`: the slice from `k0` on into the operands at `(base_a,
+/// base_w)`.
 #[expect(
     clippy::too_many_arguments,
     reason = "the device lambda's captures and parameters"
@@ -249,11 +188,9 @@ fn stage_wgmma(
     (m, n, k): (usize, usize, usize),
     (k0, k_end): (usize, usize),
     (m0, col0): (usize, usize),
-    buf: usize,
+    (base_a, base_w): (usize, usize),
     plant: Plant,
 ) {
-    let base_a = S_OPERANDS + buf * 2 * OPERAND_BYTES;
-    let base_w = base_a + OPERAND_BYTES;
     for e in 0..TILE * (BK / CHUNK) {
         let (r, q) = (e / (BK / CHUNK), e % (BK / CHUNK));
         let gr = m0 + r;
@@ -267,7 +204,7 @@ fn stage_wgmma(
                 })
             })
             .collect();
-        put(smem, base_a + operand_offset(r, q * CHUNK), &v);
+        put_chunk(smem, base_a, r, q, &v);
     }
     for tid in 0..WARPGROUP {
         let (r, half) = (tid / 2, tid % 2);
@@ -283,8 +220,7 @@ fn stage_wgmma(
             } else {
                 q
             };
-            let at = base_w + operand_offset(r, half * 16 + to * CHUNK);
-            put(smem, at, &v[q * CHUNK..(q + 1) * CHUNK]);
+            put_chunk(smem, base_w, r, 2 * half + to, &v[q * CHUNK..]);
         }
     }
 }
@@ -300,77 +236,39 @@ fn tile_wgmma(
     w: DenseRows<'_>,
     row0: usize,
     shape: (usize, usize, usize),
-    (k_begin, k_end): (usize, usize),
+    k_range: (usize, usize),
     origin: (usize, usize),
     c: &mut [f32],
     plant: Plant,
 ) -> Result<(), String> {
-    let mut smem = vec![0u8; S_OPERANDS + 4 * OPERAND_BYTES];
-    let mut wg = Warpgroup::new();
-    let mut buf = 0;
-    stage_wgmma(
-        &mut smem,
-        a,
-        w,
-        row0,
-        shape,
-        (k_begin, k_end),
-        origin,
-        0,
-        plant,
-    );
-    let mut k0 = k_begin;
-    while k0 < k_end {
-        let at = S_OPERANDS + buf * 2 * OPERAND_BYTES;
-        wg.fence();
-        for kk in (0..BK).step_by(16) {
-            let step = if plant == Plant::SecondK16NotAdvanced {
-                0
-            } else {
-                operand_offset(0, kk)
-            };
-            wg.mma_k16(
-                descriptor(at + step, plant),
-                descriptor(at + OPERAND_BYTES + step, plant),
-            )?;
-        }
-        wg.commit();
-        let last = k0 + BK >= k_end;
-        if !last {
-            let next = if plant == Plant::StageIntoBusyBuffer {
-                buf
-            } else {
-                buf ^ 1
-            };
+    let ((m, n, _), (m0, col0)) = (shape, origin);
+    let tile_plant = match plant {
+        Plant::Tile(p) => p,
+        _ => TilePlant::None,
+    };
+    wgmma_sm90::tile(
+        k_range,
+        |smem, k0, bases| {
             stage_wgmma(
-                &mut smem,
+                smem,
                 a,
                 w,
                 row0,
                 shape,
-                (k0 + BK, k_end),
+                (k0, k_range.1),
                 origin,
-                next,
+                bases,
                 plant,
             );
-        }
-        if !(last && plant == Plant::NoLastWait) {
-            wg.wait_all(&smem)?;
-        }
-        buf ^= 1;
-        k0 += BK;
-    }
-    let ((m, n, _), (m0, col0)) = (shape, origin);
-    for t in 0..WARPGROUP {
-        for i in 0..ACC {
-            let (r, col) = acc_place(t, i, plant);
+        },
+        |r, col, value| {
             let (gr, gc) = (m0 + r, col0 + col);
             if gr < m && gc < n {
-                c[gr * n + gc] = wg.register(t, i);
+                c[gr * n + gc] = value;
             }
-        }
-    }
-    Ok(())
+        },
+        tile_plant,
+    )
 }
 
 /// The whole launch on `tiles` with `plant` in its index math: `(splits, k_split)` from the

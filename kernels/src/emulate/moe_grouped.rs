@@ -2,9 +2,13 @@
 //! the CPU: the grouping of the
 //! pairs by expert with the atomics' arrival order as a parameter ([`crate::moe_group::group`]),
 //! then every tile's row maps (token rows in, pair rows out) and expert slices around the same
-//! `gemm_tile` model as the plain GEMM.
+//! `gemm_tile` model as the plain GEMM (or, for the sm_90a `_wgmma` kernels, the same
+//! `gemm_tile_wgmma` model).
 
-use super::wmma_bf16::{BM, Plant, gemm_tile};
+use super::{
+    wgmma_sm90::{TilePlant, Tiles},
+    wmma_bf16::{BM, Plant, gemm_tile, gemm_tile_wgmma},
+};
 use crate::moe_group::{TILE_ROWS, group};
 
 /// A deliberate error in the grouped kernel's own index math, for the tests.
@@ -35,8 +39,8 @@ pub(super) fn grouped_with(
     pair_expert: &[i32],
     w: StackedExperts<'_>,
     arrival: &[usize],
-    plant: GroupPlant,
-) -> Vec<f32> {
+    (tiles, plant): (Tiles, GroupPlant),
+) -> Result<Vec<f32>, String> {
     let (n, k) = (w.n, w.k);
     let experts = w.experts;
     let mut c = vec![f32::NAN; pair_token.len() * n];
@@ -65,19 +69,28 @@ pub(super) fn grouped_with(
             w.scale_2.map(|s| s[e]),
         );
         for col0 in (0..n).step_by(64) {
-            gemm_tile(
-                a,
-                &a_rows,
-                weights,
-                (n, k),
-                col0,
-                &mut c,
-                &c_rows,
-                Plant::None,
-            );
+            let (a_rows, c_rows) = (&a_rows, &c_rows);
+            match tiles {
+                Tiles::Wmma => {
+                    gemm_tile(
+                        a,
+                        a_rows,
+                        weights,
+                        (n, k),
+                        col0,
+                        &mut c,
+                        c_rows,
+                        Plant::None,
+                    );
+                }
+                Tiles::Wgmma => {
+                    let plant = TilePlant::None;
+                    gemm_tile_wgmma(a, a_rows, weights, (n, k), col0, &mut c, c_rows, plant)?;
+                }
+            }
         }
     }
-    c
+    Ok(c)
 }
 
 /// The grouped GEMM as the kernels compute it, the atomics arriving in `arrival` order:
@@ -89,7 +102,34 @@ pub fn moe_grouped_gemm(
     w: StackedExperts<'_>,
     arrival: &[usize],
 ) -> Vec<f32> {
-    grouped_with(a, pair_token, pair_expert, w, arrival, GroupPlant::None)
+    grouped_with(
+        a,
+        pair_token,
+        pair_expert,
+        w,
+        arrival,
+        (Tiles::Wmma, GroupPlant::None),
+    )
+    .unwrap_or_else(|e| unreachable!("the WMMA tiles do not fail: {e}"))
+}
+
+/// The same with `nvfp4_grouped_gemm_bf16_wgmma` / `mxfp4_grouped_gemm_bf16_wgmma` (sm_90a);
+/// an error where the warpgroup-MMA model refuses what the kernel asks.
+pub fn moe_grouped_gemm_wgmma(
+    a: &[f32],
+    pair_token: &[i32],
+    pair_expert: &[i32],
+    w: StackedExperts<'_>,
+    arrival: &[usize],
+) -> Result<Vec<f32>, String> {
+    grouped_with(
+        a,
+        pair_token,
+        pair_expert,
+        w,
+        arrival,
+        (Tiles::Wgmma, GroupPlant::None),
+    )
 }
 
 #[cfg(test)]

@@ -413,7 +413,8 @@ fn bf16_gemm_mismatches(
 }
 
 /// The sm_90 path's staging, fragment origins and masked store, through the WMMA API's
-/// documented semantics, compute the reference product at shapes that are not tile multiples.
+/// documented semantics (and its sm_90a tiles through the warpgroup-MMA model), compute the
+/// reference product at shapes that are not tile multiples.
 #[test]
 fn the_bf16_tensor_core_kernels_tiles_compute_the_reference_product() {
     let mut rng = Rng::for_tensor(18, "emulate-wmma");
@@ -425,12 +426,15 @@ fn the_bf16_tensor_core_kernels_tiles_compute_the_reference_product() {
         (0, 8, 32),
     ] {
         let (a, w, bound) = bf16_gemm_operands(&mut rng, shape);
-        let got = nvfp4_gemm_bf16(&a, (&w.0, &w.1, w.2), shape);
-        assert_eq!(
-            bf16_gemm_mismatches(&got, &a, &w, &bound, shape),
-            0,
-            "{shape:?}"
-        );
+        let wmma = nvfp4_gemm_bf16(&a, (&w.0, &w.1, w.2), shape);
+        let wgmma = fp4_gemm_bf16_wgmma(&a, (&w.0, &w.1, Some(w.2)), shape).unwrap();
+        for (tiles, got) in [("wmma", wmma), ("wgmma", wgmma)] {
+            assert_eq!(
+                bf16_gemm_mismatches(&got, &a, &w, &bound, shape),
+                0,
+                "{tiles} {shape:?}"
+            );
+        }
     }
 }
 
@@ -589,6 +593,7 @@ fn a_wrong_dense_gemm_index_is_caught() {
 fn a_wrong_wgmma_tile_is_caught() {
     use crate::dense_gemm::{bound, mismatches, reference, splits};
     use dense_gemm::{Plant, Tiles};
+    use wgmma_sm90::TilePlant;
     let mut rng = Rng::for_tensor(24, "emulate-dense-wgmma-plant");
     // Seven slices through one pair of buffers; rows and columns past one tile, weight rows
     // across a scale tile.
@@ -607,12 +612,12 @@ fn a_wrong_wgmma_tile_is_caught() {
         |plant| dense_gemm::dense_gemm_with(&a, rows, row0, (m, n, k), plan, Tiles::Wgmma, plant);
     assert_eq!(mismatches(&run(Plant::None).unwrap(), &want, &limit), 0);
     for plant in [
-        Plant::StridesSwapped,
-        Plant::SecondK16NotAdvanced,
+        Plant::Tile(TilePlant::StridesSwapped),
+        Plant::Tile(TilePlant::SecondK16NotAdvanced),
         Plant::WChunksSwapped,
-        Plant::FragmentHalvesSwapped,
-        Plant::StageIntoBusyBuffer,
-        Plant::NoLastWait,
+        Plant::Tile(TilePlant::FragmentHalvesSwapped),
+        Plant::Tile(TilePlant::StageIntoBusyBuffer),
+        Plant::Tile(TilePlant::NoLastWait),
         Plant::ScaleRowWithoutRow0,
     ] {
         let caught = match run(plant) {
@@ -661,6 +666,10 @@ fn the_mxfp4_tiles_compute_the_reference_product() {
         assert!(
             close(&mxfp4_gemm_bf16(&a, (&packed, &scales), (m, n, k))),
             "{m}x{n}x{k}"
+        );
+        assert!(
+            close(&fp4_gemm_bf16_wgmma(&a, (&packed, &scales, None), (m, n, k)).unwrap()),
+            "wgmma {m}x{n}x{k}"
         );
         if m * n > 10 {
             let planted = wmma_bf16::gemm_with(

@@ -148,3 +148,138 @@ impl Warpgroup {
         self.acc[t][i]
     }
 }
+
+// `wgmma.cuh`'s own index math, shared by the sm_90a tiles of `dense_gemm.cu` and
+// `nvfp4_gemm.cu`: the core-matrix layout, the descriptors, the double-buffered main loop and
+// the fragment store.
+
+/// Which tile function a launch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tiles {
+    /// WMMA (`mma.sync`), every architecture.
+    Wmma,
+    /// The warpgroup MMA (`wgmma.cuh`), sm_90a.
+    Wgmma,
+}
+
+/// A deliberate error in `wgmma.cuh`, to show the emulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TilePlant {
+    None,
+    /// The descriptors with LBO and SBO exchanged.
+    StridesSwapped,
+    /// The second k16 MMA of a slice reading the first one's chunks.
+    SecondK16NotAdvanced,
+    /// The store taking a register's row half from `i % 2`, its column from `i / 2`.
+    FragmentHalvesSwapped,
+    /// The next slice staged into the buffer the MMAs in flight read.
+    StageIntoBusyBuffer,
+    /// The store reading the registers before the last slice's MMAs are waited for.
+    NoLastWait,
+}
+
+/// `wgmma::TILE`, `SLICE`, `CHUNK`: the tile's edge, k per staged slice, bf16 values per
+/// core-matrix row; LBO and SBO the byte strides to the next core matrix along k and to the
+/// next 8 rows; one staged operand's bytes.
+pub(super) const TILE: usize = 64;
+pub(super) const SLICE: usize = 32;
+pub(super) const CHUNK: usize = 8;
+const LBO: usize = 128;
+const SBO: usize = (SLICE / CHUNK) * LBO;
+const OPERAND_BYTES: usize = TILE * SLICE * 2;
+/// Where the emulated block's `operands[2][2][OPERAND_BYTES]` starts in shared memory.
+const S_OPERANDS: usize = 0x400;
+
+/// `wgmma::operand_offset`: byte of element (r, kk) of a staged 64 x 32 operand.
+fn operand_offset(r: usize, kk: usize) -> usize {
+    (r / 8) * SBO + (kk / CHUNK) * LBO + (r % 8) * 16 + (kk % CHUNK) * 2
+}
+
+/// `wgmma::descriptor`.
+fn descriptor(addr: usize, plant: TilePlant) -> u64 {
+    let (lbo, sbo) = if plant == TilePlant::StridesSwapped {
+        (SBO, LBO)
+    } else {
+        (LBO, SBO)
+    };
+    (((addr & 0x3FFFF) >> 4) as u64) | (((lbo >> 4) as u64) << 16) | (((sbo >> 4) as u64) << 32)
+}
+
+/// `wgmma::acc_row` / `acc_col`: the tile row and column the store gives register `i` of
+/// thread `t`.
+fn acc_place(t: usize, i: usize, plant: TilePlant) -> (usize, usize) {
+    let (warp, lane) = (t / 32, t % 32);
+    let (row_half, col_pair) = if plant == TilePlant::FragmentHalvesSwapped {
+        (i % 2, (i / 2) % 2)
+    } else {
+        ((i / 2) % 2, i % 2)
+    };
+    (
+        16 * warp + lane / 4 + 8 * row_half,
+        2 * (lane % 4) + col_pair + 8 * (i / 4),
+    )
+}
+
+/// `wgmma::put_chunk`: 8 values (each already a bf16) as chunk `q` of row `r` of the operand
+/// at shared byte `operand`.
+pub(super) fn put_chunk(smem: &mut [u8], operand: usize, r: usize, q: usize, values: &[f32]) {
+    let at = operand + operand_offset(r, q * CHUNK);
+    for (x, v) in values.iter().take(CHUNK).enumerate() {
+        let bits = (v.to_bits() >> 16) as u16;
+        smem[at + 2 * x..at + 2 * x + 2].copy_from_slice(&bits.to_le_bytes());
+    }
+}
+
+/// `wgmma::tile`: k over `[k_begin, k_end)` in slices; `stage(smem, k0, (a, b))` writes the
+/// slice from `k0` on into the operands at shared bytes `a` and `b`; `store(row, col, value)`
+/// for every register of every thread. An error where the model refuses what it is asked.
+pub(super) fn tile(
+    (k_begin, k_end): (usize, usize),
+    mut stage: impl FnMut(&mut [u8], usize, (usize, usize)),
+    mut store: impl FnMut(usize, usize, f32),
+    plant: TilePlant,
+) -> Result<(), String> {
+    let operands = |buf: usize| {
+        let a = S_OPERANDS + buf * 2 * OPERAND_BYTES;
+        (a, a + OPERAND_BYTES)
+    };
+    let mut smem = vec![0u8; S_OPERANDS + 4 * OPERAND_BYTES];
+    let mut wg = Warpgroup::new();
+    let mut buf = 0;
+    stage(&mut smem, k_begin, operands(0));
+    let mut k0 = k_begin;
+    while k0 < k_end {
+        let (a, b) = operands(buf);
+        wg.fence();
+        for kk in (0..SLICE).step_by(16) {
+            let step = if plant == TilePlant::SecondK16NotAdvanced {
+                0
+            } else {
+                operand_offset(0, kk)
+            };
+            wg.mma_k16(descriptor(a + step, plant), descriptor(b + step, plant))?;
+        }
+        wg.commit();
+        let last = k0 + SLICE >= k_end;
+        if !last {
+            let next = if plant == TilePlant::StageIntoBusyBuffer {
+                buf
+            } else {
+                buf ^ 1
+            };
+            stage(&mut smem, k0 + SLICE, operands(next));
+        }
+        if !(last && plant == TilePlant::NoLastWait) {
+            wg.wait_all(&smem)?;
+        }
+        buf ^= 1;
+        k0 += SLICE;
+    }
+    for t in 0..THREADS {
+        for i in 0..ACC {
+            let (r, col) = acc_place(t, i, plant);
+            store(r, col, wg.register(t, i));
+        }
+    }
+    Ok(())
+}

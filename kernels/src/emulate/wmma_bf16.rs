@@ -6,11 +6,16 @@
 //! row-major `ptr[r * ldm + c]` or column-major `ptr[c * ldm + r]`; `mma_sync` is
 //! `D = A B + C` with f32 accumulation; `store_matrix_sync` writes row-major with `ldm`).
 //!
+//! The sm_90a tiles (`gemm_tile_wgmma`) stage the same values into `wgmma.cuh`'s layout and run
+//! on the warpgroup-MMA model of [`super::wgmma_sm90`].
+//!
 //! If the kernel staged a value in the wrong place, gave a warp the wrong fragment origin,
 //! declared W's fragment with the wrong major-ness or stored to the wrong place, this
 //! emulation disagrees with [`crate::cpu::nvfp4_gemm`]; the tests plant such errors.
 
 use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, f32_to_bf16};
+
+use super::wgmma_sm90::{self, CHUNK, TilePlant, Tiles, put_chunk};
 
 pub(super) const BM: usize = 64;
 const BN: usize = 64;
@@ -68,6 +73,32 @@ pub(super) fn mma(acc: &mut [[f32; 16]; 16], a: &[[f32; 16]; 16], b: &[[f32; 16]
     }
 }
 
+/// `w_block`: the 16 values of W's block at (row `gn`, columns `gk..`), dequantized to bf16
+/// (NVFP4: an e4m3 scale per 16; MXFP4, `mx`: a ue8m0 scale per 32); zeros past n or k.
+pub(super) fn w_block(
+    (packed, scales, mx): (&[u8], &[u8], bool),
+    (n, k): (usize, usize),
+    (gn, gk): (usize, usize),
+    plant: Plant,
+) -> [f32; 16] {
+    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
+    let mut out = [0.0f32; 16];
+    if gn < n && gk < k {
+        let s = match mx {
+            false => e4m3_to_f32(scales[gn * (k / 16) + gk / 16]),
+            true if plant == Plant::MxScaleWithoutRow => e8m0_to_f32(scales[gk / 32]),
+            true => e8m0_to_f32(scales[gn * (k / 32) + gk / 32]),
+        };
+        let codes = &packed[gn * (k / 2) + gk / 2..];
+        for i in 0..8 {
+            let byte = codes[i];
+            out[2 * i] = bf16(e2m1_to_f32(byte & 0xF) * s);
+            out[2 * i + 1] = bf16(e2m1_to_f32(byte >> 4) * s);
+        }
+    }
+    out
+}
+
 /// `gemm_tile`: the block's 64 x 64 tile of C at columns `col0..` for A rows `a_row[r]` (None:
 /// a zero row), stored to rows `c_row[r]` of C (None: not stored), with `plant` in its index
 /// math.
@@ -102,28 +133,19 @@ pub(super) fn gemm_tile(
                 tile_a[r][kk] = bf16(v);
             }
             let (r, blk) = (tid / 2, tid % 2);
-            let (gn, gk) = (col0 + r, k0 + blk * 16);
             let at = if plant == Plant::WBlockOffset {
                 0
             } else {
                 blk * 16
             };
-            if gn < n && gk < k {
-                // NVFP4: an e4m3 scale per 16; MXFP4 (no scale_2): a ue8m0 scale per 32.
-                let s = match scale_2 {
-                    Some(_) => e4m3_to_f32(scales[gn * (k / 16) + gk / 16]),
-                    None if plant == Plant::MxScaleWithoutRow => e8m0_to_f32(scales[gk / 32]),
-                    None => e8m0_to_f32(scales[gn * (k / 32) + gk / 32]),
-                };
-                let codes = &packed[gn * (k / 2) + gk / 2..];
-                for i in 0..8 {
-                    let byte = codes[i];
-                    tile_w[r][at + 2 * i] = bf16(e2m1_to_f32(byte & 0xF) * s);
-                    tile_w[r][at + 2 * i + 1] = bf16(e2m1_to_f32(byte >> 4) * s);
-                }
-            } else {
-                tile_w[r][at..at + 16].fill(0.0);
-            }
+            let mx = scale_2.is_none();
+            let block = w_block(
+                (packed, scales, mx),
+                (n, k),
+                (col0 + r, k0 + blk * 16),
+                plant,
+            );
+            tile_w[r][at..at + 16].copy_from_slice(&block);
         }
         for (warp, acc) in accs.iter_mut().enumerate() {
             let warp_m = warp / 2;
@@ -183,6 +205,18 @@ pub(super) fn gemm_with(
     (m, n, k): (usize, usize, usize),
     plant: Plant,
 ) -> Vec<f32> {
+    tiles_with(a, w, (m, n, k), Tiles::Wmma, plant)
+        .unwrap_or_else(|e| unreachable!("the WMMA tiles do not fail: {e}"))
+}
+
+/// `nvfp4_gemm_bf16` (or its `_wgmma` twin, `tiles`) over the whole grid.
+fn tiles_with(
+    a: &[f32],
+    w: (&[u8], &[u8], Option<f32>),
+    (m, n, k): (usize, usize, usize),
+    tiles: Tiles,
+    plant: Plant,
+) -> Result<Vec<f32>, String> {
     let mut c = vec![f32::NAN; m * n];
     for block_y in 0..m.div_ceil(BM) {
         let rows: [Option<usize>; BM] = std::array::from_fn(|r| {
@@ -190,10 +224,66 @@ pub(super) fn gemm_with(
             (gr < m).then_some(gr)
         });
         for block_x in 0..n.div_ceil(BN) {
-            gemm_tile(a, &rows, w, (n, k), block_x * BN, &mut c, &rows, plant);
+            let col0 = block_x * BN;
+            match tiles {
+                Tiles::Wmma => gemm_tile(a, &rows, w, (n, k), col0, &mut c, &rows, plant),
+                Tiles::Wgmma => {
+                    gemm_tile_wgmma(a, &rows, w, (n, k), col0, &mut c, &rows, TilePlant::None)?;
+                }
+            }
         }
     }
-    c
+    Ok(c)
+}
+
+/// `gemm_tile_wgmma` (sm_90a): the same values staged in `wgmma.cuh`'s layout, run by its main
+/// loop on the warpgroup-MMA model, `plant` in `wgmma.cuh`'s index math.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the device function's parameters"
+)]
+pub(super) fn gemm_tile_wgmma(
+    a: &[f32],
+    a_row: &[Option<usize>; BM],
+    (packed, scales, scale_2): (&[u8], &[u8], Option<f32>),
+    (n, k): (usize, usize),
+    col0: usize,
+    c: &mut [f32],
+    c_row: &[Option<usize>; BM],
+    plant: TilePlant,
+) -> Result<(), String> {
+    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
+    let stage = |smem: &mut [u8], k0: usize, (base_a, base_w): (usize, usize)| {
+        for e in 0..BM * (BK / CHUNK) {
+            let (r, q) = (e / (BK / CHUNK), e % (BK / CHUNK));
+            let v: Vec<f32> = (0..CHUNK)
+                .map(|i| {
+                    let gk = k0 + q * CHUNK + i;
+                    match a_row[r] {
+                        Some(gr) if gk < k => bf16(a[gr * k + gk]),
+                        _ => 0.0,
+                    }
+                })
+                .collect();
+            put_chunk(smem, base_a, r, q, &v);
+        }
+        for tid in 0..THREADS {
+            let (r, blk) = (tid / 2, tid % 2);
+            let w = (packed, scales, scale_2.is_none());
+            let v = w_block(w, (n, k), (col0 + r, k0 + blk * 16), Plant::None);
+            put_chunk(smem, base_w, r, 2 * blk, &v[..CHUNK]);
+            put_chunk(smem, base_w, r, 2 * blk + 1, &v[CHUNK..]);
+        }
+    };
+    let store = |r: usize, col: usize, value: f32| {
+        let gc = col0 + col;
+        if let Some(gr) = c_row[r]
+            && gc < n
+        {
+            c[gr * n + gc] = value * scale_2.unwrap_or(1.0);
+        }
+    };
+    wgmma_sm90::tile((0, k), stage, store, plant)
 }
 
 /// `nvfp4_gemm_bf16` as the kernel computes it (arguments of [`crate::cpu::nvfp4_gemm`]).
@@ -209,4 +299,14 @@ pub fn nvfp4_gemm_bf16(
 /// MXFP4 kernel stages them (arguments of [`crate::cpu::mxfp4_gemm`]).
 pub fn mxfp4_gemm_bf16(a: &[f32], w: (&[u8], &[u8]), shape: (usize, usize, usize)) -> Vec<f32> {
     gemm_with(a, (w.0, w.1, None), shape, Plant::None)
+}
+
+/// `nvfp4_gemm_bf16_wgmma` (sm_90a) as the kernel computes it; MXFP4 staging where `scale_2`
+/// is `None`. An error where the warpgroup-MMA model refuses what the kernel asks.
+pub fn fp4_gemm_bf16_wgmma(
+    a: &[f32],
+    w: (&[u8], &[u8], Option<f32>),
+    shape: (usize, usize, usize),
+) -> Result<Vec<f32>, String> {
+    tiles_with(a, w, shape, Tiles::Wgmma, Plant::None)
 }

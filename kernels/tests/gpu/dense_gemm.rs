@@ -10,7 +10,6 @@
 
 use engine::{formats, synth::Rng};
 use kernels::{
-    arch::Bf16Mma,
     cuda::Gpu,
     dense_gemm::{DenseRows, bound, mismatches, reference},
 };
@@ -36,29 +35,14 @@ fn weight(rng: &mut Rng, fp8: bool, rows: usize, k: usize) -> (Vec<u8>, Vec<f32>
 
 #[test]
 fn gpu_dense_gemm_matches_reference() {
-    let Some(gpu) = Gpu::for_test("gpu_dense_gemm_matches_reference") else {
+    let Some(mut gpu) = Gpu::for_test("gpu_dense_gemm_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(22, "dense-gemm");
     let mut split = 0;
-    let mmas: &[Bf16Mma] = match gpu.bf16_mma() {
-        Bf16Mma::Wgmma => &[Bf16Mma::Wgmma, Bf16Mma::MmaSync],
-        Bf16Mma::MmaSync => {
-            assert!(
-                gpu.dense_gemm(
-                    Bf16Mma::Wgmma,
-                    DenseRows::Bf16(&[0; 64]),
-                    0,
-                    &[0.0; 32],
-                    (1, 1, 32)
-                )
-                .is_err(),
-                "the warpgroup MMA is refused off sm_90"
-            );
-            &[Bf16Mma::MmaSync]
-        }
-    };
+    let mmas = super::bf16_mmas(&mut gpu);
     for (mma, fp8) in mmas.iter().flat_map(|&mma| [(mma, false), (mma, true)]) {
+        gpu.set_bf16_mma(mma).unwrap();
         for (m, n, k, row0) in [
             (1usize, 1usize, 16usize, 0usize),
             (3, 5, 48, 7),
@@ -84,7 +68,7 @@ fn gpu_dense_gemm_matches_reference() {
                 a[k + 1] = f32::NAN;
             }
             split += usize::from(gpu.dense_gemm_plan((m, n, k)).0 > 1);
-            let got = gpu.dense_gemm(mma, w, row0, &a, (m, n, k)).unwrap();
+            let got = gpu.dense_gemm(w, row0, &a, (m, n, k)).unwrap();
             let want = reference(&a, w, row0, (m, n, k)).unwrap();
             let limit = bound(&a, w, row0, (m, n, k)).unwrap();
             assert_eq!(
@@ -94,10 +78,7 @@ fn gpu_dense_gemm_matches_reference() {
             );
         }
         let short = DenseRows::Bf16(&[0; 64]);
-        assert!(
-            gpu.dense_gemm(mma, short, 1, &[0.0; 32], (1, 1, 32))
-                .is_err()
-        );
+        assert!(gpu.dense_gemm(short, 1, &[0.0; 32], (1, 1, 32)).is_err());
     }
     assert!(split > 0, "no shape split K on this GPU");
 }

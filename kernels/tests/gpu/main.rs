@@ -25,3 +25,20 @@ mod nvfp4_gemm_sm100;
 mod nvfp4_quant;
 mod step;
 mod step_kernels;
+
+/// The bf16 GEMM tiles' instructions a device runs, each to be tested: on sm_90 the warpgroup
+/// MMA it uses and `mma.sync`, elsewhere `mma.sync` (and the warpgroup MMA refused).
+#[cfg(feature = "cuda")]
+fn bf16_mmas(gpu: &mut kernels::cuda::Gpu) -> Vec<kernels::arch::Bf16Mma> {
+    use kernels::arch::Bf16Mma;
+    match gpu.bf16_mma() {
+        Bf16Mma::Wgmma => vec![Bf16Mma::Wgmma, Bf16Mma::MmaSync],
+        Bf16Mma::MmaSync => {
+            assert!(
+                gpu.set_bf16_mma(Bf16Mma::Wgmma).is_err(),
+                "the warpgroup MMA is refused off sm_90"
+            );
+            vec![Bf16Mma::MmaSync]
+        }
+    }
+}

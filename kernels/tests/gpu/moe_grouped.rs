@@ -3,8 +3,9 @@
 //! `1e-4 · Σ|a·w|`) and its emulation: awkward token counts, experts with no pairs and with
 //! several tiles, n and k not multiples of the tile, pairs routed outside the stack (NaN rows);
 //! a pair's row is the same bits alone and in any batch; bad inputs refused; MXFP4 experts
-//! (`mxfp4_grouped_gemm_bf16`) against `cpu::mxfp4_gemm` per pair. Skips without a GPU (fails
-//! under `PDSERVE_REQUIRE_GPU=1`).
+//! (`mxfp4_grouped_gemm_bf16`) against `cpu::mxfp4_gemm` per pair. On sm_90 the accuracy cases
+//! run on both tile instructions (the `_wgmma` kernels and `mma.sync`). Skips without a GPU
+//! (fails under `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -31,9 +32,17 @@ fn on_gpu(gpu: &Gpu, m: &SyntheticMoe, pairs: std::ops::Range<usize>) -> Vec<f32
 
 #[test]
 fn gpu_grouped_gemm_matches_reference() {
-    let Some(gpu) = Gpu::for_test("gpu_grouped_gemm_matches_reference") else {
+    let Some(mut gpu) = Gpu::for_test("gpu_grouped_gemm_matches_reference") else {
         return;
     };
+    for mma in super::bf16_mmas(&mut gpu) {
+        gpu.set_bf16_mma(mma).unwrap();
+        eprintln!("{mma:?}");
+        grouped_gemm_matches_reference(&gpu);
+    }
+}
+
+fn grouped_gemm_matches_reference(gpu: &Gpu) {
     let mut rng = Rng::for_tensor(51, "gpu-moe-grouped");
     for (route, (n, k), bad) in [
         ((1, 1, 1), (1, 16), 0),
@@ -44,7 +53,7 @@ fn gpu_grouped_gemm_matches_reference() {
     ] {
         let m = synthetic_moe(&mut rng, route, (n, k), bad).unwrap();
         let pairs = m.pair_token.len();
-        let got = on_gpu(&gpu, &m, 0..pairs);
+        let got = on_gpu(gpu, &m, 0..pairs);
         let want = grouped_gemm(
             &m.a,
             &m.pair_token,
@@ -114,19 +123,22 @@ fn gpu_grouped_gemm_refuses_bad_inputs() {
 /// refused.
 #[test]
 fn gpu_mxfp4_grouped_gemm_matches_reference() {
-    let Some(gpu) = Gpu::for_test("gpu_mxfp4_grouped_gemm_matches_reference") else {
+    let Some(mut gpu) = Gpu::for_test("gpu_mxfp4_grouped_gemm_matches_reference") else {
         return;
     };
     let mut rng = Rng::for_tensor(52, "gpu-moe-grouped-mxfp4");
     let m = kernels::moe_group::synthetic_mxfp4_moe(&mut rng, (200, 2, 5), (70, 96), 11).unwrap();
     let stack = (m.packed.as_slice(), m.scales.as_slice(), m.experts);
     let pairs = (m.pair_token.as_slice(), m.pair_expert.as_slice());
-    let got = gpu
-        .mxfp4_grouped_gemm(&m.a, pairs, stack, (m.tokens, m.n, m.k))
-        .unwrap();
-    let w = m.worst(&got, &m.reference().unwrap());
-    eprintln!("MXFP4: {w:.3} of the bound");
-    assert!(w <= 1.0, "MXFP4: {w} of the bound");
+    for mma in super::bf16_mmas(&mut gpu) {
+        gpu.set_bf16_mma(mma).unwrap();
+        let got = gpu
+            .mxfp4_grouped_gemm(&m.a, pairs, stack, (m.tokens, m.n, m.k))
+            .unwrap();
+        let w = m.worst(&got, &m.reference().unwrap());
+        eprintln!("MXFP4 {mma:?}: {w:.3} of the bound");
+        assert!(w <= 1.0, "MXFP4 {mma:?}: {w} of the bound");
+    }
     let refused = gpu.mxfp4_grouped_gemm(
         &m.a[..m.tokens * 48],
         (&m.pair_token[..1], &m.pair_expert[..1]),

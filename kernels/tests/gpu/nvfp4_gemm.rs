@@ -3,7 +3,8 @@
 //! multiples (m and n not multiples of 64, k not a multiple of 32, single rows and columns,
 //! empty), output poisoned with NaN. Bound per element: |gpu - ref| <= 1e-4 * Σ_k |a·w| (f32
 //! accumulation inside the tensor cores, whose rounding of partial sums may truncate).
-//! Skips without a GPU; fails instead under `PDSERVE_REQUIRE_GPU=1` (gpu-check.sh).
+//! On sm_90 both tile instructions run (`nvfp4_gemm_bf16_wgmma`, `nvfp4_gemm_bf16`). Skips
+//! without a GPU; fails instead under `PDSERVE_REQUIRE_GPU=1` (gpu-check.sh).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -12,9 +13,17 @@ use kernels::{cpu, cuda::Gpu};
 
 #[test]
 fn gpu_gemm_matches_reference() {
-    let Some(gpu) = Gpu::for_test("gpu_gemm_matches_reference") else {
+    let Some(mut gpu) = Gpu::for_test("gpu_gemm_matches_reference") else {
         return;
     };
+    for mma in super::bf16_mmas(&mut gpu) {
+        gpu.set_bf16_mma(mma).unwrap();
+        eprintln!("{mma:?}");
+        gemm_matches_reference(&gpu);
+    }
+}
+
+fn gemm_matches_reference(gpu: &Gpu) {
     let mut rng = Rng::for_tensor(5, "gemm");
     for (m, n, k) in [
         (1usize, 1usize, 16usize),

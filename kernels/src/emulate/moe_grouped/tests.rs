@@ -3,6 +3,7 @@ use engine::synth::Rng;
 use super::*;
 use crate::{
     cpu,
+    emulate::wgmma_sm90::Tiles,
     moe_group::{SyntheticMoe, synthetic_moe, synthetic_mxfp4_moe},
 };
 
@@ -54,11 +55,16 @@ fn grouped_gemm_matches_the_reference_at_awkward_shapes() {
     for (route, nk, bad) in CASES {
         let m = synthetic_moe(&mut rng, route, nk, bad).unwrap();
         let arrival = shuffled(&mut rng, m.pair_token.len());
-        let got = moe_grouped_gemm(&m.a, &m.pair_token, &m.pair_expert, stacked(&m), &arrival);
-        let w = m.worst(&got, &reference(&m));
-        assert!(w <= 1.0, "{route:?} {nk:?}: {w} of the bound");
-        if bad > 0 && m.pair_token.len() >= bad {
-            assert!(got[(bad - 1) * m.n..bad * m.n].iter().all(|v| v.is_nan()));
+        let wmma = moe_grouped_gemm(&m.a, &m.pair_token, &m.pair_expert, stacked(&m), &arrival);
+        let wgmma =
+            moe_grouped_gemm_wgmma(&m.a, &m.pair_token, &m.pair_expert, stacked(&m), &arrival)
+                .unwrap();
+        for (tiles, got) in [("wmma", wmma), ("wgmma", wgmma)] {
+            let w = m.worst(&got, &reference(&m));
+            assert!(w <= 1.0, "{tiles} {route:?} {nk:?}: {w} of the bound");
+            if bad > 0 && m.pair_token.len() >= bad {
+                assert!(got[(bad - 1) * m.n..bad * m.n].iter().all(|v| v.is_nan()));
+            }
         }
     }
 }
@@ -105,14 +111,15 @@ fn planted_errors_in_the_grouping_are_caught() {
             &m.pair_expert,
             stacked(&m),
             &arrival,
-            plant,
-        );
+            (Tiles::Wmma, plant),
+        )
+        .unwrap();
         let w = m.worst(&got, &want);
         assert!(w.is_nan() || w > 1.0, "{plant:?} not caught ({w})");
     }
 }
 
-/// MXFP4 experts (`mxfp4_grouped_gemm_bf16`): every pair's row within `1e-4 · Σ|a·w|` of
+/// MXFP4 experts (`mxfp4_grouped_gemm_bf16` and its sm_90a twin): every pair's row within `1e-4 · Σ|a·w|` of
 /// `cpu::mxfp4_gemm` of its token and expert (a skewed routing: the first expert over several
 /// tiles; pairs outside the stack NaN rows), in a shuffled arrival order; the next expert's weights
 /// are caught.
@@ -130,20 +137,25 @@ fn mxfp4_experts_group_and_multiply_as_the_reference() {
     };
     let want = m.reference().unwrap();
     let arrival = shuffled(&mut rng, m.pair_token.len());
-    let got = moe_grouped_gemm(&m.a, &m.pair_token, &m.pair_expert, stack, &arrival);
-    assert!(m.worst(&got, &want) <= 1.0, "{}", m.worst(&got, &want));
-    assert!(
-        got[10 * m.n..11 * m.n].iter().all(|v| v.is_nan()),
-        "a pair outside the stack"
-    );
+    let wmma = moe_grouped_gemm(&m.a, &m.pair_token, &m.pair_expert, stack, &arrival);
+    let wgmma =
+        moe_grouped_gemm_wgmma(&m.a, &m.pair_token, &m.pair_expert, stack, &arrival).unwrap();
+    for got in [wmma, wgmma] {
+        assert!(m.worst(&got, &want) <= 1.0, "{}", m.worst(&got, &want));
+        assert!(
+            got[10 * m.n..11 * m.n].iter().all(|v| v.is_nan()),
+            "a pair outside the stack"
+        );
+    }
     let planted = grouped_with(
         &m.a,
         &m.pair_token,
         &m.pair_expert,
         stack,
         &arrival,
-        GroupPlant::NextExpert,
-    );
+        (Tiles::Wmma, GroupPlant::NextExpert),
+    )
+    .unwrap();
     assert!(
         m.worst(&planted, &want) > 1.0,
         "the next expert's weights went unnoticed"
