@@ -44,6 +44,10 @@ const TENSOR_CORE_OPCODES: &[(&str, &str, &str)] = &[
     ("dense_gemm", "sm_90a", "HMMA.16816.F32.BF16"),
     ("dense_gemm", "sm_100a", "HMMA.16816.F32.BF16"),
     ("dense_gemm", "sm_120a", "HMMA.16816.F32.BF16"),
+    // The indexer's tensor-core scores: a request's heads as the M side of bf16 mma.sync.
+    ("indexer", "sm_90a", "HMMA.16816.F32.BF16"),
+    ("indexer", "sm_100a", "HMMA.16816.F32.BF16"),
+    ("indexer", "sm_120a", "HMMA.16816.F32.BF16"),
     // Decode attention with the heads as the M side of bf16 mma.sync (not wgmma yet).
     ("attn_decode_fp8", "sm_90a", "HMMA.16816.F32.BF16"),
     ("attn_decode_fp8", "sm_100a", "HMMA.16816.F32.BF16"),

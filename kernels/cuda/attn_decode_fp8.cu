@@ -25,29 +25,11 @@
 #include <stdint.h>
 
 #include "fp4.cuh"
+#include "mma_bf16.cuh"
 
 #define TILE 16       // rows per tile: the N of the scores MMA, the K of the output MMA
 #define WARPS 16
 #define THREADS (WARPS * 32)
-
-// A pair of bf16 at `p` (4-byte aligned) as one MMA register, the lower index in the low half.
-__device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16* p) {
-    return *reinterpret_cast<const uint32_t*>(p);
-}
-
-__device__ __forceinline__ uint32_t pack(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
-}
-
-// d += a * b; a: 16x16 row-major fragment, b: 16x8 column fragment, d: 16x8 f32.
-__device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // Value `d` of the FP8 row at `row` (dims past nope + rope are padding: 0).
 __device__ __forceinline__ float row_value(const uint8_t* __restrict__ row, int d, int nope,

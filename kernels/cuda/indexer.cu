@@ -7,10 +7,12 @@
 // slot instead of a selection. Index arithmetic is 64-bit. The CPU reference is
 // `kernels::cpu::indexer_topk` (same rule as the engine's CPU model); `kernels::emulate::
 // topk_radix` is `indexer_topk` step by step in Rust, tested in CI.
-#include <stdint.h>
+#include <cuda_bf16.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "exact.cuh"
+#include "mma_bf16.cuh"
 
 #define THREADS 256
 
@@ -42,6 +44,118 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q, const flo
     }
     if (live && lane == 0) {
         scores[b * max_keys + s] = total;
+    }
+}
+
+// The same scores on tensor cores (the fast attention's indexer): queries and keys rounded to
+// bf16 (round-to-nearest-even), products exact, f32 sums; all heads of a request against a
+// tile of 64 keys at once on `mma.sync.m16n8k16` with the heads as M, instead of an
+// eight-thread group re-reading every head's query per key. Heads are padded to a multiple of
+// 16 (zero queries, zero weights), dims to a multiple of 16 (zeros). Per key:
+// sum_h relu(q_h . k) * scale * w_h, where a 16-head tile's heads g and g + 8 are added first,
+// then the eight g by shuffles (xor 4, 8, 16), then the tiles in order from -0. NaN in, NaN out
+// (a NaN key or query poisons its score: a padded head adds NaN * 0). Grid (key groups of
+// MMA_TILES tiles, tokens), MMA_THREADS threads, each warp 16 keys of a tile; dynamic shared
+// memory `(heads_p + MMA_KEYS) * (dim_p + 8)` bf16 (`kernels::indexer_mma::shared_bytes`).
+// Reference `kernels::indexer_mma::reference` (f64 over the bf16 operands) and its bound;
+// `kernels::emulate::indexer_scores_mma` is this kernel's index math in Rust, tested in CI.
+#define MMA_KEYS 64
+#define MMA_TILES 4
+#define MMA_THREADS 128
+
+__device__ __forceinline__ float relu_keep_nan(float x) { return isnan(x) ? x : fmaxf(x, 0.0f); }
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+    indexer_scores_mma(const float* __restrict__ q, const float* __restrict__ w,
+                       const float* __restrict__ keys, const long long* __restrict__ key_starts,
+                       const int* __restrict__ visible, int batch, int heads, int dim,
+                       float scale, long long max_keys, float* __restrict__ scores) {
+    extern __shared__ __align__(16) __nv_bfloat16 smem[];
+    const int heads_p = (heads + 15) / 16 * 16;
+    const int dim_p = (dim + 15) / 16 * 16;
+    const int lds = dim_p + 8;  // row stride: even (4-byte pairs), rows 8 apart on other banks
+    __nv_bfloat16* sq = smem;                  // [heads_p][lds]
+    __nv_bfloat16* sk = smem + heads_p * lds;  // [MMA_KEYS][lds]
+    const long long b = blockIdx.y;
+    const long long n = b < batch ? visible[b] : 0;
+    const long long first = static_cast<long long>(blockIdx.x) * MMA_TILES * MMA_KEYS;
+    if (first >= n) {
+        return;  // the whole block: no key of this group is visible
+    }
+    const int tid = threadIdx.x;
+    for (int e = tid; e < heads_p * dim_p; e += MMA_THREADS) {
+        const int h = e / dim_p;
+        const int d = e % dim_p;
+        const float v = (h < heads && d < dim) ? q[(b * heads + h) * dim + d] : 0.0f;
+        sq[h * lds + d] = __float2bfloat16_rn(v);
+    }
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const long long start = key_starts[b];
+    for (int tile = 0; tile < MMA_TILES; ++tile) {
+        const long long s0 = first + static_cast<long long>(tile) * MMA_KEYS;
+        if (s0 >= n) {
+            break;  // uniform over the block
+        }
+        __syncthreads();  // the previous tile's keys are read
+        for (int e = tid; e < MMA_KEYS * dim_p; e += MMA_THREADS) {
+            const int r = e / dim_p;
+            const int d = e % dim_p;
+            const long long s = s0 + r;
+            const float v = (s < n && d < dim) ? keys[(start + s) * dim + d] : 0.0f;
+            sk[r * lds + d] = __float2bfloat16_rn(v);
+        }
+        __syncthreads();
+        const int n0 = warp * 16;  // the warp's keys: two MMA columns of 8
+        float total[2][2] = {{-0.0f, -0.0f}, {-0.0f, -0.0f}};
+        for (int mt = 0; mt < heads_p / 16; ++mt) {
+            float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            for (int ks = 0; ks < dim_p; ks += 16) {
+                uint32_t a[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    a[i] = ld_pair(&sq[(mt * 16 + g + 8 * (i % 2)) * lds + ks + 2 * t + 8 * (i / 2)]);
+                }
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const __nv_bfloat16* key = &sk[(n0 + 8 * j + g) * lds + ks + 2 * t];
+                    const uint32_t bk[2] = {ld_pair(key), ld_pair(key + 8)};
+                    mma_16816(acc[j], a, bk);
+                }
+            }
+            const int h_lo = mt * 16 + g;
+            const int h_hi = h_lo + 8;
+            const float w_lo = h_lo < heads ? w[b * heads + h_lo] : 0.0f;
+            const float w_hi = h_hi < heads ? w[b * heads + h_hi] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float part =
+                        __fadd_rn(__fmul_rn(__fmul_rn(relu_keep_nan(acc[j][c]), scale), w_lo),
+                                  __fmul_rn(__fmul_rn(relu_keep_nan(acc[j][2 + c]), scale), w_hi));
+#pragma unroll
+                    for (int off = 4; off < 32; off <<= 1) {
+                        part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, off));
+                    }
+                    total[j][c] = __fadd_rn(total[j][c], part);
+                }
+            }
+        }
+        if (g == 0) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const long long s = s0 + n0 + 8 * j + 2 * t + c;
+                    if (s < n) {
+                        scores[b * max_keys + s] = total[j][c];
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -106,6 +106,15 @@ pub fn indexer(keys: usize, heads: usize, dim: usize, top_k: usize) -> Cost {
     }
 }
 
+/// The indexer's scores of `tokens` queries, each over its own `keys` f32 keys of `dim` with
+/// `heads` heads (queries and weights read, one f32 score written per key).
+pub fn indexer_scores(tokens: usize, keys: usize, heads: usize, dim: usize) -> Cost {
+    Cost {
+        bytes: n(tokens) * (4 * n(keys) * (n(dim) + 1) + 4 * n(heads) * (n(dim) + 1)),
+        flops: 2 * n(tokens) * n(keys) * n(heads) * n(dim),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

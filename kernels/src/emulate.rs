@@ -6,7 +6,8 @@
 //!
 //! - [`split_range`], [`attn_decode`]: `attn_decode.cu` (`attn_decode_partial` then
 //!   `attn_decode_merge`).
-//! - [`topk_radix`]: `indexer.cu` `indexer_topk` (radix select) over one request's scores.
+//! - [`topk_radix`]: `indexer.cu` `indexer_topk` (radix select) over one request's scores;
+//!   [`indexer_scores_mma`]: its tensor-core scores (heads as the M side of `mma.sync`).
 //! - [`nvfp4_gemm_w4a4_sm120`]: `nvfp4_gemm_sm120.cu`, its loads and stores around a model of
 //!   the block-scaled FP4 `mma.sync` fragments.
 //! - [`nvfp4_gemm_w4a4_sm100`]: `nvfp4_gemm_sm100.cu`, its shared-memory layout, descriptors,
@@ -30,6 +31,8 @@
 mod attn_fp8;
 mod dense_gemm;
 mod exact_dots;
+mod indexer_mma;
+mod mma_bf16;
 mod mma_sm120;
 mod moe_grouped;
 mod tcgen05_sm100;
@@ -40,6 +43,7 @@ mod wmma_bf16;
 pub use attn_fp8::{Mma, Tamper, attn_decode_fp8};
 pub use dense_gemm::{dense_gemm, dense_gemm_wgmma};
 pub use exact_dots::exact_dots;
+pub use indexer_mma::indexer_scores_mma;
 pub use mma_sm120::nvfp4_gemm_w4a4_sm120;
 pub use moe_grouped::{StackedExperts, moe_grouped_gemm, moe_grouped_gemm_wgmma};
 pub use tcgen05_sm100::nvfp4_gemm_w4a4_sm100;

@@ -106,6 +106,7 @@ pub mod cuda;
 pub mod dense_gemm;
 pub mod emulate;
 pub mod gpu_test;
+pub mod indexer_mma;
 pub mod moe_group;
 #[cfg(feature = "nccl")]
 pub mod nccl;

@@ -62,7 +62,7 @@ pub enum DecodeAttention {
     Exact,
     /// `attn_decode_fp8`: every head of a request against each tile of its FP8 rows on tensor
     /// cores, within `2^-8` of the largest row value of the exact result (needs
-    /// `kv_cache_dtype = fp8`).
+    /// `kv_cache_dtype = fp8`); the indexer's scores on tensor cores (`indexer_scores_mma`).
     Fast,
 }
 
@@ -173,8 +173,8 @@ pub struct WorkerSettings {
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
     pub hybrid: bool,
     /// How a decode worker's device step attends: `exact` (the reference's bits) or `fast`
-    /// (tensor cores over FP8 rows, within a stated bound; needs `kv_cache_dtype = fp8` and
-    /// the cuda or emulated backend).
+    /// (tensor cores over FP8 rows and for the indexer's scores, within stated bounds; needs
+    /// `kv_cache_dtype = fp8` and the cuda or emulated backend).
     pub decode_attention: DecodeAttention,
     /// How a decode worker's device step runs the routed experts: `exact` (the reference's
     /// bits) or `fast` (the grouped FP4 GEMV, within its bound; the cuda or emulated backend).

@@ -19,6 +19,7 @@ use kernels::{
     arch::Bf16Mma,
     cost::{self, Cost},
     cuda::{AttnShape, DenseWeight, DeviceExperts, GemmWeight, GemvFormat, Gpu, KernelError},
+    step::kernels::ScoreSpec,
 };
 
 /// Shapes of the cases, shared by the analytic table and the timed runs.
@@ -42,6 +43,10 @@ const MOE_PREFILL: (usize, usize, usize, usize, usize) = (2048, 6, 256, 4096, 40
 /// Decode attention over the engine's 584-byte FP8 rows, all heads of a request per tile:
 /// 32 requests x 8192 rows, 64 heads (one GPU) and 16 (TP 4), 132 parts (an H100's SMs).
 const ATTN_FP8: (usize, usize, [usize; 2], usize) = (32, 8192, [64, 16], 132);
+
+/// The indexer's scores of a decode step: 32 requests at 8K context (2048 compressed keys each,
+/// ratio 4), V4-Flash's 64 indexer heads of 128: (tokens, keys, heads, dim).
+const INDEXER: (usize, usize, usize, usize) = (32, 2048, 64, 128);
 
 /// Dense linears of V4-Flash through the dense GEMM: (name, FP8, m, n, k). A decode step of 32
 /// sequences through wq_b, the shared expert's gate (few tiles: K split) and the bf16 output
@@ -134,6 +139,13 @@ fn planned() -> Vec<Row> {
         format!("FP8 GEMV per vector (wq_b) {m}x{n}x{k}"),
         cost::dense_gemm(m, n, k, true),
     ));
+    let (tokens, keys, heads, dim) = INDEXER;
+    for how in ["exact, CUDA cores", "tensor cores"] {
+        out.push(row(
+            format!("indexer scores {tokens}x{keys} keys, {heads} heads of {dim} ({how})"),
+            cost::indexer_scores(tokens, keys, heads, dim),
+        ));
+    }
     out
 }
 
@@ -360,6 +372,7 @@ fn main() -> Result<(), KernelError> {
     times.extend(time_exact(&gpu, &mut rng)?);
     times.push(exact_pairs);
     times.extend(time_dense(&mut gpu, &mut rng)?);
+    times.extend(time_indexer(&gpu, &mut rng)?);
 
     for (row, t) in rows.iter_mut().zip(&times) {
         row.seconds = Some(*t);
@@ -480,6 +493,41 @@ fn time_dense(gpu: &mut Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
     times.push(time(gpu, || {
         gpu.launch_dense_gemv(weight, 0, &x, (n, k), m, &mut y)
     })?);
+    Ok(times)
+}
+
+/// Times the indexer's scores on [`INDEXER`]: the exact kernel, then the tensor-core one.
+fn time_indexer(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
+    let (tokens, keys, heads, dim) = INDEXER;
+    let s = &gpu.stream;
+    let q = s.clone_htod(&random(rng, tokens * heads * dim))?;
+    let w = s.clone_htod(&random(rng, tokens * heads))?;
+    let d_keys = s.clone_htod(&random(rng, tokens * keys * dim))?;
+    let starts: Vec<i64> = (0..tokens).map(|t| (t * keys) as i64).collect();
+    let (d_starts, d_visible) = (
+        s.clone_htod(&starts)?,
+        s.clone_htod(&vec![keys as i32; tokens])?,
+    );
+    let mut scores: CudaSlice<f32> = s.alloc_zeros(tokens * keys)?;
+    let mut times = Vec::with_capacity(2);
+    for tensor_cores in [false, true] {
+        let spec = ScoreSpec {
+            tokens,
+            heads,
+            dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+            max_keys: keys,
+            tensor_cores,
+        };
+        times.push(time(gpu, || {
+            gpu.launch_indexer_scores(
+                (&q, &w, &d_keys),
+                (&d_starts, &d_visible),
+                spec,
+                &mut scores,
+            )
+        })?);
+    }
     Ok(times)
 }
 

@@ -3,7 +3,8 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{Gpu, KernelError, non_empty};
+use super::{Gpu, KernelError, grid_dim, non_empty};
+use crate::step::kernels::ScoreSpec;
 
 /// One batch of indexer queries: request `b` has `visible[b]` keys starting at
 /// `key_starts[b]` rows into `keys` (`dim` values each).
@@ -196,6 +197,99 @@ impl Gpu {
             })?;
         }
         Ok(())
+    }
+
+    /// `indexer_scores` (the engine's bits) or, with `sp.tensor_cores`, `indexer_scores_mma`
+    /// over f32 key rows (token t's at rows `starts[t]..`), `[tokens, max_keys]` written for
+    /// each token's visible keys. The caller keeps the rows inside `keys`.
+    pub fn launch_indexer_scores(
+        &self,
+        (q, w, keys): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        (starts, visible): (&CudaSlice<i64>, &CudaSlice<i32>),
+        sp: ScoreSpec,
+        scores: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let (n, heads, dim) = (sp.tokens as i32, sp.heads as i32, sp.dim as i32);
+        let max_keys = sp.max_keys as i64;
+        if sp.tokens == 0 {
+            return Ok(());
+        }
+        let config = if sp.tensor_cores {
+            crate::indexer_mma::check_shape(sp.heads, sp.dim)?;
+            let (groups, tokens) = crate::indexer_mma::grid(&sp);
+            LaunchConfig {
+                grid_dim: (
+                    grid_dim(groups, "key groups")?,
+                    grid_dim(tokens, "tokens")?,
+                    1,
+                ),
+                block_dim: (crate::indexer_mma::THREADS as u32, 1, 1),
+                shared_mem_bytes: crate::indexer_mma::shared_bytes(sp.heads, sp.dim) as u32,
+            }
+        } else {
+            // A group of eight threads per (token, key).
+            LaunchConfig {
+                grid_dim: (
+                    grid_dim((sp.tokens * sp.max_keys * 8).div_ceil(256), "keys")?,
+                    1,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        };
+        let f = self.indexer.load_function(if sp.tensor_cores {
+            "indexer_scores_mma"
+        } else {
+            "indexer_scores"
+        })?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(q)
+            .arg(w)
+            .arg(keys)
+            .arg(starts)
+            .arg(visible)
+            .arg(&n)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&sp.scale)
+            .arg(&max_keys)
+            .arg(scores);
+        // SAFETY: both kernels take these parameters in this order; each token's rows inside
+        // `keys` (the caller's check), `scores` `tokens * max_keys`; the tensor-core kernel's
+        // shared memory as `indexer_mma::shared_bytes` sizes it.
+        unsafe { launch.launch(config)? };
+        Ok(())
+    }
+
+    /// [`Gpu::launch_indexer_scores`] on the tensor cores from host buffers (the tests' and
+    /// kernel-bench's entry): `[tokens, max_keys]`, NaN where no score is written.
+    pub fn indexer_scores_mma(
+        &self,
+        x: &crate::indexer_mma::ScoreInputs<'_>,
+        sp: ScoreSpec,
+    ) -> Result<Vec<f32>, KernelError> {
+        crate::indexer_mma::check(x, &sp)?;
+        let s = &self.stream;
+        let (q, w) = (
+            s.clone_htod(&non_empty(x.q))?,
+            s.clone_htod(&non_empty(x.w))?,
+        );
+        let keys = s.clone_htod(&non_empty(x.keys))?;
+        let (starts, visible) = (
+            s.clone_htod(&non_empty(x.starts))?,
+            s.clone_htod(&non_empty(x.visible))?,
+        );
+        let mut scores = s.clone_htod(&vec![f32::NAN; (sp.tokens * sp.max_keys).max(1)])?;
+        let sp = ScoreSpec {
+            tensor_cores: true,
+            ..sp
+        };
+        self.launch_indexer_scores((&q, &w, &keys), (&starts, &visible), sp, &mut scores)?;
+        let mut out = s.clone_dtoh(&scores)?;
+        out.truncate(sp.tokens * sp.max_keys);
+        Ok(out)
     }
 
     /// Lightning-indexer scores and top-k per request (see `cpu::indexer_topk`): returns, per

@@ -577,26 +577,8 @@ impl Kernels for CudaKernels {
         sp: ScoreSpec,
         scores: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.indexer, "indexer_scores")?;
-        let (n, heads, dim) = (sp.tokens as i32, sp.heads as i32, sp.dim as i32);
-        let max_keys = sp.max_keys as i64;
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(q)
-            .arg(w)
-            .arg(keys)
-            .arg(starts)
-            .arg(visible)
-            .arg(&n)
-            .arg(&heads)
-            .arg(&dim)
-            .arg(&sp.scale)
-            .arg(&max_keys)
-            .arg(scores);
-        // SAFETY: `indexer_scores`' parameters in order; each token's rows inside `keys`
-        // (checked by the caller); a group of eight threads per (token, key).
-        unsafe { launch.launch(blocks(sp.tokens * sp.max_keys * 8, 256, "keys")?)? };
-        Ok(())
+        self.gpu
+            .launch_indexer_scores((q, w, keys), (starts, visible), sp, scores)
     }
 
     fn indexer_topk(

@@ -14,6 +14,7 @@
 
 use engine::formats::{bf16_to_f32, e4m3_to_f32, e8m0_to_f32, f32_to_bf16};
 
+use super::mma_bf16::{Regs, mma_16816, pair};
 use crate::attn_fp8::{Fp8AttnShape, THREADS, TILE, plan};
 
 /// Which MMA a tamper hook sees.
@@ -35,32 +36,8 @@ pub(crate) enum Plant {
     OneHalf,
 }
 
-/// The registers of one warp's MMA: per lane A, B and the accumulators.
-type Regs = ([[u32; 4]; 32], [[u32; 2]; 32]);
-
 /// Hook that may alter a warp's registers before its MMA.
 pub type Tamper<'a> = &'a dyn Fn(Mma, &mut Regs);
-
-fn pair(s: &[u16], at: usize) -> u32 {
-    u32::from(s[at]) | (u32::from(s[at + 1]) << 16)
-}
-
-fn half(reg: u32, i: usize) -> f64 {
-    f64::from(bf16_to_f32((reg >> (16 * i)) as u16))
-}
-
-/// The MMA model: `acc[lane]` += A · B, each sum exact then rounded once to f32.
-fn mma_16816(regs: &Regs, acc: &mut [[f32; 4]; 32]) {
-    let (a, b) = regs;
-    let a_at = |r: usize, k: usize| half(a[4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k % 2);
-    let b_at = |k: usize, c: usize| half(b[4 * c + (k % 8) / 2][k / 8], k % 2);
-    for r in 0..16 {
-        for c in 0..8 {
-            let sum: f64 = (0..16).map(|k| a_at(r, k) * b_at(k, c)).sum();
-            acc[4 * (r % 8) + c / 2][2 * (r / 8) + c % 2] += sum as f32;
-        }
-    }
-}
 
 /// `row_value` of the kernel.
 fn row_value(pool: &[u8], off: usize, d: usize, shape: &Fp8AttnShape, plant: Plant) -> f32 {

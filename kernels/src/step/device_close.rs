@@ -132,6 +132,7 @@ pub(super) fn index_select<K: Kernels>(
         dim: di,
         scale: 1.0 / (di as f32).sqrt(),
         max_keys,
+        tensor_cores: ops.fast_attention,
     };
     ops.k.indexer_scores(
         &rotated,

@@ -45,8 +45,9 @@ pub struct DeviceStepOps<K: Kernels> {
     /// f32s a stored K=V row takes in an arena.
     kv_stride: usize,
     /// Attention by `attn_decode_fp8` (all heads of a token on tensor cores, within its bound)
-    /// instead of `attn_exact` (the engine's bits).
-    fast_attention: bool,
+    /// instead of `attn_exact` (the engine's bits), and the indexer's scores by
+    /// `indexer_scores_mma` instead of `indexer_scores`.
+    pub(super) fast_attention: bool,
     /// Routed experts by the grouped GEMV (within its bound) instead of `exact_pairs`.
     pub(super) fast_experts: bool,
     /// The bf16 and FP8 attention, shared-expert and head linears by the dense GEMM (within
@@ -123,8 +124,10 @@ impl<K: Kernels> DeviceStepOps<K> {
 
     /// Attends with `attn_decode_fp8` from now on: every head of a token against each tile of
     /// its FP8 rows at once, within `2^-8 · max |row value|` of the exact attention rather than
-    /// its bits. Needs FP8 K=V rows and a shape the kernel takes (at most 64 heads of at most
-    /// 512 values).
+    /// its bits; the indexer's scores on tensor cores too (`indexer_scores_mma`, bf16 queries
+    /// and keys, within [`crate::indexer_mma::bound`]), so its top-k may pick other keys where
+    /// scores nearly tie. Needs FP8 K=V rows and shapes the kernels take (at most 64 heads of
+    /// at most 512 values; the indexer's heads and dims within a block's shared memory).
     pub fn with_fast_attention(mut self) -> Result<Self, K::Error> {
         let RowFormat::Fp8Kv { nope, rope } = self.kv_rows else {
             return Err("fast attention reads FP8 K=V rows (kv_cache_dtype fp8)"
@@ -133,6 +136,10 @@ impl<K: Kernels> DeviceStepOps<K> {
         };
         // The kernel's own shape check, here once rather than at the first step.
         super::kernels::fast_attention_shape(self.config.num_heads, (nope, rope), 1.0).check()?;
+        let (heads, dim) = (self.config.index_n_heads, self.config.index_head_dim);
+        if heads > 0 {
+            crate::indexer_mma::check_shape(heads, dim)?;
+        }
         self.fast_attention = true;
         Ok(self)
     }

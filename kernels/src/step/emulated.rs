@@ -11,7 +11,7 @@ use engine::{
     config::ModelConfig,
     model::{hyper, moe},
     paged::layout::RowFormat,
-    tensor::{Matrix, Weight, WeightForm, dot, rms_norm, rms_norm_unweighted, sigmoid},
+    tensor::{Matrix, Weight, WeightForm, rms_norm, rms_norm_unweighted, sigmoid},
     weights::{ExpertWeights, HyperWeights, MoeWeights},
 };
 
@@ -44,6 +44,8 @@ pub enum KernelPlant {
     ChosenRowShifted,
     /// `compress_pool` ignores the previous window's overlap slices.
     OverlapIgnored,
+    /// `indexer_scores_mma` gives every score negated (the exact scores are untouched).
+    TensorCoreScoresNegated,
 }
 
 /// A linear's weight: the engine's, or an f32 matrix.
@@ -579,22 +581,7 @@ impl Kernels for EmulatedKernels {
         sp: ScoreSpec,
         scores: &mut Vec<f32>,
     ) -> Result<(), ShapeError> {
-        let (heads, dim) = (sp.heads, sp.dim);
-        for t in 0..sp.tokens {
-            for s in 0..index(i64::from(visible[t]), "visible")? {
-                let row = index(starts[t], "indexer rows")? + s;
-                let key = part(keys, row * dim, dim, "indexer keys")?;
-                let mut total = -0.0f32;
-                for h in 0..heads {
-                    let qh = part(q, (t * heads + h) * dim, dim, "indexer queries")?;
-                    let d = dot(&key, &qh);
-                    let relu = if d.is_nan() { d } else { d.max(0.0) };
-                    total += relu * sp.scale * w[t * heads + h];
-                }
-                scores[t * sp.max_keys + s] = total;
-            }
-        }
-        Ok(())
+        attend::indexer_scores((q, w, keys), (starts, visible), sp, scores, self.plant)
     }
 
     fn indexer_topk(

@@ -73,6 +73,9 @@ pub struct ScoreSpec {
     pub dim: usize,
     pub scale: f32,
     pub max_keys: usize,
+    /// `indexer_scores_mma` (bf16 operands on tensor cores, within
+    /// [`crate::indexer_mma::bound`]) instead of `indexer_scores` (the engine's bits).
+    pub tensor_cores: bool,
 }
 
 /// `moe_route`'s shape.

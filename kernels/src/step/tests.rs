@@ -243,10 +243,11 @@ fn fp8_rows_are_rounded_in_the_step_as_the_engine_rounds_them() {
 }
 
 /// The fast attention (`attn_decode_fp8`: every head of a token on tensor cores, the query and
-/// tile weights in bf16) in the step, over the kernels' emulation: within a stated bound of the
-/// engine's logits (9.2e-3 of the largest logit measured here, 2e-2 asserted), the same greedy
-/// token for every sequence at every step; a poisoned choice still makes its sequence's
-/// logits NaN. Refused without FP8 rows.
+/// tile weights in bf16; the indexer's scores by `indexer_scores_mma`) in the step, over the
+/// kernels' emulation: within a stated bound of the engine's logits (9.2e-3 of the largest
+/// logit measured here, 2e-2 asserted), the same greedy token for every sequence at every
+/// step; a poisoned choice still makes its sequence's logits NaN; the indexer's choices are
+/// the tensor-core scores'. Refused without FP8 rows.
 #[test]
 fn fast_attention_stays_within_its_bound_and_keeps_greedy_tokens() {
     let (_dir, mut model) = model(ExpertFormat::Nvfp4);
@@ -270,6 +271,24 @@ fn fast_attention_stays_within_its_bound_and_keeps_greedy_tokens() {
     for (s, logits) in poisoned.device[0].iter().enumerate() {
         assert_eq!(logits.iter().all(|v| v.is_nan()), s == 2, "sequence {s}");
     }
+    // The indexer's scores come from the tensor-core kernel here (and only here): with its
+    // scores negated the choices, and so the logits, change; the exact step does not see it.
+    let negated = KernelPlant::TensorCoreScoresNegated;
+    let planted = DeviceStepOps::new(EmulatedKernels::new(&model.config).planted(negated), &model)
+        .unwrap()
+        .with_fast_attention()
+        .unwrap();
+    let reads = || planted.kernels().take_reads();
+    let changed = run_on(&model, &planted, &reads, (&LENGTHS, &SLOTS, STEPS), false);
+    assert_ne!(
+        changed.device, runs.device,
+        "the tensor-core scores choose the rows"
+    );
+    let exact = run_emulated_with(&model, (&LENGTHS, &SLOTS, STEPS), false, Some(negated));
+    assert!(
+        logits_equal(&exact),
+        "the exact step's scores are untouched"
+    );
 }
 
 /// Asserts the device's greedy token is the engine's at every step for every sequence, and

@@ -1,7 +1,7 @@
 //! Lightning-indexer selection on the GPU is exactly the CPU reference's (the engine's scores bit
 //! for bit, its rule: ties to the lower index): ragged key counts, fewer visible keys than k, k
-//! larger than any count, heads with negative weights (so many exact-zero scores). Skips without
-//! a GPU.
+//! larger than any count, heads with negative weights (so many exact-zero scores); the
+//! tensor-core scores within their bound. Skips without a GPU.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::print_stderr, reason = "test code")]
 
@@ -158,6 +158,83 @@ fn gpu_topk_selects_exactly_on_long_tied_rows() {
                 cpu::topk_of_scores(&scores, k),
                 "request {b} ({} keys), k {k}",
                 visible[b]
+            );
+        }
+    }
+}
+
+/// The tensor-core scores (`indexer_scores_mma`, the fast attention's indexer) within
+/// `indexer_mma::bound` of their f64 reference over the bf16 operands, and equal to the
+/// kernel's CI emulation within the same bound: heads and dims not whole tiles, key counts not
+/// whole tiles or groups, a token with no keys, V4-Flash's 64 heads of 128 over 5000 keys;
+/// a NaN key poisons its score only, a NaN query its token's.
+#[test]
+fn gpu_tensor_core_scores_match_reference() {
+    use kernels::{
+        emulate::indexer_scores_mma,
+        indexer_mma::{ScoreInputs, bound, mismatches, reference},
+        step::kernels::ScoreSpec,
+    };
+    let Some(gpu) = Gpu::for_test("gpu_tensor_core_scores_match_reference") else {
+        return;
+    };
+    let mut rng = Rng::for_tensor(6, "indexer-mma");
+    for (heads, dim, visible) in [
+        (1usize, 16usize, vec![1usize]),
+        (3, 24, vec![7, 0, 70]),
+        (20, 48, vec![300, 3]),
+        (64, 128, vec![5000, 257]),
+    ] {
+        let tokens = visible.len();
+        let q: Vec<f32> = (0..tokens * heads * dim).map(|_| rng.normal()).collect();
+        let w: Vec<f32> = (0..tokens * heads).map(|_| rng.normal() * 0.3).collect();
+        let (mut starts, mut rows) = (Vec::new(), 0usize);
+        for &v in &visible {
+            rows += 3;
+            starts.push(rows as i64);
+            rows += v;
+        }
+        let mut keys: Vec<f32> = (0..rows * dim).map(|_| rng.normal()).collect();
+        let mut q = q;
+        let poison = tokens > 1 && visible[0] > 5;
+        if poison {
+            keys[(starts[0] as usize + 5) * dim] = f32::NAN;
+            q[heads * dim] = f32::NAN;
+        }
+        let seen: Vec<i32> = visible.iter().map(|&v| v as i32).collect();
+        let max_keys = visible.iter().copied().max().unwrap_or(0).max(1);
+        let sp = ScoreSpec {
+            tokens,
+            heads,
+            dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+            max_keys,
+            tensor_cores: true,
+        };
+        let x = ScoreInputs {
+            q: &q,
+            w: &w,
+            keys: &keys,
+            starts: &starts,
+            visible: &seen,
+        };
+        let got = gpu.indexer_scores_mma(&x, sp).unwrap();
+        let limit = bound(&x, &sp).unwrap();
+        let want = reference(&x, &sp).unwrap();
+        let what = format!("{heads} heads x {dim}, {visible:?}");
+        assert_eq!(mismatches(&got, &want, &limit, &seen, &sp), 0, "{what}");
+        let emulated = indexer_scores_mma(&x, &sp);
+        assert_eq!(
+            mismatches(&got, &emulated, &limit, &seen, &sp),
+            0,
+            "{what}: emulation"
+        );
+        if poison {
+            assert!(got[5].is_nan() && !got[4].is_nan(), "{what}: the NaN key");
+            assert!(
+                got[max_keys..max_keys + visible[1]]
+                    .iter()
+                    .all(|v| v.is_nan())
             );
         }
     }

@@ -1,14 +1,62 @@
-//! The larger kernels' CPU references of [`super::EmulatedKernels`]: compressor pooling,
-//! exact and fast attention, the logits' argmax.
+//! The larger kernels' CPU references of [`super::EmulatedKernels`]: compressor pooling, the
+//! indexer's scores (exact and on tensor cores), exact and fast attention, the logits' argmax.
 
 use engine::{model::attention, paged::layout::RowFormat, tensor::exp};
 
 use super::{KernelPlant, err, index, part, store};
 use crate::step::{
     ShapeError,
-    kernels::PoolSpec,
+    kernels::{PoolSpec, ScoreSpec},
     layout::{kv_stride, unpack_kv_row},
 };
+
+/// `indexer_scores` (the engine's bits: `dot`, ReLU keeping a NaN, heads summed in order from
+/// -0) or, with `sp.tensor_cores`, `indexer_scores_mma` by its reference.
+pub(super) fn indexer_scores(
+    (q, w, keys): (&[f32], &[f32], &[f32]),
+    (starts, visible): (&[i64], &[i32]),
+    sp: ScoreSpec,
+    scores: &mut [f32],
+    plant: Option<KernelPlant>,
+) -> Result<(), ShapeError> {
+    let (heads, dim) = (sp.heads, sp.dim);
+    if sp.tensor_cores {
+        let x = crate::indexer_mma::ScoreInputs {
+            q,
+            w,
+            keys,
+            starts,
+            visible,
+        };
+        let mut want = crate::indexer_mma::reference(&x, &sp).map_err(ShapeError)?;
+        if plant == Some(KernelPlant::TensorCoreScoresNegated) {
+            for v in &mut want {
+                *v = -*v;
+            }
+        }
+        for (t, &seen) in visible.iter().enumerate().take(sp.tokens) {
+            let seen = index(i64::from(seen), "visible")?;
+            let at = t * sp.max_keys;
+            store(scores, at, &want[at..at + seen])?;
+        }
+        return Ok(());
+    }
+    for t in 0..sp.tokens {
+        for s in 0..index(i64::from(visible[t]), "visible")? {
+            let row = index(starts[t], "indexer rows")? + s;
+            let key = part(keys, row * dim, dim, "indexer keys")?;
+            let mut total = -0.0f32;
+            for h in 0..heads {
+                let qh = part(q, (t * heads + h) * dim, dim, "indexer queries")?;
+                let d = engine::tensor::dot(&key, &qh);
+                let relu = if d.is_nan() { d } else { d.max(0.0) };
+                total += relu * sp.scale * w[t * heads + h];
+            }
+            store(scores, t * sp.max_keys + s, &[total])?;
+        }
+    }
+    Ok(())
+}
 
 pub(super) fn compress_pool(
     kv: &[f32],
