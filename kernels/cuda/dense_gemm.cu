@@ -213,19 +213,8 @@ __device__ __forceinline__ void dense_tile_wgmma(const float* __restrict__ a, lo
                   "the tile is one warpgroup MMA tile");
     const int tid = threadIdx.x;
     const auto stage = [&](long long k0, uint8_t* tile_a, uint8_t* tile_w) {
-        // A: 64 rows x 4 chunks of 8 values, two chunks per thread, rounded to bf16.
-        for (int e = tid; e < BM * (BK / wgmma::CHUNK); e += THREADS) {
-            const int r = e / (BK / wgmma::CHUNK);
-            const int q = e % (BK / wgmma::CHUNK);
-            const long long gr = m0 + r;
-            __align__(16) __nv_bfloat16 v[wgmma::CHUNK];
-#pragma unroll
-            for (int i = 0; i < wgmma::CHUNK; ++i) {
-                const long long gk = k0 + q * wgmma::CHUNK + i;
-                v[i] = __float2bfloat16_rn(gr < m && gk < k_end ? a[gr * k + gk] : 0.0f);
-            }
-            wgmma::put_chunk(tile_a, r, q, v);
-        }
+        wgmma::stage_rows(tile_a, a, k, k0, k_end,
+                          [&](int r) { return m0 + r < m ? m0 + r : -1LL; });
         // W: 16 values of one row per thread, as two chunks.
         const int r = tid / 2;
         const int half = tid % 2;

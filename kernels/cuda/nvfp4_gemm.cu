@@ -159,19 +159,7 @@ __device__ __forceinline__ void gemm_tile_wgmma(const float* __restrict__ a,
                   "the tile is one warpgroup MMA tile");
     const int tid = threadIdx.x;
     const auto stage = [&](long long k0, uint8_t* tile_a, uint8_t* tile_w) {
-        // A: 64 rows x 4 chunks of 8 values, two chunks per thread, rounded to bf16.
-        for (int e = tid; e < BM * (BK / wgmma::CHUNK); e += THREADS) {
-            const int r = e / (BK / wgmma::CHUNK);
-            const int q = e % (BK / wgmma::CHUNK);
-            const long long gr = a_row[r];
-            __align__(16) __nv_bfloat16 v[wgmma::CHUNK];
-#pragma unroll
-            for (int i = 0; i < wgmma::CHUNK; ++i) {
-                const long long gk = k0 + q * wgmma::CHUNK + i;
-                v[i] = __float2bfloat16_rn(gr >= 0 && gk < k ? a[gr * k + gk] : 0.0f);
-            }
-            wgmma::put_chunk(tile_a, r, q, v);
-        }
+        wgmma::stage_rows(tile_a, a, k, k0, k, [&](int r) { return a_row[r]; });
         // W: one NVFP4 block (16 values) per thread, as two chunks.
         const int r = tid / 2;
         const int blk = tid % 2;

@@ -41,6 +41,7 @@ constexpr int LBO = 128;    // bytes to the next core matrix along k
 constexpr int SBO = (SLICE / CHUNK) * LBO;  // bytes to the next 8 rows
 constexpr int OPERAND_BYTES = TILE * SLICE * 2;
 constexpr int ACC = TILE / 2;  // f32 accumulator registers per thread (N = 64)
+constexpr int THREADS = 128;   // one warpgroup: the whole block
 
 // Byte offset of element (r, kk) of a staged 64 x 32 operand.
 __host__ __device__ constexpr int operand_offset(int r, int kk) {
@@ -117,6 +118,26 @@ __device__ __forceinline__ void mma_slice(float (&d)[ACC], uint32_t a, uint32_t 
 __device__ __forceinline__ void put_chunk(uint8_t* operand, int r, int q, const __nv_bfloat16* v) {
     *reinterpret_cast<uint4*>(operand + operand_offset(r, q * CHUNK)) =
         *reinterpret_cast<const uint4*>(v);
+}
+
+// Stages A's slice from k0 (64 rows x 32 k, rounded to bf16) into `operand`, two chunks of 8
+// per thread: row r is `a + row(r) * k`, a zero row where row(r) < 0; zeros at and past k_end.
+template <class Row>
+__device__ __forceinline__ void stage_rows(uint8_t* operand, const float* __restrict__ a,
+                                           long long k, long long k0, long long k_end,
+                                           Row&& row) {
+    for (int e = threadIdx.x; e < TILE * (SLICE / CHUNK); e += THREADS) {
+        const int r = e / (SLICE / CHUNK);
+        const int q = e % (SLICE / CHUNK);
+        const long long gr = row(r);
+        __align__(16) __nv_bfloat16 v[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) {
+            const long long gk = k0 + q * CHUNK + i;
+            v[i] = __float2bfloat16_rn(gr >= 0 && gk < k_end ? a[gr * k + gk] : 0.0f);
+        }
+        put_chunk(operand, r, q, v);
+    }
 }
 
 // The block's 64 x 64 tile over k in [k_begin, k_end): `stage(k0, a, b)` writes the slice from

@@ -8,6 +8,8 @@
 //! `(dim + heads + 16) · 2^-23 · Σ_h |w_th · scale| Σ_d |q16 · k16|` of it ([`bound`]).
 //! NaN in, NaN out.
 
+use engine::synth::Rng;
+
 use crate::{dense_gemm::bf16, step::kernels::ScoreSpec};
 
 /// Keys per MMA tile, tiles per block, threads per block.
@@ -26,6 +28,80 @@ pub struct ScoreInputs<'a> {
     pub keys: &'a [f32],
     pub starts: &'a [i64],
     pub visible: &'a [i32],
+}
+
+/// Random operands for the tests: normal queries and keys, weights of 0.3 sigma, each token's
+/// key rows after a gap of three; with `poison` (and two tokens, the first with more than
+/// five keys) key 5 of the first token and a query value of the second are NaN.
+#[derive(Debug, Clone)]
+pub struct SyntheticScores {
+    pub q: Vec<f32>,
+    pub w: Vec<f32>,
+    pub keys: Vec<f32>,
+    pub starts: Vec<i64>,
+    pub visible: Vec<i32>,
+    pub spec: ScoreSpec,
+    pub poisoned: bool,
+}
+
+impl SyntheticScores {
+    pub fn new(
+        rng: &mut Rng,
+        (heads, dim): (usize, usize),
+        visible: &[usize],
+        poison: bool,
+    ) -> Self {
+        let tokens = visible.len();
+        let mut q: Vec<f32> = (0..tokens * heads * dim).map(|_| rng.normal()).collect();
+        let w = (0..tokens * heads).map(|_| rng.normal() * 0.3).collect();
+        let (mut starts, mut rows) = (Vec::new(), 0usize);
+        for &v in visible {
+            rows += 3;
+            starts.push(rows as i64);
+            rows += v;
+        }
+        let mut keys: Vec<f32> = (0..rows * dim).map(|_| rng.normal()).collect();
+        let poisoned = poison && tokens > 1 && visible[0] > 5;
+        if poisoned {
+            keys[(starts[0] as usize + 5) * dim + dim / 2] = f32::NAN;
+            q[heads * dim + 1] = f32::NAN;
+        }
+        let spec = ScoreSpec {
+            tokens,
+            heads,
+            dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+            max_keys: visible.iter().copied().max().unwrap_or(0).max(1),
+            tensor_cores: true,
+        };
+        let visible = visible.iter().map(|&v| v as i32).collect();
+        Self {
+            q,
+            w,
+            keys,
+            starts,
+            visible,
+            spec,
+            poisoned,
+        }
+    }
+
+    pub fn inputs(&self) -> ScoreInputs<'_> {
+        ScoreInputs {
+            q: &self.q,
+            w: &self.w,
+            keys: &self.keys,
+            starts: &self.starts,
+            visible: &self.visible,
+        }
+    }
+
+    /// Where poisoned: whether `got` has the first token's key 5 NaN, its key 4 not, and
+    /// every score of the second token NaN.
+    pub fn poison_shows(&self, got: &[f32]) -> bool {
+        let second = &got[self.spec.max_keys..self.spec.max_keys + self.visible[1] as usize];
+        got[5].is_nan() && !got[4].is_nan() && second.iter().all(|v| v.is_nan())
+    }
 }
 
 /// Heads and dims padded to whole MMA tiles.

@@ -10,7 +10,7 @@ use engine::formats::e4m3_to_f32;
 
 pub(super) use super::wgmma_sm90::Tiles;
 use super::{
-    wgmma_sm90::{self, CHUNK, THREADS as WARPGROUP, TilePlant, put_chunk},
+    wgmma_sm90::{self, CHUNK, THREADS as WARPGROUP, TilePlant, put_chunk, stage_rows},
     wmma_bf16::{LDS, load, mma},
 };
 use crate::dense_gemm::{DenseRows, SLICE as BK, TILE, bf16};
@@ -191,21 +191,9 @@ fn stage_wgmma(
     (base_a, base_w): (usize, usize),
     plant: Plant,
 ) {
-    for e in 0..TILE * (BK / CHUNK) {
-        let (r, q) = (e / (BK / CHUNK), e % (BK / CHUNK));
-        let gr = m0 + r;
-        let v: Vec<f32> = (0..CHUNK)
-            .map(|i| {
-                let gk = k0 + q * CHUNK + i;
-                bf16(if gr < m && gk < k_end {
-                    a[gr * k + gk]
-                } else {
-                    0.0
-                })
-            })
-            .collect();
-        put_chunk(smem, base_a, r, q, &v);
-    }
+    stage_rows(smem, base_a, a, (k, k0, k_end), |r| {
+        (m0 + r < m).then_some(m0 + r)
+    });
     for tid in 0..WARPGROUP {
         let (r, half) = (tid / 2, tid % 2);
         let gn = col0 + r;

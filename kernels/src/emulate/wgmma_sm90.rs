@@ -230,6 +230,31 @@ pub(super) fn put_chunk(smem: &mut [u8], operand: usize, r: usize, q: usize, val
     }
 }
 
+/// `wgmma::stage_rows`: A's slice from `k0` (64 rows x 32 k, rounded to bf16) into the
+/// operand at shared byte `operand`; row `r` is `a[row(r) * k..]`, zeros for `None` and at and
+/// past `k_end`.
+pub(super) fn stage_rows(
+    smem: &mut [u8],
+    operand: usize,
+    a: &[f32],
+    (k, k0, k_end): (usize, usize, usize),
+    row: impl Fn(usize) -> Option<usize>,
+) {
+    for e in 0..TILE * (SLICE / CHUNK) {
+        let (r, q) = (e / (SLICE / CHUNK), e % (SLICE / CHUNK));
+        let v: Vec<f32> = (0..CHUNK)
+            .map(|i| {
+                let gk = k0 + q * CHUNK + i;
+                match row(r) {
+                    Some(gr) if gk < k_end => crate::dense_gemm::bf16(a[gr * k + gk]),
+                    _ => 0.0,
+                }
+            })
+            .collect();
+        put_chunk(smem, operand, r, q, &v);
+    }
+}
+
 /// `wgmma::tile`: k over `[k_begin, k_end)` in slices; `stage(smem, k0, (a, b))` writes the
 /// slice from `k0` on into the operands at shared bytes `a` and `b`; `store(row, col, value)`
 /// for every register of every thread. An error where the model refuses what it is asked.

@@ -15,7 +15,7 @@
 
 use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, f32_to_bf16};
 
-use super::wgmma_sm90::{self, CHUNK, TilePlant, Tiles, put_chunk};
+use super::wgmma_sm90::{self, CHUNK, TilePlant, Tiles, put_chunk, stage_rows};
 
 pub(super) const BM: usize = 64;
 const BN: usize = 64;
@@ -252,21 +252,8 @@ pub(super) fn gemm_tile_wgmma(
     c_row: &[Option<usize>; BM],
     plant: TilePlant,
 ) -> Result<(), String> {
-    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
     let stage = |smem: &mut [u8], k0: usize, (base_a, base_w): (usize, usize)| {
-        for e in 0..BM * (BK / CHUNK) {
-            let (r, q) = (e / (BK / CHUNK), e % (BK / CHUNK));
-            let v: Vec<f32> = (0..CHUNK)
-                .map(|i| {
-                    let gk = k0 + q * CHUNK + i;
-                    match a_row[r] {
-                        Some(gr) if gk < k => bf16(a[gr * k + gk]),
-                        _ => 0.0,
-                    }
-                })
-                .collect();
-            put_chunk(smem, base_a, r, q, &v);
-        }
+        stage_rows(smem, base_a, a, (k, k0, k), |r| a_row[r]);
         for tid in 0..THREADS {
             let (r, blk) = (tid / 2, tid % 2);
             let w = (packed, scales, scale_2.is_none());

@@ -172,8 +172,7 @@ fn gpu_topk_selects_exactly_on_long_tied_rows() {
 fn gpu_tensor_core_scores_match_reference() {
     use kernels::{
         emulate::indexer_scores_mma,
-        indexer_mma::{ScoreInputs, bound, mismatches, reference},
-        step::kernels::ScoreSpec,
+        indexer_mma::{SyntheticScores, bound, mismatches, reference},
     };
     let Some(gpu) = Gpu::for_test("gpu_tensor_core_scores_match_reference") else {
         return;
@@ -185,57 +184,23 @@ fn gpu_tensor_core_scores_match_reference() {
         (20, 48, vec![300, 3]),
         (64, 128, vec![5000, 257]),
     ] {
-        let tokens = visible.len();
-        let q: Vec<f32> = (0..tokens * heads * dim).map(|_| rng.normal()).collect();
-        let w: Vec<f32> = (0..tokens * heads).map(|_| rng.normal() * 0.3).collect();
-        let (mut starts, mut rows) = (Vec::new(), 0usize);
-        for &v in &visible {
-            rows += 3;
-            starts.push(rows as i64);
-            rows += v;
-        }
-        let mut keys: Vec<f32> = (0..rows * dim).map(|_| rng.normal()).collect();
-        let mut q = q;
-        let poison = tokens > 1 && visible[0] > 5;
-        if poison {
-            keys[(starts[0] as usize + 5) * dim] = f32::NAN;
-            q[heads * dim] = f32::NAN;
-        }
-        let seen: Vec<i32> = visible.iter().map(|&v| v as i32).collect();
-        let max_keys = visible.iter().copied().max().unwrap_or(0).max(1);
-        let sp = ScoreSpec {
-            tokens,
-            heads,
-            dim,
-            scale: 1.0 / (dim as f32).sqrt(),
-            max_keys,
-            tensor_cores: true,
-        };
-        let x = ScoreInputs {
-            q: &q,
-            w: &w,
-            keys: &keys,
-            starts: &starts,
-            visible: &seen,
-        };
+        let s = SyntheticScores::new(&mut rng, (heads, dim), &visible, true);
+        let (x, sp) = (s.inputs(), s.spec);
         let got = gpu.indexer_scores_mma(&x, sp).unwrap();
         let limit = bound(&x, &sp).unwrap();
         let want = reference(&x, &sp).unwrap();
         let what = format!("{heads} heads x {dim}, {visible:?}");
-        assert_eq!(mismatches(&got, &want, &limit, &seen, &sp), 0, "{what}");
-        let emulated = indexer_scores_mma(&x, &sp);
         assert_eq!(
-            mismatches(&got, &emulated, &limit, &seen, &sp),
+            mismatches(&got, &want, &limit, &s.visible, &sp),
             0,
-            "{what}: emulation"
+            "{what}"
         );
-        if poison {
-            assert!(got[5].is_nan() && !got[4].is_nan(), "{what}: the NaN key");
-            assert!(
-                got[max_keys..max_keys + visible[1]]
-                    .iter()
-                    .all(|v| v.is_nan())
-            );
-        }
+        let emulated = indexer_scores_mma(&x, &sp);
+        let vs_emulation = mismatches(&got, &emulated, &limit, &s.visible, &sp);
+        assert_eq!(vs_emulation, 0, "{what}: emulation");
+        assert!(
+            !s.poisoned || s.poison_shows(&got),
+            "{what}: NaN in, NaN out"
+        );
     }
 }
