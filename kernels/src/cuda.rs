@@ -19,6 +19,7 @@ mod pages;
 mod rows;
 mod sm100;
 mod step_kernels;
+mod wgmma_probe;
 
 use std::sync::Arc;
 
@@ -79,6 +80,8 @@ pub struct Gpu {
     multiprocessors: usize,
     /// The instruction of the dense GEMM's tiles on this device.
     bf16_mma: crate::arch::Bf16Mma,
+    /// Why the warpgroup-MMA tiles were set aside at start-up (`wgmma_probe`), if they were.
+    wgmma_fault: Option<String>,
     rows: Arc<CudaModule>,
     hyper: Arc<CudaModule>,
     exact: Arc<CudaModule>,
@@ -162,7 +165,7 @@ impl Gpu {
         let exact = load(fatbins::EXACT_GEMV)?;
         let compress = load(fatbins::COMPRESS)?;
         let step = load(fatbins::STEP)?;
-        Ok(Some(Self {
+        let mut gpu = Self {
             ctx,
             stream,
             nvfp4,
@@ -180,12 +183,15 @@ impl Gpu {
             dense_gemm,
             multiprocessors: usize::try_from(multiprocessors).unwrap_or(1).max(1),
             bf16_mma: crate::arch::bf16_mma(major, minor),
+            wgmma_fault: None,
             rows,
             hyper,
             exact,
             compress,
             step,
-        }))
+        };
+        gpu.check_wgmma();
+        Ok(Some(gpu))
     }
 }
 

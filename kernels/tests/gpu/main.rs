@@ -27,10 +27,20 @@ mod step;
 mod step_kernels;
 
 /// The bf16 GEMM tiles' instructions a device runs, each to be tested: on sm_90 the warpgroup
-/// MMA it uses and `mma.sync`, elsewhere `mma.sync` (and the warpgroup MMA refused).
+/// MMA it uses (its start-up check passed) and `mma.sync`, elsewhere `mma.sync` (and the
+/// warpgroup MMA refused).
 #[cfg(feature = "cuda")]
+#[expect(clippy::unwrap_used, reason = "test code")]
 fn bf16_mmas(gpu: &mut kernels::cuda::Gpu) -> Vec<kernels::arch::Bf16Mma> {
     use kernels::arch::Bf16Mma;
+    let (major, minor) = gpu.ctx.compute_capability().unwrap();
+    if kernels::arch::bf16_mma(major, minor) == Bf16Mma::Wgmma {
+        assert_eq!(
+            gpu.wgmma_fault(),
+            None,
+            "the start-up check of the warpgroup MMA"
+        );
+    }
     match gpu.bf16_mma() {
         Bf16Mma::Wgmma => vec![Bf16Mma::Wgmma, Bf16Mma::MmaSync],
         Bf16Mma::MmaSync => {
