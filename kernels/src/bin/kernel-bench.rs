@@ -94,10 +94,15 @@ fn planned() -> Vec<Row> {
         ),
     ];
     let (tokens, top_k, experts, mn, mk) = MOE_PREFILL;
-    out.push(row(
-        format!("NVFP4 grouped GEMM {tokens} tokens x top-{top_k} of {experts} experts {mn}x{mk}"),
-        cost::grouped_gemm(tokens * top_k, tokens, experts, mn, mk),
-    ));
+    for mma in ["device MMA", "mma.sync"] {
+        out.push(row(
+            format!(
+                "NVFP4 grouped GEMM {tokens} tokens x top-{top_k} of {experts} experts {mn}x{mk} \
+                 ({mma})"
+            ),
+            cost::grouped_gemm(tokens * top_k, tokens, experts, mn, mk),
+        ));
+    }
     let (batch, per, heads_fp8, _) = ATTN_FP8;
     for heads in heads_fp8 {
         let shape = fp8_shape(heads);
@@ -367,7 +372,7 @@ fn main() -> Result<(), KernelError> {
     })?;
     times.push(t);
     drop((pool, d_offsets, d_starts, d_sinks, scratch));
-    times.push(time_moe_prefill(&gpu, &mut rng)?);
+    times.extend(time_moe_prefill(&mut gpu, &mut rng)?);
     times.extend(time_attn_fp8(&gpu, &mut rng)?);
     times.extend(time_exact(&gpu, &mut rng)?);
     times.push(exact_pairs);
@@ -531,8 +536,9 @@ fn time_indexer(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
     Ok(times)
 }
 
-/// Times the grouped GEMM on [`MOE_PREFILL`] (uniform routing: every expert used).
-fn time_moe_prefill(gpu: &Gpu, rng: &mut Rng) -> Result<f64, KernelError> {
+/// Times the grouped GEMM on [`MOE_PREFILL`] (uniform routing: every expert used), on the
+/// device's tile instruction then on `mma.sync`.
+fn time_moe_prefill(gpu: &mut Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
     let (tokens, top_k, experts, n, k) = MOE_PREFILL;
     let one = random(rng, n * k);
     let (packed, scales, scale_2) = quant::quant_nvfp4(&one, n, k).map_err(shape)?;
@@ -556,9 +562,16 @@ fn time_moe_prefill(gpu: &Gpu, rng: &mut Rng) -> Result<f64, KernelError> {
         n,
         k,
     };
-    time(gpu, || {
-        gpu.launch_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)
-    })
+    let own = gpu.bf16_mma();
+    let mut times = Vec::with_capacity(2);
+    for mma in [own, Bf16Mma::MmaSync] {
+        gpu.set_bf16_mma(mma)?;
+        times.push(time(gpu, || {
+            gpu.launch_grouped_gemm(&d_a, &d_token, &d_expert, &stack, &mut grouping, &mut out)
+        })?);
+    }
+    gpu.set_bf16_mma(own)?;
+    Ok(times)
 }
 
 /// Times FP8 decode attention at each head count of [`ATTN_FP8`] over one pool of
