@@ -1,5 +1,6 @@
 //! The decode step with its state on the device: one forward pass of a batch of sequences (one
-//! token each), written once over [`StepOps`], the device operations it needs. Between calls
+//! token each, or a prompt chunk of consecutive tokens of a sequence, [`layout::StateLayout::chunked`]),
+//! written once over [`StepOps`], the device operations it needs. Between calls
 //! the sequences' attention state (sliding-window rows, compressed rows, the compressors'
 //! unfinished windows) stays in per-layer arenas of the ops' own buffers
 //! ([`layout::StateLayout`]); within a step nothing crosses to the host but the inputs (token
@@ -134,6 +135,14 @@ pub struct WindowClose {
     /// when `has_prev`, then replaced by this window's (overlapping compressors).
     pub prev: i64,
     pub has_prev: bool,
+    /// Where the previous window closes in this same batch (a prompt chunk closing several
+    /// windows of a sequence): its index there. Its Ca slices are then this window's previous
+    /// ones, not the arena's (which it has not written yet); the ops that close windows in
+    /// order may ignore it.
+    pub prev_in_batch: Option<usize>,
+    /// Whether this window's Ca slices replace the arena's: not where a later window of the
+    /// same sequence closes in the same batch (its slices are the ones to keep).
+    pub keeps_prev: bool,
 }
 
 /// A token's query to the indexer.

@@ -45,8 +45,10 @@ impl<E: std::fmt::Display> From<E> for StepError<E> {
     }
 }
 
-/// One decode step: token `tokens[i]` of the sequence in `seats[i]`. Returns each sequence's
-/// logits and advances its length; on an error the sequences' state must be discarded.
+/// One step: token `tokens[i]` of the sequence in `seats[i]`, at position `seats[i].len`. A
+/// sequence may take up to `layout.chunk` consecutive tokens (a prompt chunk: seats of one
+/// slot at consecutive positions, in order). Returns each token's logits and advances each
+/// seat's length; on an error the sequences' state must be discarded.
 pub fn decode_step<O: StepOps>(
     ops: &O,
     c: &ModelConfig,
@@ -220,15 +222,26 @@ fn check(
             c.vocab_size
         ));
     }
-    // Padding seats may share the shared slot: nothing of theirs is read.
-    let mut slots: Vec<usize> = seats
-        .iter()
-        .map(|s| s.slot)
-        .filter(|&s| Some(s) != layout.shared)
-        .collect();
-    slots.sort_unstable();
-    if slots.windows(2).any(|w| w[0] == w[1]) {
-        return Err("two sequences in one slot".into());
+    // Padding seats may share the shared slot: nothing of theirs is read. Otherwise a slot's
+    // tokens (at most `layout.chunk`: a prompt chunk) are at consecutive positions, in order.
+    let mut last: std::collections::HashMap<usize, (usize, usize)> =
+        std::collections::HashMap::new();
+    for s in seats.iter().filter(|s| Some(s.slot) != layout.shared) {
+        match last.get(&s.slot) {
+            Some(&(len, count)) if len + 1 == s.len && count < layout.chunk => {
+                last.insert(s.slot, (s.len, count + 1));
+            }
+            Some(&(len, count)) => {
+                return Err(format!(
+                    "slot {}: a token at {} after one at {len} (a step takes at most {} \
+                     consecutive tokens of a sequence, in order; {count} so far)",
+                    s.slot, s.len, layout.chunk
+                ));
+            }
+            None => {
+                last.insert(s.slot, (s.len, 1));
+            }
+        }
     }
     if let Some(s) = seats
         .iter()
@@ -360,9 +373,9 @@ fn attention<O: StepOps>(
     for (r, comp, kv_id, gate_id) in compressors {
         let Some(r) = r else { continue };
         let slot_of = |s: &Seat, gate: bool| {
-            let base = layout.base(l, s.slot) + r.pending;
+            let base = layout.base(l, s.slot) + r.pending_slot(s.len);
             let gate = if gate { r.ratio * r.width } else { 0 };
-            (base + gate + (s.len % r.ratio) * r.width) as i64
+            (base + gate) as i64
         };
         for (id, gate) in [(kv_id, false), (gate_id, true)] {
             let y = project(ops, lin(id), 0..r.width, h, d, n)?;
@@ -395,7 +408,19 @@ fn attention<O: StepOps>(
         if closing.is_empty() {
             continue;
         }
-        let closes: Vec<_> = closing.iter().map(|(_, close)| *close).collect();
+        let mut closes: Vec<_> = closing.iter().map(|(_, close)| *close).collect();
+        // A prompt chunk closing several windows of one sequence: each after its previous.
+        for i in 0..closing.len() {
+            let (s, _) = closing[i];
+            let previous = (0..i).rev().find(|&j| {
+                let (t, _) = closing[j];
+                Some(s.slot) != layout.shared && t.slot == s.slot && t.len + r.ratio == s.len
+            });
+            if let Some(j) = previous {
+                closes[i].prev_in_batch = Some(j);
+                closes[j].keeps_prev = false;
+            }
+        }
         let mut rows = ops.close_windows(l, comp, arena, &closes)?;
         let window_pos: Vec<usize> = closing.iter().map(|(s, _)| s.len + 1 - r.ratio).collect();
         let row_op = RowOp {

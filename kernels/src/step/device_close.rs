@@ -46,12 +46,33 @@ pub(super) fn close_windows<K: Kernels>(
         let to: Vec<i64> = closes
             .iter()
             .enumerate()
-            .map(|(i, w)| if w.has_prev { (i * slices) as i64 } else { -1 })
+            .map(|(i, w)| {
+                if w.has_prev && w.prev_in_batch.is_none() {
+                    (i * slices) as i64
+                } else {
+                    -1
+                }
+            })
             .collect();
         let from: Vec<i64> = closes.iter().map(|w| w.prev).collect();
         let from_gate: Vec<i64> = from.iter().map(|p| p + slices as i64).collect();
         ops.copy_rows(arena, &from, &mut prev_kv, &to, slices)?;
         ops.copy_rows(arena, &from_gate, &mut prev_gate, &to, slices)?;
+        // A previous window closing in this batch: its Ca slices from its gathered slots (the
+        // gate with its position bias, as the arena's would be).
+        let (mut from, mut to) = (Vec::new(), Vec::new());
+        for (i, w) in closes.iter().enumerate() {
+            if let Some(j) = w.prev_in_batch.filter(|_| w.has_prev) {
+                for slot in 0..ratio {
+                    from.push((j * per + slot * width) as i64);
+                    to.push((i * slices + slot * d) as i64);
+                }
+            }
+        }
+        if !from.is_empty() {
+            ops.copy_rows(&kv, &from, &mut prev_kv, &to, d)?;
+            ops.copy_rows(&gate, &from, &mut prev_gate, &to, d)?;
+        }
     }
     let d_has = ops.plan_i(&has_prev)?;
     let spec = PoolSpec {
@@ -66,7 +87,7 @@ pub(super) fn close_windows<K: Kernels>(
     if c.overlap {
         // This window's Ca slices (the first d channels of each slot) replace the previous.
         let (mut from, mut to, mut to_gate) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, w) in closes.iter().enumerate() {
+        for (i, w) in closes.iter().enumerate().filter(|(_, w)| w.keeps_prev) {
             for slot in 0..ratio {
                 from.push((i * per + slot * width) as i64);
                 to.push(w.prev + (slot * d) as i64);

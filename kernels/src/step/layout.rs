@@ -1,10 +1,16 @@
 //! Where a sequence's attention state lives in the device arenas: one arena per layer, a fixed
 //! region per sequence slot (like a page table with one page per slot, sized for the slot's
-//! most tokens). A region holds the sliding window as a ring of `sliding_window` K=V rows (the
-//! row of position `p` in ring slot `p % sliding_window`), and for each compressor its emitted
-//! rows, the unfinished window's projected slots (`p % ratio`), and for overlapping (CSA)
-//! compressors the last closed window's Ca slices. The engine's `SequenceState` is loaded into
-//! a slot (the state a prefill hands to decode) and read back from it (to compare).
+//! most tokens). A region holds the sliding window as a ring of K=V rows (the row of position
+//! `p` in ring slot `p % ring`), and for each compressor its emitted rows, a ring of unfinished
+//! windows' projected slots (window `p / ratio` in ring window `(p / ratio) % windows`, slot
+//! `p % ratio`), and for overlapping (CSA) compressors the last closed window's Ca slices.
+//!
+//! A step may take up to `chunk` consecutive tokens of one sequence (a prompt chunk; 1 for
+//! decode). Each token's rows are written before any token attends, so the ring holds
+//! `sliding_window + chunk - 1` rows (the chunk's first token still finds its whole window)
+//! and the pending ring every window the chunk's tokens touch, `ceil((chunk - 1) / ratio) + 1`.
+//! The engine's `SequenceState` is loaded into a slot (the state a prefill hands to decode) and
+//! read back from it (to compare).
 
 use engine::{
     config::{Attention, ModelConfig},
@@ -25,10 +31,13 @@ pub struct CompressorRegion {
     /// Slot width: `d`, or `2 * d` with overlap.
     pub width: usize,
     pub overlap: bool,
+    /// Unfinished windows the pending ring holds.
+    pub windows: usize,
     /// Most rows a slot holds.
     pub capacity: usize,
     pub rows: usize,
-    /// Projected kv of the unfinished window (`ratio * width`), its gate scores right after.
+    /// The pending ring: per window the projected kv (`ratio * width`), its gate scores right
+    /// after.
     pub pending: usize,
     /// The last closed window's Ca kv slice (`ratio * d`), its gate right after.
     pub prev: usize,
@@ -39,15 +48,16 @@ impl CompressorRegion {
         ratio: usize,
         (d, stride): (usize, usize),
         overlap: bool,
-        tokens: usize,
+        (tokens, chunk): (usize, usize),
         at: &mut usize,
     ) -> Self {
         let width = if overlap { 2 * d } else { d };
         let capacity = tokens / ratio;
+        let windows = (chunk.max(1) - 1).div_ceil(ratio) + 1;
         // Rows start at a multiple of their stride, so a kernel can address them by row index.
         let rows = at.next_multiple_of(stride);
         let pending = rows + capacity * stride;
-        let prev = pending + 2 * ratio * width;
+        let prev = pending + windows * 2 * ratio * width;
         *at = prev + if overlap { 2 * ratio * d } else { 0 };
         Self {
             ratio,
@@ -55,11 +65,23 @@ impl CompressorRegion {
             stride,
             width,
             overlap,
+            windows,
             capacity,
             rows,
             pending,
             prev,
         }
+    }
+
+    /// Offset (from the slot's region) of the pending window of position `pos`: its kv slots,
+    /// the gate scores `ratio * width` after.
+    pub fn pending_window(&self, pos: usize) -> usize {
+        self.pending + ((pos / self.ratio) % self.windows) * 2 * self.ratio * self.width
+    }
+
+    /// Offset of position `pos`'s kv slot in the pending ring (its gate `ratio * width` after).
+    pub fn pending_slot(&self, pos: usize) -> usize {
+        self.pending_window(pos) + (pos % self.ratio) * self.width
     }
 }
 
@@ -80,6 +102,10 @@ pub struct StateLayout {
     pub slots: usize,
     pub tokens: usize,
     pub window: usize,
+    /// Most consecutive tokens of one sequence in a step.
+    pub chunk: usize,
+    /// Rows of the window ring: `window + chunk - 1`.
+    pub ring: usize,
     pub head_dim: usize,
     /// How K=V rows (window, CSA and HCA rows) are stored: f32, or DeepSeek's FP8 row (its
     /// bytes in the f32s of the arena).
@@ -145,22 +171,37 @@ impl StateLayout {
     /// When an FP8 row of the model's `head_dim` is not a whole number of f32s (DeepSeek's
     /// 584-byte row is 146).
     pub fn stored(c: &ModelConfig, slots: usize, tokens: usize, kv: RowFormat) -> Self {
+        Self::chunked(c, (slots, tokens), kv, 1)
+    }
+
+    /// Arenas whose steps take up to `chunk` consecutive tokens of a sequence (a prompt chunk).
+    ///
+    /// # Panics
+    /// As [`Self::stored`].
+    pub fn chunked(
+        c: &ModelConfig,
+        (slots, tokens): (usize, usize),
+        kv: RowFormat,
+        chunk: usize,
+    ) -> Self {
         #[expect(clippy::expect_used, reason = "a model's own row format")]
         let stride = kv_stride(c.head_dim, kv).expect("K=V rows of whole f32s");
+        let chunk = chunk.max(1);
+        let ring = c.sliding_window + chunk - 1;
         let layers = c
             .layers
             .iter()
             .map(|spec| {
-                let mut at = c.sliding_window * stride;
+                let mut at = ring * stride;
                 let kind = spec.attention;
                 let compressor = (kind != Attention::Sliding).then(|| {
                     let overlap = matches!(kind, Attention::Csa { .. });
                     let rows = (c.head_dim, stride);
-                    CompressorRegion::new(kind.ratio(), rows, overlap, tokens, &mut at)
+                    CompressorRegion::new(kind.ratio(), rows, overlap, (tokens, chunk), &mut at)
                 });
                 let indexer = matches!(kind, Attention::Csa { .. }).then(|| {
                     let rows = (c.index_head_dim, c.index_head_dim);
-                    CompressorRegion::new(kind.ratio(), rows, true, tokens, &mut at)
+                    CompressorRegion::new(kind.ratio(), rows, true, (tokens, chunk), &mut at)
                 });
                 // Every slot's rows at the same alignment as the first slot's.
                 let align = if indexer.is_some() {
@@ -180,6 +221,8 @@ impl StateLayout {
             slots,
             tokens,
             window: c.sliding_window,
+            chunk,
+            ring,
             head_dim: c.head_dim,
             kv,
             kv_stride: stride,
@@ -222,7 +265,7 @@ impl StateLayout {
 
     /// The ring row of position `pos`.
     pub fn window_row(&self, layer: usize, slot: usize, pos: usize) -> i64 {
-        (self.base(layer, slot) + (pos % self.window) * self.kv_stride) as i64
+        (self.base(layer, slot) + (pos % self.ring) * self.kv_stride) as i64
     }
 
     /// The window rows a token at `pos` attends to, oldest first.
@@ -235,9 +278,11 @@ impl StateLayout {
     /// The close of the window that token `pos` completes, if it does.
     pub fn close_at(&self, r: &CompressorRegion, base: usize, pos: usize) -> Option<WindowClose> {
         ((pos + 1).is_multiple_of(r.ratio)).then(|| WindowClose {
-            pending: (base + r.pending) as i64,
+            pending: (base + r.pending_window(pos)) as i64,
             prev: (base + r.prev) as i64,
             has_prev: r.overlap && pos + 1 > r.ratio,
+            prev_in_batch: None,
+            keeps_prev: true,
         })
     }
 
@@ -370,12 +415,9 @@ fn load_compressor<O: StepOps>(
         .flat_map(|row| pack_kv_row(kv, row))
         .collect();
     ops.put_at(arena, base + r.rows, &stored)?;
-    ops.put_at(arena, base + r.pending, &cs.pending_kv)?;
-    ops.put_at(
-        arena,
-        base + r.pending + r.ratio * r.width,
-        &cs.pending_gate,
-    )?;
+    let window = base + r.pending_window(len);
+    ops.put_at(arena, window, &cs.pending_kv)?;
+    ops.put_at(arena, window + r.ratio * r.width, &cs.pending_gate)?;
     if prev > 0 {
         ops.put_at(arena, base + r.prev, &cs.prev_kv)?;
         ops.put_at(arena, base + r.prev + r.ratio * r.d, &cs.prev_gate)?;
@@ -408,8 +450,8 @@ fn read_compressor<O: StepOps>(
             .chunks_exact(r.stride.max(1))
             .flat_map(|row| unpack_kv_row(kv, row, r.d))
             .collect(),
-        pending_kv: at(r.pending, pending * r.width)?,
-        pending_gate: at(r.pending + r.ratio * r.width, pending * r.width)?,
+        pending_kv: at(r.pending_window(len), pending * r.width)?,
+        pending_gate: at(r.pending_window(len) + r.ratio * r.width, pending * r.width)?,
         prev_kv: at(r.prev, prev)?,
         prev_gate: at(r.prev + r.ratio * r.d, prev)?,
     })

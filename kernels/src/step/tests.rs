@@ -8,6 +8,8 @@ use engine::{
     synth::{GenerateOptions, Preset, Rng, generate},
 };
 
+mod chunks;
+
 use super::{
     StepOps,
     cpu_ops::{CpuStepOps, Plant},
@@ -534,7 +536,7 @@ fn bad_steps_are_refused_before_anything_runs() {
         (
             &[Seat { slot: 1, len: 0 }, Seat { slot: 1, len: 3 }],
             &[1, 2],
-            "one slot",
+            "consecutive",
         ),
         (&[Seat { slot: 2, len: 0 }], &[1], "2 slots"),
         (&[Seat { slot: 0, len: 8 }], &[1], "8 tokens"),
@@ -566,36 +568,40 @@ fn arena_regions_are_aligned_and_apart() {
         (Preset::Small, KvStorage::Fp8),
     ] {
         let c = preset.config(ExpertFormat::Nvfp4);
-        let layout = StateLayout::stored(&c, 3, 301, RowFormat::for_kv(&c, kv));
-        // A stored K=V row: its values, or the FP8 row's bytes in whole f32s.
-        let stored = RowFormat::for_kv(&c, kv).row_bytes(c.head_dim);
-        assert_eq!(
-            4 * layout.kv_stride,
-            stored.next_multiple_of(4),
-            "{preset:?} {kv:?}"
-        );
-        for (l, region) in layout.layers.iter().enumerate() {
-            let mut parts = vec![(0, layout.window * layout.kv_stride)];
-            for r in [region.compressor, region.indexer].into_iter().flatten() {
-                for slot in 0..3 {
-                    assert_eq!(
-                        (layout.base(l, slot) + r.rows) % r.stride,
-                        0,
-                        "{preset:?} {l}"
-                    );
+        for chunk in [1, 17] {
+            let layout = StateLayout::chunked(&c, (3, 301), RowFormat::for_kv(&c, kv), chunk);
+            assert_eq!(layout.ring, c.sliding_window + chunk - 1);
+            // A stored K=V row: its values, or the FP8 row's bytes in whole f32s.
+            let stored = RowFormat::for_kv(&c, kv).row_bytes(c.head_dim);
+            assert_eq!(
+                4 * layout.kv_stride,
+                stored.next_multiple_of(4),
+                "{preset:?} {kv:?}"
+            );
+            for (l, region) in layout.layers.iter().enumerate() {
+                let mut parts = vec![(0, layout.ring * layout.kv_stride)];
+                for r in [region.compressor, region.indexer].into_iter().flatten() {
+                    for slot in 0..3 {
+                        assert_eq!(
+                            (layout.base(l, slot) + r.rows) % r.stride,
+                            0,
+                            "{preset:?} {l}"
+                        );
+                    }
+                    assert_eq!(r.capacity, 301 / r.ratio);
+                    assert_eq!(r.windows, (chunk - 1).div_ceil(r.ratio) + 1);
+                    let prev = if r.overlap { 2 * r.ratio * r.d } else { 0 };
+                    parts.push((r.rows, r.capacity * r.stride));
+                    parts.push((r.pending, r.windows * 2 * r.ratio * r.width));
+                    parts.push((r.prev, prev));
                 }
-                assert_eq!(r.capacity, 301 / r.ratio);
-                let prev = if r.overlap { 2 * r.ratio * r.d } else { 0 };
-                parts.push((r.rows, r.capacity * r.stride));
-                parts.push((r.pending, 2 * r.ratio * r.width));
-                parts.push((r.prev, prev));
+                parts.sort_unstable();
+                for pair in parts.windows(2) {
+                    assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{preset:?} layer {l}");
+                }
+                let (last, len) = parts[parts.len() - 1];
+                assert!(last + len <= region.per_slot);
             }
-            parts.sort_unstable();
-            for pair in parts.windows(2) {
-                assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{preset:?} layer {l}");
-            }
-            let (last, len) = parts[parts.len() - 1];
-            assert!(last + len <= region.per_slot);
         }
     }
 }
