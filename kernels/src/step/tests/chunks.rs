@@ -223,3 +223,62 @@ fn a_short_ring_is_caught_and_chunks_out_of_shape_refused() {
         );
     }
 }
+
+/// A chunk closing two windows of a sequence in one batch: the device ops take the second's
+/// previous Ca slices from the first (`prev_in_batch`), as the engine's ops get them closing in
+/// order; told nothing, the device ops read the arena's stale slices and pool other rows.
+#[test]
+fn a_window_closing_after_another_in_its_batch_reads_that_ones_slices() {
+    use crate::step::Comp;
+    let (_dir, model) = model(ExpertFormat::Nvfp4);
+    let layout = layout(&model);
+    let l = layout
+        .layers
+        .iter()
+        .position(|r| r.indexer.is_some())
+        .unwrap();
+    let r = layout.layers[l].compressor.unwrap();
+    assert!(r.overlap && r.windows >= 2);
+    let cpu = CpuStepOps::new(&model);
+    let device = DeviceStepOps::new(EmulatedKernels::new(&model.config), &model).unwrap();
+    let mut rng = engine::synth::Rng::for_tensor(7, "chunk-close");
+    let values: Vec<f32> = (0..layout.arena_len(l)).map(|_| rng.normal()).collect();
+    let base = layout.base(l, 1);
+    // Windows 1 and 2 of slot 1 (positions 4..12), both pending, closing in one batch.
+    let mut closes: Vec<_> = [2 * r.ratio - 1, 3 * r.ratio - 1]
+        .iter()
+        .map(|&pos| layout.close_at(&r, base, pos).unwrap())
+        .collect();
+    closes[1].prev_in_batch = Some(0);
+    closes[0].keeps_prev = false;
+    let on_cpu = |closes: &[crate::step::WindowClose]| {
+        let mut arena = cpu.alloc_state(values.len()).unwrap();
+        cpu.put_at(&mut arena, 0, &values).unwrap();
+        let rows = cpu
+            .close_windows(l, Comp::Attn, &mut arena, closes)
+            .unwrap();
+        let n = closes.len() * r.d;
+        (
+            cpu.get(&rows, 0..n).unwrap(),
+            cpu.get(&arena, 0..values.len()).unwrap(),
+        )
+    };
+    let on_device = |closes: &[crate::step::WindowClose]| {
+        let mut arena = device.alloc_state(values.len()).unwrap();
+        device.put_at(&mut arena, 0, &values).unwrap();
+        let rows = device
+            .close_windows(l, Comp::Attn, &mut arena, closes)
+            .unwrap();
+        let n = closes.len() * r.d;
+        (
+            device.get(&rows, 0..n).unwrap(),
+            device.get(&arena, 0..values.len()).unwrap(),
+        )
+    };
+    let want = on_cpu(&closes);
+    assert_eq!(on_device(&closes), want);
+    let mut told_nothing = closes.clone();
+    told_nothing[1].prev_in_batch = None;
+    told_nothing[0].keeps_prev = true;
+    assert_ne!(on_device(&told_nothing).0, want.0);
+}
