@@ -17,6 +17,7 @@
 //! `engine::model::Model::forward`'s logits and state bit for bit; on a GPU each kernel is
 //! checked against its reference, and the whole step against the engine.
 
+pub mod chunk_runs;
 pub mod cpu_ops;
 pub mod decode;
 pub mod decoder;

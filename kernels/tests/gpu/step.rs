@@ -2,7 +2,8 @@
 //! but the logits) against the engine's forward pass, bit for bit: logits of every step and the
 //! state afterwards, for sequences of awkward lengths in shuffled slots, in both FP4 expert
 //! formats, on the tiny and the small model; with the fast attention or the fast linears,
-//! within the bounds the emulated step is held to in CI. The same composition over the kernels' CPU
+//! within the bounds the emulated step is held to in CI; prompt chunks of several tokens of a
+//! sequence in one step, bit for bit. The same composition over the kernels' CPU
 //! references (`EmulatedKernels`) is held to the same equality in CI, so a failure here is a
 //! kernel that differs from its reference. Skips without a GPU (fails under
 //! `PDSERVE_REQUIRE_GPU=1`).
@@ -339,4 +340,43 @@ fn gpu_decode_step_of_flash_shape() {
     let stats = graphs_against_eager(&gpu, &model, what, &lengths, 24);
     assert!(stats.replayed > stats.captured, "{stats:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Prompt chunks through the whole step on the GPU (`step::chunk_runs`: chunks of 1 to 17
+/// tokens of a sequence beside other sequences' chunks and decode tokens): every position's
+/// logits and the states afterwards bit for bit the engine's, in both FP4 formats, with f32
+/// and FP8 K=V rows, as the same composition over the kernels' references is in CI.
+#[test]
+fn gpu_prompt_chunks_give_the_engines_bits() {
+    use engine::paged::layout::KvStorage;
+    use kernels::step::chunk_runs::{engine_run, first_difference, layout, schedule, step_run};
+    let Some(gpu) = Gpu::for_test("gpu_prompt_chunks_give_the_engines_bits") else {
+        return;
+    };
+    let gpu = Arc::new(gpu);
+    for (format, kv) in [
+        (ExpertFormat::Nvfp4, KvStorage::F32),
+        (ExpertFormat::Mxfp4, KvStorage::Fp8),
+    ] {
+        let dir = std::env::temp_dir().join(format!(
+            "pdserve-gpu-chunks-{}-{format:?}",
+            std::process::id()
+        ));
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 31,
+            experts: format,
+            out: dir.clone(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let mut model = Model::load(&dir).unwrap();
+        model.set_kv_storage(kv);
+        let steps = schedule(&model, tokens);
+        let engine = engine_run(&model, &steps);
+        let ops = CudaStepOps::new(CudaKernels::new(Arc::clone(&gpu)), &model).unwrap();
+        let run = step_run(&model, &ops, &steps, &layout(&model)).unwrap();
+        assert_eq!(first_difference(&engine, &run), None, "{format:?} {kv:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -1,166 +1,20 @@
 //! Prompt chunks through the step: several consecutive tokens of a sequence in one step (the
 //! window ring and the pending windows sized for them, a chunk's windows closed in order) give
 //! the engine's logits at every position and its state, bit for bit, over the engine's ops and
-//! over the device ops on the kernels' references; chunks of every size up to the layout's, next
-//! to other sequences' chunks and decode tokens in the same step.
+//! over the device ops on the kernels' references (`step::chunk_runs`: chunks of every size up
+//! to the layout's, next to other sequences' chunks and decode tokens in the same step).
 
-use engine::{
-    config::ExpertFormat,
-    model::{Logits, Model, SequenceState, Step},
-    paged::layout::KvStorage,
-};
+use engine::{config::ExpertFormat, paged::layout::KvStorage};
 
-use super::{model, same, tokens};
+use super::{model, tokens};
 use crate::step::{
     StepOps,
+    chunk_runs::{CHUNK, engine_run, first_difference, layout, schedule, step_run},
     cpu_ops::CpuStepOps,
     decode::{Seat, decode_step},
     device_ops::DeviceStepOps,
     emulated::EmulatedKernels,
-    layout::StateLayout,
 };
-
-/// Prompt lengths (one past the first HCA window of 128, one shorter than the window), and the
-/// chunk sizes each step takes in turn (the largest is the layout's chunk).
-const PROMPTS: [usize; 3] = [150, 9, 45];
-const CHUNKS: [usize; 5] = [17, 5, 1, 13, 8];
-const CHUNK: usize = 17;
-const DECODE_STEPS: usize = 3;
-
-/// Per step, each sequence's logits at every position it took; then the final states.
-type Run = (Vec<Vec<Vec<Vec<f32>>>>, Vec<SequenceState>);
-
-/// The schedule: per step, per sequence, the tokens it takes (empty once it is done).
-fn schedule(prompts: &[Vec<u32>], extra: &[Vec<u32>]) -> Vec<Vec<Vec<u32>>> {
-    let mut at = vec![0usize; prompts.len()];
-    let mut decoded = vec![0usize; prompts.len()];
-    let mut steps = Vec::new();
-    for step in 0.. {
-        let mut takes = Vec::new();
-        for (s, prompt) in prompts.iter().enumerate() {
-            if at[s] < prompt.len() {
-                let size = CHUNKS[(step + s) % CHUNKS.len()].min(prompt.len() - at[s]);
-                takes.push(prompt[at[s]..at[s] + size].to_vec());
-                at[s] += size;
-            } else if decoded[s] < extra[s].len() {
-                takes.push(vec![extra[s][decoded[s]]]);
-                decoded[s] += 1;
-            } else {
-                takes.push(Vec::new());
-            }
-        }
-        if takes.iter().all(Vec::is_empty) {
-            break;
-        }
-        steps.push(takes);
-    }
-    steps
-}
-
-fn engine_run(model: &Model, steps: &[Vec<Vec<u32>>]) -> Run {
-    let mut states: Vec<SequenceState> = PROMPTS.iter().map(|_| model.new_state()).collect();
-    let mut out = Vec::new();
-    for takes in steps {
-        let mut batch: Vec<Step<'_>> = states
-            .iter_mut()
-            .zip(takes)
-            .filter(|(_, t)| !t.is_empty())
-            .map(|(state, t)| Step {
-                state,
-                tokens: t,
-                logits: Logits::All,
-            })
-            .collect();
-        out.push(model.forward_batch(&mut batch).unwrap());
-    }
-    let states = states.iter().map(|s| s.normalized(&model.config)).collect();
-    (out, states)
-}
-
-fn step_run<O: StepOps>(model: &Model, ops: &O, steps: &[Vec<Vec<u32>>]) -> Run
-where
-    O::Error: std::fmt::Debug,
-{
-    step_run_in(model, ops, steps, &layout(model))
-}
-
-fn layout(model: &Model) -> StateLayout {
-    let most = PROMPTS.iter().max().unwrap() + DECODE_STEPS + 1;
-    StateLayout::chunked(&model.config, (PROMPTS.len(), most), model.kv_rows(), CHUNK)
-}
-
-fn step_run_in<O: StepOps>(
-    model: &Model,
-    ops: &O,
-    steps: &[Vec<Vec<u32>>],
-    layout: &StateLayout,
-) -> Run
-where
-    O::Error: std::fmt::Debug,
-{
-    let c = &model.config;
-    let mut arenas = layout.arenas(ops).unwrap();
-    let mut lens = vec![0usize; PROMPTS.len()];
-    let mut out = Vec::new();
-    for takes in steps {
-        let mut seats = Vec::new();
-        let mut ids = Vec::new();
-        for (slot, t) in takes.iter().enumerate() {
-            for (i, &token) in t.iter().enumerate() {
-                seats.push(Seat {
-                    slot,
-                    len: lens[slot] + i,
-                });
-                ids.push(token);
-            }
-            lens[slot] += t.len();
-        }
-        let mut logits = decode_step(ops, c, layout, &mut arenas, &mut seats, &ids)
-            .unwrap()
-            .into_iter();
-        out.push(
-            takes
-                .iter()
-                .filter(|t| !t.is_empty())
-                .map(|t| logits.by_ref().take(t.len()).collect())
-                .collect(),
-        );
-    }
-    let states = (0..PROMPTS.len())
-        .map(|slot| layout.read(ops, &arenas, slot, lens[slot]).unwrap())
-        .collect();
-    (out, states)
-}
-
-fn assert_same(engine: &Run, device: &Run, what: &str) {
-    assert_eq!(engine.0.len(), device.0.len(), "{what}: steps");
-    for (step, (e, d)) in engine.0.iter().zip(&device.0).enumerate() {
-        assert_eq!(e.len(), d.len(), "{what}: step {step}");
-        for (s, (a, b)) in e.iter().zip(d).enumerate() {
-            assert_eq!(a.len(), b.len(), "{what}: step {step}, sequence {s}");
-            for (p, (x, y)) in a.iter().zip(b).enumerate() {
-                assert!(
-                    same(x, y),
-                    "{what}: step {step}, sequence {s}, position {p}"
-                );
-            }
-        }
-    }
-    assert!(engine.1 == device.1, "{what}: the states");
-}
-
-fn prompts_and_extra(model: &Model) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
-    let v = model.config.vocab_size;
-    let prompts = PROMPTS
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| tokens(n, 300 + i as u64, v))
-        .collect();
-    let extra = (0..PROMPTS.len())
-        .map(|i| tokens(DECODE_STEPS, 400 + i as u64, v))
-        .collect();
-    (prompts, extra)
-}
 
 #[test]
 fn prompt_chunks_give_the_engines_logits_and_state_bit_for_bit() {
@@ -170,20 +24,24 @@ fn prompt_chunks_give_the_engines_logits_and_state_bit_for_bit() {
     ] {
         let (_dir, mut model) = model(format);
         model.set_kv_storage(kv);
-        let (prompts, extra) = prompts_and_extra(&model);
-        let steps = schedule(&prompts, &extra);
+        let steps = schedule(&model, tokens);
         assert!(steps.iter().any(|t| t.iter().any(|c| c.len() == CHUNK)));
         let engine = engine_run(&model, &steps);
-        let what = format!("{format:?} {kv:?}");
+        let layout = layout(&model);
         let cpu = CpuStepOps::new(&model);
-        assert_same(
-            &engine,
-            &step_run(&model, &cpu, &steps),
-            &format!("{what}, engine ops"),
+        let run = step_run(&model, &cpu, &steps, &layout).unwrap();
+        assert_eq!(
+            first_difference(&engine, &run),
+            None,
+            "{format:?} {kv:?}, engine ops"
         );
         let device = DeviceStepOps::new(EmulatedKernels::new(&model.config), &model).unwrap();
-        let emulated = step_run(&model, &device, &steps);
-        assert_same(&engine, &emulated, &format!("{what}, device ops"));
+        let run = step_run(&model, &device, &steps, &layout).unwrap();
+        assert_eq!(
+            first_difference(&engine, &run),
+            None,
+            "{format:?} {kv:?}, device ops"
+        );
     }
 }
 
@@ -194,15 +52,14 @@ fn prompt_chunks_give_the_engines_logits_and_state_bit_for_bit() {
 #[test]
 fn a_short_ring_is_caught_and_chunks_out_of_shape_refused() {
     let (_dir, model) = model(ExpertFormat::Nvfp4);
-    let (prompts, extra) = prompts_and_extra(&model);
-    let steps = schedule(&prompts, &extra);
+    let steps = schedule(&model, tokens);
     let engine = engine_run(&model, &steps);
     let ops = CpuStepOps::new(&model);
     let mut short = layout(&model);
     short.ring = short.window + 4;
-    let run = step_run_in(&model, &ops, &steps, &short);
+    let run = step_run(&model, &ops, &steps, &short).unwrap();
     assert!(
-        engine.0 != run.0 || engine.1 != run.1,
+        first_difference(&engine, &run).is_some(),
         "a short ring went unnoticed"
     );
     let c = &model.config;

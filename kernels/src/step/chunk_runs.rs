@@ -1,0 +1,173 @@
+//! Prompt chunks run through the step and through the engine side by side: the schedule the
+//! CPU tests (`step::tests::chunks`) and the GPU test run, three sequences taking chunks of
+//! every size up to the layout's beside each other's chunks and decode tokens, and each side's
+//! logits at every position and final states, to compare bit for bit.
+
+use engine::model::{Logits, Model, SequenceState, Step};
+
+use super::{
+    StepOps,
+    decode::{Seat, decode_step},
+    layout::StateLayout,
+};
+
+/// Prompt lengths (one past the first HCA window of 128, one shorter than the window), and the
+/// chunk sizes each step takes in turn (the largest is the layout's chunk).
+pub const PROMPTS: [usize; 3] = [150, 9, 45];
+pub const CHUNKS: [usize; 5] = [17, 5, 1, 13, 8];
+pub const CHUNK: usize = 17;
+pub const DECODE_STEPS: usize = 3;
+
+/// Per step, each sequence's logits at every position it took; then the final states.
+pub type Run = (Vec<Vec<Vec<Vec<f32>>>>, Vec<SequenceState>);
+
+/// Per step, per sequence, the tokens it takes (empty once it is done).
+pub type Schedule = Vec<Vec<Vec<u32>>>;
+
+/// Random prompts of [`PROMPTS`] and [`DECODE_STEPS`] decode tokens per sequence from
+/// `tokens(count, seed, vocab)`, scheduled: each sequence's prompt in chunks of [`CHUNKS`] in
+/// turn (offset by the sequence), then its decode tokens one a step.
+pub fn schedule(model: &Model, tokens: impl Fn(usize, u64, usize) -> Vec<u32>) -> Schedule {
+    let v = model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tokens(n, 300 + i as u64, v))
+        .collect();
+    let extra: Vec<Vec<u32>> = (0..PROMPTS.len())
+        .map(|i| tokens(DECODE_STEPS, 400 + i as u64, v))
+        .collect();
+    let mut at = vec![0usize; prompts.len()];
+    let mut decoded = vec![0usize; prompts.len()];
+    let mut steps = Vec::new();
+    for step in 0.. {
+        let mut takes = Vec::new();
+        for (s, prompt) in prompts.iter().enumerate() {
+            if at[s] < prompt.len() {
+                let size = CHUNKS[(step + s) % CHUNKS.len()].min(prompt.len() - at[s]);
+                takes.push(prompt[at[s]..at[s] + size].to_vec());
+                at[s] += size;
+            } else if decoded[s] < extra[s].len() {
+                takes.push(vec![extra[s][decoded[s]]]);
+                decoded[s] += 1;
+            } else {
+                takes.push(Vec::new());
+            }
+        }
+        if takes.iter().all(Vec::is_empty) {
+            break;
+        }
+        steps.push(takes);
+    }
+    steps
+}
+
+/// The engine's forward over the schedule: every position's logits, the normalized states.
+///
+/// # Panics
+/// When the engine refuses a chunk.
+pub fn engine_run(model: &Model, steps: &Schedule) -> Run {
+    let mut states: Vec<SequenceState> = PROMPTS.iter().map(|_| model.new_state()).collect();
+    let mut out = Vec::new();
+    for takes in steps {
+        let mut batch: Vec<Step<'_>> = states
+            .iter_mut()
+            .zip(takes)
+            .filter(|(_, t)| !t.is_empty())
+            .map(|(state, t)| Step {
+                state,
+                tokens: t,
+                logits: Logits::All,
+            })
+            .collect();
+        #[expect(clippy::expect_used, reason = "a test schedule the engine takes")]
+        out.push(
+            model
+                .forward_batch(&mut batch)
+                .expect("the engine's forward"),
+        );
+    }
+    let states = states.iter().map(|s| s.normalized(&model.config)).collect();
+    (out, states)
+}
+
+/// The layout of the schedule's sequences: a slot each, chunks of [`CHUNK`].
+pub fn layout(model: &Model) -> StateLayout {
+    let most = PROMPTS.iter().max().copied().unwrap_or(0) + DECODE_STEPS + 1;
+    StateLayout::chunked(&model.config, (PROMPTS.len(), most), model.kv_rows(), CHUNK)
+}
+
+/// The step over `ops` in `layout` (sequence `s` in slot `s`) over the schedule: every
+/// position's logits and the states read back.
+pub fn step_run<O: StepOps>(
+    model: &Model,
+    ops: &O,
+    steps: &Schedule,
+    layout: &StateLayout,
+) -> Result<Run, super::decode::StepError<O::Error>> {
+    let c = &model.config;
+    let mut arenas = layout.arenas(ops)?;
+    let mut lens = vec![0usize; PROMPTS.len()];
+    let mut out = Vec::new();
+    for takes in steps {
+        let mut seats = Vec::new();
+        let mut ids = Vec::new();
+        for (slot, t) in takes.iter().enumerate() {
+            for (i, &token) in t.iter().enumerate() {
+                seats.push(Seat {
+                    slot,
+                    len: lens[slot] + i,
+                });
+                ids.push(token);
+            }
+            lens[slot] += t.len();
+        }
+        let mut logits = decode_step(ops, c, layout, &mut arenas, &mut seats, &ids)?.into_iter();
+        out.push(
+            takes
+                .iter()
+                .filter(|t| !t.is_empty())
+                .map(|t| logits.by_ref().take(t.len()).collect())
+                .collect(),
+        );
+    }
+    let states = (0..PROMPTS.len())
+        .map(|slot| layout.read(ops, &arenas, slot, lens[slot]))
+        .collect::<Result<_, _>>()?;
+    Ok((out, states))
+}
+
+/// Where the two runs differ first (NaN equal to NaN), or `None` where they agree bit for bit.
+pub fn first_difference(engine: &Run, device: &Run) -> Option<String> {
+    let same = |x: &[f32], y: &[f32]| {
+        x.len() == y.len()
+            && x.iter()
+                .zip(y)
+                .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
+    };
+    if engine.0.len() != device.0.len() {
+        return Some(format!("{} steps and {}", engine.0.len(), device.0.len()));
+    }
+    for (step, (e, d)) in engine.0.iter().zip(&device.0).enumerate() {
+        if e.len() != d.len() {
+            return Some(format!(
+                "step {step}: {} sequences and {}",
+                e.len(),
+                d.len()
+            ));
+        }
+        for (s, (a, b)) in e.iter().zip(d).enumerate() {
+            if a.len() != b.len() {
+                return Some(format!(
+                    "step {step}, sequence {s}: {} positions and {}",
+                    a.len(),
+                    b.len()
+                ));
+            }
+            if let Some(p) = a.iter().zip(b).position(|(x, y)| !same(x, y)) {
+                return Some(format!("step {step}, sequence {s}, position {p}"));
+            }
+        }
+    }
+    (engine.1 != device.1).then(|| "the states".to_owned())
+}
