@@ -39,9 +39,10 @@ fn same(a: &[f32], b: &[f32]) -> bool {
             .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
 }
 
-fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize], steps: usize) {
+/// A model of `preset` generated into a temporary folder named by `tag` (removed by the caller).
+fn generated(preset: Preset, format: ExpertFormat, tag: &str) -> (std::path::PathBuf, Model) {
     let dir = std::env::temp_dir().join(format!(
-        "pdserve-gpu-step-{}-{preset:?}-{format:?}",
+        "pdserve-gpu-{tag}-{}-{preset:?}-{format:?}",
         std::process::id()
     ));
     generate(&GenerateOptions {
@@ -52,7 +53,12 @@ fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize]
         tokenizer_dir: None,
     })
     .unwrap();
-    let mut model = Model::load(&dir).unwrap();
+    let model = Model::load(&dir).unwrap();
+    (dir, model)
+}
+
+fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize], steps: usize) {
+    let (dir, mut model) = generated(preset, format, "step");
     let what = format!("{preset:?} {format:?}");
     check_model(gpu, &model, (&what, Held::Bits), lengths, steps);
     // FP8 K=V rows: rounded as computed (`fp8_kv_round`), stored as the engine's FP8 rows in
@@ -358,19 +364,7 @@ fn gpu_prompt_chunks_give_the_engines_bits() {
         (ExpertFormat::Nvfp4, KvStorage::F32),
         (ExpertFormat::Mxfp4, KvStorage::Fp8),
     ] {
-        let dir = std::env::temp_dir().join(format!(
-            "pdserve-gpu-chunks-{}-{format:?}",
-            std::process::id()
-        ));
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 31,
-            experts: format,
-            out: dir.clone(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
-        let mut model = Model::load(&dir).unwrap();
+        let (dir, mut model) = generated(Preset::Tiny, format, "chunks");
         model.set_kv_storage(kv);
         let steps = schedule(&model, tokens);
         let engine = engine_run(&model, &steps);
