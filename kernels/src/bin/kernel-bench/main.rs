@@ -8,10 +8,7 @@
 //! Times are best-of-three means over enough calls to run ~0.3 s.
 #![allow(clippy::print_stdout, reason = "benchmark output")]
 
-use std::{
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
 use engine::{quant, synth::Rng};
@@ -207,13 +204,8 @@ struct Row {
     seconds: Option<f64>,
 }
 
-/// Engine-level rows: a rate in their own unit.
-struct StepRow {
-    what: String,
-    seconds: f64,
-    rate: f64,
-    unit: &'static str,
-}
+mod steps;
+use steps::engine_steps;
 
 /// The kernel table: analytic columns always, measured ones where timed; `copy` is the
 /// measured copy bandwidth in GB/s.
@@ -598,143 +590,6 @@ fn time_attn_fp8(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<f64>, KernelError> {
         })?);
     }
     Ok(times)
-}
-
-/// Whole engine steps on the `small` synthetic model (NVFP4 experts) on the CPU reference and
-/// with the CUDA backend in hybrid mode: a 256-token prefill, then decode steps of 8 sequences.
-/// On a model this small the device's per-op overhead shows, not its bandwidth.
-fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
-    use engine::{
-        config::ExpertFormat,
-        model::{Logits, Model, SequenceState, Step},
-        synth::{GenerateOptions, Preset, generate},
-    };
-    let dir = std::env::temp_dir().join(format!("pdserve-kernel-bench-{}", std::process::id()));
-    let fail = |e: String| KernelError::Checkpoint(e);
-    generate(&GenerateOptions {
-        preset: Preset::Small,
-        seed: 1,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.clone(),
-        tokenizer_dir: None,
-    })
-    .map_err(|e| fail(e.to_string()))?;
-    let cpu = Model::load(&dir).map_err(|e| fail(e.to_string()))?;
-    let mut cuda = Model::load(&dir).map_err(|e| fail(e.to_string()))?;
-    let backend = kernels::cuda::CudaBackend::load(&dir, &cuda.config)?
-        .ok_or_else(|| KernelError::Unsupported("no device".into()))?;
-    cuda.attach_backend(Arc::new(backend), true)
-        .map_err(|e| fail(e.to_string()))?;
-    let _ = std::fs::remove_dir_all(&dir);
-    let prompt: Vec<u32> = (0..256).map(|i| (i * 7919 + 5) % 1000).collect();
-    let mut rows = Vec::new();
-    let mut prefilled: Vec<SequenceState> = Vec::new();
-    for (name, model) in [("cpu", &cpu), ("cuda hybrid", &cuda)] {
-        let start = Instant::now();
-        let mut states: Vec<SequenceState> = Vec::new();
-        for s in 0..8u32 {
-            let mut state = model.new_state();
-            let mut p = prompt.clone();
-            p[0] = s;
-            model
-                .forward(&mut state, &p, Logits::Last)
-                .map_err(|e| fail(e.to_string()))?;
-            states.push(state);
-        }
-        let prefill = start.elapsed().as_secs_f64() / 8.0;
-        if prefilled.is_empty() {
-            prefilled.clone_from(&states);
-        }
-        rows.push(StepRow {
-            what: format!("engine prefill, small model, 256 tokens ({name})"),
-            seconds: prefill,
-            rate: 256.0 / prefill,
-            unit: "tok/s",
-        });
-        let steps = 16;
-        let start = Instant::now();
-        for t in 0..steps {
-            let tokens: Vec<[u32; 1]> = (0..8).map(|s| [(t * 8 + s) % 1000]).collect();
-            let mut batch: Vec<Step<'_>> = states
-                .iter_mut()
-                .zip(&tokens)
-                .map(|(state, token)| Step {
-                    state,
-                    tokens: token,
-                    logits: Logits::Last,
-                })
-                .collect();
-            model
-                .forward_batch(&mut batch)
-                .map_err(|e| fail(e.to_string()))?;
-        }
-        let step = start.elapsed().as_secs_f64() / f64::from(steps);
-        rows.push(StepRow {
-            what: format!("engine decode step, small model, batch 8 ({name})"),
-            seconds: step,
-            rate: 8.0 / step,
-            unit: "tok/s",
-        });
-    }
-    rows.extend(device_steps(&cpu, &prefilled, prompt.len())?);
-    Ok(rows)
-}
-
-/// The whole decode step on the GPU (`StepDecoder`) over `prefilled` sequences of `len`
-/// tokens: exact kernels, the fast linears and experts, and the exact step replayed as graphs;
-/// 16 timed steps after 4 (which record the graphs).
-fn device_steps(
-    model: &engine::model::Model,
-    prefilled: &[engine::model::SequenceState],
-    len: usize,
-) -> Result<Vec<StepRow>, KernelError> {
-    use engine::scheduler::{DecodeDevice, DecodeSeat};
-    use kernels::{cuda::CudaKernels, step::decoder::StepDecoder};
-    let (warm, timed) = (4usize, 16usize);
-    let fail = |e: String| KernelError::Checkpoint(e);
-    let mut rows = Vec::new();
-    for (name, fast, graphs) in [
-        ("exact", false, false),
-        ("fast linears and experts", true, false),
-        ("exact, graphs", false, true),
-    ] {
-        let gpu =
-            Arc::new(Gpu::open()?.ok_or_else(|| KernelError::Unsupported("no device".into()))?);
-        let shape = (prefilled.len(), len + warm + timed + 1);
-        let mut decoder =
-            StepDecoder::new("cuda", CudaKernels::new(gpu), model, shape, |_, _| Ok(()))?;
-        if fast {
-            decoder = decoder.with_fast_linears().with_fast_experts();
-        }
-        if graphs {
-            decoder = decoder.with_graphs(|_, _| Ok(()))?;
-        }
-        for (slot, state) in prefilled.iter().enumerate() {
-            decoder.load(slot, state).map_err(|e| fail(e.to_string()))?;
-        }
-        let mut start = Instant::now();
-        for t in 0..warm + timed {
-            if t == warm {
-                start = Instant::now();
-            }
-            let seats: Vec<DecodeSeat> = (0..prefilled.len())
-                .map(|slot| DecodeSeat {
-                    slot,
-                    len: len + t,
-                    token: ((t * 8 + slot) % 1000) as u32,
-                })
-                .collect();
-            decoder.step(&seats).map_err(|e| fail(e.to_string()))?;
-        }
-        let step = start.elapsed().as_secs_f64() / timed as f64;
-        rows.push(StepRow {
-            what: format!("device decode step, small model, batch 8 ({name})"),
-            seconds: step,
-            rate: prefilled.len() as f64 / step,
-            unit: "tok/s",
-        });
-    }
-    Ok(rows)
 }
 
 #[expect(clippy::needless_pass_by_value, reason = "used as map_err(shape)")]
