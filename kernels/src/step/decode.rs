@@ -149,8 +149,23 @@ pub fn decode_launch<O: StepOps>(
     if n == 0 {
         return Ok(None);
     }
+    let x = forward(ops, c, layout, arenas, seats, tokens)?;
+
+    head(ops, c, &x, n, None).map(Some)
+}
+
+/// The layers of a step (checked by the caller): the streams `[n, hc_mult * D]` after the
+/// last layer, the tokens' rows written into the arenas.
+fn forward<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    layout: &StateLayout,
+    arenas: &mut [O::Buf],
+    seats: &[Seat],
+    tokens: &[u32],
+) -> Result<O::Buf, O::Error> {
+    let n = tokens.len();
     ops.begin_step();
-    let d = c.hidden_size;
     let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     let ids = ops.put_idx(&ids)?;
     let mut x = ops.embed(&ids, n)?;
@@ -162,9 +177,42 @@ pub fn decode_launch<O: StepOps>(
         let y = moe(ops, c, l, &m.input, &ids, n)?;
         x = ops.hyper_post(&x, &y, &m.post, &m.comb, n)?;
     }
-    let mut h = ops.hyper_head(&x, n)?;
+    Ok(x)
+}
+
+/// The head over the streams `x` of `n` tokens (`hyper_head`, the final norm, the output
+/// head, each row's argmax): every row's logits, or only those of the token rows `wanted`
+/// (ascending), gathered first.
+fn head<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    x: &O::Buf,
+    n: usize,
+    wanted: Option<&[usize]>,
+) -> Result<Launched<O>, StepError<O::Error>> {
+    let (d, v) = (c.hidden_size, c.vocab_size);
+    let picked;
+    let (x, n) = match wanted {
+        None => (x, n),
+        Some(rows) => {
+            if rows.windows(2).any(|w| w[0] >= w[1]) || rows.iter().any(|&r| r >= n) {
+                return Err(StepError::Input(format!(
+                    "logits of rows {rows:?} of {n}: ascending, each a token of the step"
+                )));
+            }
+            let width = c.hc_mult * d;
+            let mut to = vec![-1i64; n];
+            for (i, &r) in rows.iter().enumerate() {
+                to[r] = (i * width) as i64;
+            }
+            let mut rows_of_x = ops.alloc(rows.len().max(1) * width)?;
+            ops.write_rows(x, width, &mut rows_of_x, &to)?;
+            picked = rows_of_x;
+            (&picked, rows.len())
+        }
+    };
+    let mut h = ops.hyper_head(x, n)?;
     ops.norm_rope(&mut h, &normed(d, Vector::FinalNorm), n)?;
-    let v = c.vocab_size;
     let mut logits = ops.alloc(n * v)?;
     ops.linear(
         Lin::Head,
@@ -176,7 +224,43 @@ pub fn decode_launch<O: StepOps>(
         n,
     )?;
     let argmax = ops.argmax_rows(&logits, n, v)?;
-    Ok(Some(StepOutputs { logits, argmax }))
+    Ok(StepOutputs { logits, argmax })
+}
+
+/// A step of prompt chunks (and decode tokens) that needs the logits of some tokens only:
+/// [`decode_step`]'s tokens and seats, the output head over the token rows `wanted`
+/// (ascending; a chunk's last, say) alone. Returns their logits, in `wanted`'s order, and
+/// advances each seat's length.
+pub fn prompt_step<O: StepOps>(
+    ops: &O,
+    c: &ModelConfig,
+    layout: &StateLayout,
+    arenas: &mut [O::Buf],
+    seats: &mut [Seat],
+    (tokens, wanted): (&[u32], &[usize]),
+) -> Result<Vec<Vec<f32>>, StepError<O::Error>> {
+    check(c, layout, seats, tokens).map_err(StepError::Input)?;
+    let n = tokens.len();
+    let logits = if n == 0 {
+        Vec::new()
+    } else {
+        let x = forward(ops, c, layout, arenas, seats, tokens)?;
+        if wanted.is_empty() {
+            // A chunk inside a prompt: its rows are all it leaves.
+            for seat in seats.iter_mut() {
+                seat.len += 1;
+            }
+            return Ok(Vec::new());
+        }
+        let out = head(ops, c, &x, n, Some(wanted))?;
+        let v = c.vocab_size;
+        let flat = ops.get(&out.logits, 0..wanted.len() * v)?;
+        flat.chunks_exact(v).map(<[f32]>::to_vec).collect()
+    };
+    for seat in seats.iter_mut() {
+        seat.len += 1;
+    }
+    Ok(logits)
 }
 
 /// The reference of [`decode_step`]: the engine's forward for token `tokens[i]` of the

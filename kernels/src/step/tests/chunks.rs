@@ -139,3 +139,91 @@ fn a_window_closing_after_another_in_its_batch_reads_that_ones_slices() {
     told_nothing[0].keeps_prev = true;
     assert_ne!(on_device(&told_nothing).0, want.0);
 }
+
+/// A prompt step that wants the logits of some rows only (each chunk's last, none for a chunk
+/// inside a prompt) gives those rows of the full step, bit for bit, over both sets of ops;
+/// rows out of order or past the step are refused.
+#[test]
+fn a_prompt_step_gives_the_wanted_rows_of_the_full_step() {
+    use crate::step::decode::prompt_step;
+    let (_dir, model) = model(ExpertFormat::Mxfp4);
+    let c = &model.config;
+    let steps = schedule(&model, tokens);
+    let layout = layout(&model);
+    let cpu = CpuStepOps::new(&model);
+    let full = step_run(&model, &cpu, &steps, &layout).unwrap();
+    let device = DeviceStepOps::new(EmulatedKernels::new(&model.config), &model).unwrap();
+    let ops: [&dyn Fn() -> Vec<Vec<Vec<f32>>>; 2] =
+        [&|| last_rows(&model, &cpu, &steps, &layout), &|| {
+            last_rows(&model, &device, &steps, &layout)
+        }];
+    for (which, run) in ops.iter().enumerate() {
+        let got = run();
+        for (step, (rows, full)) in got.iter().zip(&full.0).enumerate() {
+            // Each sequence that took tokens this step: its last row, where it is wanted.
+            let want: Vec<&Vec<f32>> = full
+                .iter()
+                .zip(steps[step].iter().filter(|t| !t.is_empty()))
+                .filter(|(_, t)| t.len() < CHUNK_WITHOUT_LOGITS)
+                .map(|(rows, _)| rows.last().unwrap())
+                .collect();
+            assert_eq!(rows.len(), want.len(), "ops {which}, step {step}");
+            for (a, b) in rows.iter().zip(want) {
+                assert!(super::same(a, b), "ops {which}, step {step}");
+            }
+        }
+    }
+    let mut arenas = layout.arenas(&cpu).unwrap();
+    for wanted in [&[1usize, 0][..], &[0, 0], &[3]] {
+        let mut seats: Vec<Seat> = (0..3).map(|len| Seat { slot: 0, len }).collect();
+        let refused = prompt_step(
+            &cpu,
+            c,
+            &layout,
+            &mut arenas,
+            &mut seats,
+            (&[1, 2, 3], wanted),
+        );
+        assert!(refused.is_err(), "{wanted:?}");
+    }
+}
+
+/// Chunks of this many tokens or more are taken as inside a prompt in
+/// [`a_prompt_step_gives_the_wanted_rows_of_the_full_step`]: no logits wanted.
+const CHUNK_WITHOUT_LOGITS: usize = 13;
+
+/// The schedule through `prompt_step`, wanting each sequence's last row where its chunk is
+/// shorter than [`CHUNK_WITHOUT_LOGITS`].
+fn last_rows<O: StepOps>(
+    model: &engine::model::Model,
+    ops: &O,
+    steps: &crate::step::chunk_runs::Schedule,
+    layout: &crate::step::layout::StateLayout,
+) -> Vec<Vec<Vec<f32>>>
+where
+    O::Error: std::fmt::Debug,
+{
+    use crate::step::decode::prompt_step;
+    let c = &model.config;
+    let mut arenas = layout.arenas(ops).unwrap();
+    let mut lens = vec![0usize; steps[0].len()];
+    let mut out = Vec::new();
+    for takes in steps {
+        let (mut seats, mut ids, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
+        for (slot, t) in takes.iter().enumerate() {
+            for (i, &token) in t.iter().enumerate() {
+                seats.push(Seat {
+                    slot,
+                    len: lens[slot] + i,
+                });
+                ids.push(token);
+            }
+            if !t.is_empty() && t.len() < CHUNK_WITHOUT_LOGITS {
+                wanted.push(ids.len() - 1);
+            }
+            lens[slot] += t.len();
+        }
+        out.push(prompt_step(ops, c, layout, &mut arenas, &mut seats, (&ids, &wanted)).unwrap());
+    }
+    out
+}
