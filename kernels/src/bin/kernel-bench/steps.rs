@@ -95,13 +95,14 @@ pub fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
 }
 
 /// The same 8 prompts through the whole device step on the GPU in chunks of 64 tokens (each
-/// step a chunk of every sequence, `StateLayout::chunked`), exact kernels: seconds per
-/// prompt, as the engine rows count them.
+/// step a chunk of every sequence, `StateLayout::chunked`; the head over each prompt's last
+/// token only, `prompt_step`), exact kernels: seconds per prompt, as the engine rows count
+/// them.
 fn device_prefill(model: &engine::model::Model, prompt: &[u32]) -> Result<StepRow, KernelError> {
     use kernels::{
         cuda::{CudaKernels, CudaStepOps},
         step::{
-            decode::{Seat, decode_step},
+            decode::{Seat, prompt_step},
             layout::StateLayout,
         },
     };
@@ -116,16 +117,19 @@ fn device_prefill(model: &engine::model::Model, prompt: &[u32]) -> Result<StepRo
     let start = Instant::now();
     for from in (0..prompt.len()).step_by(CHUNK) {
         let to = (from + CHUNK).min(prompt.len());
-        let mut seats = Vec::new();
-        let mut ids = Vec::new();
+        let (mut seats, mut ids, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
         for slot in 0..sequences {
             for (pos, &token) in prompt.iter().enumerate().take(to).skip(from) {
                 seats.push(Seat { slot, len: pos });
                 // Each sequence's first token its own, as the engine rows' prompts.
                 ids.push(if pos == 0 { slot as u32 } else { token });
             }
+            // The logits of each prompt's last token only.
+            if to == prompt.len() {
+                wanted.push(ids.len() - 1);
+            }
         }
-        decode_step(&ops, c, &layout, &mut arenas, &mut seats, &ids)
+        prompt_step(&ops, c, &layout, &mut arenas, &mut seats, (&ids, &wanted))
             .map_err(|e| fail(e.to_string()))?;
     }
     let per = start.elapsed().as_secs_f64() / sequences as f64;
