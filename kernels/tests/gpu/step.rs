@@ -306,7 +306,7 @@ fn gpu_decode_step_gives_the_engines_logits_and_state_bit_for_bit() {
 
 /// Opt-in (`PDSERVE_GPU_FLASH=1`, as `gpu-check.sh` sets it): V4-Flash's dimensions, its first
 /// four layers (sliding, sliding, CSA, HCA) with 16 NVFP4 routed experts, generated here (about
-/// 3.6 GB), sequences past its window of 128 and its first HCA window.
+/// 3.6 GB), sequences past its window of 128 and its first HCA window; then prompt chunks.
 #[test]
 fn gpu_decode_step_of_flash_shape() {
     if std::env::var("PDSERVE_GPU_FLASH").as_deref() != Ok("1") {
@@ -345,6 +345,19 @@ fn gpu_decode_step_of_flash_shape() {
     let what = "flash-shape, 4 layers, FP8 K=V rows";
     let stats = graphs_against_eager(&gpu, &model, what, &lengths, 24);
     assert!(stats.replayed > stats.captured, "{stats:?}");
+    // Prompt chunks at V4-Flash's dimensions (window 128, 584-byte rows): the engine's bits.
+    {
+        use kernels::step::chunk_runs::{engine_run, first_difference, layout, schedule, step_run};
+        let steps = schedule(&model, tokens);
+        let engine = engine_run(&model, &steps);
+        let ops = CudaStepOps::new(CudaKernels::new(Arc::clone(&gpu)), &model).unwrap();
+        let run = step_run(&model, &ops, &steps, &layout(&model)).unwrap();
+        assert_eq!(
+            first_difference(&engine, &run),
+            None,
+            "{what}: prompt chunks"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
