@@ -230,7 +230,7 @@ impl Gpu {
             // A group of eight threads per (token, key).
             LaunchConfig {
                 grid_dim: (
-                    grid_dim((sp.tokens * sp.max_keys * 8).div_ceil(256), "keys")?,
+                    grid_dim((sp.tokens * sp.max_keys * 8).div_ceil(256).max(1), "keys")?,
                     1,
                     1,
                 ),
@@ -324,39 +324,17 @@ impl Gpu {
         let mut d_scores = self.stream.clone_htod(&vec![f32::NAN; n * max_keys])?;
         let mut d_out = self.stream.clone_htod(&vec![i32::MIN; n * batch.top_k])?;
         if n > 0 {
-            let (n_i, heads_i, dim_i, k_i) = (
-                n as i32,
-                batch.heads as i32,
-                batch.dim as i32,
-                batch.top_k as i32,
-            );
-            let max_keys_i = max_keys as i64;
-            let scores = self.indexer.load_function("indexer_scores")?;
-            let mut launch = self.stream.launch_builder(&scores);
-            launch
-                .arg(&d_q)
-                .arg(&d_w)
-                .arg(&d_keys)
-                .arg(&d_starts)
-                .arg(&d_visible)
-                .arg(&n_i)
-                .arg(&heads_i)
-                .arg(&dim_i)
-                .arg(&batch.scale)
-                .arg(&max_keys_i)
-                .arg(&mut d_scores);
-            // A group of eight threads per (request, key).
-            let groups = n * max_keys;
-            let grid = u32::try_from((groups * 8).div_ceil(256))
-                .map_err(|_| KernelError::Shape("grid".into()))?;
-            // SAFETY: argument types and order match `indexer_scores`; buffers sized above.
-            unsafe {
-                launch.launch(LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-            }
+            let spec = ScoreSpec {
+                tokens: n,
+                heads: batch.heads,
+                dim: batch.dim,
+                scale: batch.scale,
+                max_keys,
+                tensor_cores: false,
+            };
+            let (inputs, rows) = ((&d_q, &d_w, &d_keys), (&d_starts, &d_visible));
+            self.launch_indexer_scores(inputs, rows, spec, &mut d_scores)?;
+            let (max_keys_i, k_i) = (max_keys as i64, batch.top_k as i32);
             let topk = self.indexer.load_function("indexer_topk")?;
             let mut launch = self.stream.launch_builder(&topk);
             launch

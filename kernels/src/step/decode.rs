@@ -150,7 +150,6 @@ pub fn decode_launch<O: StepOps>(
         return Ok(None);
     }
     let x = forward(ops, c, layout, arenas, seats, tokens)?;
-
     head(ops, c, &x, n, None).map(Some)
 }
 
