@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod compressor;
+pub mod delta;
 pub mod hyper;
 pub mod moe;
 

@@ -19,6 +19,9 @@ pub enum PoolError {
     NotAllocated(PageId),
     #[error("page {page} is shared by {refs} holders and cannot be written")]
     Shared { page: PageId, refs: u32 },
+    /// State to store that does not fit the sequence or the model (what a device sent back).
+    #[error("state that does not fit: {0}")]
+    Mismatch(String),
 }
 
 /// A pool of `num_pages` pages of `page_bytes` bytes.

@@ -9,10 +9,14 @@
 use std::collections::VecDeque;
 
 mod device;
+mod device_prompt;
 mod handoff;
 mod host_step;
 
-pub use device::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun, HostDecodeDevice};
+pub use device::{
+    DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun, HostDecodeDevice, PromptChunk,
+    PromptOut,
+};
 pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
 use crate::{
@@ -464,11 +468,14 @@ impl Engine {
         let started = std::time::Instant::now();
         let (admitted, cached_tokens) = self.admit();
         let plan = self.plan_step();
-        // With a decode device, the decode tokens step there and only prompt chunks here.
+        // With a decode device, the decode tokens step there, and the prompt chunks too
+        // where it steps prompts; the rest here.
+        let prompts_on_device = self.device_prompt_chunk() > 0;
         let (on_device, plan): (Vec<_>, Vec<_>) = plan
             .into_iter()
             .partition(|(i, ..)| self.device.is_some() && self.is_decoding(*i));
-        if plan.is_empty() && on_device.is_empty() {
+        let (prompts, plan): (Vec<_>, Vec<_>) = plan.into_iter().partition(|_| prompts_on_device);
+        if plan.is_empty() && on_device.is_empty() && prompts.is_empty() {
             // Under expert parallelism the other ranks' tokens need this rank's experts: it
             // takes part in every step, with no tokens of its own.
             if let Err(e) = self.model.idle_forward() {
@@ -477,13 +484,13 @@ impl Engine {
             return 0;
         }
         let mut record = StepRecord {
-            requests: plan.len() + on_device.len(),
+            requests: plan.len() + on_device.len() + prompts.len(),
             admitted,
             cached_tokens,
             decode_tokens: on_device.len(),
             ..StepRecord::default()
         };
-        for (i, range, _) in &plan {
+        for (i, range, _) in plan.iter().chain(&prompts) {
             if self.is_decoding(*i) {
                 record.decode_tokens += range.len();
             } else {
@@ -499,6 +506,9 @@ impl Engine {
             (record.device_run, record.argmax_tokens) = self.last_device;
         }
         let mut emitted = 0;
+        if !prompts.is_empty() {
+            emitted += self.device_prompt_step(&prompts, emit, &mut events, &mut failed);
+        }
         if !plan.is_empty() {
             emitted += self.host_step(&plan, emit, &mut events, &mut failed);
         }

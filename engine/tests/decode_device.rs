@@ -16,7 +16,7 @@ use engine::{
     sampling::{SamplingParams, StopConditions},
     scheduler::{
         DecodeDevice, DecodeSeat, DeviceError, Engine, EngineConfig, EngineError, Event,
-        GenerationRequest, HostDecodeDevice,
+        GenerationRequest, HostDecodeDevice, PromptChunk, PromptOut,
     },
     synth::{GenerateOptions, Preset, Rng, generate},
 };
@@ -59,6 +59,8 @@ struct Counted {
     fail_at: Option<usize>,
     /// A slot whose logits come back NaN.
     nan_slot: Option<usize>,
+    /// Prompt tokens it stepped.
+    prompt_tokens: Arc<AtomicUsize>,
 }
 
 impl DecodeDevice for Counted {
@@ -96,6 +98,28 @@ impl DecodeDevice for Counted {
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {
         self.inner.read(slot, len)
     }
+    fn prompt_chunk(&self) -> usize {
+        self.inner.prompt_chunk()
+    }
+    fn prompt_step(&mut self, chunks: &[PromptChunk<'_>]) -> Result<Vec<PromptOut>, DeviceError> {
+        self.steps += 1;
+        if self.fail_at.is_some_and(|n| self.steps >= n) {
+            return Err(DeviceError::device(
+                "launch failed: an illegal memory access",
+            ));
+        }
+        let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        self.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
+        let mut out = self.inner.prompt_step(chunks)?;
+        for (chunk, o) in chunks.iter().zip(&mut out) {
+            if Some(chunk.slot) == self.nan_slot
+                && let Some(row) = o.logits.last_mut()
+            {
+                row[7] = f32::NAN;
+            }
+        }
+        Ok(out)
+    }
 }
 
 fn counted(model: &Model, config: &EngineConfig) -> (Counted, Arc<AtomicUsize>) {
@@ -112,6 +136,7 @@ fn counting_into(model: &Model, config: &EngineConfig, seats: &Arc<AtomicUsize>)
         steps: 0,
         fail_at: None,
         nan_slot: None,
+        prompt_tokens: Arc::default(),
     }
 }
 
@@ -203,6 +228,117 @@ fn decode_device_gives_the_events_of_the_host_forward(kv: KvStorage) {
     assert_eq!(seats.load(Ordering::Relaxed), tokens - requests.len());
     let store = on_device.store();
     assert_eq!(store.pages().used_count(), store.prefix().len());
+}
+
+/// Each request's events, in order.
+fn by_request(events: &[Event]) -> std::collections::BTreeMap<u64, Vec<Event>> {
+    let mut out = std::collections::BTreeMap::<u64, Vec<Event>>::new();
+    for e in events {
+        let id = match e {
+            Event::Token { id, .. }
+            | Event::Finished { id, .. }
+            | Event::Failed { id, .. }
+            | Event::PromptLogprobs { id, .. } => *id,
+            other => panic!("unexpected {other:?}"),
+        };
+        out.entry(id).or_default().push(e.clone());
+    }
+    out
+}
+
+/// A device that steps prompt chunks too gives every request the events of the host forward
+/// (its tokens, log-probabilities, prompt log-probabilities, finish and usage, prefix-cache
+/// hits counted the same), whatever its chunk against the page size: every prompt token the
+/// cache did not supply stepped on the device, and the pages it stored hold the prompts as the
+/// host's do (a later request finds them in the prefix cache).
+#[test]
+fn a_device_stepping_prompts_gives_each_request_the_host_forwards_events() {
+    let mut model = model();
+    for (kv, chunk) in [
+        (KvStorage::F32, 16),
+        (KvStorage::Fp8, 5),
+        (KvStorage::F32, 64),
+    ] {
+        model.set_kv_storage(kv);
+        let config = EngineConfig { kv, ..config() };
+        let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
+        let mut on_device = Engine::new(model.replica(), config.clone(), "t").unwrap();
+        let (mut device, seats) = counted(&model, &config);
+        device.inner = HostDecodeDevice::new(model.replica(), 3, 96 * 16).with_prompts(chunk);
+        let prompt_tokens = Arc::clone(&device.prompt_tokens);
+        on_device.set_decode_device(Box::new(device)).unwrap();
+        let requests = requests();
+        let want = run(&mut host, &requests);
+        let got = run(&mut on_device, &requests);
+        let (want, got) = (by_request(&want), by_request(&got));
+        assert_eq!(want.len(), requests.len());
+        for (id, events) in &want {
+            assert_eq!(
+                got.get(id),
+                Some(events),
+                "{kv:?}, chunk {chunk}: request {id}"
+            );
+        }
+        let usage = |events: &[Event]| match events.last() {
+            Some(Event::Finished { usage, .. }) => *usage,
+            other => panic!("{other:?}"),
+        };
+        let computed: usize = want
+            .values()
+            .map(|e| usage(e).prompt_tokens - usage(e).cached_tokens)
+            .sum();
+        let cached: usize = want.values().map(|e| usage(e).cached_tokens).sum();
+        assert!(cached > 0, "the prefix cache in play");
+        assert_eq!(prompt_tokens.load(Ordering::Relaxed), computed);
+        let decoded: usize = want.values().map(|e| usage(e).completion_tokens - 1).sum();
+        assert_eq!(seats.load(Ordering::Relaxed), decoded);
+        let store = on_device.store();
+        assert_eq!(store.pages().used_count(), store.prefix().len());
+    }
+}
+
+/// A failing prompt step fails the requests of it with the device's words; a NaN in a
+/// chunk's logits fails that request alone; nothing leaks.
+#[test]
+fn a_failing_prompt_step_fails_its_requests() {
+    let model = model();
+    let config = config();
+    let requests = requests();
+    for (fail_at, nan_slot) in [(Some(2), None), (None, Some(2))] {
+        let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
+        let (mut device, _) = counted(&model, &config);
+        device.inner = HostDecodeDevice::new(model.replica(), 3, 96 * 16).with_prompts(16);
+        (device.fail_at, device.nan_slot) = (fail_at, nan_slot);
+        engine.set_decode_device(Box::new(device)).unwrap();
+        let events = run(&mut engine, &requests);
+        let failed: Vec<&String> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Failed { error, .. } => Some(error),
+                _ => None,
+            })
+            .collect();
+        assert!(!failed.is_empty());
+        let words = if fail_at.is_some() {
+            "counted prompt step: launch failed: an illegal memory access"
+        } else {
+            "counted prompt step: non-finite logit at 7"
+        };
+        assert!(failed.iter().any(|e| e.contains(words)), "{failed:?}");
+        if nan_slot.is_some() {
+            assert!(
+                failed.len() < requests.len(),
+                "only the NaN slot's requests"
+            );
+        }
+        let ended = events
+            .iter()
+            .filter(|e| matches!(e, Event::Finished { .. } | Event::Failed { .. }))
+            .count();
+        assert_eq!(ended, requests.len());
+        let store = engine.store();
+        assert_eq!(store.pages().used_count(), store.prefix().len());
+    }
 }
 
 #[test]

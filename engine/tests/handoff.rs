@@ -12,7 +12,8 @@ use engine::{
     paged::layout::KvStorage,
     sampling::{FinishReason, Sampled, SamplingParams, StopConditions},
     scheduler::{
-        Engine, EngineConfig, EngineError, Event, GenerationRequest, HandoffError, StateWrite,
+        Engine, EngineConfig, EngineError, Event, GenerationRequest, HandoffError,
+        HostDecodeDevice, StateWrite,
     },
     synth::{GenerateOptions, Preset, Rng, generate},
 };
@@ -163,15 +164,34 @@ fn handoff(p: &mut Engine, d: &mut Engine, req: &GenerationRequest) -> Vec<Sampl
     [first, sampled_of(&rest, req.id)].concat()
 }
 
+/// A prefill engine whose prompts step on a device (the reference device, chunks of `chunk`
+/// tokens): what it streams is stored from the device's deltas.
+fn device_prefill(kv: KvStorage, page_size: usize, chunk: usize) -> Engine {
+    let mut engine = engine(kv, page_size);
+    let mut model = model();
+    model.set_kv_storage(kv);
+    let device = HostDecodeDevice::new(model, 8, 256 * page_size).with_prompts(chunk);
+    engine.set_decode_device(Box::new(device)).unwrap();
+    engine
+}
+
 #[test]
 fn handoff_continues_bit_exactly() {
-    for (kv, page_size) in [
-        (KvStorage::F32, 16),
-        (KvStorage::Fp8, 64),
-        (KvStorage::F32, 4),
+    // A prompt chunk of 0: prompts on the host.
+    for (kv, page_size, chunk) in [
+        (KvStorage::F32, 16, 0),
+        (KvStorage::Fp8, 64, 0),
+        (KvStorage::F32, 4, 0),
+        (KvStorage::F32, 16, 16),
+        (KvStorage::Fp8, 64, 24),
+        (KvStorage::F32, 4, 7),
     ] {
         let mut solo = engine(kv, page_size);
-        let mut prefill = engine(kv, page_size);
+        let mut prefill = if chunk == 0 {
+            engine(kv, page_size)
+        } else {
+            device_prefill(kv, page_size, chunk)
+        };
         let mut decode = engine(kv, page_size);
         let mut rng = Rng::for_tensor(page_size as u64, "handoff");
         let mut previous: Vec<u32> = Vec::new();
@@ -196,7 +216,10 @@ fn handoff_continues_bit_exactly() {
             solo.add(req.clone()).unwrap();
             let want = sampled_of(&solo.run_to_completion(), req.id);
             let got = handoff(&mut prefill, &mut decode, &req);
-            assert_eq!(got, want, "{kv:?} page {page_size} prompt {len}");
+            assert_eq!(
+                got, want,
+                "{kv:?} page {page_size} chunk {chunk} prompt {len}"
+            );
         }
         assert_eq!(decode.reservations(), 0);
         assert_eq!(

@@ -278,3 +278,55 @@ fn attention_row_offsets_address_the_gathered_rows() {
     assert!(compressed_layers > 0);
     store.release(seq).unwrap();
 }
+
+/// Storing a step's delta (what a device sends back after a prompt chunk) leaves the pages and
+/// the slot byte for byte as storing the whole state does, over chunks that close windows of
+/// both ratios and chunks that close none, f32 and FP8 rows; a delta from another position or
+/// of another shape is refused and writes nothing.
+#[test]
+fn a_stored_delta_equals_the_stored_state() {
+    use engine::model::delta::StateDelta;
+    let (_dir, mut model) = model(Preset::Tiny, 4);
+    let prompt = tokens(300, 5);
+    for kv in [KvStorage::F32, KvStorage::Fp8] {
+        model.set_kv_storage(kv);
+        let layout = StateLayout::new(&model.config, 16, kv, "t").unwrap();
+        let mut whole = PagedStore::new(&model.config, layout.clone(), 40, 2);
+        let mut deltas = PagedStore::new(&model.config, layout, 40, 2);
+        let (mut a, mut b) = (whole.open().unwrap(), deltas.open().unwrap());
+        let mut state = model.new_state();
+        let mut at = 0;
+        for n in [7usize, 64, 3, 129, 1, 96] {
+            whole.reserve(&mut a, at + n).unwrap();
+            deltas.reserve(&mut b, at + n).unwrap();
+            model
+                .forward(&mut state, &prompt[at..at + n], Logits::None)
+                .unwrap();
+            let delta = StateDelta::of(&state, at, &model.config).unwrap();
+            whole.scatter(&mut a, &state).unwrap();
+            let mut refused = delta.clone();
+            refused.from += 1;
+            assert!(deltas.scatter_delta(&mut b, &refused).is_err());
+            let mut refused = delta.clone();
+            refused.layers[1].window.truncate(1);
+            assert!(deltas.scatter_delta(&mut b, &refused).is_err());
+            assert_eq!(b.len, at, "nothing stored");
+            deltas.scatter_delta(&mut b, &delta).unwrap();
+            at += n;
+            assert_eq!((a.len, b.len), (at, at));
+            for (pa, pb) in a.pages.iter().zip(&b.pages) {
+                let (x, y) = (
+                    whole.pages().page(*pa).unwrap(),
+                    deltas.pages().page(*pb).unwrap(),
+                );
+                assert!(x == y, "{kv:?}: a page after {at} tokens");
+            }
+            let (x, y) = (
+                whole.slots().page(a.slot).unwrap(),
+                deltas.slots().page(b.slot).unwrap(),
+            );
+            assert!(x == y, "{kv:?}: the slot after {at} tokens");
+        }
+        assert_eq!(whole.gather(&a).unwrap(), deltas.gather(&b).unwrap());
+    }
+}

@@ -11,7 +11,12 @@ use super::{
 };
 use crate::{
     config::{Attention, ModelConfig},
-    model::{SequenceState, attention::AttentionState, compressor::CompressorState},
+    model::{
+        SequenceState,
+        attention::AttentionState,
+        compressor::CompressorState,
+        delta::{CompressorDelta, StateDelta},
+    },
     pool::{PageId, PagePool, PoolError},
 };
 
@@ -474,6 +479,56 @@ impl PagedStore {
         l: usize,
         (from, to): (usize, usize),
     ) -> Result<(), PoolError> {
+        let layer = &state.layers[l];
+        let part = CompressorPart::of_state;
+        // The state's window ends at position `to - 1`.
+        let parts = LayerPart {
+            window: &layer.window,
+            compressor: layer.compressor.as_ref().map(part),
+            indexer: layer.indexer.as_ref().map(part),
+        };
+        self.store_layer(seq, l, (from, to), &parts)
+    }
+
+    /// Stores what a step over positions `delta.from..delta.to` added (a device's read back of
+    /// a prompt chunk), as [`Self::scatter`] stores a whole state. The pages must have been
+    /// reserved; a delta that is not of this model's shape, or not from the sequence's end, is
+    /// refused before anything is written.
+    pub fn scatter_delta(
+        &mut self,
+        seq: &mut PagedSeq,
+        delta: &StateDelta,
+    ) -> Result<(), PoolError> {
+        if delta.from != seq.len {
+            return Err(PoolError::Mismatch(format!(
+                "a delta from position {} for a sequence of {} tokens",
+                delta.from, seq.len
+            )));
+        }
+        delta.check(&self.config).map_err(PoolError::Mismatch)?;
+        let (from, to) = (delta.from, delta.to);
+        for (l, layer) in delta.layers.iter().enumerate() {
+            let ratio = self.config.layers[l].attention.ratio();
+            let part = |comp| CompressorPart::of_delta(comp, from / ratio);
+            let parts = LayerPart {
+                window: &layer.window,
+                compressor: layer.compressor.as_ref().map(part),
+                indexer: layer.indexer.as_ref().map(part),
+            };
+            self.store_layer(seq, l, (from, to), &parts)?;
+        }
+        seq.len = to;
+        Ok(())
+    }
+
+    /// Stores layer `l`'s rows of positions `from..to` and its compressors' slot part.
+    fn store_layer(
+        &mut self,
+        seq: &PagedSeq,
+        l: usize,
+        (from, to): (usize, usize),
+        parts: &LayerPart<'_>,
+    ) -> Result<(), PoolError> {
         let ps = self.layout.page_size;
         if self.pages_for(to) > seq.pages.len() {
             return Err(PoolError::OutOfPages {
@@ -484,94 +539,103 @@ impl PagedStore {
         }
         let (head_dim, index_head_dim) = (self.config.head_dim, self.config.index_head_dim);
         let spec = self.config.layers[l];
-        {
-            let layer = &state.layers[l];
-            if let Some(region) = self.region(l, RegionKind::WindowKv).cloned() {
-                // The state's window ends at position `to - 1`.
-                let rows = layer.window.len() / head_dim;
-                for pos in from.max(to.saturating_sub(rows))..to {
-                    let i = rows - (to - pos);
-                    let row = &layer.window[i * head_dim..(i + 1) * head_dim];
-                    self.write_row(seq, &region, pos / ps, pos % ps, row)?;
-                }
+        if let Some(region) = self.region(l, RegionKind::WindowKv).cloned() {
+            // The window's rows end at position `to - 1`.
+            let rows = parts.window.len() / head_dim;
+            for pos in from.max(to.saturating_sub(rows))..to {
+                let i = rows - (to - pos);
+                let row = &parts.window[i * head_dim..(i + 1) * head_dim];
+                self.write_row(seq, &region, pos / ps, pos % ps, row)?;
             }
-            let ratio = spec.attention.ratio();
-            let csa = matches!(spec.attention, Attention::Csa { .. });
-            if let Some(comp) = &layer.compressor {
-                let kind = if csa {
-                    RegionKind::CsaKv
-                } else {
-                    RegionKind::HcaKv
-                };
-                let rows = self.region(l, kind).cloned();
-                let slot = self.region(l, RegionKind::CompressorState).cloned();
-                if let (Some(rows), Some(slot)) = (rows, slot) {
-                    self.scatter_compressor(
-                        seq,
-                        comp,
-                        &rows,
-                        &slot,
-                        (from, to),
-                        ratio,
-                        head_dim,
-                        csa,
-                    )?;
-                }
+        }
+        let ratio = spec.attention.ratio();
+        let csa = matches!(spec.attention, Attention::Csa { .. });
+        if let Some(comp) = &parts.compressor {
+            let kind = if csa {
+                RegionKind::CsaKv
+            } else {
+                RegionKind::HcaKv
+            };
+            let rows = self.region(l, kind).cloned();
+            let slot = self.region(l, RegionKind::CompressorState).cloned();
+            if let (Some(rows), Some(slot)) = (rows, slot) {
+                let shape = (ratio, head_dim, csa);
+                self.scatter_compressor(seq, comp, (&rows, &slot), (from, to), shape)?;
             }
-            if let Some(idx) = &layer.indexer {
-                let rows = self.region(l, RegionKind::IndexerKeys).cloned();
-                let slot = self.region(l, RegionKind::IndexerCompressorState).cloned();
-                if let (Some(rows), Some(slot)) = (rows, slot) {
-                    self.scatter_compressor(
-                        seq,
-                        idx,
-                        &rows,
-                        &slot,
-                        (from, to),
-                        ratio,
-                        index_head_dim,
-                        true,
-                    )?;
-                }
+        }
+        if let Some(idx) = &parts.indexer {
+            let rows = self.region(l, RegionKind::IndexerKeys).cloned();
+            let slot = self.region(l, RegionKind::IndexerCompressorState).cloned();
+            if let (Some(rows), Some(slot)) = (rows, slot) {
+                let shape = (ratio, index_head_dim, true);
+                self.scatter_compressor(seq, idx, (&rows, &slot), (from, to), shape)?;
             }
         }
         Ok(())
     }
 
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one call site; the pieces are unrelated"
-    )]
     fn scatter_compressor(
         &mut self,
         seq: &PagedSeq,
-        comp: &CompressorState,
-        rows: &Region,
-        slot: &Region,
+        comp: &CompressorPart<'_>,
+        (rows, slot): (&Region, &Region),
         (from, to): (usize, usize),
-        ratio: usize,
-        d: usize,
-        overlap: bool,
+        (ratio, d, overlap): (usize, usize, bool),
     ) -> Result<(), PoolError> {
         for w in from / ratio..to / ratio {
             let (page, row) = self.compressed_slot(ratio, w);
-            self.write_row(seq, rows, page, row, comp.row(w, d))?;
+            let i = w - comp.first;
+            self.write_row(seq, rows, page, row, &comp.rows[i * d..(i + 1) * d])?;
         }
         let slot_bytes = self.slots.page_mut(seq.slot)?;
         encode_pending(
             slot_bytes,
             slot,
-            (
-                &comp.pending_kv,
-                &comp.pending_gate,
-                &comp.prev_kv,
-                &comp.prev_gate,
-            ),
+            comp.pending,
             to % ratio,
             (ratio, d, overlap),
         );
         Ok(())
     }
+}
+
+/// A compressor's rows (of windows `first..`) and slot part (unfinished window's kv and gate,
+/// the overlap slice's kv and gate), as a state or a delta holds them.
+struct CompressorPart<'a> {
+    rows: &'a [f32],
+    first: usize,
+    pending: (&'a [f32], &'a [f32], &'a [f32], &'a [f32]),
+}
+
+impl<'a> CompressorPart<'a> {
+    fn of_state(comp: &'a CompressorState) -> Self {
+        Self {
+            rows: &comp.rows,
+            first: 0,
+            pending: (
+                &comp.pending_kv,
+                &comp.pending_gate,
+                &comp.prev_kv,
+                &comp.prev_gate,
+            ),
+        }
+    }
+
+    fn of_delta(comp: &'a CompressorDelta, first: usize) -> Self {
+        let p = &comp.pending;
+        Self {
+            rows: &comp.rows,
+            first,
+            pending: (&p.pending_kv, &p.pending_gate, &p.prev_kv, &p.prev_gate),
+        }
+    }
+}
+
+/// A layer's K=V rows (ending at a step's last position) and compressors, to store.
+struct LayerPart<'a> {
+    window: &'a [f32],
+    compressor: Option<CompressorPart<'a>>,
+    indexer: Option<CompressorPart<'a>>,
 }
 
 /// Writes a compressor's slot part (`pending` rows of the unfinished window, then the overlap

@@ -7,6 +7,11 @@
 //! the host forward's would be. Its pages stay reserved (they hold its prompt) and its decoded
 //! blocks are not offered to the prefix cache (their rows live on the device only).
 //!
+//! A device that also steps prompt chunks (`DecodeDevice::prompt_chunk` not 0) seats a request
+//! at its first chunk instead, and its prompt computes there too (`device_prompt`): what each
+//! chunk added comes back and is stored in the pages, so they hold the prompt as they would
+//! without the device.
+//!
 //! A device is checked against the engine's own forward pass: [`HostDecodeDevice`] is that
 //! reference behind the same trait (states on the host, the engine's `forward_batch`), and a
 //! device's engine must produce the same events as an engine without one.
@@ -15,7 +20,7 @@ use std::fmt;
 
 use super::{Engine, EngineError, Event, StepError};
 use crate::{
-    model::{Logits, Model, SequenceState, Step},
+    model::{Logits, Model, SequenceState, Step, delta::StateDelta},
     paged::layout::RowFormat,
 };
 
@@ -28,6 +33,36 @@ pub struct DecodeSeat {
     pub slot: usize,
     pub len: usize,
     pub token: u32,
+}
+
+/// A prompt chunk of a device's prompt step: `tokens` of the sequence in slot `slot`, the
+/// first at position `start` (the sequence's length before the chunk), with the logits rows
+/// `logits` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptChunk<'a> {
+    pub slot: usize,
+    pub start: usize,
+    pub tokens: &'a [u32],
+    pub logits: Logits,
+}
+
+impl PromptChunk<'_> {
+    /// Logits rows the chunk asks for.
+    pub fn rows(&self) -> usize {
+        match self.logits {
+            Logits::None => 0,
+            Logits::Last => usize::from(!self.tokens.is_empty()),
+            Logits::All => self.tokens.len(),
+        }
+    }
+}
+
+/// What a prompt step gives back for a chunk: its logits rows (as its `logits` asked) and
+/// what it added to the sequence's state, which the engine stores in the sequence's pages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptOut {
+    pub logits: Vec<Vec<f32>>,
+    pub delta: StateDelta,
 }
 
 /// What a decode step gives back for a sequence.
@@ -129,18 +164,36 @@ pub trait DecodeDevice: Send + fmt::Debug {
     fn last_run(&self) -> Option<DeviceRun> {
         None
     }
+
+    /// The most consecutive prompt tokens of one sequence a [`Self::prompt_step`] takes; 0
+    /// (this default) where it steps decode tokens only and prompts compute on the host.
+    fn prompt_chunk(&self) -> usize {
+        0
+    }
+
+    /// One step of prompt chunks, at most one per sequence and at most
+    /// [`Self::prompt_chunk`] tokens each: every chunk's logits rows and state delta, in
+    /// order. After an error the chunks' sequences' states are lost.
+    fn prompt_step(&mut self, chunks: &[PromptChunk<'_>]) -> Result<Vec<PromptOut>, DeviceError> {
+        Err(DeviceError::device(format!(
+            "{} steps no prompts ({} chunks asked)",
+            self.name(),
+            chunks.len()
+        )))
+    }
 }
 
 /// An attached device and its free slots.
 #[derive(Debug)]
 pub(super) struct OnDevice {
-    device: Box<dyn DecodeDevice>,
+    pub(super) device: Box<dyn DecodeDevice>,
     /// Free slots, the next one last.
     free: Vec<usize>,
 }
 
 impl Engine {
-    /// Steps every decode token on `device` from now on (prompts still compute here). Refused
+    /// Steps every decode token on `device` from now on, and every prompt chunk where the
+    /// device steps prompts ([`DecodeDevice::prompt_chunk`]; otherwise they compute here). Refused
     /// when the device cannot hold every request the engine runs at once, or the longest one,
     /// when it rounds K=V rows to another form than the engine stores them in, when the model
     /// is one rank of a group, or while requests run.
@@ -186,6 +239,12 @@ impl Engine {
         Ok(())
     }
 
+    /// The most prompt tokens of a sequence the attached device steps at once (0: prompts
+    /// compute on the host).
+    pub(super) fn device_prompt_chunk(&self) -> usize {
+        self.device.as_ref().map_or(0, |d| d.device.prompt_chunk())
+    }
+
     /// The attached decode device's name, if one is attached.
     pub fn decode_device(&self) -> Option<&str> {
         self.device.as_ref().map(|d| d.device.name())
@@ -205,6 +264,43 @@ impl Engine {
         }
     }
 
+    /// Running request `i`'s slot on the device: the one it holds, or a free one its state
+    /// (its pages': a prompt's cached prefix, or a prompt's whole state) is loaded into
+    /// first, which it then keeps until it leaves.
+    pub(super) fn seat(&mut self, i: usize) -> Result<usize, StepError> {
+        let Some(d) = self.device.as_mut() else {
+            return Err(StepError::Forward(
+                "no decode device is attached".to_owned(),
+            ));
+        };
+        let r = &mut self.running[i];
+        if let Some(slot) = r.slot {
+            return Ok(slot);
+        }
+        let Some(slot) = d.free.pop() else {
+            return Err(StepError::Forward("no free decode slot".to_owned()));
+        };
+        let loaded = self
+            .store
+            .gather(&r.seq)
+            .map_err(StepError::from)
+            .and_then(|state| {
+                d.device.load(slot, &state).map_err(|e| {
+                    StepError::Forward(format!("{}: loading a state: {e}", d.device.name()))
+                })
+            });
+        match loaded {
+            Ok(()) => {
+                r.slot = Some(slot);
+                Ok(slot)
+            }
+            Err(e) => {
+                d.free.push(slot);
+                Err(e)
+            }
+        }
+    }
+
     /// One decode token of each running request of `seated` on the device: those not there yet
     /// are loaded first (their state read from their pages), the logits come back and are
     /// sampled here. A failed load fails its request; a failed step fails every request of it.
@@ -214,39 +310,18 @@ impl Engine {
         events: &mut Vec<Event>,
         failed: &mut Vec<(usize, StepError)>,
     ) {
-        let Some(d) = self.device.as_mut() else {
-            let e = StepError::Forward("no decode device is attached".to_owned());
-            failed.extend(seated.iter().map(|&i| (i, e.clone())));
-            return;
-        };
         let mut seats = Vec::with_capacity(seated.len());
         let mut stepping = Vec::with_capacity(seated.len());
         for &i in seated {
-            let r = &mut self.running[i];
-            if r.slot.is_none() {
-                let Some(slot) = d.free.pop() else {
-                    failed.push((i, StepError::Forward("no free decode slot".to_owned())));
+            let slot = match self.seat(i) {
+                Ok(slot) => slot,
+                Err(e) => {
+                    failed.push((i, e));
                     continue;
-                };
-                let loaded = self
-                    .store
-                    .gather(&r.seq)
-                    .map_err(StepError::from)
-                    .and_then(|state| {
-                        d.device.load(slot, &state).map_err(|e| {
-                            StepError::Forward(format!("{}: loading a state: {e}", d.device.name()))
-                        })
-                    });
-                match loaded {
-                    Ok(()) => r.slot = Some(slot),
-                    Err(e) => {
-                        d.free.push(slot);
-                        failed.push((i, e));
-                        continue;
-                    }
                 }
-            }
-            let (Some(slot), Some(&token)) = (r.slot, r.tokens.get(r.seq.len)) else {
+            };
+            let r = &self.running[i];
+            let Some(&token) = r.tokens.get(r.seq.len) else {
                 failed.push((i, StepError::Forward("no token to decode".to_owned())));
                 continue;
             };
@@ -257,6 +332,9 @@ impl Engine {
             });
             stepping.push(i);
         }
+        let Some(d) = self.device.as_mut() else {
+            return;
+        };
         if stepping.is_empty() {
             return;
         }
@@ -334,6 +412,8 @@ pub struct HostDecodeDevice {
     model: Model,
     states: Vec<Option<SequenceState>>,
     max_tokens: usize,
+    /// Prompt tokens of a sequence a step takes (0: none).
+    prompt_chunk: usize,
 }
 
 impl HostDecodeDevice {
@@ -343,6 +423,43 @@ impl HostDecodeDevice {
             model,
             states: vec![None; slots],
             max_tokens,
+            prompt_chunk: 0,
+        }
+    }
+
+    /// The same that also steps prompt chunks of up to `chunk` tokens (the engine's forward
+    /// over a slot's state; the delta taken from the state after it).
+    #[must_use]
+    pub fn with_prompts(mut self, chunk: usize) -> Self {
+        self.prompt_chunk = chunk;
+        self
+    }
+
+    /// Takes the states of the `(slot, len)` sequences out of their slots (put back by
+    /// [`Self::put_back`]), refusing a slot that holds no sequence of that length.
+    fn take(&mut self, seats: &[(usize, usize)]) -> Result<Vec<SequenceState>, DeviceError> {
+        let mut taken = Vec::with_capacity(seats.len());
+        for &(slot, len) in seats {
+            // A state of another length stays where it is.
+            let state = self
+                .states
+                .get_mut(slot)
+                .filter(|s| s.as_ref().is_some_and(|s| s.len == len))
+                .and_then(Option::take);
+            let Some(state) = state else {
+                self.put_back(seats, taken);
+                return Err(DeviceError::device(format!(
+                    "slot {slot} holds no sequence of {len} tokens"
+                )));
+            };
+            taken.push(state);
+        }
+        Ok(taken)
+    }
+
+    fn put_back(&mut self, seats: &[(usize, usize)], states: Vec<SequenceState>) {
+        for (state, &(slot, _)) in states.into_iter().zip(seats) {
+            self.states[slot] = Some(state);
         }
     }
 }
@@ -374,21 +491,8 @@ impl DecodeDevice for HostDecodeDevice {
     }
 
     fn step(&mut self, seats: &[DecodeSeat]) -> Result<Vec<Vec<f32>>, DeviceError> {
-        let mut taken = Vec::with_capacity(seats.len());
-        for seat in seats {
-            let state = self
-                .states
-                .get_mut(seat.slot)
-                .and_then(Option::take)
-                .filter(|s| s.len == seat.len)
-                .ok_or_else(|| {
-                    DeviceError::device(format!(
-                        "slot {} holds no sequence of {} tokens",
-                        seat.slot, seat.len
-                    ))
-                })?;
-            taken.push(state);
-        }
+        let at: Vec<(usize, usize)> = seats.iter().map(|s| (s.slot, s.len)).collect();
+        let mut taken = self.take(&at)?;
         let out = {
             let mut batch: Vec<Step<'_>> = taken
                 .iter_mut()
@@ -402,13 +506,48 @@ impl DecodeDevice for HostDecodeDevice {
             self.model.forward_batch(&mut batch)
         };
         let out = out.map_err(DeviceError::device)?;
-        for (state, seat) in taken.into_iter().zip(seats) {
-            self.states[seat.slot] = Some(state);
-        }
+        self.put_back(&at, taken);
         Ok(out
             .into_iter()
             .map(|mut rows| rows.pop().unwrap_or_default())
             .collect())
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        self.prompt_chunk
+    }
+
+    fn prompt_step(&mut self, chunks: &[PromptChunk<'_>]) -> Result<Vec<PromptOut>, DeviceError> {
+        if let Some(c) = chunks.iter().find(|c| c.tokens.len() > self.prompt_chunk) {
+            return Err(DeviceError::device(format!(
+                "a chunk of {} tokens, at most {}",
+                c.tokens.len(),
+                self.prompt_chunk
+            )));
+        }
+        let at: Vec<(usize, usize)> = chunks.iter().map(|c| (c.slot, c.start)).collect();
+        let mut taken = self.take(&at)?;
+        let out = {
+            let mut batch: Vec<Step<'_>> = taken
+                .iter_mut()
+                .zip(chunks)
+                .map(|(state, c)| Step {
+                    state,
+                    tokens: c.tokens,
+                    logits: c.logits,
+                })
+                .collect();
+            self.model.forward_batch(&mut batch)
+        };
+        let out = out.map_err(DeviceError::device)?;
+        let mut outs = Vec::with_capacity(chunks.len());
+        for ((state, c), logits) in taken.iter().zip(chunks).zip(out) {
+            let delta =
+                StateDelta::of(state, c.start, &self.model.config).map_err(DeviceError::device)?;
+            outs.push(PromptOut { logits, delta });
+        }
+        self.put_back(&at, taken);
+        Ok(outs)
     }
 
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {

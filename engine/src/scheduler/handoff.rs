@@ -101,6 +101,36 @@ pub(super) fn layer_part(
     Ok((!writes.is_empty()).then_some(Event::StatePart { id: r.id, writes }))
 }
 
+/// After a device computed positions `range` of a prefill-only request and what it added was
+/// stored in the request's pages: the pages the range touched, whole (every layer's rows of
+/// them are final up to `range.end`), and after the prompt's last chunk the slot.
+pub(super) fn chunk_part(
+    store: &PagedStore,
+    r: &Running,
+    range: &Range<usize>,
+) -> Result<Option<Event>, PoolError> {
+    if range.is_empty() {
+        return Ok(None);
+    }
+    let ps = store.layout.page_size;
+    let mut writes = Vec::new();
+    for page in range.start / ps..=(range.end - 1) / ps {
+        writes.push(StateWrite {
+            page: Some(page),
+            offset: 0,
+            bytes: store.pages().page(r.seq.pages[page])?.to_vec(),
+        });
+    }
+    if range.end == r.prompt_len {
+        writes.push(StateWrite {
+            page: None,
+            offset: 0,
+            bytes: store.slots().page(r.seq.slot)?.to_vec(),
+        });
+    }
+    Ok(Some(Event::StatePart { id: r.id, writes }))
+}
+
 /// Pages reserved for a request whose prompt state another worker writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reservation {

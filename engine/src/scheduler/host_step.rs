@@ -11,6 +11,7 @@ impl Engine {
     pub(super) fn plan_step(&self) -> Vec<(usize, std::ops::Range<usize>, Logits)> {
         let ps = self.config.page_size;
         let mut budget = self.config.max_batch_tokens.max(1);
+        let device_chunk = self.device_prompt_chunk();
         let mut plan = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
             if r.seq.len >= r.prompt_len && budget > 0 {
@@ -28,6 +29,15 @@ impl Engine {
                 // Cut at a page boundary so the completed blocks can be cached.
                 if end < r.prompt_len && (end / ps) * ps > start {
                     end = (end / ps) * ps;
+                }
+                // A device's prompt step takes at most its chunk of a sequence, and (with the
+                // prefix cache) no page boundary inside it: the blocks it completes are cached
+                // from the state at the chunk's end, the only state it sends back.
+                if device_chunk > 0 {
+                    end = end.min(start + device_chunk);
+                    if self.config.prefix_cache {
+                        end = end.min((start / ps + 1) * ps);
+                    }
                 }
                 budget -= end - start;
                 let logits = if r.prompt_logprobs.is_some() {
