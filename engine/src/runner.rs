@@ -377,8 +377,8 @@ fn start_single(
 }
 
 /// [`start_with_backend`] for an engine whose decode steps run whole on the device
-/// `open_decode` opens (one rank; no backend attached: prompts, if any reach it, compute on the
-/// host reference).
+/// `open_decode` opens (one rank; no backend attached: prompts compute there too where it steps
+/// them, on the host reference otherwise).
 fn start_decoding_on_device(
     mut model: crate::model::Model,
     config: crate::scheduler::EngineConfig,
@@ -402,7 +402,11 @@ fn start_decoding_on_device(
     model.set_kv_storage(config.kv);
     let device = open_decode(&model, &config)?;
     let backend_plan = BackendPlan {
-        backend: format!("{} (the whole decode step on the device)", device.name()),
+        backend: if device.prompt_chunk() > 0 {
+            format!("{} (whole steps on the device)", device.name())
+        } else {
+            format!("{} (the whole decode step on the device)", device.name())
+        },
         on_device: Op::ALL.to_vec(),
         on_cpu: Vec::new(),
     };

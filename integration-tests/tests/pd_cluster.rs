@@ -381,10 +381,12 @@ fn the_advertised_context_is_what_the_decode_pools_hold() {
 /// slots of device arenas, each kernel by its CPU reference) answers what the in-process engine
 /// answers, token for token and logprob for logprob, with the prompts' states arriving over
 /// the transport into its reserved pages and loaded into its slots, its steps replayed as graphs
-/// would replay them (`--decode-graphs`: plan pass, then launch pass); its start-up log names
-/// the device plan. A prefill worker refuses the emulated backend.
+/// would replay them (`--decode-graphs`: plan pass, then launch pass); the prefill worker on
+/// the emulated device too (its prompts in chunks of a page through the device step, the
+/// state it sends stored from what each chunk added); their start-up logs name the device
+/// plans. The emulated backend with hybrid is refused.
 #[test]
-fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
+fn workers_on_the_emulated_device_answer_as_the_engine() {
     let local = start_router(&["--model-dir", &model_arg()], true);
     let mut command = integration_tests::pd::worker_command(
         "pdserve-decode",
@@ -402,7 +404,12 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
     // Its start-up plan is logged at info.
     command.env("PDSERVE_LOG", "info");
     let mut decode = integration_tests::Service::start(command);
-    let prefill = worker("pdserve-prefill", &["--page-size", "16"]);
+    let mut command = integration_tests::pd::worker_command(
+        "pdserve-prefill",
+        &["--page-size", "16", "--backend", "emulated"],
+    );
+    command.env("PDSERVE_LOG", "info");
+    let mut prefill = integration_tests::Service::start(command);
     let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
     let (a, b) = (local.addr("http"), router.addr("http"));
     for (i, words) in [0usize, 9, 61, 130].into_iter().enumerate() {
@@ -420,9 +427,18 @@ fn a_decode_worker_on_the_emulated_device_answers_as_the_engine() {
         log.contains("emulated, graphs (the whole decode step on the device)"),
         "{log}"
     );
+    prefill.terminate();
+    let log = prefill.stderr();
+    assert!(
+        log.contains("emulated, prompt chunks of 16 (whole steps on the device)"),
+        "{log}"
+    );
 
     let (status, _, stderr) = integration_tests::run_to_exit(
-        integration_tests::pd::worker_command("pdserve-prefill", &["--backend", "emulated"]),
+        integration_tests::pd::worker_command(
+            "pdserve-prefill",
+            &["--backend", "emulated", "--hybrid", "true"],
+        ),
         Duration::from_secs(60),
     );
     assert!(!status.success());

@@ -176,8 +176,8 @@ pub fn open_rank(
         BackendKind::Cuda => open_cuda(dir, config, rank),
         BackendKind::Emulated => Err(BackendError::Unavailable {
             backend: "emulated".to_owned(),
-            reason: "it runs the decode step of a decode worker of one rank, without hybrid; \
-                     a prefill worker or a group of ranks uses cpu or cuda"
+            reason: "it runs whole steps of one rank on the device, without hybrid; hybrid \
+                     or a group of ranks uses cpu or cuda"
                 .to_owned(),
         }),
     }
@@ -230,10 +230,12 @@ pub enum EngineWork {
 }
 
 /// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
-/// `hybrid` letting ops the backend does not run stay on the CPU. A decode-only engine of one
-/// rank on `cuda` without `hybrid` runs every decode step whole on the GPU
+/// `hybrid` letting ops the backend does not run stay on the CPU. An engine of one rank on
+/// `cuda` (or `emulated`) without `hybrid` runs whole steps on the GPU
 /// ([`crate::step::decoder::StepDecoder`]: weights and state on the device, tokens in, logits
-/// out); `hybrid` keeps the per-op path, for debugging. On GPUs, rank r opens GPU r of those
+/// out): every decode step, and an engine that computes prompts (not decode-only) its prompt
+/// chunks too, [`prompt_chunk`] tokens of a sequence at a time; `hybrid` keeps the per-op
+/// path, for debugging. On GPUs, rank r opens GPU r of those
 /// the process sees (`CUDA_VISIBLE_DEVICES`), holds the routed experts only when its group does
 /// not spread them (expert parallelism or slicing computes them), and its groups exchange over
 /// NCCL. How far the weights check is shows in `progress` while this runs.
@@ -278,7 +280,11 @@ pub fn start_engine(
             },
         ),
     };
-    let decode_step = decode_only && !hybrid && group.ranks() == 1;
+    // One rank without hybrid on a device runs whole steps there: decode tokens, and the
+    // prompt chunks of an engine that computes prompts.
+    let device_step = !hybrid && group.ranks() == 1;
+    let decode_step = decode_only && device_step;
+    let prompts = (!decode_only).then(|| prompt_chunk(&config));
     for (asked, what) in [
         (step.fast_attention, "fast decode attention"),
         (step.fast_experts, "fast decode experts"),
@@ -299,11 +305,11 @@ pub fn start_engine(
         }
     }
     let cuda_decode = |model: &engine::model::Model, config: &engine::scheduler::EngineConfig| {
-        open_cuda_decode(model, config, step)
+        open_cuda_decode(model, config, step, prompts)
     };
     let emulated_decode = |model: &engine::model::Model,
                            config: &engine::scheduler::EngineConfig| {
-        open_emulated_decode(model, config, step)
+        open_emulated_decode(model, config, step, prompts)
     };
     let devices = engine::runner::RankDevices {
         open: &open,
@@ -313,8 +319,8 @@ pub fn start_engine(
             _ => None,
         },
         decode: match kind {
-            BackendKind::Cuda if decode_step => Some(&cuda_decode),
-            BackendKind::Emulated if decode_step => Some(&emulated_decode),
+            BackendKind::Cuda if device_step => Some(&cuda_decode),
+            BackendKind::Emulated if device_step => Some(&emulated_decode),
             _ => None,
         },
     };
@@ -337,6 +343,17 @@ struct StepOptions {
     /// Steps replayed as graphs (`crate::step::replay`).
     graphs: bool,
 }
+
+/// The most prompt tokens of a sequence an engine's device step takes at once: a page (so
+/// each chunk completes at most one block, cached from the state at its end), at most
+/// [`PROMPT_CHUNK_MOST`].
+pub fn prompt_chunk(config: &engine::scheduler::EngineConfig) -> usize {
+    config.page_size.clamp(1, PROMPT_CHUNK_MOST)
+}
+
+/// The longest prompt chunk a device step takes: each slot's window ring holds this many rows
+/// more than the sliding window.
+pub const PROMPT_CHUNK_MOST: usize = 256;
 
 /// Tokens a decode slot holds: the longest request the engine's page pool and the model admit.
 pub fn slot_tokens(model: &ModelConfig, config: &engine::scheduler::EngineConfig) -> usize {
@@ -366,6 +383,7 @@ fn open_emulated_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
     step: StepOptions,
+    prompts: Option<usize>,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     use crate::step::{decoder::StepDecoder, emulated::EmulatedKernels};
     let unavailable = |e: String| BackendError::Unavailable {
@@ -376,6 +394,11 @@ fn open_emulated_decode(
     let shape = (config.max_running, slot_tokens(&model.config, config));
     let mut decoder = StepDecoder::new("emulated", kernels, model, shape, |_, _| Ok(()))
         .map_err(|e| unavailable(e.to_string()))?;
+    if let Some(chunk) = prompts {
+        decoder = decoder
+            .with_prompts(chunk, |_, _| Ok(()))
+            .map_err(|e| unavailable(e.to_string()))?;
+    }
     if step.fast_attention {
         decoder = decoder
             .with_fast_attention()
@@ -402,6 +425,7 @@ fn open_cuda_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
     step: StepOptions,
+    prompts: Option<usize>,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     use crate::{
         cuda::{CudaKernels, Gpu},
@@ -420,6 +444,16 @@ fn open_cuda_decode(
     };
     let mut decoder = StepDecoder::new("cuda", CudaKernels::new(gpu), model, (slots, tokens), room)
         .map_err(cuda_unavailable)?;
+    if let Some(chunk) = prompts {
+        // What the chunk's longer rings add, checked as the arenas were.
+        let room = |k: &CudaKernels, bytes: usize| {
+            let memory = k.gpu.memory()?;
+            check_arena_room(bytes, memory).map_err(crate::cuda::KernelError::from)
+        };
+        decoder = decoder
+            .with_prompts(chunk, room)
+            .map_err(cuda_unavailable)?;
+    }
     if step.fast_attention {
         decoder = decoder.with_fast_attention().map_err(cuda_unavailable)?;
     }
@@ -445,6 +479,7 @@ fn open_cuda_decode(
     _: &engine::model::Model,
     _: &engine::scheduler::EngineConfig,
     _: StepOptions,
+    _: Option<usize>,
 ) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
     Err(cuda_unavailable(
         "this binary was built without the CUDA backend (cargo feature `cuda`)",

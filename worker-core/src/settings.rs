@@ -164,10 +164,11 @@ pub struct WorkerSettings {
     /// decode worker also offers.
     pub transports: Vec<Transport>,
     /// Compute backend: `cpu` (the reference forward pass), `cuda` (builds with the `cuda`
-    /// feature: a one-GPU decode worker runs its whole decode step on the GPU; otherwise the
-    /// per-op path, which refuses to start unless `hybrid` is set), or `emulated` (a decode
-    /// worker's GPU decode step with each kernel computed by its CPU reference: slow, for
-    /// checking the device path without a GPU; refused elsewhere).
+    /// feature: a one-GPU worker without `hybrid` runs whole steps on the GPU, a decode
+    /// worker its decode steps, a prefill worker its prompts in chunks of a page; with `hybrid`
+    /// or a group of GPUs, the per-op path), or `emulated` (the same GPU steps with each kernel
+    /// computed by its CPU reference: slow, for checking the device path without a GPU; one
+    /// rank without hybrid).
     pub backend: BackendKind,
     /// Let the ops the backend does not run fall back to the CPU (logged at start). Off: a
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
@@ -486,7 +487,7 @@ pub struct WorkerFlags {
     #[arg(long = "transport", value_name = "NAME")]
     #[serde(rename = "transports", skip_serializing_if = "Vec::is_empty")]
     pub transports: Vec<String>,
-    /// Compute backend: cpu, cuda or emulated (decode workers).
+    /// Compute backend: cpu, cuda or emulated (one rank, without hybrid).
     #[arg(long, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,

@@ -8,11 +8,13 @@ use engine::{
     config::ModelConfig,
     model::{Model, SequenceState},
     paged::layout::RowFormat,
-    scheduler::{DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun},
+    scheduler::{
+        DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun, PromptChunk, PromptOut,
+    },
 };
 
 use super::{
-    decode::{Seat, decode_launch, read_logits, read_outputs},
+    decode::{Seat, decode_launch, prompt_step, read_logits, read_outputs},
     device_ops::{DBuf, DeviceStepOps},
     kernels::Kernels,
     layout::StateLayout,
@@ -34,6 +36,8 @@ pub struct StepDecoder<K: Kernels> {
     last: Option<DeviceRun>,
     /// Whether a state was ever loaded (graphs are turned on before).
     loaded: bool,
+    /// Whether it steps prompt chunks (of up to `layout.chunk` tokens).
+    prompts: bool,
 }
 
 impl<K: Kernels> std::fmt::Debug for StepDecoder<K> {
@@ -83,6 +87,7 @@ impl<K: Kernels> StepDecoder<K> {
             replays: None,
             last: None,
             loaded: false,
+            prompts: false,
         })
     }
 
@@ -122,6 +127,13 @@ impl<K: Kernels> StepDecoder<K> {
                 .to_owned()
                 .into());
         }
+        if self.prompts {
+            return Err(
+                "graphs replay the decode steps of a device that steps no prompts"
+                    .to_owned()
+                    .into(),
+            );
+        }
         let layout = self.layout.clone().with_shared_slot();
         // What the shared slot adds, checked while the old arenas still hold their bytes.
         let bytes = |layout: &StateLayout| -> usize {
@@ -139,6 +151,42 @@ impl<K: Kernels> StepDecoder<K> {
         self.arenas = self.layout.arenas(&self.ops)?;
         self.replays = Some(Replays::default());
         self.name = format!("{}, graphs", self.name);
+        Ok(self)
+    }
+
+    /// Steps prompt chunks of up to `chunk` tokens of a sequence too from now on
+    /// ([`DecodeDevice::prompt_step`], [`super::decode::prompt_step`]: the exact kernels, the
+    /// engine's bits): the arenas are laid out again for chunks (`StateLayout::chunked`: a
+    /// longer window ring, more unfinished compressor windows), once `room` says the bytes
+    /// they add fit; before any state is loaded, and without graphs.
+    pub fn with_prompts(
+        mut self,
+        chunk: usize,
+        room: impl FnOnce(&K, usize) -> Result<(), K::Error>,
+    ) -> Result<Self, K::Error> {
+        if self.loaded || self.replays.is_some() || chunk == 0 {
+            return Err(format!(
+                "prompt chunks ({chunk} tokens) are turned on before any state is loaded, \
+                 without graphs, for chunks of a token or more"
+            )
+            .into());
+        }
+        let l = &self.layout;
+        let layout = StateLayout::chunked(&self.config, (l.slots, l.tokens), self.kv_rows, chunk);
+        let bytes = |layout: &StateLayout| -> usize {
+            (0..self.config.layers.len())
+                .map(|l| 4 * layout.arena_len(l))
+                .sum()
+        };
+        room(
+            self.ops.kernels().inner(),
+            bytes(&layout).saturating_sub(bytes(&self.layout)),
+        )?;
+        self.arenas = Vec::new();
+        self.layout = layout;
+        self.arenas = self.layout.arenas(&self.ops)?;
+        self.prompts = true;
+        self.name = format!("{}, prompt chunks of {chunk}", self.name);
         Ok(self)
     }
 
@@ -270,6 +318,65 @@ where
 
     fn last_run(&self) -> Option<DeviceRun> {
         self.last
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        if self.prompts { self.layout.chunk } else { 0 }
+    }
+
+    /// The chunks' tokens as one step (each token a seat of its sequence's slot at its
+    /// position), the output head over the rows their logits ask for only; then each chunk's
+    /// delta read back from its slot.
+    fn prompt_step(&mut self, chunks: &[PromptChunk<'_>]) -> Result<Vec<PromptOut>, DeviceError> {
+        if !self.prompts {
+            return Err(DeviceError::device(format!(
+                "{} steps no prompts",
+                self.name
+            )));
+        }
+        let slots = self.layout.sequence_slots();
+        if let Some(c) = chunks.iter().find(|c| c.slot >= slots) {
+            return Err(DeviceError::device(format!(
+                "no slot {}: {slots} slots",
+                c.slot
+            )));
+        }
+        let (mut seats, mut tokens, mut wanted) = (Vec::new(), Vec::new(), Vec::new());
+        for c in chunks {
+            let first = tokens.len();
+            let n = c.tokens.len();
+            seats.extend((0..n).map(|i| Seat {
+                slot: c.slot,
+                len: c.start + i,
+            }));
+            tokens.extend_from_slice(c.tokens);
+            wanted.extend((n - c.rows()..n).map(|i| first + i));
+        }
+        self.loaded = true;
+        let shape = (&self.config, &self.layout);
+        let rows = prompt_step(
+            &self.ops,
+            shape.0,
+            shape.1,
+            &mut self.arenas,
+            &mut seats,
+            (&tokens, &wanted),
+        )
+        .map_err(DeviceError::device)?;
+        let mut rows = rows.into_iter();
+        let mut outs = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let to = c.start + c.tokens.len();
+            let delta = self
+                .layout
+                .read_delta(&self.ops, &self.arenas, c.slot, (c.start, to))
+                .map_err(DeviceError::device)?;
+            outs.push(PromptOut {
+                logits: rows.by_ref().take(c.rows()).collect(),
+                delta,
+            });
+        }
+        Ok(outs)
     }
 
     fn read(&mut self, slot: usize, len: usize) -> Result<SequenceState, DeviceError> {
@@ -455,6 +562,84 @@ mod tests {
             .forward(&mut state, &fed, engine::model::Logits::None)
             .unwrap();
         assert_eq!(held, state.normalized(&model.config));
+    }
+
+    /// Each request's events, in order.
+    fn by_request(events: &[Event]) -> std::collections::BTreeMap<u64, Vec<Event>> {
+        let mut out = std::collections::BTreeMap::<u64, Vec<Event>>::new();
+        for e in events {
+            let id = match e {
+                Event::Token { id, .. }
+                | Event::Finished { id, .. }
+                | Event::Failed { id, .. }
+                | Event::PromptLogprobs { id, .. } => *id,
+                other => panic!("unexpected {other:?}"),
+            };
+            out.entry(id).or_default().push(e.clone());
+        }
+        out
+    }
+
+    /// An engine stepping prompt chunks and decode tokens on the device step (over the
+    /// kernels' CPU references) gives every request the events of the host forward: a prompt
+    /// longer than several chunks, one shorter than a chunk, prompt log-probabilities, and a
+    /// prompt that extends another's (its first blocks from the prefix cache, stored from the
+    /// device's deltas); slots are reused, and the device refuses graphs beside prompts.
+    #[test]
+    fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
+        let (_dir, mut model) = tiny(4);
+        let c = config();
+        let tokens = c.num_pages as usize * c.page_size;
+        let mut requests = requests(model.config.vocab_size);
+        requests[2].sampling.prompt_logprobs = Some(2);
+        let mut longer = requests[3].clone();
+        longer.id = 4;
+        longer.prompt.extend([5, 6, 7]);
+        requests.push(longer);
+        for (kv, chunk) in [(KvStorage::Fp8, 16), (KvStorage::F32, 7)] {
+            model.set_kv_storage(kv);
+            let c = EngineConfig { kv, ..c.clone() };
+            let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();
+            let want = run(&mut host, &requests[..4]);
+            host.add(requests[4].clone()).unwrap();
+            let want = [want, host.run_to_completion()].concat();
+            let kernels = EmulatedKernels::new(&model.config);
+            let decoder = StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(()))
+                .unwrap()
+                .with_prompts(chunk, |_, _| Ok(()))
+                .unwrap();
+            assert_eq!(decoder.prompt_chunk(), chunk);
+            let mut engine = Engine::new(model.replica(), c, "t").unwrap();
+            engine.set_decode_device(Box::new(decoder)).unwrap();
+            let got = run(&mut engine, &requests[..4]);
+            engine.add(requests[4].clone()).unwrap();
+            let got = [got, engine.run_to_completion()].concat();
+            let (want, got) = (by_request(&want), by_request(&got));
+            assert_eq!(want.len(), 5);
+            for (id, events) in &want {
+                assert_eq!(
+                    got.get(id),
+                    Some(events),
+                    "{kv:?}, chunk {chunk}: request {id}"
+                );
+            }
+            let cached = |events: &[Event]| match events.last() {
+                Some(Event::Finished { usage, .. }) => usage.cached_tokens,
+                other => panic!("{other:?}"),
+            };
+            assert!(
+                cached(&got[&4]) >= 32,
+                "the longer prompt's blocks came from the cache"
+            );
+            let store = engine.store();
+            assert_eq!(store.pages().used_count(), store.prefix().len());
+        }
+        let kernels = EmulatedKernels::new(&model.config);
+        let decoder = StepDecoder::new("emulated", kernels, &model, (3, 64), |_, _| Ok(()))
+            .unwrap()
+            .with_prompts(8, |_, _| Ok(()))
+            .unwrap();
+        assert!(decoder.with_graphs(|_, _| Ok(())).is_err());
     }
 
     /// A greedy sequence without log-probabilities gets its argmax from the device: a step of

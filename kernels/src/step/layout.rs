@@ -14,7 +14,12 @@
 
 use engine::{
     config::{Attention, ModelConfig},
-    model::{SequenceState, attention::AttentionState, compressor::CompressorState},
+    model::{
+        SequenceState,
+        attention::AttentionState,
+        compressor::CompressorState,
+        delta::{CompressorDelta, LayerDelta, StateDelta},
+    },
     paged::{codec, layout::RowFormat},
 };
 
@@ -355,15 +360,80 @@ impl StateLayout {
                 state.window.extend(unpack_kv_row(self.kv, &stored, hd));
             }
             if let Some(r) = &region.compressor {
-                state.compressor = Some(read_compressor(ops, arena, (r, self.kv), base, len)?);
+                let kv_rows = (r, self.kv);
+                state.compressor = Some(read_compressor(ops, arena, kv_rows, base, len, true)?);
             }
             if let Some(r) = &region.indexer {
                 let f32_rows = (r, RowFormat::F32);
-                state.indexer = Some(read_compressor(ops, arena, f32_rows, base, len)?);
+                state.indexer = Some(read_compressor(ops, arena, f32_rows, base, len, true)?);
             }
             layers.push(state);
         }
         Ok(SequenceState { len, layers })
+    }
+}
+
+impl StateLayout {
+    /// What a step over positions `from..to` added to slot `slot`'s state, in the engine's
+    /// form ([`StateDelta`]): those positions' K=V rows (still in the window ring: at most
+    /// `ring` of them), the rows of the windows they closed, and each compressor's slot part
+    /// at `to`. What a prompt chunk sends back, instead of the whole state.
+    pub fn read_delta<O: StepOps>(
+        &self,
+        ops: &O,
+        arenas: &[O::Buf],
+        slot: usize,
+        (from, to): (usize, usize),
+    ) -> Result<StateDelta, O::Error> {
+        if slot >= self.slots || from > to || to > self.tokens || to - from > self.ring {
+            return Err(format!(
+                "no delta of positions {from}..{to} in slot {slot} of {} ({} tokens, a ring of {})",
+                self.slots, self.tokens, self.ring
+            )
+            .into());
+        }
+        let hd = self.head_dim;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (l, (region, arena)) in self.layers.iter().zip(arenas).enumerate() {
+            let base = self.base(l, slot);
+            let mut layer = LayerDelta::default();
+            // The ring's rows of `from..to` in at most two runs (it may wrap).
+            let mut p = from;
+            while p < to {
+                let run = (to - p).min(self.ring - p % self.ring);
+                let at = self.window_row(l, slot, p) as usize;
+                let stored = ops.get(arena, at..at + run * self.kv_stride)?;
+                for row in stored.chunks_exact(self.kv_stride) {
+                    layer.window.extend(unpack_kv_row(self.kv, row, hd));
+                }
+                p += run;
+            }
+            let part = |r: &CompressorRegion, kv: RowFormat| -> Result<_, O::Error> {
+                let (first, last) = (from / r.ratio, to / r.ratio);
+                let rows = if last > first {
+                    let at = base + r.rows + first * r.stride;
+                    ops.get(arena, at..at + (last - first) * r.stride)?
+                } else {
+                    Vec::new()
+                };
+                let c = read_compressor(ops, arena, (r, kv), base, to, false)?;
+                Ok(CompressorDelta {
+                    rows: rows
+                        .chunks_exact(r.stride.max(1))
+                        .flat_map(|row| unpack_kv_row(kv, row, r.d))
+                        .collect(),
+                    pending: c.pending(),
+                })
+            };
+            if let Some(r) = &region.compressor {
+                layer.compressor = Some(part(r, self.kv)?);
+            }
+            if let Some(r) = &region.indexer {
+                layer.indexer = Some(part(r, RowFormat::F32)?);
+            }
+            layers.push(layer);
+        }
+        Ok(StateDelta { from, to, layers })
     }
 }
 
@@ -425,12 +495,14 @@ fn load_compressor<O: StepOps>(
     Ok(())
 }
 
+/// A compressor's state at `len` tokens: its slot part, and its rows where `with_rows`.
 fn read_compressor<O: StepOps>(
     ops: &O,
     arena: &O::Buf,
     (r, kv): (&CompressorRegion, RowFormat),
     base: usize,
     len: usize,
+    with_rows: bool,
 ) -> Result<CompressorState, O::Error> {
     let (rows, pending) = (len / r.ratio, len % r.ratio);
     let prev = if r.overlap && rows > 0 {
@@ -444,7 +516,11 @@ fn read_compressor<O: StepOps>(
         }
         ops.get(arena, base + offset..base + offset + n)
     };
-    let stored = at(r.rows, rows * r.stride)?;
+    let stored = if with_rows {
+        at(r.rows, rows * r.stride)?
+    } else {
+        Vec::new()
+    };
     Ok(CompressorState {
         rows: stored
             .chunks_exact(r.stride.max(1))
