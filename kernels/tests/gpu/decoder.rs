@@ -3,7 +3,8 @@
 //! forward: every token, its log-probabilities, the finishes, with requests arriving while
 //! others decode and slots reused. The same check over the kernels' CPU references runs in CI
 //! (`step::decoder`), so a failure here is a kernel that differs from its reference; and steps
-//! replayed as CUDA graphs give the eager steps' bits. Skips without a GPU (fails under
+//! replayed as CUDA graphs give the eager steps' bits. With the prompts stepped on the GPU too
+//! (a prefill worker on cuda), each request's events are the host forward's. Skips without a GPU (fails under
 //! `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, reason = "test code")]
@@ -34,6 +35,16 @@ fn run(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Event> {
     for r in &requests[3..] {
         engine.add(r.clone()).unwrap();
     }
+    events.extend(engine.run_to_completion());
+    events
+}
+
+/// [`run`] over all but the last request, then the last one alone (its prompt extends an
+/// earlier one's: its first blocks come from the prefix cache).
+fn run_then_last(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Event> {
+    let (last, first) = requests.split_last().unwrap();
+    let mut events = run(engine, first);
+    engine.add(last.clone()).unwrap();
     events.extend(engine.run_to_completion());
     events
 }
@@ -85,26 +96,58 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
             },
         })
         .collect();
+    // The last request's prompt extends the fourth's: its first blocks from the prefix cache.
+    let mut requests = requests;
+    let mut longer = requests[3].clone();
+    longer.id = 5;
+    longer.prompt.extend([5, 6, 7]);
+    longer.sampling.prompt_logprobs = Some(2);
+    requests.push(longer);
     let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
-    let want = run(&mut host, &requests);
+    let want = run_then_last(&mut host, &requests);
     let tokens = config.num_pages as usize * config.page_size;
-    // And with its steps replayed as CUDA graphs.
-    for graphs in [false, true] {
+    // And with its steps replayed as CUDA graphs; and with its prompts stepped on the GPU too
+    // (chunks of a page, what a prefill worker on cuda runs): then the steps differ from the
+    // host's, and each request's events are compared.
+    for (graphs, prompts) in [(false, false), (true, false), (false, true)] {
         let kernels = CudaKernels::new(Arc::clone(&gpu));
         let mut decoder =
             StepDecoder::new("cuda", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
         if graphs {
             decoder = decoder.with_graphs(|_, _| Ok(())).unwrap();
         }
+        if prompts {
+            decoder = decoder.with_prompts(16, |_, _| Ok(())).unwrap();
+        }
         let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
         engine.set_decode_device(Box::new(decoder)).unwrap();
-        let got = run(&mut engine, &requests);
+        let got = run_then_last(&mut engine, &requests);
         assert_eq!(got.len(), want.len());
-        for (g, w) in got.iter().zip(&want) {
-            assert_eq!(g, w, "graphs {graphs}");
+        if prompts {
+            assert_eq!(by_request(&got), by_request(&want), "prompts on the GPU");
+        } else {
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(g, w, "graphs {graphs}");
+            }
         }
     }
     assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
+}
+
+/// Each request's events, in order.
+fn by_request(events: &[Event]) -> std::collections::BTreeMap<u64, Vec<Event>> {
+    let mut out = std::collections::BTreeMap::<u64, Vec<Event>>::new();
+    for e in events {
+        let id = match e {
+            Event::Token { id, .. }
+            | Event::Finished { id, .. }
+            | Event::Failed { id, .. }
+            | Event::PromptLogprobs { id, .. } => *id,
+            other => panic!("unexpected {other:?}"),
+        };
+        out.entry(id).or_default().push(e.clone());
+    }
+    out
 }
 
 /// Steps replayed as CUDA graphs (`graph_step`: a signature's second sighting recorded by

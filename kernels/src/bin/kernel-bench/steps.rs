@@ -90,6 +90,7 @@ pub fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
         });
     }
     rows.push(device_prefill(&cpu, &prompt)?);
+    rows.push(device_prefill_read_back(&cpu, &prompt)?);
     rows.extend(device_steps(&cpu, &prefilled, prompt.len())?);
     Ok(rows)
 }
@@ -136,6 +137,74 @@ fn device_prefill(model: &engine::model::Model, prompt: &[u32]) -> Result<StepRo
     Ok(StepRow {
         what: format!(
             "device prefill, small model, {} tokens in chunks of {CHUNK} (exact step)",
+            prompt.len()
+        ),
+        seconds: per,
+        rate: prompt.len() as f64 / per,
+        unit: "tok/s",
+    })
+}
+
+/// [`device_prefill`] as an engine runs it (`StepDecoder::with_prompts`, the
+/// `DecodeDevice::prompt_step` a prefill worker on cuda calls): after each step every chunk's
+/// delta is read back to the host for its pages. Beside the row above, what the read-back costs.
+fn device_prefill_read_back(
+    model: &engine::model::Model,
+    prompt: &[u32],
+) -> Result<StepRow, KernelError> {
+    use engine::{
+        model::Logits,
+        scheduler::{DecodeDevice, PromptChunk},
+    };
+    use kernels::{cuda::CudaKernels, step::decoder::StepDecoder};
+    const CHUNK: usize = 64;
+    let sequences = 8usize;
+    let fail = |e: String| KernelError::Checkpoint(e);
+    let gpu = Arc::new(Gpu::open()?.ok_or_else(|| KernelError::Unsupported("no device".into()))?);
+    let shape = (sequences, prompt.len() + 1);
+    let mut decoder = StepDecoder::new("cuda", CudaKernels::new(gpu), model, shape, |_, _| Ok(()))?
+        .with_prompts(CHUNK, |_, _| Ok(()))?;
+    let empty = model.new_state();
+    for slot in 0..sequences {
+        decoder
+            .load(slot, &empty)
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    // Each sequence's first token its own, as the engine rows' prompts.
+    let prompts: Vec<Vec<u32>> = (0..sequences)
+        .map(|slot| {
+            let mut p = prompt.to_vec();
+            p[0] = slot as u32;
+            p
+        })
+        .collect();
+    let start = Instant::now();
+    for from in (0..prompt.len()).step_by(CHUNK) {
+        let to = (from + CHUNK).min(prompt.len());
+        let logits = if to == prompt.len() {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        let chunks: Vec<PromptChunk<'_>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(slot, p)| PromptChunk {
+                slot,
+                start: from,
+                tokens: &p[from..to],
+                logits,
+            })
+            .collect();
+        decoder
+            .prompt_step(&chunks)
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    let per = start.elapsed().as_secs_f64() / sequences as f64;
+    Ok(StepRow {
+        what: format!(
+            "device prefill, small model, {} tokens in chunks of {CHUNK} (exact step, deltas \
+             read back)",
             prompt.len()
         ),
         seconds: per,
