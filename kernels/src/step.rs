@@ -238,6 +238,11 @@ pub trait StepOps {
     fn put_idx(&self, values: &[i32]) -> Result<Self::Idx, Self::Error>;
     /// `range` of `buf` to the host (the logits; or state, outside a step).
     fn get(&self, buf: &Self::Buf, range: Range<usize>) -> Result<Vec<f32>, Self::Error>;
+    /// Several ranges (each of its buffer) to the host at once (a state's pieces read back
+    /// after a step: one crossing on a device).
+    fn get_many(&self, parts: &[(&Self::Buf, Range<usize>)]) -> Result<Vec<Vec<f32>>, Self::Error> {
+        parts.iter().map(|(b, r)| self.get(b, r.clone())).collect()
+    }
     /// For each of `rows` rows of `width` values, the index of its largest finite value (ties
     /// to the lowest) and of its first value that is not finite (-1 for none): `[rows, 2]`.
     fn argmax_rows(

@@ -125,3 +125,38 @@ impl DevicePages {
         Ok(start..start + self.page_bytes)
     }
 }
+
+impl Gpu {
+    /// Several ranges (each of its buffer) to the host with one wait: gathered on the device
+    /// into one buffer (copies queued on the stream, none waited for), then that buffer
+    /// copied down. A state's pieces read back after a step cross once, not once each.
+    pub fn read_ranges(
+        &self,
+        parts: &[(&CudaSlice<f32>, std::ops::Range<usize>)],
+    ) -> Result<Vec<Vec<f32>>, KernelError> {
+        let total: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        if total == 0 {
+            return Ok(vec![Vec::new(); parts.len()]);
+        }
+        let mut staging = self.stream.alloc_zeros::<f32>(total)?;
+        let mut at = 0;
+        for (b, r) in parts.iter().filter(|(_, r)| !r.is_empty()) {
+            let src = b
+                .try_slice(r.clone())
+                .ok_or_else(|| KernelError::Shape("read_ranges: past a buffer".into()))?;
+            let mut dst = staging.slice_mut(at..at + r.len());
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+            at += r.len();
+        }
+        let flat = self.stream.clone_dtoh(&staging)?;
+        let mut at = 0;
+        Ok(parts
+            .iter()
+            .map(|(_, r)| {
+                let part = flat[at..at + r.len()].to_vec();
+                at += r.len();
+                part
+            })
+            .collect())
+    }
+}

@@ -187,6 +187,13 @@ impl Kernels for CudaKernels {
         Ok(self.gpu.stream.clone_dtoh(&b.slice(range))?)
     }
 
+    fn read_many(
+        &self,
+        parts: &[(&CudaSlice<f32>, Range<usize>)],
+    ) -> Result<Vec<Vec<f32>>, KernelError> {
+        self.gpu.read_ranges(parts)
+    }
+
     fn read_i(&self, b: &CudaSlice<i32>, range: Range<usize>) -> Result<Vec<i32>, KernelError> {
         let view = b
             .try_slice(range)

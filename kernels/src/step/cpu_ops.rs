@@ -224,6 +224,16 @@ impl StepOps for CpuStepOps<'_> {
         Ok(buf.get(range).ok_or_else(|| short("get"))?.to_vec())
     }
 
+    fn get_many(&self, parts: &[(&Vec<f32>, Range<usize>)]) -> Result<Vec<Vec<f32>>, ShapeError> {
+        let values: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        let (calls, total) = self.reads.get();
+        self.reads.set((calls + 1, total + values));
+        parts
+            .iter()
+            .map(|(b, r)| Ok(b.get(r.clone()).ok_or_else(|| short("get_many"))?.to_vec()))
+            .collect()
+    }
+
     fn argmax_rows(&self, x: &Vec<f32>, rows: usize, width: usize) -> Result<Vec<i32>, ShapeError> {
         let x = x.get(..rows * width).ok_or_else(|| short("argmax_rows"))?;
         Ok(x.chunks_exact(width.max(1))

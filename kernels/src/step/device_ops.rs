@@ -305,6 +305,18 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         self.k.write(buf, offset, values)
     }
 
+    fn get_many(&self, parts: &[(&DBuf<K>, Range<usize>)]) -> Result<Vec<Vec<f32>>, K::Error> {
+        if parts
+            .iter()
+            .any(|(b, r)| r.end > K::f_len(b) || r.start > r.end)
+        {
+            return Err("get_many: past a buffer".to_owned().into());
+        }
+        let parts: Vec<(&K::F, Range<usize>)> =
+            parts.iter().map(|(b, r)| (&***b, r.clone())).collect();
+        self.k.read_many(&parts)
+    }
+
     fn put_idx(&self, values: &[i32]) -> Result<DIdx<K>, K::Error> {
         let mut buf = self.alloc_i(values.len())?;
         if !values.is_empty() {

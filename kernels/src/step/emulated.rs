@@ -237,6 +237,21 @@ impl Kernels for EmulatedKernels {
         b.get(range).map(<[f32]>::to_vec).ok_or_else(|| err("read"))
     }
 
+    /// One read, as a device's gathered read-back crosses once.
+    fn read_many(&self, parts: &[(&Vec<f32>, Range<usize>)]) -> Result<Vec<Vec<f32>>, ShapeError> {
+        let values: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        let (calls, total) = self.reads.get();
+        self.reads.set((calls + 1, total + values));
+        parts
+            .iter()
+            .map(|(b, r)| {
+                b.get(r.clone())
+                    .map(<[f32]>::to_vec)
+                    .ok_or_else(|| err("read_many"))
+            })
+            .collect()
+    }
+
     fn read_i(&self, b: &Vec<i32>, range: Range<usize>) -> Result<Vec<i32>, ShapeError> {
         let (calls, values) = self.reads.get();
         self.reads.set((calls + 1, values + range.len()));

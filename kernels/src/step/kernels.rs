@@ -124,6 +124,14 @@ pub trait Kernels {
     /// Host offsets into the start of `dst` (a kept plan buffer at least that long).
     fn write_l(&self, dst: &mut Self::L, v: &[i64]) -> Result<(), Self::Error>;
     fn read(&self, b: &Self::F, range: std::ops::Range<usize>) -> Result<Vec<f32>, Self::Error>;
+    /// Several ranges (each of its buffer) to the host as one read: a state read back after a
+    /// step (its pieces are many and small; a device gathers them and crosses once).
+    fn read_many(
+        &self,
+        parts: &[(&Self::F, std::ops::Range<usize>)],
+    ) -> Result<Vec<Vec<f32>>, Self::Error> {
+        parts.iter().map(|(b, r)| self.read(b, r.clone())).collect()
+    }
     /// `range` of an index buffer to the host (the step's argmaxes).
     fn read_i(&self, b: &Self::I, range: std::ops::Range<usize>) -> Result<Vec<i32>, Self::Error>;
     /// A whole index buffer to the host (tests and debugging; a step reads none).

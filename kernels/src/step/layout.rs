@@ -12,12 +12,14 @@
 //! The engine's `SequenceState` is loaded into a slot (the state a prefill hands to decode) and
 //! read back from it (to compare).
 
+use std::ops::Range;
+
 use engine::{
     config::{Attention, ModelConfig},
     model::{
         SequenceState,
         attention::AttentionState,
-        compressor::CompressorState,
+        compressor::{CompressorState, PendingState},
         delta::{CompressorDelta, LayerDelta, StateDelta},
     },
     paged::{codec, layout::RowFormat},
@@ -360,12 +362,11 @@ impl StateLayout {
                 state.window.extend(unpack_kv_row(self.kv, &stored, hd));
             }
             if let Some(r) = &region.compressor {
-                let kv_rows = (r, self.kv);
-                state.compressor = Some(read_compressor(ops, arena, kv_rows, base, len, true)?);
+                state.compressor = Some(read_compressor(ops, arena, (r, self.kv), base, len)?);
             }
             if let Some(r) = &region.indexer {
                 let f32_rows = (r, RowFormat::F32);
-                state.indexer = Some(read_compressor(ops, arena, f32_rows, base, len, true)?);
+                state.indexer = Some(read_compressor(ops, arena, f32_rows, base, len)?);
             }
             layers.push(state);
         }
@@ -383,57 +384,124 @@ impl StateLayout {
         ops: &O,
         arenas: &[O::Buf],
         slot: usize,
-        (from, to): (usize, usize),
+        span: (usize, usize),
     ) -> Result<StateDelta, O::Error> {
-        if slot >= self.slots || from > to || to > self.tokens || to - from > self.ring {
-            return Err(format!(
-                "no delta of positions {from}..{to} in slot {slot} of {} ({} tokens, a ring of {})",
-                self.slots, self.tokens, self.ring
-            )
-            .into());
+        let mut deltas = self.read_deltas(ops, arenas, &[(slot, span)])?;
+        deltas
+            .pop()
+            .ok_or_else(|| "read_deltas gave no delta".to_owned().into())
+    }
+
+    /// [`Self::read_delta`] of several `(slot, (from, to))` at once: every piece of every
+    /// delta in one [`StepOps::get_many`] (one crossing on a device).
+    pub fn read_deltas<O: StepOps>(
+        &self,
+        ops: &O,
+        arenas: &[O::Buf],
+        spans: &[(usize, (usize, usize))],
+    ) -> Result<Vec<StateDelta>, O::Error> {
+        for &(slot, (from, to)) in spans {
+            if slot >= self.slots || from > to || to > self.tokens || to - from > self.ring {
+                return Err(format!(
+                    "no delta of positions {from}..{to} in slot {slot} of {} ({} tokens, a \
+                     ring of {})",
+                    self.slots, self.tokens, self.ring
+                )
+                .into());
+            }
         }
-        let hd = self.head_dim;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (l, (region, arena)) in self.layers.iter().zip(arenas).enumerate() {
-            let base = self.base(l, slot);
-            let mut layer = LayerDelta::default();
-            // The ring's rows of `from..to` in at most two runs (it may wrap).
-            let mut p = from;
-            while p < to {
-                let run = (to - p).min(self.ring - p % self.ring);
-                let at = self.window_row(l, slot, p) as usize;
-                let stored = ops.get(arena, at..at + run * self.kv_stride)?;
-                for row in stored.chunks_exact(self.kv_stride) {
-                    layer.window.extend(unpack_kv_row(self.kv, row, hd));
+        // Every delta's pieces, layer by layer, in the order `delta_of` takes them.
+        let mut parts = Vec::new();
+        for &(slot, span) in spans {
+            for (l, arena) in arenas.iter().enumerate().take(self.layers.len()) {
+                for range in self.delta_pieces(l, slot, span) {
+                    parts.push((arena, range));
                 }
-                p += run;
             }
-            let part = |r: &CompressorRegion, kv: RowFormat| -> Result<_, O::Error> {
-                let (first, last) = (from / r.ratio, to / r.ratio);
-                let rows = if last > first {
-                    let at = base + r.rows + first * r.stride;
-                    ops.get(arena, at..at + (last - first) * r.stride)?
-                } else {
-                    Vec::new()
-                };
-                let c = read_compressor(ops, arena, (r, kv), base, to, false)?;
-                Ok(CompressorDelta {
-                    rows: rows
-                        .chunks_exact(r.stride.max(1))
-                        .flat_map(|row| unpack_kv_row(kv, row, r.d))
-                        .collect(),
-                    pending: c.pending(),
-                })
-            };
-            if let Some(r) = &region.compressor {
-                layer.compressor = Some(part(r, self.kv)?);
-            }
-            if let Some(r) = &region.indexer {
-                layer.indexer = Some(part(r, RowFormat::F32)?);
-            }
-            layers.push(layer);
         }
-        Ok(StateDelta { from, to, layers })
+        let mut got = ops.get_many(&parts)?.into_iter();
+        Ok(spans
+            .iter()
+            .map(|&(_, span)| self.delta_of(span, &mut got))
+            .collect())
+    }
+
+    /// The ranges of layer `l`'s arena a delta of slot `slot` over `span` reads: the ring's
+    /// rows of the span in two runs (the second empty unless it wraps), then per compressor
+    /// (the attention's, then the indexer's, where the layer has them) its closed rows, its
+    /// unfinished window's kv and gate slots, its overlap slice's kv and gate.
+    fn delta_pieces(&self, l: usize, slot: usize, (from, to): (usize, usize)) -> Vec<Range<usize>> {
+        let base = self.base(l, slot);
+        let at = |p: usize| self.window_row(l, slot, p) as usize;
+        let first = (to - from).min(self.ring - from % self.ring);
+        let mut pieces = vec![
+            at(from)..at(from) + first * self.kv_stride,
+            at(from + first)..at(from + first) + (to - from - first) * self.kv_stride,
+        ];
+        let region = &self.layers[l];
+        for r in [region.compressor, region.indexer].into_iter().flatten() {
+            let rows = base + r.rows + from / r.ratio * r.stride;
+            let pending = base + r.pending_window(to);
+            let (open, prev) = (to % r.ratio * r.width, base + r.prev);
+            let prev_len = if r.overlap && to >= r.ratio {
+                r.ratio * r.d
+            } else {
+                0
+            };
+            pieces.extend([
+                rows..rows + (to / r.ratio - from / r.ratio) * r.stride,
+                pending..pending + open,
+                pending + r.ratio * r.width..pending + r.ratio * r.width + open,
+                prev..prev + prev_len,
+                prev + r.ratio * r.d..prev + r.ratio * r.d + prev_len,
+            ]);
+        }
+        // An empty piece reads nothing, wherever it would have started.
+        pieces
+            .into_iter()
+            .map(|r| if r.is_empty() { 0..0 } else { r })
+            .collect()
+    }
+
+    /// A delta from the values of its pieces (`delta_pieces`' order, layer by layer).
+    fn delta_of(
+        &self,
+        (from, to): (usize, usize),
+        got: &mut impl Iterator<Item = Vec<f32>>,
+    ) -> StateDelta {
+        let hd = self.head_dim;
+        let mut next = || got.next().unwrap_or_default();
+        let layers = self
+            .layers
+            .iter()
+            .map(|region| {
+                let mut layer = LayerDelta::default();
+                for stored in [next(), next()] {
+                    for row in stored.chunks_exact(self.kv_stride) {
+                        layer.window.extend(unpack_kv_row(self.kv, row, hd));
+                    }
+                }
+                let mut part = |r: &CompressorRegion, kv: RowFormat| {
+                    let rows = next();
+                    CompressorDelta {
+                        rows: rows
+                            .chunks_exact(r.stride.max(1))
+                            .flat_map(|row| unpack_kv_row(kv, row, r.d))
+                            .collect(),
+                        pending: PendingState {
+                            pending_kv: next(),
+                            pending_gate: next(),
+                            prev_kv: next(),
+                            prev_gate: next(),
+                        },
+                    }
+                };
+                layer.compressor = region.compressor.as_ref().map(|r| part(r, self.kv));
+                layer.indexer = region.indexer.as_ref().map(|r| part(r, RowFormat::F32));
+                layer
+            })
+            .collect();
+        StateDelta { from, to, layers }
     }
 }
 
@@ -495,14 +563,12 @@ fn load_compressor<O: StepOps>(
     Ok(())
 }
 
-/// A compressor's state at `len` tokens: its slot part, and its rows where `with_rows`.
 fn read_compressor<O: StepOps>(
     ops: &O,
     arena: &O::Buf,
     (r, kv): (&CompressorRegion, RowFormat),
     base: usize,
     len: usize,
-    with_rows: bool,
 ) -> Result<CompressorState, O::Error> {
     let (rows, pending) = (len / r.ratio, len % r.ratio);
     let prev = if r.overlap && rows > 0 {
@@ -516,11 +582,7 @@ fn read_compressor<O: StepOps>(
         }
         ops.get(arena, base + offset..base + offset + n)
     };
-    let stored = if with_rows {
-        at(r.rows, rows * r.stride)?
-    } else {
-        Vec::new()
-    };
+    let stored = at(r.rows, rows * r.stride)?;
     Ok(CompressorState {
         rows: stored
             .chunks_exact(r.stride.max(1))

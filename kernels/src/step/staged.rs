@@ -283,6 +283,9 @@ impl<K: Kernels> Kernels for Staged<K> {
     fn read(&self, b: &K::F, range: Range<usize>) -> Result<Vec<f32>, K::Error> {
         self.host_read(|k| k.read(b, range))
     }
+    fn read_many(&self, parts: &[(&K::F, Range<usize>)]) -> Result<Vec<Vec<f32>>, K::Error> {
+        self.host_read(|k| k.read_many(parts))
+    }
     fn read_i(&self, b: &K::I, range: Range<usize>) -> Result<Vec<i32>, K::Error> {
         self.host_read(|k| k.read_i(b, range))
     }

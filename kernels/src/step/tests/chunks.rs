@@ -270,10 +270,18 @@ fn a_steps_delta_read_back_is_the_engines() {
                 })
                 .collect();
             model.forward_batch(&mut batch).unwrap();
-            for (slot, state) in states.iter().enumerate() {
+            // Every slot's delta in one read, and slot 0's alone.
+            let spans: Vec<(usize, (usize, usize))> = states
+                .iter()
+                .enumerate()
+                .map(|(slot, state)| (slot, (before[slot], state.len)))
+                .collect();
+            let all = layout.read_deltas(&ops, &arenas, &spans).unwrap();
+            let alone = layout.read_delta(&ops, &arenas, 0, spans[0].1).unwrap();
+            assert!(alone == all[0]);
+            for ((slot, state), got) in states.iter().enumerate().zip(all) {
                 let span = (before[slot], state.len);
                 let want = StateDelta::of(state, span.0, c).unwrap();
-                let got = layout.read_delta(&ops, &arenas, slot, span).unwrap();
                 assert!(got == want, "{kv:?}: step {step}, slot {slot}, {span:?}");
                 closed |= want.layers.iter().any(|l| {
                     l.compressor.as_ref().is_some_and(|c| !c.rows.is_empty())
