@@ -217,3 +217,37 @@ fn gpu_device_pages_past_4_gib() {
         (count as usize * page_bytes) >> 30
     );
 }
+
+/// Several ranges of several buffers read back with one wait (`Gpu::read_ranges`, how a prompt
+/// step's deltas come back) are each range's values: ranges out of order, overlapping, empty
+/// (at any start) and one buffer's whole; a range past its buffer is an error.
+#[test]
+fn gpu_read_ranges_gives_each_ranges_values() {
+    let Some(gpu) = Gpu::for_test("gpu_read_ranges_gives_each_ranges_values") else {
+        return;
+    };
+    let mut rng = Rng::for_tensor(3, "read-ranges");
+    let a: Vec<f32> = (0..1000).map(|_| rng.normal()).collect();
+    let b: Vec<f32> = (0..37).map(|_| rng.normal()).collect();
+    let (da, db) = (
+        gpu.stream.clone_htod(&a).unwrap(),
+        gpu.stream.clone_htod(&b).unwrap(),
+    );
+    // (buffer, range): buffer 0 is `a`, 1 is `b`.
+    let spec = [
+        (0, 900..1000),
+        (1, 0..37),
+        (0, 5..5),
+        (0, 0..130),
+        (1, 36..37),
+        (0, 100..200),
+    ];
+    let (host, device) = ([&a, &b], [&da, &db]);
+    let parts: Vec<_> = spec.iter().map(|(i, r)| (device[*i], r.clone())).collect();
+    let got = gpu.read_ranges(&parts).unwrap();
+    for ((i, r), got) in spec.iter().zip(&got) {
+        assert_eq!(got[..], host[*i][r.clone()], "{r:?}");
+    }
+    assert!(gpu.read_ranges(&[(&db, 30..38)]).is_err());
+    assert_eq!(gpu.read_ranges(&[]).unwrap().len(), 0);
+}
