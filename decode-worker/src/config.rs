@@ -31,6 +31,18 @@ impl ServiceConfig for DecodeConfig {
     const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
+        if self.worker.prefill_linears != worker_core::settings::PrefillLinears::Exact {
+            return Err(Invalid::new(
+                "prefill_linears",
+                "a decode worker computes no prompts: it takes no prefill linears",
+            ));
+        }
+        if self.worker.prefill_experts != worker_core::settings::PrefillExperts::Exact {
+            return Err(Invalid::new(
+                "prefill_experts",
+                "a decode worker computes no prompts: it takes no prefill experts",
+            ));
+        }
         self.worker.validate()
     }
 }
@@ -75,6 +87,22 @@ mod tests {
         assert_eq!(c.worker.decode_attention, DecodeAttention::Fast);
         let c = load(&needs, &[("PDSERVE_DECODE_ATTENTION", "fast")]);
         assert_eq!(c.worker.decode_attention, DecodeAttention::Fast);
+    }
+
+    /// A decode worker computes no prompts: the prefill keys are refused naming the key.
+    #[test]
+    fn prefill_keys_are_refused() {
+        for (flag, key) in [
+            ("--prefill-linears", "prefill_linears"),
+            ("--prefill-experts", "prefill_experts"),
+        ] {
+            let cli =
+                Cli::try_parse_from(["pdserve-decode", flag, "fast", "--backend", "emulated"])
+                    .expect("flags");
+            let err = common::config::load::<DecodeConfig>(None, std::iter::empty(), &cli)
+                .expect_err("refused");
+            assert!(err.to_string().contains(key), "{err}");
+        }
     }
 
     /// Fast decode experts from a flag or the environment.

@@ -448,8 +448,9 @@ fn workers_on_the_emulated_device_answer_as_the_engine() {
 /// A decode worker with the fast attention (`--decode-attention fast`: every head of a request
 /// against each tile of its FP8 rows, within the kernel's bound) and the fast routed experts
 /// (`--decode-experts fast`: the grouped FP4 GEMV) and the fast linears (`--decode-linears
-/// fast`: the dense GEMM on bf16 tensor cores) gives the greedy answers of one with the exact
-/// kernels, both on the emulated device with FP8 rows; its plan says so.
+/// fast`: the dense GEMM on bf16 tensor cores), behind a prefill worker whose prompt chunks
+/// run the dense and grouped GEMMs (`--prefill-linears fast --prefill-experts fast`), gives the
+/// greedy answers of exact kernels, on the emulated device with FP8 rows; their plans say so.
 #[test]
 fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
     let fp8 = ["--page-size", "16", "--kv-cache-dtype", "fp8"];
@@ -468,13 +469,39 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
         );
         command.env("PDSERVE_LOG", "info");
         let mut decode = integration_tests::Service::start(command);
-        let prefill = worker("pdserve-prefill", &fp8);
+        // And the prompts through the device step's GEMMs on the emulated device.
+        let mut prefill = if attention == "fast" {
+            let mut command = integration_tests::pd::worker_command(
+                "pdserve-prefill",
+                &[
+                    &fp8[..],
+                    &["--backend", "emulated"],
+                    &["--prefill-linears", "fast", "--prefill-experts", "fast"],
+                ]
+                .concat(),
+            );
+            command.env("PDSERVE_LOG", "info");
+            integration_tests::Service::start(command)
+        } else {
+            worker("pdserve-prefill", &fp8)
+        };
         let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
         let mut mine = Vec::new();
         for (i, words) in [3usize, 40, 130].into_iter().enumerate() {
             let body = chat(words, 500 + i as u64, 0.0, 8);
             let answer = post(router.addr("http"), "/v1/chat/completions", &body).json();
             mine.push(answer["choices"][0]["message"]["content"].clone());
+        }
+        if attention == "fast" {
+            prefill.terminate();
+            let log = prefill.stderr();
+            assert!(
+                log.contains(
+                    "emulated, prompt chunks of 16, fast linears, GEMM experts (whole steps on \
+                     the device)"
+                ),
+                "{log}"
+            );
         }
         decode.terminate();
         let log = decode.stderr();

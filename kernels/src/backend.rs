@@ -220,7 +220,13 @@ fn open_cuda(
 /// attention (`attn_decode_fp8`) and its steps replayed as graphs when asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineWork {
-    All,
+    /// Prompts and decode tokens; on the device step, the prompt chunks' linears by the dense
+    /// GEMM (`fast_linears`) and routed experts by the grouped GEMM (`gemm_experts`) where
+    /// asked for.
+    All {
+        fast_linears: bool,
+        gemm_experts: bool,
+    },
     DecodeOnly {
         fast_attention: bool,
         fast_experts: bool,
@@ -264,7 +270,17 @@ pub fn start_engine(
         gpu_group(&ordinals, timeout)
     };
     let (decode_only, step) = match work {
-        EngineWork::All => (false, StepOptions::default()),
+        EngineWork::All {
+            fast_linears,
+            gemm_experts,
+        } => (
+            false,
+            StepOptions {
+                fast_linears,
+                gemm_experts,
+                ..StepOptions::default()
+            },
+        ),
         EngineWork::DecodeOnly {
             fast_attention,
             fast_experts,
@@ -277,6 +293,7 @@ pub fn start_engine(
                 fast_experts,
                 fast_linears,
                 graphs,
+                gemm_experts: false,
             },
         ),
     };
@@ -288,7 +305,7 @@ pub fn start_engine(
     for (asked, what) in [
         (step.fast_attention, "fast decode attention"),
         (step.fast_experts, "fast decode experts"),
-        (step.fast_linears, "fast decode linears"),
+        (step.fast_linears && decode_only, "fast decode linears"),
         (step.graphs, "decode graphs"),
     ] {
         if asked && !(decode_step && kind != BackendKind::Cpu) {
@@ -299,6 +316,23 @@ pub fn start_engine(
                     reason: format!(
                         "{what} run in the device decode step of a decode worker of one rank \
                          on cuda or emulated, without hybrid"
+                    ),
+                },
+            ));
+        }
+    }
+    for (asked, what) in [
+        (step.fast_linears && !decode_only, "fast prefill linears"),
+        (step.gemm_experts, "fast prefill experts"),
+    ] {
+        if asked && (decode_only || !device_step || kind == BackendKind::Cpu) {
+            // Only a prompt-computing engine's device step has them.
+            return Err(engine::runner::StartError::Backend(
+                BackendError::Unavailable {
+                    backend: kind.name().to_owned(),
+                    reason: format!(
+                        "{what} run in the device step of an engine of one rank that computes \
+                         prompts, on cuda or emulated, without hybrid"
                     ),
                 },
             ));
@@ -340,6 +374,8 @@ struct StepOptions {
     fast_experts: bool,
     /// The dense GEMM instead of `exact_gemv` for the bf16 and FP8 linears.
     fast_linears: bool,
+    /// The grouped GEMM instead of `exact_pairs` for the routed experts (prompt chunks).
+    gemm_experts: bool,
     /// Steps replayed as graphs (`crate::step::replay`).
     graphs: bool,
 }
@@ -410,6 +446,9 @@ fn open_emulated_decode(
     if step.fast_linears {
         decoder = decoder.with_fast_linears();
     }
+    if step.gemm_experts {
+        decoder = decoder.with_gemm_experts();
+    }
     if step.graphs {
         decoder = decoder
             .with_graphs(|_, _| Ok(()))
@@ -462,6 +501,9 @@ fn open_cuda_decode(
     }
     if step.fast_linears {
         decoder = decoder.with_fast_linears();
+    }
+    if step.gemm_experts {
+        decoder = decoder.with_gemm_experts();
     }
     if step.graphs {
         // The graphs' shared slot, checked as the arenas were.
@@ -624,6 +666,41 @@ mod tests {
             } else {
                 "fast decode experts"
             };
+            assert!(refused.to_string().contains(what), "{refused}");
+        }
+    }
+
+    /// The prompt chunks' GEMMs where no prompt-computing device step runs (the cpu backend,
+    /// hybrid, a decode-only engine) are refused before anything loads.
+    #[test]
+    fn prefill_gemms_outside_the_device_step_are_refused() {
+        use engine::{parallel::group::GroupSpec, scheduler::EngineConfig, weights::LoadProgress};
+        let progress = Arc::new(LoadProgress::new());
+        let dir = std::env::temp_dir();
+        let linears = EngineWork::All {
+            fast_linears: true,
+            gemm_experts: false,
+        };
+        let experts = EngineWork::All {
+            fast_linears: false,
+            gemm_experts: true,
+        };
+        for (kind, work, hybrid, what) in [
+            (BackendKind::Cpu, linears, false, "fast prefill linears"),
+            (BackendKind::Emulated, linears, true, "fast prefill linears"),
+            (BackendKind::Cpu, experts, false, "fast prefill experts"),
+            (BackendKind::Emulated, experts, true, "fast prefill experts"),
+        ] {
+            let refused = start_engine(
+                &dir,
+                EngineConfig::default(),
+                "t",
+                (kind, work),
+                hybrid,
+                GroupSpec::SINGLE,
+                &progress,
+            )
+            .unwrap_err();
             assert!(refused.to_string().contains(what), "{refused}");
         }
     }

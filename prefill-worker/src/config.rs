@@ -105,6 +105,43 @@ mod tests {
         assert!(err.to_string().contains("decode_attention"), "{err}");
     }
 
+    /// The prompt chunks' GEMMs from flags or the environment on the device step; refused on
+    /// the cpu backend naming the key.
+    #[test]
+    fn prefill_gemms_read_from_flags_and_environment() {
+        use worker_core::settings::{PrefillExperts, PrefillLinears};
+        let load = |args: &[&str], env: &[(&str, &str)]| {
+            let cli =
+                Cli::try_parse_from(std::iter::once("pdserve-prefill").chain(args.iter().copied()))
+                    .expect("flags");
+            let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+            common::config::load::<PrefillConfig>(None, env, &cli)
+        };
+        let c = load(&[], &[]).expect("defaults");
+        assert_eq!(c.worker.prefill_linears, PrefillLinears::Exact);
+        assert_eq!(c.worker.prefill_experts, PrefillExperts::Exact);
+        let c = load(
+            &["--backend", "emulated", "--prefill-linears", "fast"],
+            &[("PDSERVE_PREFILL_EXPERTS", "fast")],
+        )
+        .expect("on the device step");
+        assert_eq!(c.worker.prefill_linears, PrefillLinears::Fast);
+        assert_eq!(c.worker.prefill_experts, PrefillExperts::Fast);
+        for (flag, key) in [
+            ("--prefill-linears", "prefill_linears"),
+            ("--prefill-experts", "prefill_experts"),
+        ] {
+            let err = load(&[flag, "fast"], &[]).expect_err("cpu");
+            assert!(err.to_string().contains(key), "{err}");
+            let err = load(
+                &[flag, "fast", "--backend", "emulated", "--hybrid", "true"],
+                &[],
+            )
+            .expect_err("hybrid");
+            assert!(err.to_string().contains(key), "{err}");
+        }
+    }
+
     /// Nor does it take decode experts.
     #[test]
     fn decode_experts_are_refused() {

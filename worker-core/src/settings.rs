@@ -90,6 +90,31 @@ pub enum DecodeLinears {
     Fast,
 }
 
+/// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears
+/// (attention, shared expert, output head; prefill workers on `cuda` or `emulated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillLinears {
+    /// `exact_gemv`: the CPU reference's bits (each weight read once per four tokens).
+    Exact,
+    /// The dense GEMM on bf16 tensor cores: each weight read once per 64 tokens of the step,
+    /// the activations rounded to bf16, within its bound of f64 sums over the bf16 operands.
+    Fast,
+}
+
+/// How a prefill worker's device step runs its prompt chunks' routed experts (prefill
+/// workers on `cuda` or `emulated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillExperts {
+    /// `exact_pairs`: the CPU reference's bits (each expert's weight read once per pair).
+    Exact,
+    /// The grouped GEMM: the (token, expert) pairs grouped by expert on the device, each
+    /// expert's weight read once per 64 of its pairs, the activations rounded to bf16; within
+    /// its bound of the f64 reference over the bf16 activations.
+    Fast,
+}
+
 /// `--enable-prefix-caching` / `--no-enable-prefix-caching` (vLLM's spellings), as the one
 /// setting `enable_prefix_caching`.
 #[derive(Debug, Default, clap::Args)]
@@ -189,6 +214,14 @@ pub struct WorkerSettings {
     /// plans; others run as they come. Same results as without (checked over the kernels'
     /// references on `emulated`); the cuda or emulated backend, one rank, without hybrid.
     pub decode_graphs: bool,
+    /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears:
+    /// `exact` (the reference's bits) or `fast` (the dense GEMM on tensor cores, within its
+    /// bound; the cuda or emulated backend, one rank, without hybrid).
+    pub prefill_linears: PrefillLinears,
+    /// How a prefill worker's device step runs its prompt chunks' routed experts: `exact` (the
+    /// reference's bits) or `fast` (the grouped GEMM, within its bound; the cuda or emulated
+    /// backend, one rank, without hybrid).
+    pub prefill_experts: PrefillExperts,
     /// Attention tensor parallelism: ranks sharing each request's heads (every rank runs every
     /// request and holds a copy of its state; bit-identical to one rank). Experts are then
     /// replicated (`expert_parallel_size` 1) or split over the same ranks (equal sizes).
@@ -241,6 +274,8 @@ impl WorkerSettings {
             decode_experts: DecodeExperts::Exact,
             decode_linears: DecodeLinears::Exact,
             decode_graphs: false,
+            prefill_linears: PrefillLinears::Exact,
+            prefill_experts: PrefillExperts::Exact,
             tensor_parallel_size: 1,
             expert_parallel_size: 1,
             dp_attention: false,
@@ -317,6 +352,20 @@ impl WorkerSettings {
                 "decode_experts",
                 "fast experts run in the device decode step: backend cuda or emulated, one \
                  rank, without hybrid",
+            ));
+        }
+        if self.prefill_linears == PrefillLinears::Fast && !device_step {
+            return Err(Invalid::new(
+                "prefill_linears",
+                "fast linears run in the device step: backend cuda or emulated, one rank, \
+                 without hybrid",
+            ));
+        }
+        if self.prefill_experts == PrefillExperts::Fast && !device_step {
+            return Err(Invalid::new(
+                "prefill_experts",
+                "fast experts run in the device step: backend cuda or emulated, one rank, \
+                 without hybrid",
             ));
         }
         if self.decode_linears == DecodeLinears::Fast && !device_step {
@@ -511,6 +560,14 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_graphs: Option<bool>,
+    /// A prefill worker's device bf16 and FP8 linears for prompt chunks: exact or fast.
+    #[arg(long, value_enum, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_linears: Option<PrefillLinears>,
+    /// A prefill worker's device routed experts for prompt chunks: exact or fast.
+    #[arg(long, value_enum, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_experts: Option<PrefillExperts>,
     /// Attention tensor parallelism: ranks sharing each request's heads (`--tp`).
     #[arg(long, visible_alias = "tp", value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -134,7 +134,10 @@ where
             fast_experts: settings.decode_experts == crate::settings::DecodeExperts::Fast,
             fast_linears: settings.decode_linears == crate::settings::DecodeLinears::Fast,
         },
-        _ => kernels::backend::EngineWork::All,
+        _ => kernels::backend::EngineWork::All {
+            fast_linears: settings.prefill_linears == crate::settings::PrefillLinears::Fast,
+            gemm_experts: settings.prefill_experts == crate::settings::PrefillExperts::Fast,
+        },
     };
     let transports = settings.transport_kinds();
     let loaded = async move {

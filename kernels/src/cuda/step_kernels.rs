@@ -737,6 +737,28 @@ impl Kernels for CudaKernels {
             .launch_grouped_gemv(&device, x, tokens, experts, pairs, y)
     }
 
+    fn gemm_pairs(
+        &self,
+        stack: &PairStack,
+        (tokens, experts): (&CudaSlice<i32>, &CudaSlice<i32>),
+        x: &CudaSlice<f32>,
+        pairs: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        // The exact kernels' stack is the checkpoint's bytes, as the grouped GEMM reads them.
+        let device = super::DeviceStack {
+            packed: &stack.packed,
+            scales: &stack.scales,
+            scale_2: (stack.kernel == "exact_pairs_nvfp4").then_some(&stack.scale_2),
+            experts: stack.experts,
+            n: stack.rows,
+            k: stack.cols,
+        };
+        let mut grouping = self.gpu.moe_grouping(pairs, stack.experts)?;
+        self.gpu
+            .launch_grouped_gemm(x, tokens, experts, &device, &mut grouping, y)
+    }
+
     fn fast_linear_takes(w: &DeviceRows) -> bool {
         w.gemm_weight().is_some()
     }

@@ -105,6 +105,16 @@ impl<K: Kernels> StepDecoder<K> {
         self
     }
 
+    /// Runs the routed experts with the grouped GEMM from now on
+    /// (`DeviceStepOps::with_gemm_experts`: within its bound, not the engine's bits; for
+    /// prompt chunks).
+    #[must_use]
+    pub fn with_gemm_experts(mut self) -> Self {
+        self.ops = self.ops.with_gemm_experts();
+        self.name = format!("{}, GEMM experts", self.name);
+        self
+    }
+
     /// Runs the bf16 and FP8 linears with the dense GEMM from now on
     /// (`DeviceStepOps::with_fast_linears`: within its bound, not the engine's bits).
     #[must_use]

@@ -4,7 +4,7 @@
 use super::{
     IndexAt, Norm, Proj, RopeKind, RowOp, StepOps, WindowClose,
     device_model::{DeviceCompressor, at_layer},
-    device_ops::{DBuf, DIdx, DeviceStepOps},
+    device_ops::{DBuf, DIdx, DeviceStepOps, ExpertKernel},
     kernels::{Kernels, PoolSpec, RouteSpec, ScoreSpec},
     pool,
 };
@@ -236,12 +236,11 @@ pub(super) fn expert_pairs<K: Kernels>(
     }
     let pair_token: Vec<i32> = (0..pairs).map(|p| (p / per) as i32).collect();
     let d_token = ops.plan_i(&pair_token)?;
-    if ops.fast_experts {
-        ops.k
-            .fast_pairs(stack, (&d_token, experts), x, pairs, &mut y)?;
-    } else {
-        ops.k
-            .exact_pairs(stack, (&d_token, experts), x, pairs, &mut y)?;
+    let pairs_of = (&*d_token, experts);
+    match ops.experts {
+        ExpertKernel::Exact => ops.k.exact_pairs(stack, pairs_of, x, pairs, &mut y)?,
+        ExpertKernel::GroupedGemv => ops.k.fast_pairs(stack, pairs_of, x, pairs, &mut y)?,
+        ExpertKernel::GroupedGemm => ops.k.gemm_pairs(stack, pairs_of, x, pairs, &mut y)?,
     }
     Ok(y)
 }

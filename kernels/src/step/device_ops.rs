@@ -48,11 +48,22 @@ pub struct DeviceStepOps<K: Kernels> {
     /// instead of `attn_exact` (the engine's bits), and the indexer's scores by
     /// `indexer_scores_mma` instead of `indexer_scores`.
     pub(super) fast_attention: bool,
-    /// Routed experts by the grouped GEMV (within its bound) instead of `exact_pairs`.
-    pub(super) fast_experts: bool,
+    /// Which kernel runs the routed experts' pairs.
+    pub(super) experts: ExpertKernel,
     /// The bf16 and FP8 attention, shared-expert and head linears by the dense GEMM (within
     /// its bound) instead of `exact_gemv`.
     fast_linears: bool,
+}
+
+/// The kernel that runs the routed experts' (token, expert) pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertKernel {
+    /// `exact_pairs`: the engine's bits.
+    Exact,
+    /// The grouped FP4 GEMV (`Kernels::fast_pairs`), within its bound.
+    GroupedGemv,
+    /// The grouped GEMM (`Kernels::gemm_pairs`), within its bound.
+    GroupedGemm,
 }
 
 /// The step's plans, in buffers kept from step to step.
@@ -117,7 +128,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             kv_rows: model.kv_rows(),
             kv_stride: kv_stride(model.config.head_dim, model.kv_rows())?,
             fast_attention: false,
-            fast_experts: false,
+            experts: ExpertKernel::Exact,
             fast_linears: false,
         })
     }
@@ -148,7 +159,17 @@ impl<K: Kernels> DeviceStepOps<K> {
     /// within its bound of f64 sums over the decoded weights, not the engine's bits).
     #[must_use]
     pub fn with_fast_experts(mut self) -> Self {
-        self.fast_experts = true;
+        self.experts = ExpertKernel::GroupedGemv;
+        self
+    }
+
+    /// Runs the routed experts with the grouped GEMM from now on (`Kernels::gemm_pairs`: the
+    /// pairs grouped by expert, each expert's weight read once per 64 of its pairs, the
+    /// activations in bf16; within its bound of the f64 reference, not the engine's bits).
+    /// For prompt chunks: a decode batch gives an expert a pair or two.
+    #[must_use]
+    pub fn with_gemm_experts(mut self) -> Self {
+        self.experts = ExpertKernel::GroupedGemm;
         self
     }
 

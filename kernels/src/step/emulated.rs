@@ -727,6 +727,17 @@ impl Kernels for EmulatedKernels {
         experts::fast_pairs(stack, (tokens, experts), x, pairs, y)
     }
 
+    fn gemm_pairs(
+        &self,
+        stack: &Vec<Weight>,
+        (tokens, experts): (&Vec<i32>, &Vec<i32>),
+        x: &Vec<f32>,
+        pairs: usize,
+        y: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        experts::gemm_pairs(stack, (tokens, experts), x, pairs, y)
+    }
+
     fn fast_linear_takes(w: &EmuRows) -> bool {
         linear::dense_rows(w).is_some()
     }

@@ -360,6 +360,20 @@ pub trait Kernels {
         pairs: usize,
         y: &mut Self::F,
     ) -> Result<(), Self::Error>;
+    /// `moe_align` + `nvfp4_grouped_gemm_bf16` / `mxfp4_grouped_gemm_bf16`:
+    /// [`Self::exact_pairs`] by the grouped GEMM (the pairs grouped by expert on the device,
+    /// each expert's weight read once per 64 of its pairs, the activations rounded to bf16),
+    /// within its bound of the f64 reference over the bf16 activations (`cpu::nvfp4_gemm`,
+    /// `cpu::mxfp4_gemm`) rather than the engine's bits; an expert outside the stack gives a
+    /// NaN row (the GEMM leaves its pairs out of a NaN-filled output).
+    fn gemm_pairs(
+        &self,
+        stack: &Self::Stack,
+        pairs_of: (&Self::I, &Self::I),
+        x: &Self::F,
+        pairs: usize,
+        y: &mut Self::F,
+    ) -> Result<(), Self::Error>;
     /// Whether [`Self::fast_linear`] takes `w` (bf16 and FP8-block weights; f32 and FP4 ones
     /// stay with [`Self::exact_gemv`]).
     fn fast_linear_takes(w: &Self::Rows) -> bool;

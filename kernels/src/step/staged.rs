@@ -672,6 +672,26 @@ impl<K: Kernels> Kernels for Staged<K> {
             k.fast_pairs(stack, (tokens, experts), x, pairs, y)
         })
     }
+    fn gemm_pairs(
+        &self,
+        stack: &K::Stack,
+        (tokens, experts): (&K::I, &K::I),
+        x: &K::F,
+        pairs: usize,
+        y: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(
+            self,
+            at(stack),
+            K::i_addr(tokens),
+            K::i_addr(experts),
+            K::f_addr(x),
+            K::f_addr(y),
+        );
+        self.launch("gemm_pairs", &addrs, pairs, |k| {
+            k.gemm_pairs(stack, (tokens, experts), x, pairs, y)
+        })
+    }
     fn fast_linear_takes(w: &K::Rows) -> bool {
         K::fast_linear_takes(w)
     }

@@ -90,7 +90,8 @@ pub fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
         });
     }
     rows.push(device_prefill(&cpu, &prompt)?);
-    rows.push(device_prefill_read_back(&cpu, &prompt)?);
+    rows.push(device_prefill_read_back(&cpu, &prompt, false)?);
+    rows.push(device_prefill_read_back(&cpu, &prompt, true)?);
     rows.extend(device_steps(&cpu, &prefilled, prompt.len())?);
     Ok(rows)
 }
@@ -147,10 +148,13 @@ fn device_prefill(model: &engine::model::Model, prompt: &[u32]) -> Result<StepRo
 
 /// [`device_prefill`] as an engine runs it (`StepDecoder::with_prompts`, the
 /// `DecodeDevice::prompt_step` a prefill worker on cuda calls): after each step every chunk's
-/// delta is read back to the host for its pages. Beside the row above, what the read-back costs.
+/// delta is read back to the host for its pages. Beside the row above, what the read-back costs;
+/// with `gemms`, the prompt GEMMs a prefill worker may choose (`prefill_linears` and
+/// `prefill_experts` = "fast": the dense and grouped GEMMs).
 fn device_prefill_read_back(
     model: &engine::model::Model,
     prompt: &[u32],
+    gemms: bool,
 ) -> Result<StepRow, KernelError> {
     use engine::{
         model::Logits,
@@ -164,6 +168,9 @@ fn device_prefill_read_back(
     let shape = (sequences, prompt.len() + 1);
     let mut decoder = StepDecoder::new("cuda", CudaKernels::new(gpu), model, shape, |_, _| Ok(()))?
         .with_prompts(CHUNK, |_, _| Ok(()))?;
+    if gemms {
+        decoder = decoder.with_fast_linears().with_gemm_experts();
+    }
     let empty = model.new_state();
     for slot in 0..sequences {
         decoder
@@ -203,9 +210,13 @@ fn device_prefill_read_back(
     let per = start.elapsed().as_secs_f64() / sequences as f64;
     Ok(StepRow {
         what: format!(
-            "device prefill, small model, {} tokens in chunks of {CHUNK} (exact step, deltas \
-             read back)",
-            prompt.len()
+            "device prefill, small model, {} tokens in chunks of {CHUNK} ({}, deltas read back)",
+            prompt.len(),
+            if gemms {
+                "dense and grouped GEMMs"
+            } else {
+                "exact step"
+            }
         ),
         seconds: per,
         rate: prompt.len() as f64 / per,

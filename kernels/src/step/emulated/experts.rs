@@ -99,6 +99,43 @@ pub(super) fn fast_pairs(
     })
 }
 
+/// The grouped GEMM's reference: each pair's `W · bf16(x)` in f64 (`cpu::nvfp4_gemm`,
+/// `cpu::mxfp4_gemm` of one row); an expert outside the stack gives a NaN row, as the GEMM
+/// (its output filled with NaN first, such a pair left out of every tile) does.
+pub(super) fn gemm_pairs(
+    stack: &[Weight],
+    pairs_of: (&[i32], &[i32]),
+    x: &[f32],
+    pairs: usize,
+    y: &mut [f32],
+) -> Result<(), ShapeError> {
+    each_pair(stack, pairs_of, (x, pairs, y), |w, xt| {
+        let product = match w.form() {
+            WeightForm::Nvfp4 {
+                packed,
+                scales,
+                scale_2,
+            } => crate::cpu::nvfp4_gemm(
+                xt,
+                packed.as_slice(),
+                scales.as_slice(),
+                *scale_2,
+                1,
+                w.rows,
+                w.cols,
+            ),
+            WeightForm::Mxfp4 { packed, scales } => crate::cpu::mxfp4_gemm(
+                xt,
+                packed.as_slice(),
+                scales.as_slice(),
+                (1, w.rows, w.cols),
+            ),
+            _ => return Err(err("gemm pairs: experts that are not FP4")),
+        };
+        product.map_err(|e| ShapeError(e.to_string()))
+    })
+}
+
 /// Pair p's expert `experts[p]` applied (`apply`) to row `tokens[p]` of `x`, into row p of
 /// `y`; an expert outside the stack gives a NaN row, as the kernels do.
 fn each_pair(
