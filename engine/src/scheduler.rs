@@ -119,6 +119,31 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The request it is about.
+    pub fn id(&self) -> u64 {
+        match self {
+            Self::Token { id, .. }
+            | Self::Finished { id, .. }
+            | Self::Cancelled { id }
+            | Self::Failed { id, .. }
+            | Self::PromptLogprobs { id, .. }
+            | Self::StatePart { id, .. }
+            | Self::Prefilled { id, .. } => *id,
+        }
+    }
+
+    /// `events` by request, each request's in order: what stays the same when the steps that
+    /// produced them change (other chunkings, a device that steps prompts).
+    pub fn by_request(events: &[Self]) -> std::collections::BTreeMap<u64, Vec<Self>> {
+        let mut out = std::collections::BTreeMap::<u64, Vec<Self>>::new();
+        for e in events {
+            out.entry(e.id()).or_default().push(e.clone());
+        }
+        out
+    }
+}
+
 /// Why one request failed inside a step: it ends with [`Event::Failed`] and its pages are
 /// released; the other requests of the step go on.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -230,22 +230,6 @@ fn decode_device_gives_the_events_of_the_host_forward(kv: KvStorage) {
     assert_eq!(store.pages().used_count(), store.prefix().len());
 }
 
-/// Each request's events, in order.
-fn by_request(events: &[Event]) -> std::collections::BTreeMap<u64, Vec<Event>> {
-    let mut out = std::collections::BTreeMap::<u64, Vec<Event>>::new();
-    for e in events {
-        let id = match e {
-            Event::Token { id, .. }
-            | Event::Finished { id, .. }
-            | Event::Failed { id, .. }
-            | Event::PromptLogprobs { id, .. } => *id,
-            other => panic!("unexpected {other:?}"),
-        };
-        out.entry(id).or_default().push(e.clone());
-    }
-    out
-}
-
 /// A device that steps prompt chunks too gives every request the events of the host forward
 /// (its tokens, log-probabilities, prompt log-probabilities, finish and usage, prefix-cache
 /// hits counted the same), whatever its chunk against the page size: every prompt token the
@@ -270,7 +254,7 @@ fn a_device_stepping_prompts_gives_each_request_the_host_forwards_events() {
         let requests = requests();
         let want = run(&mut host, &requests);
         let got = run(&mut on_device, &requests);
-        let (want, got) = (by_request(&want), by_request(&got));
+        let (want, got) = (Event::by_request(&want), Event::by_request(&got));
         assert_eq!(want.len(), requests.len());
         for (id, events) in &want {
             assert_eq!(

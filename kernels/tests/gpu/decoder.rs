@@ -124,7 +124,11 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
         let got = run_then_last(&mut engine, &requests);
         assert_eq!(got.len(), want.len());
         if prompts {
-            assert_eq!(by_request(&got), by_request(&want), "prompts on the GPU");
+            assert_eq!(
+                Event::by_request(&got),
+                Event::by_request(&want),
+                "prompts on the GPU"
+            );
         } else {
             for (g, w) in got.iter().zip(&want) {
                 assert_eq!(g, w, "graphs {graphs}");
@@ -132,22 +136,6 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
         }
     }
     assert!(want.iter().all(|e| !matches!(e, Event::Failed { .. })));
-}
-
-/// Each request's events, in order.
-fn by_request(events: &[Event]) -> std::collections::BTreeMap<u64, Vec<Event>> {
-    let mut out = std::collections::BTreeMap::<u64, Vec<Event>>::new();
-    for e in events {
-        let id = match e {
-            Event::Token { id, .. }
-            | Event::Finished { id, .. }
-            | Event::Failed { id, .. }
-            | Event::PromptLogprobs { id, .. } => *id,
-            other => panic!("unexpected {other:?}"),
-        };
-        out.entry(id).or_default().push(e.clone());
-    }
-    out
 }
 
 /// Steps replayed as CUDA graphs (`graph_step`: a signature's second sighting recorded by

@@ -172,22 +172,6 @@ fn an_engine_decoding_on_the_device_step_gives_the_host_forwards_events() {
     assert_eq!(held, state.normalized(&model.config));
 }
 
-/// Each request's events, in order.
-fn by_request(events: &[Event]) -> std::collections::BTreeMap<u64, Vec<Event>> {
-    let mut out = std::collections::BTreeMap::<u64, Vec<Event>>::new();
-    for e in events {
-        let id = match e {
-            Event::Token { id, .. }
-            | Event::Finished { id, .. }
-            | Event::Failed { id, .. }
-            | Event::PromptLogprobs { id, .. } => *id,
-            other => panic!("unexpected {other:?}"),
-        };
-        out.entry(id).or_default().push(e.clone());
-    }
-    out
-}
-
 /// An engine stepping prompt chunks and decode tokens on the device step (over the
 /// kernels' CPU references) gives every request the events of the host forward: a prompt
 /// longer than several chunks, one shorter than a chunk, prompt log-probabilities, and a
@@ -222,7 +206,7 @@ fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
         let got = run(&mut engine, &requests[..4]);
         engine.add(requests[4].clone()).unwrap();
         let got = [got, engine.run_to_completion()].concat();
-        let (want, got) = (by_request(&want), by_request(&got));
+        let (want, got) = (Event::by_request(&want), Event::by_request(&got));
         assert_eq!(want.len(), 5);
         for (id, events) in &want {
             assert_eq!(
