@@ -31,6 +31,12 @@ impl ServiceConfig for DecodeConfig {
     const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
+        if self.worker.prefill_attention != worker_core::settings::PrefillAttention::Exact {
+            return Err(Invalid::new(
+                "prefill_attention",
+                "a decode worker computes no prompts: it takes no prefill attention",
+            ));
+        }
         if self.worker.prefill_linears != worker_core::settings::PrefillLinears::Exact {
             return Err(Invalid::new(
                 "prefill_linears",
@@ -93,6 +99,7 @@ mod tests {
     #[test]
     fn prefill_keys_are_refused() {
         for (flag, key) in [
+            ("--prefill-attention", "prefill_attention"),
             ("--prefill-linears", "prefill_linears"),
             ("--prefill-experts", "prefill_experts"),
         ] {

@@ -449,8 +449,9 @@ fn workers_on_the_emulated_device_answer_as_the_engine() {
 /// against each tile of its FP8 rows, within the kernel's bound) and the fast routed experts
 /// (`--decode-experts fast`: the grouped FP4 GEMV) and the fast linears (`--decode-linears
 /// fast`: the dense GEMM on bf16 tensor cores), behind a prefill worker whose prompt chunks
-/// run the dense and grouped GEMMs (`--prefill-linears fast --prefill-experts fast`), gives the
-/// greedy answers of exact kernels, on the emulated device with FP8 rows; their plans say so.
+/// run the same fast attention and the dense and grouped GEMMs (`--prefill-attention fast
+/// --prefill-linears fast --prefill-experts fast`), gives the greedy answers of exact kernels,
+/// on the emulated device with FP8 rows; their plans say so.
 #[test]
 fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
     let fp8 = ["--page-size", "16", "--kv-cache-dtype", "fp8"];
@@ -475,7 +476,7 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
                 "pdserve-prefill",
                 &[
                     &fp8[..],
-                    &["--backend", "emulated"],
+                    &["--backend", "emulated", "--prefill-attention", "fast"],
                     &["--prefill-linears", "fast", "--prefill-experts", "fast"],
                 ]
                 .concat(),
@@ -497,8 +498,8 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
             let log = prefill.stderr();
             assert!(
                 log.contains(
-                    "emulated, prompt chunks of 16, fast linears, GEMM experts (whole steps on \
-                     the device)"
+                    "emulated, prompt chunks of 16, fast attention, fast linears, GEMM experts \
+                     (whole steps on the device)"
                 ),
                 "{log}"
             );

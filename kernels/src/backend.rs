@@ -220,10 +220,11 @@ fn open_cuda(
 /// attention (`attn_decode_fp8`) and its steps replayed as graphs when asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineWork {
-    /// Prompts and decode tokens; on the device step, the prompt chunks' linears by the dense
-    /// GEMM (`fast_linears`) and routed experts by the grouped GEMM (`gemm_experts`) where
-    /// asked for.
+    /// Prompts and decode tokens; on the device step, the fast attention (`fast_attention`),
+    /// the prompt chunks' linears by the dense GEMM (`fast_linears`) and routed experts by the
+    /// grouped GEMM (`gemm_experts`) where asked for.
     All {
+        fast_attention: bool,
         fast_linears: bool,
         gemm_experts: bool,
     },
@@ -271,11 +272,13 @@ pub fn start_engine(
     };
     let (decode_only, step) = match work {
         EngineWork::All {
+            fast_attention,
             fast_linears,
             gemm_experts,
         } => (
             false,
             StepOptions {
+                fast_attention,
                 fast_linears,
                 gemm_experts,
                 ..StepOptions::default()
@@ -300,44 +303,8 @@ pub fn start_engine(
     // One rank without hybrid on a device runs whole steps there: decode tokens, and the
     // prompt chunks of an engine that computes prompts.
     let device_step = !hybrid && group.ranks() == 1;
-    let decode_step = decode_only && device_step;
     let prompts = (!decode_only).then(|| prompt_chunk(&config));
-    for (asked, what) in [
-        (step.fast_attention, "fast decode attention"),
-        (step.fast_experts, "fast decode experts"),
-        (step.fast_linears && decode_only, "fast decode linears"),
-        (step.graphs, "decode graphs"),
-    ] {
-        if asked && !(decode_step && kind != BackendKind::Cpu) {
-            // Only the device step has it: never accepted and then run another way.
-            return Err(engine::runner::StartError::Backend(
-                BackendError::Unavailable {
-                    backend: kind.name().to_owned(),
-                    reason: format!(
-                        "{what} run in the device decode step of a decode worker of one rank \
-                         on cuda or emulated, without hybrid"
-                    ),
-                },
-            ));
-        }
-    }
-    for (asked, what) in [
-        (step.fast_linears && !decode_only, "fast prefill linears"),
-        (step.gemm_experts, "fast prefill experts"),
-    ] {
-        if asked && (decode_only || !device_step || kind == BackendKind::Cpu) {
-            // Only a prompt-computing engine's device step has them.
-            return Err(engine::runner::StartError::Backend(
-                BackendError::Unavailable {
-                    backend: kind.name().to_owned(),
-                    reason: format!(
-                        "{what} run in the device step of an engine of one rank that computes \
-                         prompts, on cuda or emulated, without hybrid"
-                    ),
-                },
-            ));
-        }
-    }
+    refuse_off_the_device_step(kind, step, (decode_only, device_step))?;
     let cuda_decode = |model: &engine::model::Model, config: &engine::scheduler::EngineConfig| {
         open_cuda_decode(model, config, step, prompts)
     };
@@ -359,6 +326,49 @@ pub fn start_engine(
         },
     };
     engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
+}
+
+/// Refuses what only the device step runs (`step`'s options) where it does not run: off the
+/// cpu backend, one rank without hybrid (`device_step`), and each option in the step of its
+/// engine's work (`decode_only`: a decode worker's options; otherwise a prefill worker's).
+/// Never accepted and then run another way.
+fn refuse_off_the_device_step(
+    kind: BackendKind,
+    step: StepOptions,
+    (decode_only, device_step): (bool, bool),
+) -> Result<(), engine::runner::StartError> {
+    let decode = [
+        (step.fast_attention, "fast decode attention"),
+        (step.fast_experts, "fast decode experts"),
+        (step.fast_linears, "fast decode linears"),
+        (step.graphs, "decode graphs"),
+    ];
+    let prefill = [
+        (step.fast_attention, "fast prefill attention"),
+        (step.fast_linears, "fast prefill linears"),
+        (step.gemm_experts, "fast prefill experts"),
+    ];
+    let (place, asked): (_, &[(bool, &str)]) = if decode_only {
+        (
+            "the device decode step of a decode worker of one rank",
+            &decode,
+        )
+    } else {
+        (
+            "the device step of an engine of one rank that computes prompts",
+            &prefill,
+        )
+    };
+    let runs = device_step && kind != BackendKind::Cpu;
+    match asked.iter().find(|(asked, _)| *asked) {
+        Some((_, what)) if !runs => Err(engine::runner::StartError::Backend(
+            BackendError::Unavailable {
+                backend: kind.name().to_owned(),
+                reason: format!("{what} run in {place} on cuda or emulated, without hybrid"),
+            },
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// What a device decode step does beyond the exact step.
@@ -677,15 +687,24 @@ mod tests {
         use engine::{parallel::group::GroupSpec, scheduler::EngineConfig, weights::LoadProgress};
         let progress = Arc::new(LoadProgress::new());
         let dir = std::env::temp_dir();
-        let linears = EngineWork::All {
-            fast_linears: true,
-            gemm_experts: false,
+        let work = |fast_attention, fast_linears, gemm_experts| EngineWork::All {
+            fast_attention,
+            fast_linears,
+            gemm_experts,
         };
-        let experts = EngineWork::All {
-            fast_linears: false,
-            gemm_experts: true,
-        };
+        let (attention, linears, experts) = (
+            work(true, false, false),
+            work(false, true, false),
+            work(false, false, true),
+        );
         for (kind, work, hybrid, what) in [
+            (BackendKind::Cpu, attention, false, "fast prefill attention"),
+            (
+                BackendKind::Emulated,
+                attention,
+                true,
+                "fast prefill attention",
+            ),
             (BackendKind::Cpu, linears, false, "fast prefill linears"),
             (BackendKind::Emulated, linears, true, "fast prefill linears"),
             (BackendKind::Cpu, experts, false, "fast prefill experts"),

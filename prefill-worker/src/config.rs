@@ -109,7 +109,7 @@ mod tests {
     /// the cpu backend naming the key.
     #[test]
     fn prefill_gemms_read_from_flags_and_environment() {
-        use worker_core::settings::{PrefillExperts, PrefillLinears};
+        use worker_core::settings::{PrefillAttention, PrefillExperts, PrefillLinears};
         let load = |args: &[&str], env: &[(&str, &str)]| {
             let cli =
                 Cli::try_parse_from(std::iter::once("pdserve-prefill").chain(args.iter().copied()))
@@ -127,7 +127,14 @@ mod tests {
         .expect("on the device step");
         assert_eq!(c.worker.prefill_linears, PrefillLinears::Fast);
         assert_eq!(c.worker.prefill_experts, PrefillExperts::Fast);
+        // The fast attention reads FP8 rows: refused without them, naming the key.
+        let fast = ["--backend", "emulated", "--prefill-attention", "fast"];
+        let err = load(&fast, &[]).expect_err("f32 rows");
+        assert!(err.to_string().contains("prefill_attention"), "{err}");
+        let c = load(&[&fast[..], &["--kv-cache-dtype", "fp8"]].concat(), &[]).expect("fp8");
+        assert_eq!(c.worker.prefill_attention, PrefillAttention::Fast);
         for (flag, key) in [
+            ("--prefill-attention", "prefill_attention"),
             ("--prefill-linears", "prefill_linears"),
             ("--prefill-experts", "prefill_experts"),
         ] {

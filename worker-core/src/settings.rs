@@ -90,6 +90,19 @@ pub enum DecodeLinears {
     Fast,
 }
 
+/// How a prefill worker's device step attends for its prompt chunks (prefill workers on `cuda`
+/// or `emulated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillAttention {
+    /// `attn_exact`: the CPU reference's bits.
+    Exact,
+    /// `attn_decode_fp8` for each token of a chunk (all heads against each tile of its FP8
+    /// rows on tensor cores) and the indexer's scores on tensor cores, within their bounds
+    /// (needs `kv_cache_dtype = fp8`).
+    Fast,
+}
+
 /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears
 /// (attention, shared expert, output head; prefill workers on `cuda` or `emulated`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -214,6 +227,11 @@ pub struct WorkerSettings {
     /// plans; others run as they come. Same results as without (checked over the kernels'
     /// references on `emulated`); the cuda or emulated backend, one rank, without hybrid.
     pub decode_graphs: bool,
+    /// How a prefill worker's device step attends for its prompt chunks: `exact` (the
+    /// reference's bits) or `fast` (tensor cores over FP8 rows and for the indexer's scores,
+    /// within stated bounds; needs `kv_cache_dtype = fp8`; the cuda or emulated backend, one
+    /// rank, without hybrid).
+    pub prefill_attention: PrefillAttention,
     /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears:
     /// `exact` (the reference's bits) or `fast` (the dense GEMM on tensor cores, within its
     /// bound; the cuda or emulated backend, one rank, without hybrid).
@@ -274,6 +292,7 @@ impl WorkerSettings {
             decode_experts: DecodeExperts::Exact,
             decode_linears: DecodeLinears::Exact,
             decode_graphs: false,
+            prefill_attention: PrefillAttention::Exact,
             prefill_linears: PrefillLinears::Exact,
             prefill_experts: PrefillExperts::Exact,
             tensor_parallel_size: 1,
@@ -353,6 +372,21 @@ impl WorkerSettings {
                 "fast experts run in the device decode step: backend cuda or emulated, one \
                  rank, without hybrid",
             ));
+        }
+        if self.prefill_attention == PrefillAttention::Fast {
+            if !device_step {
+                return Err(Invalid::new(
+                    "prefill_attention",
+                    "fast attention runs in the device step: backend cuda or emulated, one \
+                     rank, without hybrid",
+                ));
+            }
+            if self.kv_cache_dtype != KvCacheDtype::Fp8 {
+                return Err(Invalid::new(
+                    "prefill_attention",
+                    "fast attention reads FP8 K=V rows: set kv_cache_dtype = \"fp8\"",
+                ));
+            }
         }
         if self.prefill_linears == PrefillLinears::Fast && !device_step {
             return Err(Invalid::new(
@@ -560,6 +594,10 @@ pub struct WorkerFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_graphs: Option<bool>,
+    /// A prefill worker's device attention for prompt chunks: exact or fast.
+    #[arg(long, value_enum, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_attention: Option<PrefillAttention>,
     /// A prefill worker's device bf16 and FP8 linears for prompt chunks: exact or fast.
     #[arg(long, value_enum, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -135,6 +135,7 @@ where
             fast_linears: settings.decode_linears == crate::settings::DecodeLinears::Fast,
         },
         _ => kernels::backend::EngineWork::All {
+            fast_attention: settings.prefill_attention == crate::settings::PrefillAttention::Fast,
             fast_linears: settings.prefill_linears == crate::settings::PrefillLinears::Fast,
             gemm_experts: settings.prefill_experts == crate::settings::PrefillExperts::Fast,
         },

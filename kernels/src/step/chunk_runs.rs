@@ -171,3 +171,82 @@ pub fn first_difference(engine: &Run, device: &Run) -> Option<String> {
     }
     (engine.1 != device.1).then(|| "the states".to_owned())
 }
+
+/// How near a run with bf16 roundings (the fast kernels) is to the engine's, over every
+/// position's logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Nearness {
+    /// The median, three-quarter and largest of each position's largest logit difference as
+    /// a share of the engine's largest logit.
+    pub median: f32,
+    pub three_quarters: f32,
+    pub largest: f32,
+    /// Positions whose greedy token is the engine's, of `positions`.
+    pub greedy_kept: usize,
+    pub positions: usize,
+}
+
+impl std::fmt::Display for Nearness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "logit differences of the largest logit: median {:.2e}, 3/4 {:.2e}, largest {:.2e}; \
+             greedy kept {} of {}",
+            self.median, self.three_quarters, self.largest, self.greedy_kept, self.positions
+        )
+    }
+}
+
+/// `device`'s nearness to `engine` (runs of the same schedule).
+///
+/// # Panics
+/// When a logits row is empty or not finite (runs that failed).
+pub fn nearness(engine: &Run, device: &Run) -> Nearness {
+    #[expect(clippy::expect_used, reason = "rows of a run that succeeded")]
+    let argmax = |v: &[f32]| engine::sampling::argmax(v).expect("finite logits");
+    let (mut gaps, mut kept) = (Vec::new(), 0usize);
+    for (e, d) in engine.0.iter().zip(&device.0) {
+        for (a, b) in e.iter().flatten().zip(d.iter().flatten()) {
+            kept += usize::from(argmax(a) == argmax(b));
+            let top = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let diff = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            gaps.push(diff / top);
+        }
+    }
+    gaps.sort_by(f32::total_cmp);
+    let at = |share: f32| gaps[((gaps.len().max(1) - 1) as f32 * share) as usize];
+    Nearness {
+        median: at(0.5),
+        three_quarters: at(0.75),
+        largest: at(1.0),
+        greedy_kept: kept,
+        positions: gaps.len(),
+    }
+}
+
+/// The fast kernels a prompt step may run, each a prefill worker's setting, and the nearness
+/// the chunk tests (CI over the kernels' references, and the GPU) hold them to: (fast
+/// attention, the dense and grouped GEMMs, the most median difference). Measured over the
+/// references on the tiny model: the median 8.1e-3 of the largest logit for the fast attention
+/// alone, 9.4e-3 for the GEMMs alone, 2.4e-2 for all of them (the roundings compound and the
+/// indexer's near-tied choices flip more often); the bounds leave a GPU's other summation
+/// orders room.
+pub const FAST_PROMPT_CASES: [(bool, bool, f32); 3] =
+    [(true, false, 1.5e-2), (false, true, 1.5e-2), (true, true, 4e-2)];
+
+/// Asserts `near` keeps what [`FAST_PROMPT_CASES`] asks of a case with median bound `median`:
+/// the median below it, the rounding showing, the greedy token at 3 in 4 positions or more.
+///
+/// # Panics
+/// When it does not.
+pub fn assert_near(near: Nearness, median: f32, what: &str) {
+    assert!(
+        near.median > 0.0 || near.largest > 0.0,
+        "{what}: the rounding shows"
+    );
+    assert!(near.median < median, "{what}: {near}");
+    assert!(4 * near.greedy_kept >= 3 * near.positions, "{what}: {near}");
+}

@@ -388,51 +388,44 @@ fn gpu_prompt_chunks_give_the_engines_bits() {
     }
 }
 
-/// Prompt chunks through the whole step on the GPU with the prompt GEMMs a prefill worker may
-/// choose (`prefill_experts = "fast"`: the grouped GEMM, `Kernels::gemm_pairs`;
-/// `prefill_linears = "fast"`: the dense GEMM): every position's logits near the engine's as
-/// the same composition over the kernels' references is in CI (`gemm_experts_stay_near_the_
-/// engines_logits`: median below 1e-2 of the largest logit, the greedy token kept at 3 in 4
-/// positions), in both FP4 formats.
+/// Prompt chunks through the whole step on the GPU with the fast kernels a prefill worker may
+/// choose (`prefill_attention`, `prefill_linears`, `prefill_experts` = "fast": the fast
+/// attention over FP8 rows, the dense and grouped GEMMs), alone and together: every case as
+/// near the engine's logits as the same composition over the kernels' references is held to in
+/// CI (`chunk_runs::FAST_PROMPT_CASES`: its median, the greedy token at 3 in 4 positions).
 #[test]
-fn gpu_prompt_chunks_with_the_gemms_stay_near_the_engines_logits() {
-    use kernels::step::chunk_runs::{engine_run, layout, schedule, step_run};
-    let Some(gpu) = Gpu::for_test("gpu_prompt_chunks_with_the_gemms_stay_near_the_engines_logits")
+fn gpu_prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits() {
+    use kernels::step::chunk_runs::{
+        FAST_PROMPT_CASES, assert_near, engine_run, layout, nearness, schedule, step_run,
+    };
+    let Some(gpu) =
+        Gpu::for_test("gpu_prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits")
     else {
         return;
     };
     let gpu = Arc::new(gpu);
-    for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
-        let (dir, model) = generated(Preset::Tiny, format, "chunk-gemms");
+    let (dir, mut model) = generated(Preset::Tiny, ExpertFormat::Nvfp4, "chunk-fast");
+    for (attention, gemms, median) in FAST_PROMPT_CASES {
+        let kv = if attention {
+            engine::paged::layout::KvStorage::Fp8
+        } else {
+            engine::paged::layout::KvStorage::F32
+        };
+        model.set_kv_storage(kv);
         let steps = schedule(&model, tokens);
         let engine = engine_run(&model, &steps);
-        let ops = CudaStepOps::new(CudaKernels::new(Arc::clone(&gpu)), &model)
-            .unwrap()
-            .with_gemm_experts()
-            .with_fast_linears();
-        let run = step_run(&model, &ops, &steps, &layout(&model)).unwrap();
-        let argmax = |v: &[f32]| engine::sampling::argmax(v).unwrap();
-        let (mut gaps, mut same) = (Vec::new(), 0usize);
-        for (e, d) in engine.0.iter().zip(&run.0) {
-            for (a, b) in e.iter().flatten().zip(d.iter().flatten()) {
-                same += usize::from(argmax(a) == argmax(b));
-                let top = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let diff = a
-                    .iter()
-                    .zip(b)
-                    .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-                gaps.push(diff / top);
-            }
+        let mut ops = CudaStepOps::new(CudaKernels::new(Arc::clone(&gpu)), &model).unwrap();
+        if attention {
+            ops = ops.with_fast_attention().unwrap();
         }
-        gaps.sort_by(f32::total_cmp);
-        let median = gaps[gaps.len() / 2];
-        eprintln!(
-            "prompt GEMMs on the GPU ({format:?}): median logit difference {median:.2e} of the \
-             largest, greedy kept {same} of {}",
-            gaps.len()
-        );
-        assert!(median < 1e-2, "{format:?}: {median}");
-        assert!(4 * same >= 3 * gaps.len(), "{format:?}: greedy kept {same}");
-        let _ = std::fs::remove_dir_all(&dir);
+        if gemms {
+            ops = ops.with_gemm_experts().with_fast_linears();
+        }
+        let run = step_run(&model, &ops, &steps, &layout(&model)).unwrap();
+        let near = nearness(&engine, &run);
+        let what = format!("GPU prompt chunks, fast attention {attention}, GEMMs {gemms}");
+        eprintln!("{what}: {near}");
+        assert_near(near, median, &what);
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
