@@ -135,6 +135,28 @@ impl Gpu {
         })
     }
 
+    /// `kept`'s grouping for `pairs` pairs over `experts` experts where its buffers hold them
+    /// (each launch rewrites every entry it reads), a new one there otherwise: a step's many
+    /// grouped GEMMs make their buffers once, not six small uploads each.
+    pub fn moe_grouping_kept<'k>(
+        &self,
+        kept: &'k mut Option<MoeGrouping>,
+        pairs: usize,
+        experts: usize,
+    ) -> Result<&'k mut MoeGrouping, KernelError> {
+        let fits = kept.as_ref().is_some_and(|g| {
+            g.experts == experts && max_tiles(pairs, experts) <= g.tile_expert.len()
+        });
+        if !fits {
+            *kept = Some(self.moe_grouping(pairs, experts)?);
+        }
+        let g = kept
+            .as_mut()
+            .ok_or_else(|| KernelError::Shape("moe grouping: none kept".into()))?;
+        g.pairs = pairs;
+        Ok(g)
+    }
+
     /// The grouping and the grouped GEMM on device buffers: `out` (`[pairs, n]`) is filled with
     /// NaN first, so a pair routed outside the stack shows. Tokens of `pair_token` must lie in
     /// `a` (the host wrapper checks; here it is the caller's contract).

@@ -34,6 +34,8 @@ pub struct CudaKernels {
     /// was 5 buffers made and filled from the host per layer per step (12.6 MB of NaNs for
     /// 32 requests of 64 heads).
     attn_scratch: Arc<KeptScratch>,
+    /// The grouped GEMM's grouping buffers, kept from launch to launch (`gemm_pairs`).
+    grouping: Arc<std::sync::Mutex<Option<super::MoeGrouping>>>,
 }
 
 impl CudaKernels {
@@ -41,6 +43,7 @@ impl CudaKernels {
         Self {
             gpu,
             attn_scratch: Arc::default(),
+            grouping: Arc::default(),
         }
     }
 }
@@ -754,9 +757,15 @@ impl Kernels for CudaKernels {
             n: stack.rows,
             k: stack.cols,
         };
-        let mut grouping = self.gpu.moe_grouping(pairs, stack.experts)?;
+        let mut kept = self
+            .grouping
+            .lock()
+            .map_err(|_| KernelError::Shape("gemm_pairs: a launch panicked".into()))?;
+        let grouping = self
+            .gpu
+            .moe_grouping_kept(&mut kept, pairs, stack.experts)?;
         self.gpu
-            .launch_grouped_gemm(x, tokens, experts, &device, &mut grouping, y)
+            .launch_grouped_gemm(x, tokens, experts, &device, grouping, y)
     }
 
     fn fast_linear_takes(w: &DeviceRows) -> bool {

@@ -234,8 +234,11 @@ pub fn nearness(engine: &Run, device: &Run) -> Nearness {
 /// alone, 9.4e-3 for the GEMMs alone, 2.4e-2 for all of them (the roundings compound and the
 /// indexer's near-tied choices flip more often); the bounds leave a GPU's other summation
 /// orders room.
-pub const FAST_PROMPT_CASES: [(bool, bool, f32); 3] =
-    [(true, false, 1.5e-2), (false, true, 1.5e-2), (true, true, 4e-2)];
+pub const FAST_PROMPT_CASES: [(bool, bool, f32); 3] = [
+    (true, false, 1.5e-2),
+    (false, true, 1.5e-2),
+    (true, true, 4e-2),
+];
 
 /// Asserts `near` keeps what [`FAST_PROMPT_CASES`] asks of a case with median bound `median`:
 /// the median below it, the rounding showing, the greedy token at 3 in 4 positions or more.
