@@ -251,6 +251,8 @@ pub struct StepRecord {
     pub cached_tokens: usize,
     /// How the decode device ran its part of the step, if it has one and stepped.
     pub device_run: Option<DeviceRun>,
+    /// Whether the device stepped prompt chunks in this step.
+    pub device_prompts: bool,
     /// Tokens the decode device sent back as their argmax rather than their logits.
     pub argmax_tokens: usize,
 }
@@ -532,6 +534,7 @@ impl Engine {
         }
         let mut emitted = 0;
         if !prompts.is_empty() {
+            record.device_prompts = true;
             emitted += self.device_prompt_step(&prompts, emit, &mut events, &mut failed);
         }
         if !plan.is_empty() {

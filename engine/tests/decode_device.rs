@@ -251,6 +251,12 @@ fn a_device_stepping_prompts_gives_each_request_the_host_forwards_events() {
         device.inner = HostDecodeDevice::new(model.replica(), 3, 96 * 16).with_prompts(chunk);
         let prompt_tokens = Arc::clone(&device.prompt_tokens);
         on_device.set_decode_device(Box::new(device)).unwrap();
+        // Each step that stepped prompt chunks on the device says so (the metrics count it).
+        let prompt_steps = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&prompt_steps);
+        on_device.set_step_observer(engine::scheduler::StepObserver(Box::new(move |r| {
+            counted.fetch_add(usize::from(r.device_prompts), Ordering::Relaxed);
+        })));
         let requests = requests();
         let want = run(&mut host, &requests);
         let got = run(&mut on_device, &requests);
@@ -274,6 +280,8 @@ fn a_device_stepping_prompts_gives_each_request_the_host_forwards_events() {
         let cached: usize = want.values().map(|e| usage(e).cached_tokens).sum();
         assert!(cached > 0, "the prefix cache in play");
         assert_eq!(prompt_tokens.load(Ordering::Relaxed), computed);
+        let steps = prompt_steps.load(Ordering::Relaxed);
+        assert!(steps >= computed.div_ceil(64), "{steps} prompt steps");
         let decoded: usize = want.values().map(|e| usage(e).completion_tokens - 1).sum();
         assert_eq!(seats.load(Ordering::Relaxed), decoded);
         let store = on_device.store();

@@ -238,6 +238,13 @@ impl WorkerMetrics {
                 .get_or_create(&RunLabel { how: run.name() })
                 .inc();
         }
+        if record.device_prompts {
+            self.device_steps
+                .get_or_create(&RunLabel {
+                    how: "prompt_chunks",
+                })
+                .inc();
+        }
         self.argmax_tokens.inc_by(n(record.argmax_tokens));
     }
 
@@ -327,6 +334,7 @@ mod tests {
             admitted: 2,
             cached_tokens: 64,
             device_run: Some(engine::scheduler::DeviceRun::Replayed),
+            device_prompts: true,
             argmax_tokens: 1,
         });
         let rank = |used| proto::v1::Load {
@@ -368,6 +376,7 @@ mod tests {
             "pdserve_engine_step_batch_requests_sum{role=\"prefill\"} 2.0",
             "# TYPE pdserve_engine_state_transfer_seconds histogram",
             "pdserve_engine_device_steps_total{role=\"prefill\",how=\"replayed\"} 1",
+            "pdserve_engine_device_steps_total{role=\"prefill\",how=\"prompt_chunks\"} 1",
             "pdserve_engine_device_argmax_tokens_total{role=\"prefill\"} 1",
         ] {
             assert!(text.contains(line), "{line} missing from:\n{text}");
