@@ -70,7 +70,7 @@ fn apply<V: AsRef<[f32]> + Sync>(
 }
 
 /// `W · bf16(x)` for an FP4 weight (the grouped GEMM's reference for one pair).
-fn fp4_pair(w: &Weight, x: &[f32]) -> Result<Vec<f32>, DeviceError> {
+pub(crate) fn fp4_pair(w: &Weight, x: &[f32]) -> Result<Vec<f32>, DeviceError> {
     let product = match w.form() {
         WeightForm::Nvfp4 {
             packed,

@@ -240,6 +240,38 @@ pub const FAST_PROMPT_CASES: [(bool, bool, f32); 3] = [
     (true, true, 4e-2),
 ];
 
+/// One of [`FAST_PROMPT_CASES`] over `kernels`: `model`'s K=V rows set as the fast attention
+/// needs them (FP8) or f32, the schedule through the engine and through the device step with
+/// the case's fast kernels, and how near the step's logits are.
+///
+/// # Errors
+/// When the step refuses the options or fails.
+pub fn fast_prompt_case<K: super::kernels::Kernels>(
+    model: &mut Model,
+    kernels: K,
+    (attention, gemms): (bool, bool),
+    tokens: impl Fn(usize, u64, usize) -> Vec<u32>,
+) -> Result<Nearness, String> {
+    let kv = if attention {
+        engine::paged::layout::KvStorage::Fp8
+    } else {
+        engine::paged::layout::KvStorage::F32
+    };
+    model.set_kv_storage(kv);
+    let steps = schedule(model, tokens);
+    let engine = engine_run(model, &steps);
+    let mut ops =
+        super::device_ops::DeviceStepOps::new(kernels, model).map_err(|e| e.to_string())?;
+    if attention {
+        ops = ops.with_fast_attention().map_err(|e| e.to_string())?;
+    }
+    if gemms {
+        ops = ops.with_gemm_experts().with_fast_linears();
+    }
+    let run = step_run(model, &ops, &steps, &layout(model)).map_err(|e| e.to_string())?;
+    Ok(nearness(&engine, &run))
+}
+
 /// Asserts `near` keeps what [`FAST_PROMPT_CASES`] asks of a case with median bound `median`:
 /// the median below it, the rounding showing, the greedy token at 3 in 4 positions or more.
 ///

@@ -395,9 +395,7 @@ fn gpu_prompt_chunks_give_the_engines_bits() {
 /// CI (`chunk_runs::FAST_PROMPT_CASES`: its median, the greedy token at 3 in 4 positions).
 #[test]
 fn gpu_prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits() {
-    use kernels::step::chunk_runs::{
-        FAST_PROMPT_CASES, assert_near, engine_run, layout, nearness, schedule, step_run,
-    };
+    use kernels::step::chunk_runs::{FAST_PROMPT_CASES, assert_near, fast_prompt_case};
     let Some(gpu) =
         Gpu::for_test("gpu_prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits")
     else {
@@ -406,23 +404,8 @@ fn gpu_prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits() {
     let gpu = Arc::new(gpu);
     let (dir, mut model) = generated(Preset::Tiny, ExpertFormat::Nvfp4, "chunk-fast");
     for (attention, gemms, median) in FAST_PROMPT_CASES {
-        let kv = if attention {
-            engine::paged::layout::KvStorage::Fp8
-        } else {
-            engine::paged::layout::KvStorage::F32
-        };
-        model.set_kv_storage(kv);
-        let steps = schedule(&model, tokens);
-        let engine = engine_run(&model, &steps);
-        let mut ops = CudaStepOps::new(CudaKernels::new(Arc::clone(&gpu)), &model).unwrap();
-        if attention {
-            ops = ops.with_fast_attention().unwrap();
-        }
-        if gemms {
-            ops = ops.with_gemm_experts().with_fast_linears();
-        }
-        let run = step_run(&model, &ops, &steps, &layout(&model)).unwrap();
-        let near = nearness(&engine, &run);
+        let kernels = CudaKernels::new(Arc::clone(&gpu));
+        let near = fast_prompt_case(&mut model, kernels, (attention, gemms), tokens).unwrap();
         let what = format!("GPU prompt chunks, fast attention {attention}, GEMMs {gemms}");
         eprintln!("{what}: {near}");
         assert_near(near, median, &what);

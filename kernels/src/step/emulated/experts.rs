@@ -110,29 +110,7 @@ pub(super) fn gemm_pairs(
     y: &mut [f32],
 ) -> Result<(), ShapeError> {
     each_pair(stack, pairs_of, (x, pairs, y), |w, xt| {
-        let product = match w.form() {
-            WeightForm::Nvfp4 {
-                packed,
-                scales,
-                scale_2,
-            } => crate::cpu::nvfp4_gemm(
-                xt,
-                packed.as_slice(),
-                scales.as_slice(),
-                *scale_2,
-                1,
-                w.rows,
-                w.cols,
-            ),
-            WeightForm::Mxfp4 { packed, scales } => crate::cpu::mxfp4_gemm(
-                xt,
-                packed.as_slice(),
-                scales.as_slice(),
-                (1, w.rows, w.cols),
-            ),
-            _ => return Err(err("gemm pairs: experts that are not FP4")),
-        };
-        product.map_err(|e| ShapeError(e.to_string()))
+        crate::prefill_gemm::fp4_pair(w, xt).map_err(|e| ShapeError(e.to_string()))
     })
 }
 

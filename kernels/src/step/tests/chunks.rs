@@ -305,26 +305,11 @@ fn a_steps_delta_read_back_is_the_engines() {
 /// flips some of the indexer's near-tied choices, so the largest difference is large).
 #[test]
 fn prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits() {
-    use crate::step::chunk_runs::{FAST_PROMPT_CASES, assert_near, nearness};
+    use crate::step::chunk_runs::{FAST_PROMPT_CASES, assert_near, fast_prompt_case};
     let (_dir, mut model) = model(ExpertFormat::Nvfp4);
     for (attention, gemms, median) in FAST_PROMPT_CASES {
-        let kv = if attention {
-            KvStorage::Fp8
-        } else {
-            KvStorage::F32
-        };
-        model.set_kv_storage(kv);
-        let steps = schedule(&model, tokens);
-        let engine = engine_run(&model, &steps);
-        let mut ops = DeviceStepOps::new(EmulatedKernels::new(&model.config), &model).unwrap();
-        if attention {
-            ops = ops.with_fast_attention().unwrap();
-        }
-        if gemms {
-            ops = ops.with_gemm_experts().with_fast_linears();
-        }
-        let run = step_run(&model, &ops, &steps, &layout(&model)).unwrap();
-        let near = nearness(&engine, &run);
+        let kernels = EmulatedKernels::new(&model.config);
+        let near = fast_prompt_case(&mut model, kernels, (attention, gemms), tokens).unwrap();
         let what = format!("prompt chunks, fast attention {attention}, GEMMs {gemms}");
         eprintln!("{what}: {near}");
         assert_near(near, median, &what);
