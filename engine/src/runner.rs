@@ -224,8 +224,7 @@ pub type OpenDecode<'a> =
     &'a dyn Fn(
         &crate::model::Model,
         &crate::scheduler::EngineConfig,
-    )
-        -> Result<Box<dyn crate::scheduler::DecodeDevice>, crate::backend::BackendError>;
+    ) -> Result<Box<dyn crate::scheduler::StepDevice>, crate::backend::BackendError>;
 
 /// Where a worker's ranks compute: each rank's backend (rank r on its own device), whether ops
 /// the backend does not run may stay on the CPU (`hybrid`), the collectives of the model's
@@ -410,7 +409,7 @@ fn start_decoding_on_device(
         on_device: Op::ALL.to_vec(),
         on_cpu: Vec::new(),
     };
-    let setup = |engine: &mut Engine| Ok(engine.set_decode_device(device)?);
+    let setup = |engine: &mut Engine| Ok(engine.set_step_device(device)?);
     start_single(
         model,
         config,

@@ -14,8 +14,8 @@ mod handoff;
 mod host_step;
 
 pub use device::{
-    DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun, HostDecodeDevice, PromptChunk,
-    PromptOut,
+    DecodeOut, DecodeSeat, DeviceError, DeviceRun, HostStepDevice, PromptChunk, PromptOut,
+    StepDevice,
 };
 pub use handoff::{HandoffError, PromptState, Reservation, StateWrite};
 
@@ -228,7 +228,7 @@ pub struct Engine {
     token_table: TokenTableSource,
     /// Told about every step (worker metrics).
     observer: Option<StepObserver>,
-    /// Where decode tokens step when they do not step here ([`Engine::set_decode_device`]).
+    /// Where decode tokens step when they do not step here ([`Engine::set_step_device`]).
     device: Option<device::OnDevice>,
     /// How the device ran the last device step, and the tokens it sent back as argmaxes.
     last_device: (Option<DeviceRun>, usize),

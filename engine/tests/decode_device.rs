@@ -15,8 +15,8 @@ use engine::{
     paged::layout::{KvStorage, RowFormat},
     sampling::{SamplingParams, StopConditions},
     scheduler::{
-        DecodeDevice, DecodeSeat, DeviceError, Engine, EngineConfig, EngineError, Event,
-        GenerationRequest, HostDecodeDevice, PromptChunk, PromptOut,
+        DecodeSeat, DeviceError, Engine, EngineConfig, EngineError, Event, GenerationRequest,
+        HostStepDevice, PromptChunk, PromptOut, StepDevice,
     },
     synth::{GenerateOptions, Preset, Rng, generate},
 };
@@ -53,7 +53,7 @@ fn config() -> EngineConfig {
 /// The reference device, counting the sequences it stepped and failing from step `fail_at`.
 #[derive(Debug)]
 struct Counted {
-    inner: HostDecodeDevice,
+    inner: HostStepDevice,
     seats: Arc<AtomicUsize>,
     steps: usize,
     fail_at: Option<usize>,
@@ -63,7 +63,7 @@ struct Counted {
     prompt_tokens: Arc<AtomicUsize>,
 }
 
-impl DecodeDevice for Counted {
+impl StepDevice for Counted {
     fn name(&self) -> &'static str {
         "counted"
     }
@@ -131,7 +131,7 @@ fn counted(model: &Model, config: &EngineConfig) -> (Counted, Arc<AtomicUsize>) 
 fn counting_into(model: &Model, config: &EngineConfig, seats: &Arc<AtomicUsize>) -> Counted {
     let tokens = config.num_pages as usize * config.page_size;
     Counted {
-        inner: HostDecodeDevice::new(model.replica(), config.max_running, tokens),
+        inner: HostStepDevice::new(model.replica(), config.max_running, tokens),
         seats: Arc::clone(seats),
         steps: 0,
         fail_at: None,
@@ -208,8 +208,8 @@ fn decode_device_gives_the_events_of_the_host_forward(kv: KvStorage) {
     let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let mut on_device = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let (device, seats) = counted(&model, &config);
-    on_device.set_decode_device(Box::new(device)).unwrap();
-    assert_eq!(on_device.decode_device(), Some("counted"));
+    on_device.set_step_device(Box::new(device)).unwrap();
+    assert_eq!(on_device.step_device(), Some("counted"));
     let requests = requests();
     let want = run(&mut host, &requests);
     let got = run(&mut on_device, &requests);
@@ -248,9 +248,9 @@ fn a_device_stepping_prompts_gives_each_request_the_host_forwards_events() {
         let mut host = Engine::new(model.replica(), config.clone(), "t").unwrap();
         let mut on_device = Engine::new(model.replica(), config.clone(), "t").unwrap();
         let (mut device, seats) = counted(&model, &config);
-        device.inner = HostDecodeDevice::new(model.replica(), 3, 96 * 16).with_prompts(chunk);
+        device.inner = HostStepDevice::new(model.replica(), 3, 96 * 16).with_prompts(chunk);
         let prompt_tokens = Arc::clone(&device.prompt_tokens);
-        on_device.set_decode_device(Box::new(device)).unwrap();
+        on_device.set_step_device(Box::new(device)).unwrap();
         // Each step that stepped prompt chunks on the device says so (the metrics count it).
         let prompt_steps = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&prompt_steps);
@@ -299,9 +299,9 @@ fn a_failing_prompt_step_fails_its_requests() {
     for (fail_at, nan_slot) in [(Some(2), None), (None, Some(2))] {
         let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
         let (mut device, _) = counted(&model, &config);
-        device.inner = HostDecodeDevice::new(model.replica(), 3, 96 * 16).with_prompts(16);
+        device.inner = HostStepDevice::new(model.replica(), 3, 96 * 16).with_prompts(16);
         (device.fail_at, device.nan_slot) = (fail_at, nan_slot);
-        engine.set_decode_device(Box::new(device)).unwrap();
+        engine.set_step_device(Box::new(device)).unwrap();
         let events = run(&mut engine, &requests);
         let failed: Vec<&String> = events
             .iter()
@@ -344,7 +344,7 @@ fn a_handed_over_state_decodes_on_the_device() {
         let mut decode = Engine::new(model.replica(), config.clone(), "t").unwrap();
         let (device, seats) = counted(&model, &config);
         if with_device {
-            decode.set_decode_device(Box::new(device)).unwrap();
+            decode.set_step_device(Box::new(device)).unwrap();
         }
         prefill.add_prefill(req.clone()).unwrap();
         let events = prefill.run_to_completion();
@@ -398,7 +398,7 @@ fn a_failing_device_fails_its_requests_with_its_words() {
     let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
     let (mut device, _) = counted(&model, &config);
     device.fail_at = Some(3);
-    engine.set_decode_device(Box::new(device)).unwrap();
+    engine.set_step_device(Box::new(device)).unwrap();
     let requests = requests();
     let events = run(&mut engine, &requests);
     let failed: Vec<&String> = events
@@ -434,7 +434,7 @@ fn non_finite_logits_fail_only_their_request() {
     let (mut device, _) = counted(&model, &config);
     // Slots are handed out from 0: the first request to decode gets slot 0.
     device.nan_slot = Some(0);
-    engine.set_decode_device(Box::new(device)).unwrap();
+    engine.set_step_device(Box::new(device)).unwrap();
     let requests = requests();
     engine.add(requests[0].clone()).unwrap();
     engine.add(requests[3].clone()).unwrap();
@@ -462,8 +462,8 @@ fn what_a_device_cannot_serve_is_refused_at_attach() {
     let config = config();
     let refused = |config: &EngineConfig, slots: usize, tokens: usize| -> String {
         let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
-        let device = HostDecodeDevice::new(model.replica(), slots, tokens);
-        match engine.set_decode_device(Box::new(device)) {
+        let device = HostStepDevice::new(model.replica(), slots, tokens);
+        match engine.set_step_device(Box::new(device)) {
             Err(e @ EngineError::Device(_)) => e.to_string(),
             other => panic!("{other:?}"),
         }
@@ -487,8 +487,8 @@ fn what_a_device_cannot_serve_is_refused_at_attach() {
     let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
     engine.add(requests()[0].clone()).unwrap();
     let _ = engine.step();
-    let device = HostDecodeDevice::new(model.replica(), 3, pool);
-    let e = engine.set_decode_device(Box::new(device)).unwrap_err();
+    let device = HostStepDevice::new(model.replica(), 3, pool);
+    let e = engine.set_step_device(Box::new(device)).unwrap_err();
     assert!(e.to_string().contains("requests are running"), "{e}");
 }
 
@@ -508,7 +508,7 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
     let opened_with = Arc::clone(&seats);
     let open = move |model: &Model, config: &EngineConfig| {
         let device = counting_into(model, config, &opened_with);
-        Ok::<Box<dyn DecodeDevice>, BackendError>(Box::new(device))
+        Ok::<Box<dyn StepDevice>, BackendError>(Box::new(device))
     };
     let devices = RankDevices {
         decode: Some(&open),
@@ -541,7 +541,7 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
         .block_on(loaded.ranks.first().call(move |engine, _| {
             engine.add(job).unwrap();
             (
-                engine.decode_device().map(str::to_owned),
+                engine.step_device().map(str::to_owned),
                 engine.run_to_completion(),
             )
         }))

@@ -12,8 +12,8 @@ use engine::{
     paged::layout::KvStorage,
     sampling::{FinishReason, Sampled, SamplingParams, StopConditions},
     scheduler::{
-        Engine, EngineConfig, EngineError, Event, GenerationRequest, HandoffError,
-        HostDecodeDevice, StateWrite,
+        Engine, EngineConfig, EngineError, Event, GenerationRequest, HandoffError, HostStepDevice,
+        StateWrite,
     },
     synth::{GenerateOptions, Preset, Rng, generate},
 };
@@ -170,8 +170,8 @@ fn device_prefill(kv: KvStorage, page_size: usize, chunk: usize) -> Engine {
     let mut engine = engine(kv, page_size);
     let mut model = model();
     model.set_kv_storage(kv);
-    let device = HostDecodeDevice::new(model, 8, 256 * page_size).with_prompts(chunk);
-    engine.set_decode_device(Box::new(device)).unwrap();
+    let device = HostStepDevice::new(model, 8, 256 * page_size).with_prompts(chunk);
+    engine.set_step_device(Box::new(device)).unwrap();
     engine
 }
 

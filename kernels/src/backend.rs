@@ -430,7 +430,7 @@ fn open_emulated_decode(
     config: &engine::scheduler::EngineConfig,
     step: StepOptions,
     prompts: Option<usize>,
-) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
+) -> Result<Box<dyn engine::scheduler::StepDevice>, BackendError> {
     use crate::step::{decoder::StepDecoder, emulated::EmulatedKernels};
     let unavailable = |e: String| BackendError::Unavailable {
         backend: "emulated".to_owned(),
@@ -475,7 +475,7 @@ fn open_cuda_decode(
     config: &engine::scheduler::EngineConfig,
     step: StepOptions,
     prompts: Option<usize>,
-) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
+) -> Result<Box<dyn engine::scheduler::StepDevice>, BackendError> {
     use crate::{
         cuda::{CudaKernels, Gpu},
         step::decoder::StepDecoder,
@@ -532,7 +532,7 @@ fn open_cuda_decode(
     _: &engine::scheduler::EngineConfig,
     _: StepOptions,
     _: Option<usize>,
-) -> Result<Box<dyn engine::scheduler::DecodeDevice>, BackendError> {
+) -> Result<Box<dyn engine::scheduler::StepDevice>, BackendError> {
     Err(cuda_unavailable(
         "this binary was built without the CUDA backend (cargo feature `cuda`)",
     ))

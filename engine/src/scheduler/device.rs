@@ -1,18 +1,18 @@
-//! Decoding on a device that keeps the sequences' state between steps. With a
-//! [`DecodeDevice`] attached ([`Engine::set_decode_device`]), a request's prompt is computed
-//! here as always; when it starts decoding (its prompt computed here, or its state written by a
+//! Stepping on a device that keeps the sequences' state between steps. With a
+//! [`StepDevice`] attached ([`Engine::set_step_device`]), a request's prompt is computed
+//! here (unless the device steps prompts too, below); when it starts decoding (its prompt computed here, or its state written by a
 //! prefill worker and committed), its state is read from its pages once and loaded into a slot
 //! of the device, and from then on every decode token of it steps on the device: nothing of its
 //! state crosses back, only the token in and the logits out, which are sampled here exactly as
 //! the host forward's would be. Its pages stay reserved (they hold its prompt) and its decoded
 //! blocks are not offered to the prefix cache (their rows live on the device only).
 //!
-//! A device that also steps prompt chunks (`DecodeDevice::prompt_chunk` not 0) seats a request
+//! A device that also steps prompt chunks (`StepDevice::prompt_chunk` not 0) seats a request
 //! at its first chunk instead, and its prompt computes there too (`device_prompt`): what each
 //! chunk added comes back and is stored in the pages, so they hold the prompt as they would
 //! without the device.
 //!
-//! A device is checked against the engine's own forward pass: [`HostDecodeDevice`] is that
+//! A device is checked against the engine's own forward pass: [`HostStepDevice`] is that
 //! reference behind the same trait (states on the host, the engine's `forward_batch`), and a
 //! device's engine must produce the same events as an engine without one.
 
@@ -119,8 +119,9 @@ impl DeviceRun {
     }
 }
 
-/// A device that holds sequences' state in slots and runs whole decode steps over them.
-pub trait DecodeDevice: Send + fmt::Debug {
+/// A device that holds sequences' state in slots and runs whole decode steps over them, and,
+/// where its [`Self::prompt_chunk`] is not 0, steps of prompt chunks.
+pub trait StepDevice: Send + fmt::Debug {
     /// What steps, for logs and errors ("cuda").
     fn name(&self) -> &str;
 
@@ -186,18 +187,18 @@ pub trait DecodeDevice: Send + fmt::Debug {
 /// An attached device and its free slots.
 #[derive(Debug)]
 pub(super) struct OnDevice {
-    pub(super) device: Box<dyn DecodeDevice>,
+    pub(super) device: Box<dyn StepDevice>,
     /// Free slots, the next one last.
     free: Vec<usize>,
 }
 
 impl Engine {
     /// Steps every decode token on `device` from now on, and every prompt chunk where the
-    /// device steps prompts ([`DecodeDevice::prompt_chunk`]; otherwise they compute here). Refused
+    /// device steps prompts ([`StepDevice::prompt_chunk`]; otherwise they compute here). Refused
     /// when the device cannot hold every request the engine runs at once, or the longest one,
     /// when it rounds K=V rows to another form than the engine stores them in, when the model
     /// is one rank of a group, or while requests run.
-    pub fn set_decode_device(&mut self, device: Box<dyn DecodeDevice>) -> Result<(), EngineError> {
+    pub fn set_step_device(&mut self, device: Box<dyn StepDevice>) -> Result<(), EngineError> {
         let refuse = |why: String| Err(EngineError::Device(format!("{}: {why}", device.name())));
         if device.kv_rows() != self.model.kv_rows() {
             return refuse(format!(
@@ -245,8 +246,8 @@ impl Engine {
         self.device.as_ref().map_or(0, |d| d.device.prompt_chunk())
     }
 
-    /// The attached decode device's name, if one is attached.
-    pub fn decode_device(&self) -> Option<&str> {
+    /// The attached step device's name, if one is attached.
+    pub fn step_device(&self) -> Option<&str> {
         self.device.as_ref().map(|d| d.device.name())
     }
 
@@ -269,9 +270,7 @@ impl Engine {
     /// first, which it then keeps until it leaves.
     pub(super) fn seat(&mut self, i: usize) -> Result<usize, StepError> {
         let Some(d) = self.device.as_mut() else {
-            return Err(StepError::Forward(
-                "no decode device is attached".to_owned(),
-            ));
+            return Err(StepError::Forward("no step device is attached".to_owned()));
         };
         let r = &mut self.running[i];
         if let Some(slot) = r.slot {
@@ -404,11 +403,11 @@ impl Engine {
     }
 }
 
-/// The reference decode device: each slot's state on the host, each step the engine's own
+/// The reference step device: each slot's state on the host, each step the engine's own
 /// forward pass (`Model::forward_batch`). What a device is checked against, and a device for
 /// tests of the engine's side of the seam.
 #[derive(Debug)]
-pub struct HostDecodeDevice {
+pub struct HostStepDevice {
     model: Model,
     states: Vec<Option<SequenceState>>,
     max_tokens: usize,
@@ -416,7 +415,7 @@ pub struct HostDecodeDevice {
     prompt_chunk: usize,
 }
 
-impl HostDecodeDevice {
+impl HostStepDevice {
     /// `slots` sequences of at most `max_tokens` tokens, stepped by `model`.
     pub fn new(model: Model, slots: usize, max_tokens: usize) -> Self {
         Self {
@@ -464,7 +463,7 @@ impl HostDecodeDevice {
     }
 }
 
-impl DecodeDevice for HostDecodeDevice {
+impl StepDevice for HostStepDevice {
     fn name(&self) -> &'static str {
         "host reference"
     }

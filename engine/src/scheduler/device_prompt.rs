@@ -1,5 +1,5 @@
-//! Prompt chunks on a device that keeps the sequences' state ([`DecodeDevice::prompt_step`],
-//! where its [`DecodeDevice::prompt_chunk`] is not 0). A request's first chunk seats it in a
+//! Prompt chunks on a device that keeps the sequences' state ([`StepDevice::prompt_step`],
+//! where its [`StepDevice::prompt_chunk`] is not 0). A request's first chunk seats it in a
 //! slot (its cached prefix loaded from its pages), which it keeps to its last token; each step
 //! sends the chunks' tokens and gets back the logits rows they ask for and what each added to
 //! its state, which is stored in its pages as the host forward's state is: so the prefix cache
@@ -8,8 +8,8 @@
 //! inside them (the engine's plan cuts them there), so no block needs the compressors'
 //! state from the middle of a chunk.
 //!
-//! [`DecodeDevice::prompt_chunk`]: super::DecodeDevice::prompt_chunk
-//! [`DecodeDevice::prompt_step`]: super::DecodeDevice::prompt_step
+//! [`StepDevice::prompt_chunk`]: super::StepDevice::prompt_chunk
+//! [`StepDevice::prompt_step`]: super::StepDevice::prompt_step
 
 use std::ops::Range;
 

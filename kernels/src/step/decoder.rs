@@ -1,4 +1,4 @@
-//! [`StepDecoder`]: the device decode step as the engine's [`DecodeDevice`], so a worker's
+//! [`StepDecoder`]: the device decode step as the engine's [`StepDevice`], so a worker's
 //! scheduler steps its decode tokens on the device: the weights uploaded once, the sequences'
 //! state in the arenas of a [`StateLayout`] (a slot per running request), each step's tokens
 //! in and logits out. Over [`super::emulated::EmulatedKernels`] it is what CI checks the
@@ -9,7 +9,7 @@ use engine::{
     model::{Model, SequenceState},
     paged::layout::RowFormat,
     scheduler::{
-        DecodeDevice, DecodeOut, DecodeSeat, DeviceError, DeviceRun, PromptChunk, PromptOut,
+        DecodeOut, DecodeSeat, DeviceError, DeviceRun, PromptChunk, PromptOut, StepDevice,
     },
 };
 
@@ -165,7 +165,7 @@ impl<K: Kernels> StepDecoder<K> {
     }
 
     /// Steps prompt chunks of up to `chunk` tokens of a sequence too from now on
-    /// ([`DecodeDevice::prompt_step`], [`super::decode::prompt_step`]: the exact kernels, the
+    /// ([`StepDevice::prompt_step`], [`super::decode::prompt_step`]: the exact kernels, the
     /// engine's bits): the arenas are laid out again for chunks (`StateLayout::chunked`: a
     /// longer window ring, more unfinished compressor windows), once `room` says the bytes
     /// they add fit; before any state is loaded, and without graphs.
@@ -269,7 +269,7 @@ impl<K: Kernels> StepDecoder<K> {
     }
 }
 
-impl<K: Kernels> DecodeDevice for StepDecoder<K>
+impl<K: Kernels> StepDevice for StepDecoder<K>
 where
     StepDecoder<K>: Send,
 {

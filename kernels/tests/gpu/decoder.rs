@@ -120,7 +120,7 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
             decoder = decoder.with_prompts(16, |_, _| Ok(())).unwrap();
         }
         let mut engine = Engine::new(model.replica(), config.clone(), "t").unwrap();
-        engine.set_decode_device(Box::new(decoder)).unwrap();
+        engine.set_step_device(Box::new(decoder)).unwrap();
         let got = run_then_last(&mut engine, &requests);
         assert_eq!(got.len(), want.len());
         if prompts {

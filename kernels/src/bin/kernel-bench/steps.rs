@@ -147,7 +147,7 @@ fn device_prefill(model: &engine::model::Model, prompt: &[u32]) -> Result<StepRo
 }
 
 /// [`device_prefill`] as an engine runs it (`StepDecoder::with_prompts`, the
-/// `DecodeDevice::prompt_step` a prefill worker on cuda calls): after each step every chunk's
+/// `StepDevice::prompt_step` a prefill worker on cuda calls): after each step every chunk's
 /// delta is read back to the host for its pages. Beside the row above, what the read-back costs;
 /// with `gemms`, the prompt GEMMs a prefill worker may choose (`prefill_linears` and
 /// `prefill_experts` = "fast": the dense and grouped GEMMs).
@@ -158,7 +158,7 @@ fn device_prefill_read_back(
 ) -> Result<StepRow, KernelError> {
     use engine::{
         model::Logits,
-        scheduler::{DecodeDevice, PromptChunk},
+        scheduler::{PromptChunk, StepDevice},
     };
     use kernels::{cuda::CudaKernels, step::decoder::StepDecoder};
     const CHUNK: usize = 64;
@@ -232,7 +232,7 @@ fn device_steps(
     prefilled: &[engine::model::SequenceState],
     len: usize,
 ) -> Result<Vec<StepRow>, KernelError> {
-    use engine::scheduler::{DecodeDevice, DecodeSeat};
+    use engine::scheduler::{DecodeSeat, StepDevice};
     use kernels::{cuda::CudaKernels, step::decoder::StepDecoder};
     let (warm, timed) = (4usize, 16usize);
     let fail = |e: String| KernelError::Checkpoint(e);

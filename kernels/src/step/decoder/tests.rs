@@ -110,7 +110,7 @@ fn an_engine_decoding_on_the_device_step_gives_the_host_forwards_events() {
             decoder = decoder.with_graphs(|_, _| Ok(())).unwrap();
         }
         let mut engine = Engine::new(model.replica(), c, "t").unwrap();
-        engine.set_decode_device(Box::new(decoder)).unwrap();
+        engine.set_step_device(Box::new(decoder)).unwrap();
         // Each device step reports how it ran; the greedy request's tokens come back as
         // argmaxes.
         let records = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -149,7 +149,7 @@ fn an_engine_decoding_on_the_device_step_gives_the_host_forwards_events() {
     let kernels = EmulatedKernels::new(&model.config);
     let decoder =
         StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(())).unwrap();
-    engine.set_decode_device(Box::new(decoder)).unwrap();
+    engine.set_step_device(Box::new(decoder)).unwrap();
     let req = &requests[2];
     engine.add(req.clone()).unwrap();
     for _ in 0..3 {
@@ -202,7 +202,7 @@ fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
             .unwrap();
         assert_eq!(decoder.prompt_chunk(), chunk);
         let mut engine = Engine::new(model.replica(), c, "t").unwrap();
-        engine.set_decode_device(Box::new(decoder)).unwrap();
+        engine.set_step_device(Box::new(decoder)).unwrap();
         let got = run(&mut engine, &requests[..4]);
         engine.add(requests[4].clone()).unwrap();
         let got = [got, engine.run_to_completion()].concat();
