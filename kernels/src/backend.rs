@@ -17,10 +17,12 @@ use engine::{
 pub enum BackendKind {
     /// Everything on the CPU reference.
     Cpu,
-    /// The CUDA backend (routed experts on the GPU; the rest needs hybrid mode).
+    /// The GPU: one rank without hybrid runs whole steps there (decode steps, and prompt
+    /// chunks for an engine that computes prompts); a group of ranks or hybrid runs the per-op
+    /// path (routed experts, linears, attention core and head on the GPU, the rest on the CPU).
     Cuda,
-    /// A decode worker's whole decode step as on a GPU (state in arenas, the same launches),
-    /// each kernel computed by its CPU reference.
+    /// The whole steps as on a GPU (state in arenas, the same launches), each kernel computed
+    /// by its CPU reference: one rank, without hybrid.
     Emulated,
 }
 
