@@ -421,6 +421,30 @@ fn workers_on_the_emulated_device_answer_as_the_engine() {
         let got = essence(&post(b, "/v1/chat/completions", &body));
         assert_eq!(got, want, "{words} words");
     }
+    // The prompt's own log-probabilities (`echo` with `logprobs`): every row of each chunk
+    // from the device's prompt step.
+    let text: Vec<String> = (0..40).map(|i| format!("p{}", (i * 31) % 97)).collect();
+    let body = json!({
+        "model": "deepseek-v4-flash",
+        "prompt": text.join(" "),
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "echo": true,
+        "logprobs": 2,
+    });
+    let (want, got) = (
+        post(a, "/v1/completions", &body),
+        post(b, "/v1/completions", &body),
+    );
+    assert_eq!(got.status, 200, "{}", got.body);
+    let (want, got) = (want.json(), got.json());
+    assert_eq!(got["choices"][0], want["choices"][0]);
+    assert!(
+        want["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .is_some_and(|t| t.len() > 40),
+        "{want}"
+    );
     decode.terminate();
     let log = decode.stderr();
     assert!(
