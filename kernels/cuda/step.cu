@@ -47,6 +47,20 @@ extern "C" __global__ void copy_rows(const float* __restrict__ src,
     }
 }
 
+// Piece i: plan[3i + 1] floats from the device address plan[3i] to dst + plan[3i + 2]. One
+// block per piece: a state's many small pieces (rows of several arenas) gathered into one
+// buffer by one launch, to cross to the host in one copy.
+extern "C" __global__ void gather_pieces(const long long* __restrict__ plan,
+                                         float* __restrict__ dst) {
+    const long long i = blockIdx.x;
+    const float* from = reinterpret_cast<const float*>(plan[3 * i]);
+    const long long n = plan[3 * i + 1];
+    float* to = dst + plan[3 * i + 2];
+    for (long long c = threadIdx.x; c < n; c += blockDim.x) {
+        to[c] = from[c];
+    }
+}
+
 // x[i] += bias[i % period] for the first n values (each closed window's gate scores plus the
 // position bias, `period` = ratio * width).
 extern "C" __global__ void add_periodic(float* __restrict__ x, const float* __restrict__ bias,

@@ -4,7 +4,7 @@
 //! both sides. Pages are copied up after the host writes them; a page never written reads as
 //! NaN (0xFF bytes), so a kernel reading it cannot produce a plausible result.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use engine::pool::{PageId, PagePool};
 
 use super::{Gpu, KernelError};
@@ -128,26 +128,41 @@ impl DevicePages {
 
 impl Gpu {
     /// Several ranges (each of its buffer) to the host with one wait: gathered on the device
-    /// into one buffer (copies queued on the stream, none waited for), then that buffer
-    /// copied down. A state's pieces read back after a step cross once, not once each.
+    /// into one buffer by one launch (`gather_pieces`, its plan the pieces' addresses,
+    /// lengths and places), then that buffer copied down. A state's many small pieces read
+    /// back after a step cross once, with three transfers and a launch, not a copy each.
     pub fn read_ranges(
         &self,
         parts: &[(&CudaSlice<f32>, std::ops::Range<usize>)],
     ) -> Result<Vec<Vec<f32>>, KernelError> {
-        let total: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        let mut plan = Vec::with_capacity(3 * parts.len());
+        let mut total = 0usize;
+        for (b, r) in parts.iter().filter(|(_, r)| !r.is_empty()) {
+            if r.end > b.len() {
+                return Err(KernelError::Shape("read_ranges: past a buffer".into()));
+            }
+            let at = super::graph::addr(*b) + 4 * r.start;
+            plan.extend([at as i64, r.len() as i64, total as i64]);
+            total += r.len();
+        }
         if total == 0 {
             return Ok(vec![Vec::new(); parts.len()]);
         }
+        let pieces = plan.len() / 3;
+        let d_plan = self.stream.clone_htod(&plan)?;
         let mut staging = self.stream.alloc_zeros::<f32>(total)?;
-        let mut at = 0;
-        for (b, r) in parts.iter().filter(|(_, r)| !r.is_empty()) {
-            let src = b
-                .try_slice(r.clone())
-                .ok_or_else(|| KernelError::Shape("read_ranges: past a buffer".into()))?;
-            let mut dst = staging.slice_mut(at..at + r.len());
-            self.stream.memcpy_dtod(&src, &mut dst)?;
-            at += r.len();
-        }
+        let f = self.step.load_function("gather_pieces")?;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&d_plan).arg(&mut staging);
+        let config = cudarc::driver::LaunchConfig {
+            grid_dim: (super::grid_dim(pieces, "read_ranges pieces")?, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `gather_pieces(const long long*, float*)`; every piece lies inside its buffer
+        // (checked above), which `parts` borrows until the copy down below has waited for the
+        // launch on this stream; `staging` holds `total` values, each piece at its place.
+        unsafe { launch.launch(config)? };
         let flat = self.stream.clone_dtoh(&staging)?;
         let mut at = 0;
         Ok(parts

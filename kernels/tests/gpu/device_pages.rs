@@ -218,9 +218,10 @@ fn gpu_device_pages_past_4_gib() {
     );
 }
 
-/// Several ranges of several buffers read back with one wait (`Gpu::read_ranges`, how a prompt
-/// step's deltas come back) are each range's values: ranges out of order, overlapping, empty
-/// (at any start) and one buffer's whole; a range past its buffer is an error.
+/// Several ranges of several buffers read back with one wait (`Gpu::read_ranges`: gathered
+/// by one `gather_pieces` launch, how a prompt step's deltas come back) are each range's values
+/// (the reference: the host's slices): ranges out of order, overlapping, empty (at any start),
+/// of 1 value and one buffer's whole; a range past its buffer is an error.
 #[test]
 fn gpu_read_ranges_gives_each_ranges_values() {
     let Some(gpu) = Gpu::for_test("gpu_read_ranges_gives_each_ranges_values") else {
