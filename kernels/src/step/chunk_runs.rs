@@ -285,3 +285,88 @@ pub fn assert_near(near: Nearness, median: f32, what: &str) {
     assert!(near.median < median, "{what}: {near}");
     assert!(4 * near.greedy_kept >= 3 * near.positions, "{what}: {near}");
 }
+
+/// What [`delta_run`] saw: the first step whose read-back deltas differ from the engine's
+/// (`None`: none did), and whether the schedule closed windows of both compressors in a step
+/// and wrapped the window ring inside one (the cases the read-back must get right).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeltaRun {
+    pub first_difference: Option<String>,
+    pub closed: bool,
+    pub wrapped: bool,
+}
+
+/// The schedule through the step over `ops` and through the engine side by side; after every
+/// step each slot's delta read back (every slot's in one `read_deltas`, and slot 0's alone by
+/// `read_delta`) against the engine's `StateDelta::of` of the same step.
+///
+/// # Errors
+/// When the step, the engine or a read-back fails.
+pub fn delta_run<O: StepOps>(model: &Model, ops: &O) -> Result<DeltaRun, String> {
+    use engine::model::delta::StateDelta;
+    let c = &model.config;
+    let steps = schedule(model, |n, seed, v| {
+        let mut rng = engine::synth::Rng::for_tensor(seed, "delta-run");
+        (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect()
+    });
+    let layout = layout(model);
+    let mut arenas = layout.arenas(ops).map_err(|e| e.to_string())?;
+    let mut states: Vec<SequenceState> = PROMPTS.iter().map(|_| model.new_state()).collect();
+    let mut run = DeltaRun {
+        first_difference: None,
+        closed: false,
+        wrapped: false,
+    };
+    for (step, takes) in steps.iter().enumerate() {
+        let before: Vec<usize> = states.iter().map(|s| s.len).collect();
+        let (mut seats, mut ids) = (Vec::new(), Vec::new());
+        for (slot, t) in takes.iter().enumerate() {
+            seats.extend((0..t.len()).map(|i| Seat {
+                slot,
+                len: before[slot] + i,
+            }));
+            ids.extend_from_slice(t);
+        }
+        decode_step(ops, c, &layout, &mut arenas, &mut seats, &ids).map_err(|e| e.to_string())?;
+        let mut batch: Vec<Step<'_>> = states
+            .iter_mut()
+            .zip(takes)
+            .filter(|(_, t)| !t.is_empty())
+            .map(|(state, tokens)| Step {
+                state,
+                tokens,
+                logits: Logits::None,
+            })
+            .collect();
+        model.forward_batch(&mut batch).map_err(|e| e.to_string())?;
+        let spans: Vec<(usize, (usize, usize))> = states
+            .iter()
+            .enumerate()
+            .map(|(slot, state)| (slot, (before[slot], state.len)))
+            .collect();
+        let all = layout
+            .read_deltas(ops, &arenas, &spans)
+            .map_err(|e| e.to_string())?;
+        let alone = layout
+            .read_delta(ops, &arenas, 0, spans[0].1)
+            .map_err(|e| e.to_string())?;
+        if alone != all[0] {
+            run.first_difference
+                .get_or_insert_with(|| format!("step {step}: slot 0 read alone and with others"));
+        }
+        for ((slot, state), got) in states.iter().enumerate().zip(all) {
+            let span = (before[slot], state.len);
+            let want = StateDelta::of(state, span.0, c)?;
+            if got != want {
+                run.first_difference
+                    .get_or_insert_with(|| format!("step {step}, slot {slot}, {span:?}"));
+            }
+            run.closed |= want.layers.iter().any(|l| {
+                l.compressor.as_ref().is_some_and(|c| !c.rows.is_empty())
+                    && l.indexer.as_ref().is_some_and(|c| !c.rows.is_empty())
+            });
+            run.wrapped |= span.0 / layout.ring != span.1.saturating_sub(1) / layout.ring;
+        }
+    }
+    Ok(run)
+}

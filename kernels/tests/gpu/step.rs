@@ -412,3 +412,30 @@ fn gpu_prompt_chunks_through_the_fast_kernels_stay_near_the_engines_logits() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What each step of prompt chunks added, read back from the GPU's arenas (`read_deltas`: the
+/// pieces gathered by one launch, `Gpu::read_ranges`), is the engine's `StateDelta` of the same
+/// step after every step of the chunk schedule, f32 and FP8 rows, as over the kernels'
+/// references in CI (`a_steps_delta_read_back_is_the_engines`): what a prefill worker on cuda
+/// stores into its pages and streams to the decode worker.
+#[test]
+fn gpu_prompt_chunks_deltas_read_back_are_the_engines() {
+    use engine::paged::layout::KvStorage;
+    use kernels::step::chunk_runs::delta_run;
+    let Some(gpu) = Gpu::for_test("gpu_prompt_chunks_deltas_read_back_are_the_engines") else {
+        return;
+    };
+    let gpu = Arc::new(gpu);
+    for (format, kv) in [
+        (ExpertFormat::Nvfp4, KvStorage::F32),
+        (ExpertFormat::Mxfp4, KvStorage::Fp8),
+    ] {
+        let (dir, mut model) = generated(Preset::Tiny, format, "deltas");
+        model.set_kv_storage(kv);
+        let ops = CudaStepOps::new(CudaKernels::new(Arc::clone(&gpu)), &model).unwrap();
+        let run = delta_run(&model, &ops).unwrap();
+        assert_eq!(run.first_difference, None, "{format:?} {kv:?}");
+        assert!(run.closed && run.wrapped);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -234,63 +234,19 @@ where
 /// windows of both ratios closed), f32 and FP8 rows; a span longer than the ring is refused.
 #[test]
 fn a_steps_delta_read_back_is_the_engines() {
-    use engine::model::{Logits, Step, delta::StateDelta};
+    use crate::step::chunk_runs::delta_run;
     for (format, kv) in [
         (ExpertFormat::Nvfp4, KvStorage::F32),
         (ExpertFormat::Mxfp4, KvStorage::Fp8),
     ] {
         let (_dir, mut model) = model(format);
         model.set_kv_storage(kv);
-        let c = &model.config;
-        let steps = schedule(&model, tokens);
+        let ops = DeviceStepOps::new(EmulatedKernels::new(&model.config), &model).unwrap();
+        let run = delta_run(&model, &ops).unwrap();
+        assert_eq!(run.first_difference, None, "{kv:?}");
+        assert!(run.closed && run.wrapped);
         let layout = layout(&model);
-        let ops = DeviceStepOps::new(EmulatedKernels::new(c), &model).unwrap();
-        let mut arenas = layout.arenas(&ops).unwrap();
-        let mut states: Vec<_> = (0..steps[0].len()).map(|_| model.new_state()).collect();
-        let (mut closed, mut wrapped) = (false, false);
-        for (step, takes) in steps.iter().enumerate() {
-            let before: Vec<usize> = states.iter().map(|s| s.len).collect();
-            let (mut seats, mut ids) = (Vec::new(), Vec::new());
-            for (slot, t) in takes.iter().enumerate() {
-                seats.extend((0..t.len()).map(|i| Seat {
-                    slot,
-                    len: before[slot] + i,
-                }));
-                ids.extend_from_slice(t);
-            }
-            decode_step(&ops, c, &layout, &mut arenas, &mut seats, &ids).unwrap();
-            let mut batch: Vec<Step<'_>> = states
-                .iter_mut()
-                .zip(takes)
-                .filter(|(_, t)| !t.is_empty())
-                .map(|(state, tokens)| Step {
-                    state,
-                    tokens,
-                    logits: Logits::None,
-                })
-                .collect();
-            model.forward_batch(&mut batch).unwrap();
-            // Every slot's delta in one read, and slot 0's alone.
-            let spans: Vec<(usize, (usize, usize))> = states
-                .iter()
-                .enumerate()
-                .map(|(slot, state)| (slot, (before[slot], state.len)))
-                .collect();
-            let all = layout.read_deltas(&ops, &arenas, &spans).unwrap();
-            let alone = layout.read_delta(&ops, &arenas, 0, spans[0].1).unwrap();
-            assert!(alone == all[0]);
-            for ((slot, state), got) in states.iter().enumerate().zip(all) {
-                let span = (before[slot], state.len);
-                let want = StateDelta::of(state, span.0, c).unwrap();
-                assert!(got == want, "{kv:?}: step {step}, slot {slot}, {span:?}");
-                closed |= want.layers.iter().any(|l| {
-                    l.compressor.as_ref().is_some_and(|c| !c.rows.is_empty())
-                        && l.indexer.as_ref().is_some_and(|c| !c.rows.is_empty())
-                });
-                wrapped |= span.0 / layout.ring != span.1.saturating_sub(1) / layout.ring;
-            }
-        }
-        assert!(closed && wrapped);
+        let arenas = layout.arenas(&ops).unwrap();
         let refused = layout.read_delta(&ops, &arenas, 0, (0, layout.ring + 1));
         assert!(refused.is_err());
     }
