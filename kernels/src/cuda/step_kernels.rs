@@ -4,7 +4,7 @@
 
 use std::{ops::Range, sync::Arc};
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use engine::{
     tensor::{Weight, WeightForm},
     weights::{ExpertWeights, MoeWeights},
@@ -15,13 +15,16 @@ use super::{
     attention_fp8::KeptScratch,
     exact::PairStackRef,
     graph::{StepGraph, addr},
-    grid_dim, non_empty,
+    non_empty,
 };
+mod launch;
+
 use crate::step::{
     Proj,
     device_ops::DeviceStepOps,
     kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
 };
+use launch::{blocks, function, per_item};
 
 /// The decode step's ops on a GPU.
 pub type CudaStepOps = DeviceStepOps<CudaKernels>;
@@ -69,35 +72,12 @@ pub struct DeviceTable {
     cols: usize,
 }
 
-fn blocks(n: usize, per: u32, what: &str) -> Result<LaunchConfig, KernelError> {
-    Ok(LaunchConfig {
-        grid_dim: (grid_dim(n.div_ceil(per as usize).max(1), what)?, 1, 1),
-        block_dim: (per, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
-fn per_item(n: usize, threads: u32, what: &str) -> Result<LaunchConfig, KernelError> {
-    Ok(LaunchConfig {
-        grid_dim: (grid_dim(n, what)?, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
 fn proj_of(e: &ExpertWeights, proj: Proj) -> &Weight {
     match proj {
         Proj::Gate => &e.w1,
         Proj::Down => &e.w2,
         Proj::Up => &e.w3,
     }
-}
-
-fn function(
-    module: &std::sync::Arc<cudarc::driver::CudaModule>,
-    name: &str,
-) -> Result<cudarc::driver::CudaFunction, KernelError> {
-    Ok(module.load_function(name)?)
 }
 
 impl Kernels for CudaKernels {
