@@ -392,11 +392,16 @@ struct StepOptions {
     graphs: bool,
 }
 
-/// The most prompt tokens of a sequence an engine's device step takes at once: a page (so
-/// each chunk completes at most one block, cached from the state at its end), at most
-/// [`PROMPT_CHUNK_MOST`].
+/// The most prompt tokens of a sequence an engine's device step takes at once: with the prefix
+/// cache, a page (so each chunk completes at most one block, cached from the state at its end);
+/// without it [`PROMPT_CHUNK_MOST`] (fewer steps for a long prompt, each reading the weights
+/// once). Never more than [`PROMPT_CHUNK_MOST`].
 pub fn prompt_chunk(config: &engine::scheduler::EngineConfig) -> usize {
-    config.page_size.clamp(1, PROMPT_CHUNK_MOST)
+    if config.prefix_cache {
+        config.page_size.clamp(1, PROMPT_CHUNK_MOST)
+    } else {
+        PROMPT_CHUNK_MOST
+    }
 }
 
 /// The longest prompt chunk a device step takes: each slot's window ring holds this many rows
@@ -724,6 +729,21 @@ mod tests {
             .unwrap_err();
             assert!(refused.to_string().contains(what), "{refused}");
         }
+    }
+
+    /// A device prompt chunk is a page with the prefix cache (at most 256 tokens), 256 without.
+    #[test]
+    fn prompt_chunks_are_a_page_with_the_prefix_cache() {
+        use engine::scheduler::EngineConfig;
+        let config = |page_size, prefix_cache| EngineConfig {
+            page_size,
+            prefix_cache,
+            ..EngineConfig::default()
+        };
+        assert_eq!(prompt_chunk(&config(64, true)), 64);
+        assert_eq!(prompt_chunk(&config(16, true)), 16);
+        assert_eq!(prompt_chunk(&config(1024, true)), PROMPT_CHUNK_MOST);
+        assert_eq!(prompt_chunk(&config(16, false)), PROMPT_CHUNK_MOST);
     }
 
     #[test]

@@ -135,7 +135,8 @@ pub struct WorkerSettings {
     pub transports: Vec<Transport>,
     /// Compute backend: `cpu` (the reference forward pass), `cuda` (builds with the `cuda`
     /// feature: a one-GPU worker without `hybrid` runs whole steps on the GPU, a decode
-    /// worker its decode steps, a prefill worker its prompts in chunks of a page; with `hybrid`
+    /// worker its decode steps, a prefill worker its prompts in chunks of a page (256 tokens
+    /// without the prefix cache); with `hybrid`
     /// or a group of GPUs, the per-op path), or `emulated` (the same GPU steps with each kernel
     /// computed by its CPU reference: slow, for checking the device path without a GPU; one
     /// rank without hybrid).
