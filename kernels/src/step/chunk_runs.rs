@@ -197,23 +197,33 @@ impl std::fmt::Display for Nearness {
     }
 }
 
+/// A device's logits row against the engine's: the largest difference as a share of the
+/// engine's largest logit, and whether both pick the same greedy token.
+///
+/// # Panics
+/// When a row is empty or not finite (a run that failed).
+pub fn logit_gap(engine: &[f32], device: &[f32]) -> (f32, bool) {
+    #[expect(clippy::expect_used, reason = "rows of a run that succeeded")]
+    let argmax = |v: &[f32]| engine::sampling::argmax(v).expect("finite logits");
+    let top = engine.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let diff = engine
+        .iter()
+        .zip(device)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    (diff / top, argmax(engine) == argmax(device))
+}
+
 /// `device`'s nearness to `engine` (runs of the same schedule).
 ///
 /// # Panics
 /// When a logits row is empty or not finite (runs that failed).
 pub fn nearness(engine: &Run, device: &Run) -> Nearness {
-    #[expect(clippy::expect_used, reason = "rows of a run that succeeded")]
-    let argmax = |v: &[f32]| engine::sampling::argmax(v).expect("finite logits");
     let (mut gaps, mut kept) = (Vec::new(), 0usize);
     for (e, d) in engine.0.iter().zip(&device.0) {
         for (a, b) in e.iter().flatten().zip(d.iter().flatten()) {
-            kept += usize::from(argmax(a) == argmax(b));
-            let top = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let diff = a
-                .iter()
-                .zip(b)
-                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-            gaps.push(diff / top);
+            let (gap, same) = logit_gap(a, b);
+            kept += usize::from(same);
+            gaps.push(gap);
         }
     }
     gaps.sort_by(f32::total_cmp);

@@ -335,17 +335,12 @@ fn fast_experts_stay_within_their_bound_and_keep_greedy_tokens() {
 /// Each (step, sequence)'s largest logit difference as a share of the engine's largest logit,
 /// and how many of them pick the engine's greedy token.
 fn logit_gaps(runs: &Runs) -> (Vec<f32>, usize) {
-    let argmax = |v: &[f32]| engine::sampling::argmax(v).unwrap();
     let (mut gaps, mut same) = (Vec::new(), 0);
     for (e, d) in runs.engine.iter().zip(&runs.device) {
         for (a, b) in e.iter().zip(d) {
-            same += usize::from(argmax(a) == argmax(b));
-            let top = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let diff = a
-                .iter()
-                .zip(b)
-                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-            gaps.push(diff / top);
+            let (gap, kept) = crate::step::chunk_runs::logit_gap(a, b);
+            same += usize::from(kept);
+            gaps.push(gap);
         }
     }
     gaps.sort_by(f32::total_cmp);
