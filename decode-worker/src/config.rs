@@ -189,6 +189,21 @@ mod tests {
         assert!(c.worker.enable_prefix_caching);
         let c = load(&[], &[("PDSERVE_KV_CACHE_DTYPE", "fp8")]);
         assert_eq!(c.worker.kv_cache_dtype, KvCacheDtype::Fp8);
+        // bf16 rows, spelled as vLLM spells them too, from flags and the environment.
+        for (args, env) in [
+            (&["--kv-cache-dtype", "bf16"][..], &[][..]),
+            (&["--kv-cache-dtype", "bfloat16"][..], &[][..]),
+            (&[][..], &[("PDSERVE_KV_CACHE_DTYPE", "bfloat16")][..]),
+        ] {
+            let c = load(args, env);
+            assert_eq!(
+                c.worker.kv_cache_dtype,
+                KvCacheDtype::Bf16,
+                "{args:?} {env:?}"
+            );
+            let kv = c.worker.engine_config().kv;
+            assert_eq!(kv, engine::paged::layout::KvStorage::Bf16);
+        }
         assert!(Cli::try_parse_from(["pdserve-decode", "--kv-cache-dtype", "int4"]).is_err());
         // --host and --port edit the gRPC listen address, over --grpc-listen too.
         let c = load(&["--port", "9123"], &[]);

@@ -195,7 +195,7 @@ fn run(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Event> {
 
 #[test]
 fn a_decode_device_gives_the_events_of_the_host_forward() {
-    for kv in [KvStorage::F32, KvStorage::Fp8] {
+    for kv in KvStorage::ALL {
         decode_device_gives_the_events_of_the_host_forward(kv);
     }
 }
@@ -244,6 +244,7 @@ fn a_device_stepping_prompts_gives_each_request_the_host_forwards_events() {
         (KvStorage::Fp8, 5, true),
         (KvStorage::F32, 64, true),
         (KvStorage::F32, 64, false),
+        (KvStorage::Bf16, 7, true),
     ] {
         model.set_kv_storage(kv);
         let config = EngineConfig {

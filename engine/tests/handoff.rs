@@ -185,6 +185,8 @@ fn handoff_continues_bit_exactly() {
         (KvStorage::F32, 16, 16),
         (KvStorage::Fp8, 64, 24),
         (KvStorage::F32, 4, 7),
+        (KvStorage::Bf16, 16, 0),
+        (KvStorage::Bf16, 16, 9),
     ] {
         let mut solo = engine(kv, page_size);
         let mut prefill = if chunk == 0 {

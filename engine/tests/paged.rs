@@ -98,7 +98,15 @@ fn out_of_pages_is_refused_and_nothing_leaks() {
 }
 
 #[test]
-fn fp8_kv_storage_stays_close() {
+fn lossy_kv_storage_stays_close() {
+    // FP8 rows move the synthetic model's top token at some positions (161 of 200 agree);
+    // bf16 rows at fewer (188 of 200).
+    for (kv, least_agree) in [(KvStorage::Fp8, 150), (KvStorage::Bf16, 180)] {
+        lossy_kv_storage_stays_close_in(kv, least_agree);
+    }
+}
+
+fn lossy_kv_storage_stays_close_in(kv: KvStorage, least_agree: usize) {
     let (_dir, model) = model(Preset::Small, 2);
     let prompt = tokens(200, 3);
     let mut plain_state = model.new_state();
@@ -108,15 +116,18 @@ fn fp8_kv_storage_stays_close() {
     // The model rounds its K=V rows to the stored form as it computes them: in one call, or
     // through the store in chunks, the same values.
     let mut rounding = model.replica();
-    rounding.set_kv_storage(KvStorage::Fp8);
+    rounding.set_kv_storage(kv);
     let mut rounded_state = rounding.new_state();
     let rounded = rounding
         .forward(&mut rounded_state, &prompt, Logits::All)
         .unwrap();
-    let layout = StateLayout::new(&model.config, 64, KvStorage::Fp8, "t").unwrap();
+    let layout = StateLayout::new(&model.config, 64, kv, "t").unwrap();
     let mut store = PagedStore::new(&model.config, layout, 8, 1);
     let paged = run_paged(&rounding, &mut store, &prompt, &[150, 1]);
-    assert!(paged == rounded, "storing rounded rows loses nothing more");
+    assert!(
+        paged == rounded,
+        "{kv:?}: storing rounded rows loses nothing more"
+    );
     let mut agree = 0;
     for (p, q) in paged.iter().zip(&plain) {
         let argmax = |v: &Vec<f32>| {
@@ -127,12 +138,11 @@ fn fp8_kv_storage_stays_close() {
         };
         agree += usize::from(argmax(p) == argmax(q));
     }
-    // Every position reads rounded rows: close to f32, not equal. The synthetic model's
-    // weights are random, so FP8 rows move its top token at some positions (161 of 200 agree).
-    assert!(paged != plain);
+    // Every position reads rounded rows: close to f32, not equal.
+    assert!(paged != plain, "{kv:?} rounds");
     assert!(
-        agree >= paged.len() * 3 / 4,
-        "top-1 agreement {agree}/{}",
+        agree >= least_agree,
+        "{kv:?}: top-1 agreement {agree}/{}",
         paged.len()
     );
 }
@@ -288,7 +298,7 @@ fn a_stored_delta_equals_the_stored_state() {
     use engine::model::delta::StateDelta;
     let (_dir, mut model) = model(Preset::Tiny, 4);
     let prompt = tokens(300, 5);
-    for kv in [KvStorage::F32, KvStorage::Fp8] {
+    for kv in KvStorage::ALL {
         model.set_kv_storage(kv);
         let layout = StateLayout::new(&model.config, 16, kv, "t").unwrap();
         let mut whole = PagedStore::new(&model.config, layout.clone(), 40, 2);

@@ -547,3 +547,45 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
             .all(|a| a.as_str().is_some_and(|s| !s.is_empty()))
     );
 }
+
+/// bf16 K=V rows (`--kv-cache-dtype bf16`, or vLLM's `bfloat16`): workers on the CPU and
+/// workers on the emulated device (prompt chunks and decode steps on the device, rows rounded,
+/// stored and read by the FP8 row kernels without e4m3 values) answer alike, token for token
+/// and logprob for logprob, over the transport between them; and the rounding shows: the
+/// answers' logprobs are not the f32 workers'.
+#[test]
+fn bf16_rows_answer_alike_on_the_cpu_and_on_the_emulated_device() {
+    let bf16 = ["--page-size", "16", "--kv-cache-dtype", "bf16"];
+    let on_cpu = (
+        worker("pdserve-decode", &bf16),
+        worker("pdserve-prefill", &bf16),
+    );
+    let cpu = integration_tests::pd::router_over(&on_cpu.0, &on_cpu.1, &[]);
+    let device = ["--backend", "emulated", "--kv-cache-dtype", "bfloat16"];
+    let on_device = (
+        worker("pdserve-decode", &[&bf16[..2], &device[..]].concat()),
+        worker("pdserve-prefill", &[&bf16[..2], &device[..]].concat()),
+    );
+    let emulated = integration_tests::pd::router_over(&on_device.0, &on_device.1, &[]);
+    let f32 = (
+        worker("pdserve-decode", &bf16[..2]),
+        worker("pdserve-prefill", &bf16[..2]),
+    );
+    let exact = integration_tests::pd::router_over(&f32.0, &f32.1, &[]);
+    let mut differs = false;
+    for (i, words) in [5usize, 70].into_iter().enumerate() {
+        let temperature = if i % 2 == 0 { 0.0 } else { 0.9 };
+        let mut body = chat(words, 700 + i as u64, temperature, 8);
+        body["logprobs"] = json!(true);
+        body["top_logprobs"] = json!(2);
+        let want = essence(&post(cpu.addr("http"), "/v1/chat/completions", &body));
+        let got = essence(&post(emulated.addr("http"), "/v1/chat/completions", &body));
+        assert_eq!(got, want, "{words} words");
+        let plain = essence(&post(exact.addr("http"), "/v1/chat/completions", &body));
+        differs |= plain != want;
+    }
+    assert!(
+        differs,
+        "bf16 rows round: some logprob differs from f32 rows'"
+    );
+}

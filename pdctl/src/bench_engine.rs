@@ -43,7 +43,7 @@ pub struct BenchEngineArgs {
     /// fastest is reported, which keeps a noisy neighbour from deciding the ratio.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub repeat: u32,
-    /// Skip the FP8 K=V drift measurement.
+    /// Skip the FP8 and bf16 K=V drift measurements.
     #[arg(long)]
     pub no_kv_drift: bool,
     /// Masked decode steps per grammar in the structured-output cost measurement.
@@ -129,15 +129,15 @@ pub(crate) fn timed_decode(engine: &mut Engine, batch: usize) -> f64 {
     tokens as f64 / started.elapsed().as_secs_f64()
 }
 
-/// Mean KL(f32 ‖ fp8) of next-token distributions and top-1 agreement over a fixed prompt set:
-/// the first half of each prompt is prefilled, the rest decoded token by token through an FP8
-/// page store (the FP8 model rounds each K=V row as it computes it, as an engine with
-/// `kv_cache_dtype = fp8` does).
-fn kv_drift(model: &Model) -> Result<Option<(f64, f64, usize)>, PdctlError> {
+/// Mean KL(f32 ‖ kv) of next-token distributions and top-1 agreement over a fixed prompt set:
+/// the first half of each prompt is prefilled, the rest decoded token by token through a page
+/// store of `kv` rows (the rounding model rounds each K=V row as it computes it, as an engine
+/// with that `kv_cache_dtype` does).
+fn kv_drift(model: &Model, kv: KvStorage) -> Result<Option<(f64, f64, usize)>, PdctlError> {
     let c = &model.config;
     let mut rounding = model.replica();
-    rounding.set_kv_storage(KvStorage::Fp8);
-    let Ok(layout) = StateLayout::new(c, 64, KvStorage::Fp8, "drift") else {
+    rounding.set_kv_storage(kv);
+    let Ok(layout) = StateLayout::new(c, 64, kv, "drift") else {
         return Ok(None);
     };
     let mut store = PagedStore::new(c, layout, 64, 1);
@@ -359,36 +359,43 @@ pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
     }
 
     println!("\nstate bytes per token (all layers), page size 64");
-    println!("{:<26} {:>12} {:>12}", "region", "f32", "fp8 k=v");
-    let f32_layout =
-        StateLayout::new(&model.config, 64, KvStorage::F32, "b").map_err(|e| err(&e))?;
-    let fp8_layout =
-        StateLayout::new(&model.config, 64, KvStorage::Fp8, "b").map_err(|e| err(&e))?;
-    let fp8 = fp8_layout.bytes_per_token();
-    for (kind, bytes) in f32_layout.bytes_per_token() {
-        let other = fp8
-            .iter()
-            .find(|(k, _)| *k == kind)
-            .map_or(0.0, |(_, b)| *b);
-        println!(
-            "{:<26} {:>12.1} {:>12.1}",
-            format!("{kind:?}"),
-            bytes,
-            other
-        );
+    print!("{:<26}", "region");
+    for kv in KvStorage::ALL {
+        print!(" {:>12}", format!("{} k=v", kv.name()));
     }
-    println!(
-        "{:<26} {:>12} {:>12}",
-        "slot (per request)", f32_layout.slot_bytes, fp8_layout.slot_bytes
-    );
+    println!();
+    let layouts = KvStorage::ALL
+        .into_iter()
+        .map(|kv| StateLayout::new(&model.config, 64, kv, "b").map_err(|e| err(&e)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let per_token: Vec<_> = layouts.iter().map(StateLayout::bytes_per_token).collect();
+    for (kind, _) in &per_token[0] {
+        print!("{:<26}", format!("{kind:?}"));
+        for rows in &per_token {
+            let bytes = rows
+                .iter()
+                .find(|(k, _)| k == kind)
+                .map_or(0.0, |(_, b)| *b);
+            print!(" {bytes:>12.1}");
+        }
+        println!();
+    }
+    print!("{:<26}", "slot (per request)");
+    for layout in &layouts {
+        print!(" {:>12}", layout.slot_bytes);
+    }
+    println!();
 
-    if !args.no_kv_drift
-        && let Some((kl, top1, n)) = kv_drift(&model)?
-    {
-        println!(
-            "\nFP8 K=V storage vs f32 ({n} decode positions): mean KL {kl:.3e} nats, top-1 agreement {:.1}%",
-            top1 * 100.0
-        );
+    for kv in [KvStorage::Fp8, KvStorage::Bf16] {
+        if !args.no_kv_drift
+            && let Some((kl, top1, n)) = kv_drift(&model, kv)?
+        {
+            println!(
+                "\n{} K=V storage vs f32 ({n} decode positions): mean KL {kl:.3e} nats, top-1 agreement {:.1}%",
+                kv.name(),
+                top1 * 100.0
+            );
+        }
     }
 
     let (table_ms, costs) = crate::bench_mask::measure(

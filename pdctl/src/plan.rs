@@ -30,9 +30,10 @@ pub struct PlanArgs {
     /// Tokens per state page (as the workers' `page_size`).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub page_size: u32,
-    /// How the state stores attention rows: `f32` (what workers store today) or `fp8`
-    /// (DeepSeek's per-token FP8). The per-token table shows both; this one sizes the fit.
-    #[arg(long, value_parser = ["f32", "fp8"], default_value = "f32")]
+    /// How the state stores attention rows (the workers' `kv_cache_dtype`): `f32` (their
+    /// default), `fp8` (DeepSeek's per-token FP8) or `bf16`. The per-token table shows all
+    /// three; this one sizes the fit.
+    #[arg(long, value_parser = ["f32", "fp8", "bf16"], default_value = "f32")]
     pub kv: String,
     /// Context length (prompt plus output) of the requests to size.
     #[arg(long, default_value_t = 65_536, value_name = "TOKENS")]
@@ -98,17 +99,16 @@ impl PlanArgs {
 pub fn run(args: &PlanArgs) -> Result<(), PdctlError> {
     let config = read_config(&args.config)?;
     let parallel = args.parallel(&config)?;
-    let kv = kv_storage(&args.kv);
+    let kv = KvStorage::from_name(&args.kv).unwrap_or(KvStorage::F32);
     let page_size = args.page_size as usize;
     let weights = plan::weights(&config);
     let state =
         |kv| plan::state(&config, page_size, kv).map_err(|e| PdctlError::Model(format!("{e}")));
-    let (f32_state, fp8_state) = (state(KvStorage::F32)?, state(KvStorage::Fp8)?);
-    let chosen = if kv == KvStorage::Fp8 {
-        &fp8_state
-    } else {
-        &f32_state
-    };
+    let states = KvStorage::ALL
+        .into_iter()
+        .map(state)
+        .collect::<Result<Vec<_>, _>>()?;
+    let chosen = states.iter().find(|s| s.kv == kv).unwrap_or(&states[0]);
     let gpus = parallel.map_or(args.gpus, |p| p.gpus() as u64);
     let fit = args.gpu_memory.map(|memory| {
         plan::fit(
@@ -132,8 +132,7 @@ pub fn run(args: &PlanArgs) -> Result<(), PdctlError> {
     let report = Report {
         config: &config,
         weights: &weights,
-        f32_state: &f32_state,
-        fp8_state: &fp8_state,
+        states: &states,
         kv,
         context: args.context,
         fit: fit.as_ref(),
@@ -160,21 +159,6 @@ fn read_config(path: &Path) -> Result<ModelConfig, PdctlError> {
         ModelConfig::from_file(path)
     };
     parsed.map_err(|e| PdctlError::Model(format!("{}: {e}", path.display())))
-}
-
-fn kv_storage(name: &str) -> KvStorage {
-    if name == "fp8" {
-        KvStorage::Fp8
-    } else {
-        KvStorage::F32
-    }
-}
-
-fn kv_name(kv: KvStorage) -> &'static str {
-    match kv {
-        KvStorage::F32 => "f32",
-        KvStorage::Fp8 => "fp8",
-    }
 }
 
 /// Bytes from `141GB`, `139GiB`, `80G`, `1.5T` or a plain count.
@@ -224,8 +208,8 @@ fn parse_fraction(text: &str) -> Result<f64, String> {
 struct Report<'a> {
     config: &'a ModelConfig,
     weights: &'a WeightPlan,
-    f32_state: &'a StatePlan,
-    fp8_state: &'a StatePlan,
+    /// One per storage, in `KvStorage::ALL`'s order (f32 first).
+    states: &'a [StatePlan],
     kv: KvStorage,
     context: u64,
     fit: Option<&'a Fit>,
@@ -273,7 +257,7 @@ impl Report<'_> {
         let c = self.config;
         let state = |s: &StatePlan| {
             json!({
-                "kv": kv_name(s.kv),
+                "kv": s.kv.name(),
                 "page_size": s.page_size,
                 "page_bytes": s.page_bytes,
                 "bytes_per_token": s.bytes_per_token(),
@@ -304,9 +288,10 @@ impl Report<'_> {
                 })).collect::<Vec<_>>(),
             },
             "context": self.context,
-            "state": { "f32": state(self.f32_state), "fp8": state(self.fp8_state) },
+            "state": self.states.iter().map(|s| (s.kv.name().to_owned(), state(s)))
+                .collect::<serde_json::Map<_, _>>(),
             "fit": self.fit.map(|f| json!({
-                "kv": kv_name(self.kv),
+                "kv": self.kv.name(),
                 "gpu_memory_bytes": self.args.gpu_memory,
                 "gpus": self.gpus,
                 "utilization": self.args.utilization,
@@ -325,8 +310,7 @@ impl Report<'_> {
         use std::fmt::Write as _;
         let c = self.config;
         let mut out = String::new();
-        let kinds: Vec<String> = self
-            .f32_state
+        let kinds: Vec<String> = self.states[0]
             .kinds
             .iter()
             .map(|k| format!("{} {}", k.layers, k.kind.name()))
@@ -376,43 +360,38 @@ impl Report<'_> {
         let _ = writeln!(
             out,
             "\nstate per token, pages of {} tokens (rows of every position are kept)",
-            self.f32_state.page_size
+            self.states[0].page_size
         );
-        let _ = writeln!(
-            out,
-            "  {:<30} {:>14} {:>14}",
-            "bytes per token", "f32", "fp8"
+        // One column per storage; every row a label and the states' cells.
+        let mut row = |label: String, cells: Vec<String>| {
+            let _ = write!(out, "  {label:<30}");
+            for cell in cells {
+                let _ = write!(out, " {cell:>14}");
+            }
+            out.push('\n');
+        };
+        let each = |f: &dyn Fn(&StatePlan) -> String| self.states.iter().map(f).collect();
+        row(
+            "bytes per token".to_owned(),
+            each(&|s| s.kv.name().to_owned()),
         );
-        for (a, b) in self.f32_state.kinds.iter().zip(&self.fp8_state.kinds) {
-            let _ = writeln!(
-                out,
-                "  {:<30} {:>14.1} {:>14.1}",
-                format!("{} layer (x{})", a.kind.name(), a.layers),
-                a.bytes_per_token,
-                b.bytes_per_token
+        for (i, k) in self.states[0].kinds.iter().enumerate() {
+            row(
+                format!("{} layer (x{})", k.kind.name(), k.layers),
+                each(&|s| format!("{:.1}", s.kinds[i].bytes_per_token)),
             );
         }
-        let (f, e) = (self.f32_state, self.fp8_state);
-        let _ = writeln!(
-            out,
-            "  {:<30} {:>14.1} {:>14.1}",
-            "all layers",
-            f.bytes_per_token(),
-            e.bytes_per_token()
+        row(
+            "all layers".to_owned(),
+            each(&|s| format!("{:.1}", s.bytes_per_token())),
         );
-        let _ = writeln!(
-            out,
-            "  {:<30} {:>14} {:>14}",
-            "slot per request (bytes)",
-            grouped(f.slot_bytes),
-            grouped(e.slot_bytes)
+        row(
+            "slot per request (bytes)".to_owned(),
+            each(&|s| grouped(s.slot_bytes)),
         );
-        let _ = writeln!(
-            out,
-            "  {:<30} {:>14.3} {:>14.3}",
+        row(
             format!("request of {} tokens (GB)", self.context),
-            gb(f.request_bytes(self.context)),
-            gb(e.request_bytes(self.context))
+            each(&|s| format!("{:.3}", gb(s.request_bytes(self.context)))),
         );
         match self.fit {
             None => {
@@ -430,7 +409,7 @@ impl Report<'_> {
                     gb(memory),
                     self.args.utilization * 100.0,
                     gb(f.usable_bytes),
-                    kv_name(self.kv),
+                    self.kv.name(),
                 );
                 if f.weights_fit {
                     let _ = writeln!(

@@ -54,6 +54,16 @@ fn json_agrees_with_the_engine_and_the_fit_adds_up() {
     let fp8 = plan::state(&config, 64, KvStorage::Fp8).unwrap();
     assert_eq!(v["state"]["fp8"]["page_bytes"], fp8.page_bytes);
     assert_eq!(v["state"]["fp8"]["request_bytes"], fp8.request_bytes(32768));
+    let bf16 = plan::state(&config, 64, KvStorage::Bf16).unwrap();
+    assert_eq!(v["state"]["bf16"]["page_bytes"], bf16.page_bytes);
+    // The figures OPERATIONS.md quotes: bf16 halves the K=V rows, the indexer's keys stay f32.
+    for (kv, bytes) in [("f32", 102_144.0), ("fp8", 31_066.0), ("bf16", 52_416.0)] {
+        assert_eq!(
+            v["state"][kv]["bytes_per_token"].as_f64(),
+            Some(bytes),
+            "{kv}"
+        );
+    }
 
     let fit = &v["fit"];
     let usable = fit["usable_bytes"].as_u64().unwrap();

@@ -49,6 +49,11 @@ pub enum KvCacheDtype {
     /// DeepSeek's per-token FP8 rows (lossy, 3.6x smaller; `pdctl bench-engine` prints the
     /// drift against f32).
     Fp8,
+    /// bf16 rows (lossy, 2x smaller: every value rounded to nearest even bf16; also spelled
+    /// `bfloat16`, as vLLM does).
+    #[serde(alias = "bfloat16")]
+    #[value(alias = "bfloat16")]
+    Bf16,
 }
 
 impl KvCacheDtype {
@@ -56,6 +61,7 @@ impl KvCacheDtype {
         match self {
             Self::Auto | Self::F32 => KvStorage::F32,
             Self::Fp8 => KvStorage::Fp8,
+            Self::Bf16 => KvStorage::Bf16,
         }
     }
 }

@@ -5,30 +5,27 @@ use crate::formats;
 
 /// Writes `row` into `out` (exactly `format.row_bytes(row.len())` bytes).
 pub fn encode(format: RowFormat, row: &[f32], out: &mut [u8]) {
-    match format {
-        RowFormat::F32 => {
-            for (chunk, v) in out.chunks_exact_mut(4).zip(row) {
-                chunk.copy_from_slice(&v.to_le_bytes());
-            }
+    let Some((nope, rope)) = format.e4m3_bf16_split(row.len()) else {
+        for (chunk, v) in out.chunks_exact_mut(4).zip(row) {
+            chunk.copy_from_slice(&v.to_le_bytes());
         }
-        RowFormat::Fp8Kv { nope, rope } => {
-            let (q, rest) = out.split_at_mut(nope);
-            let (r, scales) = rest.split_at_mut(2 * rope);
-            scales.fill(0);
-            for (b, block) in row[..nope].chunks(64).enumerate() {
-                let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let scale_code =
-                    formats::e8m0_for_at_least((amax / formats::E4M3_MAX).max(f32::MIN_POSITIVE));
-                let scale = formats::e8m0_to_f32(scale_code);
-                scales[b] = scale_code;
-                for (i, v) in block.iter().enumerate() {
-                    q[b * 64 + i] = formats::f32_to_e4m3(v / scale);
-                }
-            }
-            for (chunk, v) in r.chunks_exact_mut(2).zip(&row[nope..nope + rope]) {
-                chunk.copy_from_slice(&formats::f32_to_bf16(*v).to_le_bytes());
-            }
+        return;
+    };
+    let (q, rest) = out.split_at_mut(nope);
+    let (r, scales) = rest.split_at_mut(2 * rope);
+    scales.fill(0);
+    for (b, block) in row[..nope].chunks(64).enumerate() {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale_code =
+            formats::e8m0_for_at_least((amax / formats::E4M3_MAX).max(f32::MIN_POSITIVE));
+        let scale = formats::e8m0_to_f32(scale_code);
+        scales[b] = scale_code;
+        for (i, v) in block.iter().enumerate() {
+            q[b * 64 + i] = formats::f32_to_e4m3(v / scale);
         }
+    }
+    for (chunk, v) in r.chunks_exact_mut(2).zip(&row[nope..nope + rope]) {
+        chunk.copy_from_slice(&formats::f32_to_bf16(*v).to_le_bytes());
     }
 }
 
@@ -45,23 +42,21 @@ pub fn round(format: RowFormat, row: &mut [f32]) {
 
 /// Reads a row of `elements` values from its stored bytes.
 pub fn decode(format: RowFormat, bytes: &[u8], elements: usize) -> Vec<f32> {
-    match format {
-        RowFormat::F32 => bytes[..4 * elements]
+    let Some((nope, rope)) = format.e4m3_bf16_split(elements) else {
+        return bytes[..4 * elements]
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        RowFormat::Fp8Kv { nope, rope } => {
-            let mut out = Vec::with_capacity(nope + rope);
-            let scales = &bytes[nope + 2 * rope..];
-            for (i, &q) in bytes[..nope].iter().enumerate() {
-                out.push(formats::e4m3_to_f32(q) * formats::e8m0_to_f32(scales[i / 64]));
-            }
-            for b in bytes[nope..nope + 2 * rope].chunks_exact(2) {
-                out.push(formats::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])));
-            }
-            out
-        }
+            .collect();
+    };
+    let mut out = Vec::with_capacity(nope + rope);
+    let scales = &bytes[nope + 2 * rope..];
+    for (i, &q) in bytes[..nope].iter().enumerate() {
+        out.push(formats::e4m3_to_f32(q) * formats::e8m0_to_f32(scales[i / 64]));
     }
+    for b in bytes[nope..nope + 2 * rope].chunks_exact(2) {
+        out.push(formats::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -111,6 +106,44 @@ mod tests {
         let mut plain = vec![0.3f32; 7];
         round(RowFormat::F32, &mut plain);
         assert_eq!(plain, vec![0.3f32; 7]);
+    }
+
+    /// A bf16 row is each value rounded to nearest even (ties to the even mantissa, NaN kept,
+    /// overflow to infinity), two little-endian bytes per value: the same bytes as an FP8 row
+    /// with no e4m3 part, and the same values as the FP8 row's rope dims.
+    #[test]
+    fn bf16_rows_round_each_value_to_nearest_even() {
+        let cases: [(u32, u32); 7] = [
+            (0x3f80_0000, 0x3f80_0000), // 1.0 is a bf16
+            (0x3f80_8000, 0x3f80_0000), // a tie goes to the even mantissa (down)
+            (0x3f81_8000, 0x3f82_0000), // a tie goes to the even mantissa (up)
+            (0x3f80_8001, 0x3f81_0000), // past the tie: up
+            (0xbf80_7fff, 0xbf80_0000), // below the tie: down, sign kept
+            (0x7f7f_ffff, 0x7f80_0000), // f32::MAX rounds to infinity
+            (0x0000_0001, 0x0000_0000), // the smallest subnormal rounds to zero
+        ];
+        let row: Vec<f32> = cases.iter().map(|&(x, _)| f32::from_bits(x)).collect();
+        let mut bytes = vec![0xAA; RowFormat::Bf16.row_bytes(row.len())];
+        assert_eq!(bytes.len(), 14);
+        encode(RowFormat::Bf16, &row, &mut bytes);
+        let back = decode(RowFormat::Bf16, &bytes, row.len());
+        for ((&(x, want), got), b) in cases.iter().zip(&back).zip(bytes.chunks_exact(2)) {
+            assert_eq!(got.to_bits(), want, "{x:#010x}");
+            assert_eq!(u16::from_le_bytes([b[0], b[1]]), (want >> 16) as u16);
+        }
+        let mut as_fp8 = vec![0x55; bytes.len()];
+        let no_e4m3 = RowFormat::Fp8Kv { nope: 0, rope: 7 };
+        assert_eq!(no_e4m3.row_bytes(7), bytes.len());
+        encode(no_e4m3, &row, &mut as_fp8);
+        assert_eq!(as_fp8, bytes);
+        let mut nan = vec![0.5f32, f32::NAN, -0.0];
+        round(RowFormat::Bf16, &mut nan);
+        assert!(nan[1].is_nan(), "NaN in, NaN out");
+        assert_eq!(nan[2].to_bits(), (-0.0f32).to_bits());
+        let mut twice = back.clone();
+        round(RowFormat::Bf16, &mut twice);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&twice), bits(&back), "a rounded row rounds to itself");
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub enum RowFormat {
     /// DeepSeek's FP8 K=V row: the leading `nope` dims as e4m3 with one ue8m0 scale per 64,
     /// the trailing rope dims as bf16; bytes = nope + 2*rope + scales padded to 8.
     Fp8Kv { nope: usize, rope: usize },
+    /// Little-endian bf16 values (rounded to nearest even; a NaN stays a NaN): half the bytes
+    /// of f32, the rounding of the FP8 row's rope dims applied to every value.
+    Bf16,
 }
 
 impl RowFormat {
@@ -50,6 +53,19 @@ impl RowFormat {
                 nope: c.head_dim - c.rope_dim,
                 rope: c.rope_dim,
             },
+            KvStorage::Bf16 => RowFormat::Bf16,
+        }
+    }
+
+    /// A row of `elements` values in this format as the FP8 row's two parts: `nope` e4m3
+    /// values (a ue8m0 scale per 64) then `rope` bf16 values. A bf16 row is the case of no e4m3
+    /// values, byte for byte (no scales, no padding), so one encoder and one decoder, on the
+    /// host and on the device, serve both. None for f32 rows.
+    pub fn e4m3_bf16_split(self, elements: usize) -> Option<(usize, usize)> {
+        match self {
+            RowFormat::F32 => None,
+            RowFormat::Fp8Kv { nope, rope } => Some((nope, rope)),
+            RowFormat::Bf16 => Some((0, elements)),
         }
     }
 
@@ -60,6 +76,7 @@ impl RowFormat {
             RowFormat::Fp8Kv { nope, rope } => {
                 nope + 2 * rope + nope.div_ceil(64).next_multiple_of(8)
             }
+            RowFormat::Bf16 => 2 * elements,
         }
     }
 }
@@ -70,6 +87,27 @@ pub enum KvStorage {
     F32,
     /// DeepSeek's per-token FP8 format (lossy; its drift is measured by `pdctl bench-kv`).
     Fp8,
+    /// bf16 values (lossy, half of f32; a relative error of at most 2^-9 per value).
+    Bf16,
+}
+
+impl KvStorage {
+    /// Every storage, the exact one first.
+    pub const ALL: [KvStorage; 3] = [KvStorage::F32, KvStorage::Fp8, KvStorage::Bf16];
+
+    /// The name settings and reports use (`kv_cache_dtype`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvStorage::F32 => "f32",
+            KvStorage::Fp8 => "fp8",
+            KvStorage::Bf16 => "bf16",
+        }
+    }
+
+    /// The storage named `name` (see [`Self::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
 }
 
 /// One region.
@@ -295,10 +333,13 @@ impl StateLayout {
                 dtype: match r.format {
                     RowFormat::F32 => v1::Dtype::F32,
                     RowFormat::Fp8Kv { .. } => v1::Dtype::U8,
+                    RowFormat::Bf16 => v1::Dtype::Bf16,
                 }
                 .into(),
                 row_shape: match r.format {
-                    RowFormat::F32 => r.row_shape.iter().map(|&d| d as u64).collect(),
+                    RowFormat::F32 | RowFormat::Bf16 => {
+                        r.row_shape.iter().map(|&d| d as u64).collect()
+                    }
                     RowFormat::Fp8Kv { .. } => vec![r.format.row_bytes(r.elements()) as u64],
                 },
                 rows: r.rows as u64,
@@ -342,11 +383,46 @@ mod tests {
             assert_eq!(wire.page_bytes % ALIGN as u64, 0);
         }
         assert!(StateLayout::new(&c, 48, KvStorage::F32, "fp").is_err());
-        let fp8 = StateLayout::new(&c, 64, KvStorage::Fp8, "fp").unwrap();
-        assert_eq!(
-            proto::layout::problems(&fp8.to_proto()),
-            Vec::<String>::new()
-        );
+        for kv in KvStorage::ALL {
+            let layout = StateLayout::new(&c, 64, kv, "fp").unwrap();
+            assert_eq!(
+                proto::layout::problems(&layout.to_proto()),
+                Vec::<String>::new()
+            );
+            assert_eq!(KvStorage::from_name(kv.name()), Some(kv));
+        }
+    }
+
+    /// bf16 K=V rows are described as bf16 values of the row's shape and take half the bytes
+    /// of f32 rows; the other regions are unchanged; layouts of different row storage do not
+    /// pair.
+    #[test]
+    fn bf16_rows_on_the_wire() {
+        let c = Preset::Tiny.config(ExpertFormat::Bf16);
+        let f32 = StateLayout::new(&c, 16, KvStorage::F32, "fp").unwrap();
+        let bf16 = StateLayout::new(&c, 16, KvStorage::Bf16, "fp").unwrap();
+        let wire = bf16.to_proto();
+        let mut kv_regions = 0;
+        for ((a, b), w) in f32.regions.iter().zip(&bf16.regions).zip(&wire.regions) {
+            assert_eq!((a.layer, a.kind, a.rows), (b.layer, b.kind, b.rows));
+            let kv = matches!(
+                a.kind,
+                RegionKind::WindowKv | RegionKind::CsaKv | RegionKind::HcaKv
+            );
+            if kv {
+                kv_regions += 1;
+                assert_eq!(b.format, RowFormat::Bf16);
+                assert_eq!(b.format.row_bytes(b.elements()), 2 * c.head_dim);
+                assert_eq!(w.dtype, i32::from(proto::v1::Dtype::Bf16));
+                assert_eq!(w.row_shape, vec![c.head_dim as u64]);
+            } else {
+                assert_eq!(a.format, b.format);
+                assert_eq!(a.row_stride, b.row_stride);
+            }
+        }
+        assert!(kv_regions >= c.num_layers());
+        assert!(bf16.page_bytes < f32.page_bytes);
+        assert!(proto::layout::check_compatible(&f32.to_proto(), &wire).is_err());
     }
 
     #[test]

@@ -81,7 +81,7 @@ fn tensors_fall_in_their_classes() {
 #[test]
 fn state_matches_the_layout() {
     let c = small();
-    for kv in [KvStorage::F32, KvStorage::Fp8] {
+    for kv in KvStorage::ALL {
         for page_size in [4, 16, 64, 256] {
             let plan = state(&c, page_size, kv).unwrap();
             let layout = StateLayout::new(&c, page_size, kv, "x").unwrap();

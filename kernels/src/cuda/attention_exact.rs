@@ -70,7 +70,7 @@ impl Gpu {
 
     /// [`Self::attn_exact`] on device buffers: (queries, pool, offsets, starts, sinks), and
     /// (tokens, heads, dim, the most keys a token has); the pool's rows stored as `rows` says
-    /// (f32 values, or the engine's FP8 K=V rows, read as the values they stand for).
+    /// (f32 values, or the engine's FP8 or bf16 K=V rows, read as the values they stand for).
     pub fn launch_attn_exact<P: cudarc::driver::DeviceRepr>(
         &self,
         ((q, pool, row_offsets, starts, sinks), rows): (
@@ -84,15 +84,14 @@ impl Gpu {
         if q.len() < tokens * heads * dim || starts.len() < tokens + 1 || sinks.len() < heads {
             return Err(KernelError::Shape("attn_exact buffers".into()));
         }
-        let fp8_nope: i32 = match rows {
-            engine::paged::layout::RowFormat::F32 => -1,
-            engine::paged::layout::RowFormat::Fp8Kv { nope, rope } if nope + rope == dim => {
-                nope as i32
-            }
-            engine::paged::layout::RowFormat::Fp8Kv { .. } => {
-                return Err(KernelError::Shape(
-                    "attn_exact: FP8 rows of another width".into(),
-                ));
+        // bf16 rows are FP8 rows without e4m3 values (`RowFormat::e4m3_bf16_split`).
+        let fp8_nope: i32 = match rows.e4m3_bf16_split(dim) {
+            None => -1,
+            Some((nope, rope)) if nope + rope == dim => nope as i32,
+            Some(_) => {
+                return Err(KernelError::Shape(format!(
+                    "attn_exact: {rows:?} rows of another width than {dim}"
+                )));
             }
         };
         if tokens == 0 {

@@ -281,17 +281,17 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
     }
 
     fn round_kv_rows(&self, rows: &mut DBuf<K>, n: usize) -> Result<(), K::Error> {
-        match self.kv_rows {
-            RowFormat::F32 => Ok(()),
-            RowFormat::Fp8Kv { nope, rope } => {
-                if nope + rope != self.config.head_dim || K::f_len(rows) < n * (nope + rope) {
-                    return Err("round_kv_rows: rows that are not K=V rows"
-                        .to_owned()
-                        .into());
-                }
-                self.k.fp8_kv_round(rows, (nope, rope), n)
-            }
+        // FP8 and bf16 rows round through one kernel (a bf16 row is an FP8 row without e4m3
+        // values).
+        let Some((nope, rope)) = self.kv_rows.e4m3_bf16_split(self.config.head_dim) else {
+            return Ok(());
+        };
+        if nope + rope != self.config.head_dim || K::f_len(rows) < n * (nope + rope) {
+            return Err("round_kv_rows: rows that are not K=V rows"
+                .to_owned()
+                .into());
         }
+        self.k.fp8_kv_round(rows, (nope, rope), n)
     }
 
     fn norm_rope(&self, x: &mut DBuf<K>, op: &RowOp<'_>, n: usize) -> Result<(), K::Error> {
@@ -439,7 +439,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         to: &[i64],
     ) -> Result<(), K::Error> {
         let (hd, stride) = (self.config.head_dim, self.kv_stride);
-        let RowFormat::Fp8Kv { nope, rope } = self.kv_rows else {
+        let Some((nope, rope)) = self.kv_rows.e4m3_bf16_split(hd) else {
             return self.write_rows(rows, hd, arena, to);
         };
         let fits = |o: i64| o + stride as i64 <= K::f_len(arena) as i64;

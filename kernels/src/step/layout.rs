@@ -130,13 +130,11 @@ pub struct StateLayout {
 /// f32s).
 pub fn kv_stride(head_dim: usize, kv: RowFormat) -> Result<usize, String> {
     let bytes = kv.row_bytes(head_dim);
-    match kv {
-        RowFormat::F32 => Ok(head_dim),
-        RowFormat::Fp8Kv { nope, rope } if nope + rope == head_dim && bytes.is_multiple_of(4) => {
-            Ok(bytes / 4)
-        }
-        RowFormat::Fp8Kv { .. } => Err(format!(
-            "an FP8 K=V row of {head_dim} values takes {bytes} bytes, not whole f32s"
+    match kv.e4m3_bf16_split(head_dim) {
+        None => Ok(head_dim),
+        Some((nope, rope)) if nope + rope == head_dim && bytes.is_multiple_of(4) => Ok(bytes / 4),
+        Some(_) => Err(format!(
+            "a {kv:?} K=V row of {head_dim} values takes {bytes} bytes, not whole f32s"
         )),
     }
 }

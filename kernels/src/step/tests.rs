@@ -222,25 +222,29 @@ fn decode_steps_give_the_engines_logits_and_state_bit_for_bit() {
     }
 }
 
-/// A model storing FP8 K=V rows rounds each window, CSA and HCA row as it computes it: the
-/// step does the same (`round_kv_rows`, the `fp8_kv_round` kernel on a device), through the
-/// engine's ops and through the device's over the kernels' references, bit for bit; the
-/// rounding shows (the logits are not the f32 model's).
+/// A model storing FP8 or bf16 K=V rows rounds each window, CSA and HCA row as it computes
+/// it: the step does the same (`round_kv_rows`, the `fp8_kv_round` kernel on a device, which
+/// rounds a bf16 row as an FP8 row without e4m3 values), through the engine's ops and through
+/// the device's over the kernels' references, bit for bit; the rounding shows (the logits are
+/// not the f32 model's).
 #[test]
-fn fp8_rows_are_rounded_in_the_step_as_the_engine_rounds_them() {
+fn lossy_rows_are_rounded_in_the_step_as_the_engine_rounds_them() {
+    use engine::paged::layout::KvStorage;
     let (_dir, mut model) = model(ExpertFormat::Nvfp4);
     let f32_runs = run(&model, None, false);
-    model.set_kv_storage(engine::paged::layout::KvStorage::Fp8);
-    for runs in [
-        run(&model, None, false),
-        run_emulated(&model, (&LENGTHS, &SLOTS, STEPS), false),
-    ] {
-        assert!(logits_equal(&runs));
-        assert_eq!(runs.engine_states, runs.device_states);
-        assert!(
-            !same(&runs.engine[1][3], &f32_runs.engine[1][3]),
-            "FP8 rows round"
-        );
+    for kv in [KvStorage::Fp8, KvStorage::Bf16] {
+        model.set_kv_storage(kv);
+        for runs in [
+            run(&model, None, false),
+            run_emulated(&model, (&LENGTHS, &SLOTS, STEPS), false),
+        ] {
+            assert!(logits_equal(&runs), "{kv:?}");
+            assert_eq!(runs.engine_states, runs.device_states, "{kv:?}");
+            assert!(
+                !same(&runs.engine[1][3], &f32_runs.engine[1][3]),
+                "{kv:?} rows round"
+            );
+        }
     }
 }
 
@@ -590,12 +594,13 @@ fn arena_regions_are_aligned_and_apart() {
         (Preset::Small, KvStorage::F32),
         (Preset::Tiny, KvStorage::Fp8),
         (Preset::Small, KvStorage::Fp8),
+        (Preset::Small, KvStorage::Bf16),
     ] {
         let c = preset.config(ExpertFormat::Nvfp4);
         for chunk in [1, 17] {
             let layout = StateLayout::chunked(&c, (3, 301), RowFormat::for_kv(&c, kv), chunk);
             assert_eq!(layout.ring, c.sliding_window + chunk - 1);
-            // A stored K=V row: its values, or the FP8 row's bytes in whole f32s.
+            // A stored K=V row: its values, or the FP8 or bf16 row's bytes in whole f32s.
             let stored = RowFormat::for_kv(&c, kv).row_bytes(c.head_dim);
             assert_eq!(
                 4 * layout.kv_stride,

@@ -1,5 +1,5 @@
-//! The row ops of `kv_rows.cu` on the GPU: FP8 K=V rows encoded into the pool exactly as the
-//! engine encodes them (bytes equal, special values included, skipped rows and the bytes
+//! The row ops of `kv_rows.cu` on the GPU: FP8 K=V rows (and bf16 rows, FP8 rows without e4m3
+//! values) encoded into the pool exactly as the engine encodes them (bytes equal, special values included, skipped rows and the bytes
 //! between rows untouched), and per-head norm + RoPE with the engine's bits (query heads, K=V rows,
 //! inverse on outputs, a head of 19 values, positions up to 2^20). Skips without a GPU
 //! (fails under `PDSERVE_REQUIRE_GPU=1`).
@@ -34,6 +34,7 @@ fn gpu_fp8_kv_encode_writes_the_engines_bytes() {
         (24, 8),
         (40, 24),
         (0, 32),
+        (0, 512),
         (100, 12),
         (64, 0),
     ] {

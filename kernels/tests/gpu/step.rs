@@ -61,6 +61,10 @@ fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize]
     let (dir, mut model) = generated(preset, format, "step");
     let what = format!("{preset:?} {format:?}");
     check_model(gpu, &model, (&what, Held::Bits), lengths, steps);
+    // bf16 K=V rows: the FP8 row ops without e4m3 values (`RowFormat::e4m3_bf16_split`).
+    model.set_kv_storage(engine::paged::layout::KvStorage::Bf16);
+    let what = format!("{preset:?} {format:?}, bf16 K=V rows");
+    check_model(gpu, &model, (&what, Held::Bits), lengths, steps);
     // FP8 K=V rows: rounded as computed (`fp8_kv_round`), stored as the engine's FP8 rows in
     // the arenas (`fp8_kv_encode`) and read by `attn_exact` as the values they stand for.
     model.set_kv_storage(engine::paged::layout::KvStorage::Fp8);
@@ -376,6 +380,7 @@ fn gpu_prompt_chunks_give_the_engines_bits() {
     for (format, kv) in [
         (ExpertFormat::Nvfp4, KvStorage::F32),
         (ExpertFormat::Mxfp4, KvStorage::Fp8),
+        (ExpertFormat::Nvfp4, KvStorage::Bf16),
     ] {
         let (dir, mut model) = generated(Preset::Tiny, format, "chunks");
         model.set_kv_storage(kv);
@@ -429,6 +434,7 @@ fn gpu_prompt_chunks_deltas_read_back_are_the_engines() {
     for (format, kv) in [
         (ExpertFormat::Nvfp4, KvStorage::F32),
         (ExpertFormat::Mxfp4, KvStorage::Fp8),
+        (ExpertFormat::Nvfp4, KvStorage::Bf16),
     ] {
         let (dir, mut model) = generated(Preset::Tiny, format, "deltas");
         model.set_kv_storage(kv);

@@ -91,12 +91,13 @@ fn an_engine_decoding_on_the_device_step_gives_the_host_forwards_events() {
     let tokens = c.num_pages as usize * c.page_size;
     let requests = requests(model.config.vocab_size);
     let mut want = Vec::new();
-    // FP8 K=V rows too: the step rounds them as the engine does.
+    // FP8 and bf16 K=V rows too: the step rounds them as the engine does.
     // And with steps replayed as graphs (plan pass, then launch pass, over the references).
     for (kv, graphs) in [
         (KvStorage::Fp8, false),
         (KvStorage::F32, true),
         (KvStorage::Fp8, true),
+        (KvStorage::Bf16, true),
         (KvStorage::F32, false),
     ] {
         model.set_kv_storage(kv);
@@ -188,7 +189,11 @@ fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
     longer.id = 4;
     longer.prompt.extend([5, 6, 7]);
     requests.push(longer);
-    for (kv, chunk) in [(KvStorage::Fp8, 16), (KvStorage::F32, 7)] {
+    for (kv, chunk) in [
+        (KvStorage::Fp8, 16),
+        (KvStorage::F32, 7),
+        (KvStorage::Bf16, 9),
+    ] {
         model.set_kv_storage(kv);
         let c = EngineConfig { kv, ..c.clone() };
         let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();

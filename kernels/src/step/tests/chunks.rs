@@ -21,6 +21,7 @@ fn prompt_chunks_give_the_engines_logits_and_state_bit_for_bit() {
     for (format, kv) in [
         (ExpertFormat::Nvfp4, KvStorage::F32),
         (ExpertFormat::Mxfp4, KvStorage::Fp8),
+        (ExpertFormat::Nvfp4, KvStorage::Bf16),
     ] {
         let (_dir, mut model) = model(format);
         model.set_kv_storage(kv);
@@ -231,13 +232,14 @@ where
 /// What a step added, read back from a slot (`StateLayout::read_delta`: the chunk's K=V rows,
 /// the rows of the windows it closed, the compressors' slot part) is the engine's
 /// `StateDelta` of the same step, after every step of the chunk schedule (a ring that wrapped,
-/// windows of both ratios closed), f32 and FP8 rows; a span longer than the ring is refused.
+/// windows of both ratios closed), f32, FP8 and bf16 rows; a span longer than the ring is refused.
 #[test]
 fn a_steps_delta_read_back_is_the_engines() {
     use crate::step::chunk_runs::delta_run;
     for (format, kv) in [
         (ExpertFormat::Nvfp4, KvStorage::F32),
         (ExpertFormat::Mxfp4, KvStorage::Fp8),
+        (ExpertFormat::Nvfp4, KvStorage::Bf16),
     ] {
         let (_dir, mut model) = model(format);
         model.set_kv_storage(kv);
