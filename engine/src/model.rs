@@ -202,6 +202,13 @@ impl Model {
         self.expert_parallel.as_deref()
     }
 
+    /// [`Self::expert_parallel`], shared: a device stepping this rank exchanges over it too.
+    pub fn expert_parallel_shared(
+        &self,
+    ) -> Option<std::sync::Arc<crate::parallel::expert::ExpertParallel>> {
+        self.expert_parallel.clone()
+    }
+
     /// A step without tokens under expert parallelism: every MoE layer's exchanges with nothing
     /// to send, so the ranks that have tokens get their experts computed here. Without expert
     /// parallelism it does nothing.

@@ -218,12 +218,14 @@ pub type MakeCollectives<'a> =
         std::time::Duration,
     ) -> Result<Vec<Box<dyn crate::parallel::collective::Collective>>, String>;
 
-/// Opens the device a one-rank engine steps its decode tokens on, for the loaded model and the
-/// engine's configuration.
+/// Opens the device an engine steps its decode tokens on (and its prompt chunks, where the
+/// device steps them), for rank `rank`'s model (a rank of an expert-parallel group: the device
+/// exchanges over the model's group) and the engine's configuration.
 pub type OpenDecode<'a> =
     &'a dyn Fn(
         &crate::model::Model,
         &crate::scheduler::EngineConfig,
+        usize,
     ) -> Result<Box<dyn crate::scheduler::StepDevice>, crate::backend::BackendError>;
 
 /// Where a worker's ranks compute: each rank's backend (rank r on its own device), whether ops
@@ -283,7 +285,7 @@ pub fn start_with_backend(
         crate::plan::host::check_pools(&model.config, &config, group.ranks(), available)
             .map_err(StartError::Memory)?;
     }
-    if let Some(open_decode) = devices.decode {
+    if let Some(open_decode) = devices.decode.filter(|_| group.ranks() == 1) {
         return start_decoding_on_device(
             model,
             config,
@@ -295,9 +297,14 @@ pub fn start_with_backend(
     }
     let mut backends = Vec::with_capacity(group.ranks());
     for rank in 0..group.ranks() {
-        backends.push((devices.open)(dir, &model.config, rank)?);
+        // Ranks stepping on their devices have no per-op backend.
+        let backend = match devices.decode {
+            Some(_) => None,
+            None => (devices.open)(dir, &model.config, rank)?,
+        };
+        backends.push(backend);
     }
-    let backend_plan = match backends.first().cloned().flatten() {
+    let mut backend_plan = match backends.first().cloned().flatten() {
         Some(backend) if group.ranks() == 1 => Some(model.attach_backend(backend, devices.hybrid)?),
         Some(backend) => Some(crate::backend::BackendPlan::decide(
             backend.as_ref(),
@@ -308,13 +315,33 @@ pub fn start_with_backend(
     let eos_token_ids = model.config.eos_token_ids.clone();
     let vocab_size = model.config.vocab_size;
     let table = crate::grammar::TokenTableSource::from_dir(dir, vocab_size, &eos_token_ids);
+    // Each rank's device, the first one's plan kept for the log.
+    let first_plan = std::sync::Mutex::new(None);
+    let open_rank =
+        |model: &crate::model::Model, config: &crate::scheduler::EngineConfig, rank: usize| {
+            let open = devices
+                .decode
+                .ok_or_else(|| crate::backend::BackendError::Unavailable {
+                    backend: "step device".to_owned(),
+                    reason: "none to open".to_owned(),
+                })?;
+            let device = open(model, config, rank)?;
+            if rank == 0 {
+                *first_plan
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    Some(device_plan(device.as_ref(), group.ranks()));
+            }
+            Ok(device)
+        };
     let (ranks, layout) = if group.ranks() > 1 {
         let ranks = group::RankSetup {
             backends,
             hybrid: devices.hybrid,
             collectives: devices.collectives,
+            decode: devices.decode.map(|_| &open_rank as OpenDecode<'_>),
         };
-        group::start(
+        let started = group::start(
             model,
             &config,
             &fingerprint,
@@ -323,7 +350,15 @@ pub fn start_with_backend(
             &|e| {
                 e.set_token_table(table.clone());
             },
-        )?
+        )?;
+        if let Some(plan) = first_plan
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            backend_plan = Some(plan);
+        }
+        started
     } else {
         let start = (|_: &mut Engine| Ok(()), backend_plan);
         return start_single(
@@ -386,29 +421,10 @@ fn start_decoding_on_device(
     group: crate::parallel::group::GroupSpec,
     open_decode: OpenDecode<'_>,
 ) -> Result<LoadedEngine, StartError> {
-    use crate::backend::{BackendError, BackendPlan, Op};
-    if group.ranks() > 1 {
-        return Err(StartError::Backend(BackendError::Unavailable {
-            backend: "decode step".to_owned(),
-            reason: format!(
-                "a group of {} ranks exchanges on the host forward; the whole decode step on the \
-                 device serves one rank",
-                group.ranks()
-            ),
-        }));
-    }
     // The device rounds K=V rows as the engine will store them.
     model.set_kv_storage(config.kv);
-    let device = open_decode(&model, &config)?;
-    let backend_plan = BackendPlan {
-        backend: if device.prompt_chunk() > 0 {
-            format!("{} (whole steps on the device)", device.name())
-        } else {
-            format!("{} (the whole decode step on the device)", device.name())
-        },
-        on_device: Op::ALL.to_vec(),
-        on_cpu: Vec::new(),
-    };
+    let device = open_decode(&model, &config, 0)?;
+    let backend_plan = device_plan(device.as_ref(), 1);
     let setup = |engine: &mut Engine| Ok(engine.set_step_device(device)?);
     start_single(
         model,
@@ -417,6 +433,29 @@ fn start_decoding_on_device(
         (thread_name, group),
         (setup, Some(backend_plan)),
     )
+}
+
+/// The plan an engine stepping on `device` logs (`ranks` > 1: each rank of an expert-parallel
+/// group on its own).
+pub(crate) fn device_plan(
+    device: &dyn crate::scheduler::StepDevice,
+    ranks: usize,
+) -> crate::backend::BackendPlan {
+    let what = if device.prompt_chunk() > 0 {
+        "whole steps on the device"
+    } else {
+        "the whole decode step on the device"
+    };
+    let group = if ranks > 1 {
+        format!(", each of {ranks} expert-parallel ranks on its own")
+    } else {
+        String::new()
+    };
+    crate::backend::BackendPlan {
+        backend: format!("{} ({what}{group})", device.name()),
+        on_device: crate::backend::Op::ALL.to_vec(),
+        on_cpu: Vec::new(),
+    }
 }
 
 fn run(mut engine: Engine, jobs: &std_mpsc::Receiver<Job>) {

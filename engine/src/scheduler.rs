@@ -502,11 +502,20 @@ impl Engine {
             .into_iter()
             .partition(|(i, ..)| self.device.is_some() && self.is_decoding(*i));
         let (prompts, plan): (Vec<_>, Vec<_>) = plan.into_iter().partition(|_| prompts_on_device);
+        // Under expert parallelism the other ranks' tokens need this rank's experts: it takes
+        // part in every step, with no tokens of its own. On a device every rank runs the same
+        // phases (its decode step, then its prompt step where it steps prompts, or the host
+        // forward where it does not), each with an idle step where it has nothing to step.
+        let group_on_device = self.group_on_device();
         if plan.is_empty() && on_device.is_empty() && prompts.is_empty() {
-            // Under expert parallelism the other ranks' tokens need this rank's experts: it
-            // takes part in every step, with no tokens of its own.
-            if let Err(e) = self.model.idle_forward() {
-                tracing::error!(error = %e, "idle step of an expert-parallel rank failed");
+            if group_on_device {
+                self.idle_device_step();
+                if prompts_on_device {
+                    self.idle_device_step();
+                }
+            }
+            if !group_on_device || !prompts_on_device {
+                self.idle_host_forward();
             }
             return 0;
         }
@@ -526,19 +535,29 @@ impl Engine {
         }
         let mut events = Vec::new();
         let mut failed: Vec<(usize, StepError)> = Vec::new();
+        let asked = self.device_steps();
         if !on_device.is_empty() {
             let seated: Vec<usize> = on_device.iter().map(|(i, ..)| *i).collect();
             self.last_device = (None, 0);
             self.device_step(&seated, &mut events, &mut failed);
             (record.device_run, record.argmax_tokens) = self.last_device;
         }
+        if group_on_device && self.device_steps() == asked {
+            self.idle_device_step();
+        }
         let mut emitted = 0;
+        let asked = self.device_steps();
         if !prompts.is_empty() {
             record.device_prompts = true;
             emitted += self.device_prompt_step(&prompts, emit, &mut events, &mut failed);
         }
+        if group_on_device && prompts_on_device && self.device_steps() == asked {
+            self.idle_device_step();
+        }
         if !plan.is_empty() {
             emitted += self.host_step(&plan, emit, &mut events, &mut failed);
+        } else if group_on_device && !prompts_on_device {
+            self.idle_host_forward();
         }
         failed.sort_by_key(|(i, _)| *i);
         failed.dedup_by_key(|(i, _)| *i);
@@ -552,6 +571,13 @@ impl Engine {
             (observer.0)(&record);
         }
         emitted
+    }
+
+    /// The host forward's part in a step of an expert-parallel group without tokens of its own.
+    fn idle_host_forward(&self) {
+        if let Err(e) = self.model.idle_forward() {
+            tracing::error!(error = %e, "idle step of an expert-parallel rank failed");
+        }
     }
 
     /// Whether running request `i` has computed its prompt (its next token is a decode token).

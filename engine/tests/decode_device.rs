@@ -501,7 +501,7 @@ fn what_a_device_cannot_serve_is_refused_at_attach() {
 
 /// A worker's engine started with a decode device (`RankDevices::decode`): no backend attached,
 /// the device attached and named in the plan, requests served through the runner with the host
-/// forward's tokens; a group of ranks is refused.
+/// forward's tokens; a group of ranks is refused a device that does not exchange over it.
 #[test]
 fn a_runner_starts_an_engine_decoding_on_its_device() {
     use engine::{
@@ -513,7 +513,7 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
     let dir = checkpoint();
     let seats = Arc::new(AtomicUsize::new(0));
     let opened_with = Arc::clone(&seats);
-    let open = move |model: &Model, config: &EngineConfig| {
+    let open = move |model: &Model, config: &EngineConfig, _rank: usize| {
         let device = counting_into(model, config, &opened_with);
         Ok::<Box<dyn StepDevice>, BackendError>(Box::new(device))
     };
@@ -574,12 +574,13 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
         &progress,
     )
     .unwrap_err();
+    // A device that does not exchange its routed experts' pairs cannot step a rank of an
+    // expert-parallel group.
+    assert!(matches!(&refused, StartError::Group(_)), "{refused}");
     assert!(
-        matches!(
-            &refused,
-            StartError::Backend(BackendError::Unavailable { .. })
-        ),
+        refused
+            .to_string()
+            .contains("does not exchange over an expert-parallel group"),
         "{refused}"
     );
-    assert!(refused.to_string().contains("one rank"), "{refused}");
 }

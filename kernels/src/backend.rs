@@ -303,17 +303,22 @@ pub fn start_engine(
         ),
     };
     // One rank without hybrid on a device runs whole steps there: decode tokens, and the
-    // prompt chunks of an engine that computes prompts.
-    let device_step = !hybrid && group.ranks() == 1;
+    // prompt chunks of an engine that computes prompts; so does each rank of an
+    // expert-parallel group with data-parallel attention (its pairs exchanged at every MoE
+    // layer). Tensor-parallel attention and sliced experts keep the per-op path.
+    let p = group.parallel;
+    let expert_ranks = p.ep > 1 && p.tp == 1 && !p.moe_tp && p.dp_attention;
+    let device_step = !hybrid && (group.ranks() == 1 || expert_ranks);
     let prompts = (!decode_only).then(|| prompt_chunk(&config));
     refuse_off_the_device_step(kind, step, (decode_only, device_step))?;
-    let cuda_decode = |model: &engine::model::Model, config: &engine::scheduler::EngineConfig| {
-        open_cuda_decode(model, config, step, prompts)
-    };
-    let emulated_decode = |model: &engine::model::Model,
-                           config: &engine::scheduler::EngineConfig| {
-        open_emulated_decode(model, config, step, prompts)
-    };
+    let cuda_decode =
+        |model: &engine::model::Model, config: &engine::scheduler::EngineConfig, rank: usize| {
+            open_cuda_decode(model, config, step, (prompts, rank))
+        };
+    let emulated_decode =
+        |model: &engine::model::Model, config: &engine::scheduler::EngineConfig, _rank: usize| {
+            open_emulated_decode(model, config, step, prompts)
+        };
     let devices = engine::runner::RankDevices {
         open: &open,
         hybrid,
@@ -352,12 +357,13 @@ fn refuse_off_the_device_step(
     ];
     let (place, asked): (_, &[(bool, &str)]) = if decode_only {
         (
-            "the device decode step of a decode worker of one rank",
+            "the device decode step of a decode worker (one rank, or expert-parallel ranks)",
             &decode,
         )
     } else {
         (
-            "the device step of an engine of one rank that computes prompts",
+            "the device step of an engine that computes prompts (one rank, or expert-parallel \
+             ranks)",
             &prefill,
         )
     };
@@ -481,13 +487,13 @@ fn open_cuda_decode(
     model: &engine::model::Model,
     config: &engine::scheduler::EngineConfig,
     step: StepOptions,
-    prompts: Option<usize>,
+    (prompts, ordinal): (Option<usize>, usize),
 ) -> Result<Box<dyn engine::scheduler::StepDevice>, BackendError> {
     use crate::{
         cuda::{CudaKernels, Gpu},
         step::decoder::StepDecoder,
     };
-    let gpu = match Gpu::open_on(0) {
+    let gpu = match Gpu::open_on(ordinal) {
         Ok(Some(gpu)) => Arc::new(gpu),
         Ok(None) => return Err(cuda_unavailable("no CUDA driver or device is present")),
         Err(e) => return Err(cuda_unavailable(e)),
@@ -538,7 +544,7 @@ fn open_cuda_decode(
     _: &engine::model::Model,
     _: &engine::scheduler::EngineConfig,
     _: StepOptions,
-    _: Option<usize>,
+    _: (Option<usize>, usize),
 ) -> Result<Box<dyn engine::scheduler::StepDevice>, BackendError> {
     Err(cuda_unavailable(
         "this binary was built without the CUDA backend (cargo feature `cuda`)",

@@ -22,6 +22,7 @@ pub mod cpu_ops;
 pub mod decode;
 pub mod decoder;
 mod device_close;
+mod device_group;
 pub mod device_model;
 pub mod device_ops;
 pub mod emulated;
@@ -362,6 +363,20 @@ pub trait StepOps {
         rows: usize,
         width: usize,
     ) -> Result<Self::Buf, Self::Error>;
+    /// The routed experts of each of `pairs` pairs (`moe::expert_many`: gate and up
+    /// projections, SwiGLU over `inter` values, down projection), pair `p` taking row `p / k`
+    /// of `h` to expert `experts[p]`: `[pairs, D]`. Here on the ops' own experts; a rank of an
+    /// expert-parallel group exchanges the pairs with its group.
+    fn routed_experts(
+        &self,
+        layer: usize,
+        h: &Self::Buf,
+        experts: &Self::Idx,
+        (k, inter): (usize, usize),
+        pairs: usize,
+    ) -> Result<Self::Buf, Self::Error> {
+        routed_here(self, layer, h, experts, (k, inter), pairs)
+    }
     /// Every token's MoE output: its `k` slot outputs `ys` (`[n * k, D]`) times their weights,
     /// summed in slot order, plus the shared expert's output.
     fn combine(
@@ -372,4 +387,19 @@ pub trait StepOps {
         n: usize,
         k: usize,
     ) -> Result<Self::Buf, Self::Error>;
+}
+
+/// [`StepOps::routed_experts`] on `ops`' own experts.
+pub(crate) fn routed_here<O: StepOps + ?Sized>(
+    ops: &O,
+    layer: usize,
+    h: &O::Buf,
+    experts: &O::Idx,
+    (k, inter): (usize, usize),
+    pairs: usize,
+) -> Result<O::Buf, O::Error> {
+    let gate = ops.expert_pairs(layer, Proj::Gate, h, experts, k, pairs)?;
+    let up = ops.expert_pairs(layer, Proj::Up, h, experts, k, pairs)?;
+    let act = ops.swiglu(&gate, &up, pairs, inter)?;
+    ops.expert_pairs(layer, Proj::Down, &act, experts, 1, pairs)
 }

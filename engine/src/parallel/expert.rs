@@ -93,17 +93,63 @@ pub fn routed_experts(
     xs: &[Vec<f32>],
     pairs: &[(usize, usize)],
 ) -> Result<Vec<Vec<f32>>, ExpertError> {
-    let split = shard.split;
+    if shard.split.ranks() != coll.size() || shard.experts.len() != shard.split.per_rank() {
+        return Err(ExpertError::Invalid(format!(
+            "rank {} holds {} experts of a split over {} ranks in a group of {}",
+            coll.rank(),
+            shard.experts.len(),
+            shard.split.ranks(),
+            coll.size()
+        )));
+    }
+    let xs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+    // One call per local expert over its inputs.
+    let mut compute = |inputs: &[(usize, &[f32])]| {
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); shard.experts.len()];
+        for (i, &(local, _)) in inputs.iter().enumerate() {
+            by_expert[local].push(i);
+        }
+        let mut outputs = vec![Vec::new(); inputs.len()];
+        for (local, list) in by_expert.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            let xs: Vec<&[f32]> = list.iter().map(|&i| inputs[i].1).collect();
+            let ys = moe::expert_many(&shard.experts[local], &xs, shard.limit);
+            for (&i, y) in list.iter().zip(ys) {
+                outputs[i] = y;
+            }
+        }
+        Ok(outputs)
+    };
+    exchange_pairs(coll, (shard.split, shard.width()), &xs, pairs, &mut compute)
+}
+
+/// Computes a rank's share of a layer's expert pairs: every input this rank received, as
+/// (its expert's index among the rank's held experts, the input row); returns one output row
+/// per input, in order.
+pub type ComputePairs<'a> =
+    dyn FnMut(&[(usize, &[f32])]) -> Result<Vec<Vec<f32>>, ExpertError> + 'a;
+
+/// The exchange under [`routed_experts`], whatever computes the products: each pair's input
+/// (rows of `width`) to the rank that holds its expert, `compute` over what this rank
+/// received (a device computes there), the outputs back in the order they were listed.
+/// Outputs have the inputs' width (the routed experts' down projections).
+pub fn exchange_pairs(
+    coll: &mut dyn Collective,
+    (split, width): (ExpertSplit, usize),
+    xs: &[&[f32]],
+    pairs: &[(usize, usize)],
+    compute: &mut ComputePairs<'_>,
+) -> Result<Vec<Vec<f32>>, ExpertError> {
     let ranks = coll.size();
     let me = coll.rank();
-    if split.ranks() != ranks || shard.experts.len() != split.per_rank() {
+    if split.ranks() != ranks {
         return Err(ExpertError::Invalid(format!(
-            "rank {me} holds {} experts of a split over {} ranks in a group of {ranks}",
-            shard.experts.len(),
+            "rank {me}: a split over {} ranks in a group of {ranks}",
             split.ranks()
         )));
     }
-    let width = shard.width();
     // Dispatch: each pair's input to the expert's rank.
     let mut dispatched: Vec<Vec<usize>> = vec![Vec::new(); ranks];
     for (p, &(t, e)) in pairs.iter().enumerate() {
@@ -124,16 +170,16 @@ pub fn routed_experts(
             msg.push(list.len() as f32);
             msg.extend(list.iter().map(|&p| pairs[p].1 as f32));
             for &p in list {
-                msg.extend_from_slice(&xs[pairs[p].0]);
+                msg.extend_from_slice(xs[pairs[p].0]);
             }
             msg
         })
         .collect();
     let received = coll.exchange(sends)?;
-    // Compute: every received input, grouped by local expert, one call per expert.
+    // Compute: every received input, by source rank then in the order it was listed.
     let held = split.held_by(me);
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); held.len()];
-    let mut inputs: Vec<Vec<&[f32]>> = Vec::with_capacity(ranks);
+    let mut inputs: Vec<(usize, &[f32])> = Vec::new();
+    let mut counts = Vec::with_capacity(ranks);
     for (source, msg) in received.iter().enumerate() {
         let count = msg.first().copied().unwrap_or(0.0) as usize;
         if msg.len() != 1 + count * (1 + width) {
@@ -142,7 +188,6 @@ pub fn routed_experts(
                 msg.len()
             )));
         }
-        let mut mine = Vec::with_capacity(count);
         for i in 0..count {
             let e = msg[1 + i] as usize;
             if !held.contains(&e) {
@@ -150,26 +195,29 @@ pub fn routed_experts(
                     "rank {source} sent expert {e} to rank {me}, which holds {held:?}"
                 )));
             }
-            by_expert[e - held.start].push((source, i));
             let at = 1 + count + i * width;
-            mine.push(&msg[at..at + width]);
+            inputs.push((e - held.start, &msg[at..at + width]));
         }
-        inputs.push(mine);
+        counts.push(count);
     }
-    let mut outputs: Vec<Vec<Vec<f32>>> =
-        inputs.iter().map(|m| vec![Vec::new(); m.len()]).collect();
-    for (local, list) in by_expert.iter().enumerate() {
-        if list.is_empty() {
-            continue;
-        }
-        let xs: Vec<&[f32]> = list.iter().map(|&(s, i)| inputs[s][i]).collect();
-        let ys = moe::expert_many(&shard.experts[local], &xs, shard.limit);
-        for (&(s, i), y) in list.iter().zip(ys) {
-            outputs[s][i] = y;
-        }
+    let outputs = if inputs.is_empty() {
+        Vec::new()
+    } else {
+        compute(&inputs)?
+    };
+    if outputs.len() != inputs.len() || outputs.iter().any(|y| y.len() != width) {
+        return Err(ExpertError::Invalid(format!(
+            "rank {me} computed {} outputs for {} inputs of width {width}",
+            outputs.len(),
+            inputs.len()
+        )));
     }
     // Combine: the outputs back to their tokens' ranks, in the order they were listed.
-    let sends: Vec<Vec<f32>> = outputs.into_iter().map(|o| o.concat()).collect();
+    let mut outputs = outputs.into_iter();
+    let sends: Vec<Vec<f32>> = counts
+        .iter()
+        .map(|&count| outputs.by_ref().take(count).flatten().collect())
+        .collect();
     let returned = coll.exchange(sends)?;
     let mut result: Vec<Vec<f32>> = vec![Vec::new(); pairs.len()];
     for (owner, list) in dispatched.iter().enumerate() {
@@ -241,6 +289,19 @@ impl ExpertParallel {
         };
         let mut collective = self.collective.lock();
         routed_experts(collective.as_mut(), &shard, xs, pairs)
+    }
+
+    /// [`exchange_pairs`] over this rank's collective: the pairs' products computed by
+    /// `compute` on the rank that holds each expert (a device's kernels), `width` the rows'.
+    pub fn routed_with(
+        &self,
+        width: usize,
+        xs: &[&[f32]],
+        pairs: &[(usize, usize)],
+        compute: &mut ComputePairs<'_>,
+    ) -> Result<Vec<Vec<f32>>, ExpertError> {
+        let mut collective = self.collective.lock();
+        exchange_pairs(collective.as_mut(), (self.split, width), xs, pairs, compute)
     }
 
     /// [`Self::routed`] when every rank holds the same tokens and pairs (tensor-parallel

@@ -424,6 +424,9 @@ pub struct RankSetup<'a> {
     pub backends: Vec<Option<Arc<dyn crate::backend::Backend>>>,
     pub hybrid: bool,
     pub collectives: Option<crate::runner::MakeCollectives<'a>>,
+    /// Each rank's step device (rank r's opened for its model): then every rank steps there,
+    /// exchanging its routed experts' pairs over its expert-parallel group.
+    pub decode: Option<crate::runner::OpenDecode<'a>>,
 }
 
 impl std::fmt::Debug for RankSetup<'_> {
@@ -443,6 +446,7 @@ impl RankSetup<'static> {
             backends: vec![None; n],
             hybrid: false,
             collectives: None,
+            decode: None,
         }
     }
 }
@@ -496,7 +500,7 @@ pub fn start(
     let mut models: Vec<Model> = (1..n).map(|_| model.replica()).collect();
     models.push(model);
     let mut engines = Vec::with_capacity(n);
-    for (mut replica, backend) in models.into_iter().zip(setup.backends) {
+    for (rank, (mut replica, backend)) in models.into_iter().zip(setup.backends).enumerate() {
         if let Some(backend) = backend {
             replica
                 .attach_backend(backend, setup.hybrid)
@@ -521,7 +525,20 @@ pub fn start(
                 .map_err(GroupError::Refused)?;
             replica.set_sliced_experts(Arc::new(sliced));
         }
+        let device = match setup.decode {
+            Some(open) => {
+                // The device rounds K=V rows as the engine will store them.
+                replica.set_kv_storage(config.kv);
+                Some(open(&replica, config, rank).map_err(|e| GroupError::Refused(e.to_string()))?)
+            }
+            None => None,
+        };
         let mut engine = Engine::new(replica, config.clone(), fingerprint)?;
+        if let Some(device) = device {
+            engine
+                .set_step_device(device)
+                .map_err(|e| GroupError::Refused(e.to_string()))?;
+        }
         prepare(&mut engine);
         engines.push(engine);
     }

@@ -182,6 +182,20 @@ pub trait StepDevice: Send + fmt::Debug {
             chunks.len()
         )))
     }
+
+    /// Whether its steps exchange the routed experts' pairs over the expert-parallel group of
+    /// the model it was opened for (one rank of a group; false by default: it holds every
+    /// expert).
+    fn expert_parallel(&self) -> bool {
+        false
+    }
+
+    /// A step with no sequences, for a rank of an expert-parallel group with nothing to
+    /// step: it serves the other ranks' pairs of every layer's experts (their steps wait for
+    /// it). Nothing to do by default.
+    fn idle_step(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
 }
 
 /// An attached device and its free slots.
@@ -190,6 +204,9 @@ pub(super) struct OnDevice {
     pub(super) device: Box<dyn StepDevice>,
     /// Free slots, the next one last.
     free: Vec<usize>,
+    /// Steps asked of it (decode and prompt, failed ones too): a rank of an expert-parallel
+    /// group that asked none in a phase of the engine's step takes part with an idle one.
+    pub(super) steps: u64,
 }
 
 impl Engine {
@@ -207,15 +224,27 @@ impl Engine {
                 self.model.kv_rows()
             ));
         }
-        if self.model.expert_parallel().is_some()
-            || self.model.tensor_parallel().is_some()
-            || self.model.sliced_experts().is_some()
-        {
+        if self.model.tensor_parallel().is_some() || self.model.sliced_experts().is_some() {
             return refuse(
-                "a rank of a group steps with its group's collectives on the host forward \
-                 (hybrid = true)"
+                "a rank of a tensor-parallel or expert-sliced group steps with its group's \
+                 collectives on the host forward (hybrid = true)"
                     .to_owned(),
             );
+        }
+        if device.expert_parallel() != self.model.expert_parallel().is_some() {
+            return refuse(format!(
+                "it {} over an expert-parallel group and this engine's model {}",
+                if device.expert_parallel() {
+                    "exchanges"
+                } else {
+                    "does not exchange"
+                },
+                if self.model.expert_parallel().is_some() {
+                    "is a rank of one"
+                } else {
+                    "is not"
+                },
+            ));
         }
         if device.slots() < self.config.max_running {
             return refuse(format!(
@@ -236,7 +265,11 @@ impl Engine {
             return refuse("requests are running".to_owned());
         }
         let free = (0..device.slots()).rev().collect();
-        self.device = Some(OnDevice { device, free });
+        self.device = Some(OnDevice {
+            device,
+            free,
+            steps: 0,
+        });
         Ok(())
     }
 
@@ -244,6 +277,31 @@ impl Engine {
     /// compute on the host).
     pub(super) fn device_prompt_chunk(&self) -> usize {
         self.device.as_ref().map_or(0, |d| d.device.prompt_chunk())
+    }
+
+    /// Steps asked of the attached device so far (0 without one).
+    pub(super) fn device_steps(&self) -> u64 {
+        self.device.as_ref().map_or(0, |d| d.steps)
+    }
+
+    /// Whether this engine is a rank of an expert-parallel group stepping on a device: every
+    /// phase of its steps exchanges with the other ranks, so it takes part in each.
+    pub(super) fn group_on_device(&self) -> bool {
+        self.device.is_some() && self.model.expert_parallel().is_some()
+    }
+
+    /// An idle device step (a rank of an expert-parallel group whose phase had nothing to
+    /// step); a failure fails the group, whose ranks then fail their requests.
+    pub(super) fn idle_device_step(&mut self) {
+        let Some(d) = self.device.as_mut() else {
+            return;
+        };
+        if let Err(e) = d.device.idle_step() {
+            tracing::error!(error = %e, "idle device step of an expert-parallel rank failed");
+            if let Some(ep) = self.model.expert_parallel() {
+                ep.fail(&format!("idle device step: {e}"));
+            }
+        }
     }
 
     /// The attached step device's name, if one is attached.
@@ -348,6 +406,7 @@ impl Engine {
             DecodeOut::Argmax(token) => (*token as usize) < vocab,
             DecodeOut::NonFinite(at) => *at < vocab,
         };
+        d.steps += 1;
         let outputs = match d.device.step_outputs(&seats, &argmax) {
             Ok(outs) if outs.len() == seats.len() && outs.iter().all(fits) => outs,
             Ok(outs) => {
@@ -362,6 +421,10 @@ impl Engine {
             }
             Err(e) => {
                 let e = StepError::Forward(format!("{name} decode step: {e}"));
+                // The group's other ranks may wait for this one's exchanges: they stop now.
+                if let Some(ep) = self.model.expert_parallel() {
+                    ep.fail(&e.to_string());
+                }
                 failed.extend(stepping.iter().map(|&i| (i, e.clone())));
                 return;
             }

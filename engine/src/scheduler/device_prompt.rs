@@ -68,6 +68,7 @@ impl Engine {
             })
             .collect();
         let vocab = self.model.config.vocab_size;
+        d.steps += 1;
         let outs = match d.device.prompt_step(&chunks) {
             Ok(outs)
                 if outs.len() == chunks.len()
@@ -91,6 +92,10 @@ impl Engine {
             }
             Err(e) => {
                 let e = StepError::Forward(format!("{name} prompt step: {e}"));
+                // The group's other ranks may wait for this one's exchanges: they stop now.
+                if let Some(ep) = self.model.expert_parallel() {
+                    ep.fail(&e.to_string());
+                }
                 failed.extend(stepping.iter().map(|(i, ..)| (*i, e.clone())));
                 return emitted;
             }

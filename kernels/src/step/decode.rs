@@ -615,11 +615,7 @@ fn moe<O: StepOps>(
     let (d, inter, k) = (c.hidden_size, c.moe_intermediate_size, c.experts_per_token);
     let logits = project(ops, Lin::Gate(l), 0..c.n_routed_experts, h, d, n)?;
     let (experts, weights) = ops.route(l, &logits, ids, n)?;
-    let pairs = n * k;
-    let gate = ops.expert_pairs(l, Proj::Gate, h, &experts, k, pairs)?;
-    let up = ops.expert_pairs(l, Proj::Up, h, &experts, k, pairs)?;
-    let act = ops.swiglu(&gate, &up, pairs, inter)?;
-    let ys = ops.expert_pairs(l, Proj::Down, &act, &experts, 1, pairs)?;
+    let ys = ops.routed_experts(l, h, &experts, (k, inter), n * k)?;
     let shared_gate = project(ops, Lin::Shared(l, Proj::Gate), 0..inter, h, d, n)?;
     let shared_up = project(ops, Lin::Shared(l, Proj::Up), 0..inter, h, d, n)?;
     let shared_act = ops.swiglu(&shared_gate, &shared_up, n, inter)?;

@@ -144,6 +144,14 @@ impl<K: Kernels> StepDecoder<K> {
                     .into(),
             );
         }
+        if self.ops.expert_parallel().is_some() {
+            return Err(
+                "graphs replay steps without host work; a rank of an expert-parallel group \
+                 exchanges its routed experts' pairs through the host at every MoE layer"
+                    .to_owned()
+                    .into(),
+            );
+        }
         let layout = self.layout.clone().with_shared_slot();
         // What the shared slot adds, checked while the old arenas still hold their bytes.
         let bytes = |layout: &StateLayout| -> usize {
@@ -332,6 +340,14 @@ where
 
     fn prompt_chunk(&self) -> usize {
         if self.prompts { self.layout.chunk } else { 0 }
+    }
+
+    fn expert_parallel(&self) -> bool {
+        self.ops.expert_parallel().is_some()
+    }
+
+    fn idle_step(&mut self) -> Result<(), DeviceError> {
+        self.ops.idle_exchange().map_err(DeviceError::device)
     }
 
     /// The chunks' tokens as one step (each token a seat of its sequence's slot at its

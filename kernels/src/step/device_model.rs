@@ -84,9 +84,16 @@ fn compressor<K: Kernels>(k: &K, w: &CompressorWeights) -> Result<DeviceCompress
 }
 
 impl<K: Kernels> DeviceModel<K> {
-    /// Uploads every weight of `model` a decode step reads.
+    /// Uploads every weight of `model` a decode step reads; of the routed experts, those of
+    /// its rank where it is a rank of an expert-parallel group (a step's pairs name them by
+    /// their index among the rank's).
     pub fn upload(k: &K, model: &Model) -> Result<Self, K::Error> {
         let w = &model.weights;
+        let held = model
+            .expert_parallel()
+            .map_or(0..model.config.n_routed_experts, |ep| {
+                ep.split().held_by(ep.rank())
+            });
         let mut linears = HashMap::new();
         let mut vectors = HashMap::new();
         let mut hyper = HashMap::new();
@@ -130,7 +137,11 @@ impl<K: Kernels> DeviceModel<K> {
                 }
             }
             sinks.push(k.upload(&a.sink)?);
-            let e = &layer.moe.experts;
+            let e = layer
+                .moe
+                .experts
+                .get(held.clone())
+                .ok_or_else(|| format!("layer {l} has no experts {held:?}"))?;
             experts.push([
                 k.upload_stack(e, Proj::Gate)?,
                 k.upload_stack(e, Proj::Up)?,

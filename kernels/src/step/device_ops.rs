@@ -52,6 +52,9 @@ pub struct DeviceStepOps<K: Kernels> {
     /// The bf16 and FP8 attention, shared-expert and head linears by the dense GEMM (within
     /// its bound) instead of `exact_gemv`.
     fast_linears: bool,
+    /// The expert-parallel group of the model's rank, whose routed experts' pairs every step
+    /// exchanges (`device_group`); the device holds this rank's experts only.
+    pub(super) expert_parallel: Option<Arc<engine::parallel::expert::ExpertParallel>>,
 }
 
 /// The kernel that runs the routed experts' (token, expert) pairs.
@@ -575,6 +578,20 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         n: usize,
     ) -> Result<(DIdx<K>, DBuf<K>), K::Error> {
         super::device_close::route(self, layer, logits, tokens, n)
+    }
+
+    fn routed_experts(
+        &self,
+        layer: usize,
+        h: &DBuf<K>,
+        experts: &DIdx<K>,
+        widths: (usize, usize),
+        pairs: usize,
+    ) -> Result<DBuf<K>, K::Error> {
+        match self.expert_parallel.as_deref() {
+            Some(ep) => self.routed_in_group(ep, layer, h, experts, widths, pairs),
+            None => super::routed_here(self, layer, h, experts, widths, pairs),
+        }
     }
 
     fn expert_pairs(

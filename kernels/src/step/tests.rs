@@ -9,6 +9,7 @@ use engine::{
 };
 
 mod chunks;
+mod group;
 
 use super::{
     StepOps,

@@ -18,7 +18,8 @@ use crate::{
 };
 
 impl<K: Kernels> DeviceStepOps<K> {
-    /// Uploads `model`'s weights through `k`.
+    /// Uploads `model`'s weights through `k` (of its routed experts, its rank's where the
+    /// model is a rank of an expert-parallel group, whose pairs its steps then exchange).
     pub fn new(k: K, model: &Model) -> Result<Self, K::Error> {
         let (main, compress) = Rope::tables(&model.config);
         let device = DeviceModel::upload(&k, model)?;
@@ -39,6 +40,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             fast_attention: false,
             experts: ExpertKernel::Exact,
             fast_linears: false,
+            expert_parallel: model.expert_parallel_shared(),
         })
     }
 
