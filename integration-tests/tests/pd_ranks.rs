@@ -85,9 +85,14 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
         .collect();
     let ep = |n: &'static str| vec!["--ep", n, "--dp-attention"];
     let tp = vec!["--tp", "2"];
+    // Each rank stepping whole steps on its own (emulated) device, exchanging its routed
+    // experts' pairs at every MoE layer: prompt chunks on the prefill side, decode steps on
+    // the decode side.
+    let on_devices = |n: &'static str| [ep(n), vec!["--backend", "emulated"]].concat();
     // (prefill flags, decode flags, decode ranks holding requests apart, transport)
     for (prefill, decode, spread, transport) in [
         (vec![], ep("2"), 2, "tcp"),
+        (on_devices("2"), on_devices("2"), 2, "tcp"),
         (ep("2"), ep("4"), 4, "ucx"),
         (tp.clone(), ep("2"), 2, "tcp"),
         // Every decode rank holds a copy of each request's state: written to each over UCX.
@@ -147,6 +152,15 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
                 "no request on decode rank {r}: {log}"
             );
         }
+        // Its plan says where it stepped.
+        assert_eq!(
+            log.contains(
+                "emulated (the whole decode step on the device, each of 2 expert-parallel ranks \
+                 on its own)"
+            ),
+            decode.contains(&"emulated"),
+            "{log}"
+        );
         wait_idle(decode_worker.addr("grpc"), "decode");
         wait_idle(prefill_worker.addr("grpc"), "prefill");
     }

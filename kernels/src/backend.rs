@@ -18,11 +18,13 @@ pub enum BackendKind {
     /// Everything on the CPU reference.
     Cpu,
     /// The GPU: one rank without hybrid runs whole steps there (decode steps, and prompt
-    /// chunks for an engine that computes prompts); a group of ranks or hybrid runs the per-op
-    /// path (routed experts, linears, attention core and head on the GPU, the rest on the CPU).
+    /// chunks for an engine that computes prompts), and so does each rank of an
+    /// expert-parallel group with data-parallel attention; another group layout or hybrid runs
+    /// the per-op path (routed experts, linears, attention core and head on the GPU, the rest
+    /// on the CPU).
     Cuda,
     /// The whole steps as on a GPU (state in arenas, the same launches), each kernel computed
-    /// by its CPU reference: one rank, without hybrid.
+    /// by its CPU reference: one rank or expert-parallel ranks, without hybrid.
     Emulated,
 }
 
@@ -178,8 +180,9 @@ pub fn open_rank(
         BackendKind::Cuda => open_cuda(dir, config, rank),
         BackendKind::Emulated => Err(BackendError::Unavailable {
             backend: "emulated".to_owned(),
-            reason: "it runs whole steps of one rank on the device, without hybrid; hybrid \
-                     or a group of ranks uses cpu or cuda"
+            reason: "it runs whole steps on the device, without hybrid, of one rank or of \
+                     expert-parallel ranks with data-parallel attention; hybrid or another \
+                     group layout uses cpu or cuda"
                 .to_owned(),
         }),
     }
@@ -240,7 +243,9 @@ pub enum EngineWork {
 
 /// Loads the checkpoint at `dir` into an engine thread per rank of `group` on backend `kind`,
 /// `hybrid` letting ops the backend does not run stay on the CPU. An engine of one rank on
-/// `cuda` (or `emulated`) without `hybrid` runs whole steps on the GPU
+/// `cuda` (or `emulated`) without `hybrid`, or each rank of an expert-parallel group with
+/// data-parallel attention (rank r on GPU r, its pairs exchanged over the group at every MoE
+/// layer: `crate::step::device_group`), runs whole steps on the GPU
 /// ([`crate::step::decoder::StepDecoder`]: weights and state on the device, tokens in, logits
 /// out): every decode step, and an engine that computes prompts (not decode-only) its prompt
 /// chunks too, [`prompt_chunk`] tokens of a sequence at a time; `hybrid` keeps the per-op

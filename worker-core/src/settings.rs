@@ -169,15 +169,15 @@ pub struct WorkerSettings {
     /// How a prefill worker's device step attends for its prompt chunks: `exact` (the
     /// reference's bits) or `fast` (tensor cores over FP8 rows and for the indexer's scores,
     /// within stated bounds; needs `kv_cache_dtype = fp8`; the cuda or emulated backend, one
-    /// rank, without hybrid).
+    /// rank or expert-parallel ranks, without hybrid).
     pub prefill_attention: PrefillAttention,
     /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears:
     /// `exact` (the reference's bits) or `fast` (the dense GEMM on tensor cores, within its
-    /// bound; the cuda or emulated backend, one rank, without hybrid).
+    /// bound; the cuda or emulated backend, one rank or expert-parallel ranks, without hybrid).
     pub prefill_linears: PrefillLinears,
     /// How a prefill worker's device step runs its prompt chunks' routed experts: `exact` (the
     /// reference's bits) or `fast` (the grouped GEMM, within its bound; the cuda or emulated
-    /// backend, one rank, without hybrid).
+    /// backend, one rank or expert-parallel ranks, without hybrid).
     pub prefill_experts: PrefillExperts,
     /// Attention tensor parallelism: ranks sharing each request's heads (every rank runs every
     /// request and holds a copy of its state; bit-identical to one rank). Experts are then
@@ -275,16 +275,21 @@ impl WorkerSettings {
                 "this binary was built without the CUDA backend (cargo feature `cuda`)",
             ));
         }
+        // The whole step on the device: one rank, or each rank of an expert-parallel group
+        // with data-parallel attention.
+        let expert_ranks = self.expert_parallel_size > 1
+            && self.tensor_parallel_size == 1
+            && !self.moe_tensor_parallel
+            && self.dp_attention;
+        let device_step = self.backend != BackendKind::Cpu
+            && !self.hybrid
+            && ((self.tensor_parallel_size == 1 && self.expert_parallel_size == 1) || expert_ranks);
         if self.decode_attention == DecodeAttention::Fast {
-            if self.backend == BackendKind::Cpu
-                || self.hybrid
-                || self.tensor_parallel_size > 1
-                || self.expert_parallel_size > 1
-            {
+            if !device_step {
                 return Err(Invalid::new(
                     "decode_attention",
                     "fast attention runs in the device decode step: backend cuda or emulated, \
-                     one rank, without hybrid",
+                     one rank or expert-parallel ranks with dp_attention, without hybrid",
                 ));
             }
             if self.kv_cache_dtype != KvCacheDtype::Fp8 {
@@ -294,22 +299,19 @@ impl WorkerSettings {
                 ));
             }
         }
-        let device_step = self.backend != BackendKind::Cpu
-            && !self.hybrid
-            && self.tensor_parallel_size == 1
-            && self.expert_parallel_size == 1;
-        if self.decode_graphs && !device_step {
+        if self.decode_graphs && (!device_step || expert_ranks) {
             return Err(Invalid::new(
                 "decode_graphs",
-                "graphs replay the device decode step: backend cuda or emulated, one rank, \
-                 without hybrid",
+                "graphs replay the device decode step of one rank: backend cuda or emulated, \
+                 without hybrid (expert-parallel ranks exchange through the host at every MoE \
+                 layer)",
             ));
         }
         if self.decode_experts == DecodeExperts::Fast && !device_step {
             return Err(Invalid::new(
                 "decode_experts",
                 "fast experts run in the device decode step: backend cuda or emulated, one \
-                 rank, without hybrid",
+                 rank or expert-parallel ranks with dp_attention, without hybrid",
             ));
         }
         if self.prefill_attention == PrefillAttention::Fast {
@@ -317,7 +319,7 @@ impl WorkerSettings {
                 return Err(Invalid::new(
                     "prefill_attention",
                     "fast attention runs in the device step: backend cuda or emulated, one \
-                     rank, without hybrid",
+                     rank or expert-parallel ranks with dp_attention, without hybrid",
                 ));
             }
             if self.kv_cache_dtype != KvCacheDtype::Fp8 {
@@ -330,22 +332,22 @@ impl WorkerSettings {
         if self.prefill_linears == PrefillLinears::Fast && !device_step {
             return Err(Invalid::new(
                 "prefill_linears",
-                "fast linears run in the device step: backend cuda or emulated, one rank, \
-                 without hybrid",
+                "fast linears run in the device step: backend cuda or emulated, one rank \
+                 or expert-parallel ranks with dp_attention, without hybrid",
             ));
         }
         if self.prefill_experts == PrefillExperts::Fast && !device_step {
             return Err(Invalid::new(
                 "prefill_experts",
-                "fast experts run in the device step: backend cuda or emulated, one rank, \
-                 without hybrid",
+                "fast experts run in the device step: backend cuda or emulated, one rank \
+                 or expert-parallel ranks with dp_attention, without hybrid",
             ));
         }
         if self.decode_linears == DecodeLinears::Fast && !device_step {
             return Err(Invalid::new(
                 "decode_linears",
                 "fast linears run in the device decode step: backend cuda or emulated, one \
-                 rank, without hybrid",
+                 rank or expert-parallel ranks with dp_attention, without hybrid",
             ));
         }
         self.check_group()?;
@@ -625,8 +627,18 @@ mod tests {
         settings.hybrid = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         settings.hybrid = false;
+        // Expert-parallel ranks with data-parallel attention step on their devices too; a
+        // tensor-parallel group does not, nor does it replay graphs.
         settings.expert_parallel_size = 2;
         settings.dp_attention = true;
+        assert!(settings.validate().is_ok());
+        settings.decode_graphs = true;
+        let e = settings.validate().unwrap_err();
+        assert_eq!(e.key, "decode_graphs", "{e:?}");
+        settings.decode_graphs = false;
+        settings.expert_parallel_size = 1;
+        settings.dp_attention = false;
+        settings.tensor_parallel_size = 2;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
         assert_eq!(json["decode_attention"], "exact");
