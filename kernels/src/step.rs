@@ -26,6 +26,7 @@ mod device_group;
 pub mod device_model;
 pub mod device_ops;
 pub mod emulated;
+pub mod group_runs;
 pub mod kernels;
 pub mod key_plan;
 pub mod layout;

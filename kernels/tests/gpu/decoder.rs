@@ -163,3 +163,46 @@ fn gpu_graph_steps_give_the_eager_steps_bits() {
         "{stats:?}"
     );
 }
+
+/// Expert-parallel ranks stepping on the GPU (`device_group`), both ranks on this one GPU with
+/// their own contexts' streams and the in-process collectives: every request's events equal
+/// the one-rank host engine's (each rank holds half of every layer's experts, its copies of
+/// the others' wrong on purpose), with prompts on the GPU and on the host. The same run over
+/// the kernels' references is CI's (`step::tests::group`).
+#[test]
+fn gpu_expert_parallel_ranks_give_the_one_rank_events() {
+    use kernels::step::group_runs::{on_ranks, one_rank, slot_tokens};
+    let Some(gpu) = Gpu::for_test("gpu_expert_parallel_ranks_give_the_one_rank_events") else {
+        return;
+    };
+    drop(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    generate(&GenerateOptions {
+        preset: Preset::Tiny,
+        seed: 17,
+        experts: ExpertFormat::Nvfp4,
+        out: dir.path().to_path_buf(),
+        tokenizer_dir: None,
+    })
+    .unwrap();
+    let want = one_rank(dir.path()).unwrap();
+    for chunk in [16usize, 0] {
+        let open = |model: &Model, _rank: usize| {
+            let gpu = Gpu::open_on(0)
+                .map_err(|e| e.to_string())?
+                .ok_or("no GPU")?;
+            let kernels = CudaKernels::new(Arc::new(gpu));
+            let mut device =
+                StepDecoder::new("cuda", kernels, model, (3, slot_tokens()), |_, _| Ok(()))
+                    .map_err(|e| e.to_string())?;
+            if chunk > 0 {
+                device = device
+                    .with_prompts(chunk, |_, _| Ok(()))
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(Box::new(device) as Box<dyn engine::scheduler::StepDevice>)
+        };
+        let got = on_ranks(dir.path(), 2, &open).unwrap();
+        assert_eq!(got, want, "2 ranks on one GPU, prompt chunks of {chunk}");
+    }
+}

@@ -1,25 +1,21 @@
-//! Expert-parallel ranks stepping on their devices (`device_group`): each rank a thread with
-//! its own engine, requests and step device (over the kernels' references), holding `1/N` of
-//! every layer's routed experts; every step the ranks meet at each MoE layer to exchange their
-//! pairs, a rank without work of a phase taking part with an idle step. Every request's events
-//! equal the one-rank host engine's, at 2 and 4 ranks, with prompts on the device or on the
-//! host, though each rank's copies of the experts it does not hold are wrong on purpose.
-
-use std::{collections::BTreeMap, sync::Arc, thread, time::Duration};
+//! Expert-parallel ranks stepping on their devices over the kernels' references
+//! (`step::group_runs`): every request's events equal the one-rank host engine's, at 2 and 4
+//! ranks, with prompts on the device or on the host, though each rank's copies of the experts
+//! it does not hold are wrong; a rank whose device step fails fails the group's requests with
+//! its words instead of leaving the others waiting.
 
 use engine::{
     config::ExpertFormat,
     model::Model,
-    parallel::{
-        collective::{Collective, InProcessGroup},
-        expert::ExpertParallel,
-    },
-    sampling::{SamplingParams, StopConditions},
-    scheduler::{Engine, EngineConfig, Event, GenerationRequest},
-    synth::{GenerateOptions, Preset, Rng, generate},
+    scheduler::{DecodeSeat, Event, StepDevice},
+    synth::{GenerateOptions, Preset, generate},
 };
 
-use crate::step::{decoder::StepDecoder, emulated::EmulatedKernels};
+use crate::step::{
+    decoder::StepDecoder,
+    emulated::EmulatedKernels,
+    group_runs::{on_ranks, one_rank, slot_tokens},
+};
 
 fn checkpoint() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -34,121 +30,30 @@ fn checkpoint() -> tempfile::TempDir {
     dir
 }
 
-fn requests() -> Vec<GenerationRequest> {
-    let mut rng = Rng::for_tensor(2, "ep-device-requests");
-    [3usize, 70, 40, 1, 33, 29, 9]
-        .iter()
-        .enumerate()
-        .map(|(i, &len)| GenerationRequest {
-            id: i as u64 + 1,
-            prompt: (0..len).map(|_| (rng.next_u64() % 1000) as u32).collect(),
-            sampling: SamplingParams {
-                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
-                seed: Some(i as u64 * 7),
-                logprobs: true,
-                top_logprobs: 2,
-                prompt_logprobs: (i == 2).then_some(1),
-                ..SamplingParams::default()
-            },
-            stop: StopConditions {
-                max_tokens: 3 + (i as u32 % 4),
-                min_tokens: 0,
-                stop_token_ids: Vec::new(),
-                ignore_eos: true,
-                eos_token_ids: vec![1],
-            },
-        })
-        .collect()
-}
-
-fn config() -> EngineConfig {
-    EngineConfig {
-        page_size: 16,
-        num_pages: 24,
-        max_running: 3,
-        max_batch_tokens: 48,
-        ..EngineConfig::default()
+/// The emulated step device for a rank's model, with prompt chunks of `chunk` (0: none).
+fn emulated(model: &Model, chunk: usize) -> Result<StepDecoder<EmulatedKernels>, String> {
+    let kernels = EmulatedKernels::new(&model.config);
+    let device = StepDecoder::new(
+        "emulated",
+        kernels,
+        model,
+        (3, slot_tokens()),
+        |_, _| Ok(()),
+    )
+    .map_err(|e| e.to_string())?;
+    if chunk == 0 {
+        return Ok(device);
     }
-}
-
-/// The requests' events on `ranks` expert-parallel ranks, each stepping on the emulated
-/// device (prompt chunks of `chunk` tokens there too, or none: prompts on the host), by
-/// request.
-fn on_ranks(dir: &std::path::Path, ranks: usize, chunk: usize) -> BTreeMap<u64, Vec<Event>> {
-    let experts = Model::load(dir).unwrap().config.n_routed_experts;
-    let group = InProcessGroup::new(ranks, Duration::from_secs(30));
-    // The ranks agree before each step whether any of them has work.
-    let control = InProcessGroup::new(ranks, Duration::from_secs(30));
-    let got: Vec<Vec<Event>> = thread::scope(|s| {
-        let handles: Vec<_> = group
-            .into_iter()
-            .zip(control)
-            .map(|(rank, mut control)| {
-                s.spawn(move || {
-                    let me = rank.rank();
-                    let mut model = Model::load(dir).unwrap();
-                    let ep = ExpertParallel::new(Box::new(rank), experts).unwrap();
-                    // This rank's copies of the other ranks' experts are wrong on purpose:
-                    // only the experts it holds may be used here.
-                    let held = ep.split().held_by(me);
-                    for layer in &mut model.weights.layers {
-                        let stand_in = layer.moe.experts[held.start].clone();
-                        for (e, expert) in layer.moe.experts.iter_mut().enumerate() {
-                            if !held.contains(&e) {
-                                *expert = stand_in.clone();
-                            }
-                        }
-                    }
-                    model.set_expert_parallel(Arc::new(ep));
-                    let mut engine = Engine::new(model, config(), "ep").unwrap();
-                    let tokens = config().num_pages as usize * config().page_size;
-                    let kernels = EmulatedKernels::new(&engine.model().config);
-                    let mut device = StepDecoder::new(
-                        "emulated",
-                        kernels,
-                        engine.model(),
-                        (3, tokens),
-                        |_, _| Ok(()),
-                    )
-                    .unwrap();
-                    if chunk > 0 {
-                        device = device.with_prompts(chunk, |_, _| Ok(())).unwrap();
-                    }
-                    engine.set_step_device(Box::new(device)).unwrap();
-                    for r in requests()
-                        .into_iter()
-                        .filter(|r| r.id as usize % ranks == me)
-                    {
-                        engine.add(r).unwrap();
-                    }
-                    let mut events = Vec::new();
-                    for _ in 0..10_000 {
-                        let busy = control
-                            .all_gather(vec![f32::from(u8::from(!engine.is_idle()))])
-                            .unwrap();
-                        if busy.iter().all(|b| b[0] == 0.0) {
-                            return events;
-                        }
-                        events.extend(engine.step());
-                    }
-                    panic!("rank {me} made no progress");
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    Event::by_request(&got.concat())
+    device
+        .with_prompts(chunk, |_, _| Ok(()))
+        .map_err(|e| e.to_string())
 }
 
 #[test]
 fn expert_parallel_ranks_on_their_devices_give_the_one_rank_events() {
     let dir = checkpoint();
-    let mut one = Engine::new(Model::load(dir.path()).unwrap(), config(), "ep").unwrap();
-    for r in requests() {
-        one.add(r).unwrap();
-    }
-    let want = Event::by_request(&one.run_to_completion());
-    assert_eq!(want.len(), requests().len());
+    let want = one_rank(dir.path()).unwrap();
+    assert_eq!(want.len(), 7);
     assert!(
         want.values()
             .flatten()
@@ -156,7 +61,116 @@ fn expert_parallel_ranks_on_their_devices_give_the_one_rank_events() {
         "{want:?}"
     );
     for (ranks, chunk) in [(2usize, 16usize), (2, 0), (4, 7)] {
-        let got = on_ranks(dir.path(), ranks, chunk);
+        let open = |model: &Model, _rank: usize| {
+            Ok(Box::new(emulated(model, chunk)?) as Box<dyn StepDevice>)
+        };
+        let got = on_ranks(dir.path(), ranks, &open).unwrap();
         assert_eq!(got, want, "{ranks} ranks, prompt chunks of {chunk}");
+    }
+}
+
+/// A step device whose decode steps fail from the `after`-th on.
+#[derive(Debug)]
+struct FailingAfter {
+    inner: StepDecoder<EmulatedKernels>,
+    after: usize,
+    steps: usize,
+}
+
+impl StepDevice for FailingAfter {
+    fn name(&self) -> &'static str {
+        "failing"
+    }
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+    fn max_tokens(&self) -> usize {
+        self.inner.max_tokens()
+    }
+    fn kv_rows(&self) -> engine::paged::layout::RowFormat {
+        self.inner.kv_rows()
+    }
+    fn load(
+        &mut self,
+        slot: usize,
+        state: &engine::model::SequenceState,
+    ) -> Result<(), engine::backend::DeviceError> {
+        self.inner.load(slot, state)
+    }
+    fn step(
+        &mut self,
+        seats: &[DecodeSeat],
+    ) -> Result<Vec<Vec<f32>>, engine::backend::DeviceError> {
+        self.steps += 1;
+        if self.steps >= self.after {
+            return Err(engine::backend::DeviceError::device("planted failure"));
+        }
+        self.inner.step(seats)
+    }
+    fn read(
+        &mut self,
+        slot: usize,
+        len: usize,
+    ) -> Result<engine::model::SequenceState, engine::backend::DeviceError> {
+        self.inner.read(slot, len)
+    }
+    fn expert_parallel(&self) -> bool {
+        self.inner.expert_parallel()
+    }
+    fn idle_step(&mut self) -> Result<(), engine::backend::DeviceError> {
+        self.inner.idle_step()
+    }
+}
+
+/// Rank 1's third decode step fails before its exchanges: its requests fail with its words,
+/// and the other rank's, waiting in an exchange, fail with the group's failure at once (not
+/// after the collectives' timeout); nothing answers as if it had succeeded.
+#[test]
+fn a_failing_rank_fails_the_groups_requests() {
+    let dir = checkpoint();
+    let open = |model: &Model, rank: usize| {
+        let inner = emulated(model, 16)?;
+        Ok(if rank == 1 {
+            Box::new(FailingAfter {
+                inner,
+                after: 3,
+                steps: 0,
+            }) as Box<dyn StepDevice>
+        } else {
+            Box::new(inner) as Box<dyn StepDevice>
+        })
+    };
+    let started = std::time::Instant::now();
+    let got = on_ranks(dir.path(), 2, &open).unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    let failed: Vec<(u64, String)> = got
+        .values()
+        .flatten()
+        .filter_map(|e| match e {
+            Event::Failed { id, error } => Some((*id, error.clone())),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        failed
+            .iter()
+            .any(|(id, e)| id % 2 == 1 && e.contains("planted failure")),
+        "{failed:?}"
+    );
+    assert!(
+        failed
+            .iter()
+            .any(|(id, e)| id % 2 == 0 && e.contains("rank 1")),
+        "{failed:?}"
+    );
+    // Every request either finished whole before the failure or failed.
+    for (id, events) in &got {
+        assert!(
+            matches!(
+                events.last(),
+                Some(Event::Failed { .. } | Event::Finished { .. })
+            ),
+            "request {id}: {events:?}"
+        );
     }
 }
