@@ -132,6 +132,11 @@ impl WorkerHandle {
         self.info.write().await.group = Some(group);
     }
 
+    /// What computes the worker's steps (set once its model is loaded).
+    pub async fn set_compute(&self, compute: proto::v1::Compute) {
+        self.info.write().await.compute = Some(compute);
+    }
+
     pub async fn set_load(&self, load: Load) {
         *self
             .last_load

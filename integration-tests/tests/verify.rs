@@ -137,3 +137,58 @@ fn mixed_up_batches_fail_the_concurrency_check() {
     );
     assert_eq!(result_of(&checks, REFERENCE), "pass", "{checks:#?}");
 }
+
+/// A decode worker with fast kernels (within stated bounds of the reference, not its bits)
+/// reports them (`GET /workers`: `compute.fast_kernels`), and verify does not run a
+/// bit-for-bit comparison that cannot hold: the reference check fails naming the worker and
+/// its settings, while an exact worker's listing says it has none.
+#[test]
+fn fast_kernels_are_reported_and_refuse_the_bit_for_bit_check() {
+    let fast = [
+        "--page-size",
+        "16",
+        "--kv-cache-dtype",
+        "fp8",
+        "--backend",
+        "emulated",
+        "--decode-attention",
+        "fast",
+    ];
+    let decode = Service::start(worker_command("pdserve-decode", &fast));
+    let prefill = Service::start(worker_command(
+        "pdserve-prefill",
+        &["--page-size", "16", "--kv-cache-dtype", "fp8"],
+    ));
+    let router = router_over(&decode, &prefill, &["--transfer-checksums", "true"]);
+    let listing = integration_tests::pd::listed(router.addr("http"));
+    let compute = |role: &str| {
+        listing
+            .iter()
+            .find(|w| w["role"] == role)
+            .map(|w| w["compute"].clone())
+            .unwrap()
+    };
+    let (d, p) = (compute("decode"), compute("prefill"));
+    assert_eq!(d["backend"], "emulated", "{d}");
+    assert_eq!(d["kv_cache_dtype"], "fp8", "{d}");
+    assert_eq!(
+        d["fast_kernels"],
+        serde_json::json!(["decode_attention"]),
+        "{d}"
+    );
+    assert!(
+        d["plan"].as_str().unwrap().contains("fast attention"),
+        "{d}"
+    );
+    assert_eq!(p["backend"], "cpu", "{p}");
+    assert_eq!(p["fast_kernels"], serde_json::json!([]), "{p}");
+    let (ok, checks) = verify(&router);
+    assert!(!ok, "{checks:#?}");
+    let (_, result, detail) = checks.iter().find(|(n, ..)| n == REFERENCE).unwrap();
+    assert_eq!(result, "fail");
+    assert!(
+        detail.contains("decode") && detail.contains("decode_attention"),
+        "{detail}"
+    );
+    assert!(detail.contains("not its bits"), "{detail}");
+}

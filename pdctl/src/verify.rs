@@ -136,7 +136,10 @@ pub async fn run(args: &VerifyArgs) -> Result<(), PdctlError> {
     checks.push(match &args.model {
         Some(dir) => Check::new(
             "cluster == single-process engine",
-            reference::compare(&client, dir, n).await,
+            match exact_workers(&client).await {
+                Ok(()) => reference::compare(&client, dir, n).await,
+                Err(e) => Err(e),
+            },
         ),
         None => Check::skipped(
             "cluster == single-process engine",
@@ -276,6 +279,37 @@ async fn long_prompts(client: &Client, n: u32) -> Result<String, VerifyError> {
     Ok(format!(
         "prompt tokens {lengths:?}: repeat and stream identical"
     ))
+}
+
+/// Refuses the bit-for-bit comparison when a worker reports settings that leave the
+/// reference's bits (its `compute.fast_kernels`), naming each such worker and setting.
+async fn exact_workers(client: &Client) -> Result<(), VerifyError> {
+    let listing = client.get_json("/workers").await?;
+    let fast: Vec<String> = listing["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| {
+            let keys: Vec<&str> = w["compute"]["fast_kernels"]
+                .as_array()?
+                .iter()
+                .filter_map(Value::as_str)
+                .collect();
+            (!keys.is_empty()).then(|| {
+                format!(
+                    "{} {}: {}",
+                    w["role"].as_str().unwrap_or("?"),
+                    w["address"].as_str().unwrap_or("?"),
+                    keys.join(", ")
+                )
+            })
+        })
+        .collect();
+    if fast.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyError::FastKernels(fast))
+    }
 }
 
 /// Decode workers verify transferred state (the router's `transfer_checksums`).

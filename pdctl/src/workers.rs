@@ -139,7 +139,31 @@ fn print_table(body: &Value) {
         if let Some(p) = progress {
             println!("{:<8} loading: {p}", "");
         }
+        if let Some(compute) = compute_line(&w["compute"]) {
+            println!("{:<8} compute: {compute}", "");
+        }
     }
+}
+
+/// A listing's `compute` object in a line: backend, K=V rows, and the settings that leave the
+/// reference's bits (or `exact`).
+fn compute_line(c: &Value) -> Option<String> {
+    let backend = c["backend"].as_str()?;
+    let fast: Vec<&str> = c["fast_kernels"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let kernels = if fast.is_empty() {
+        "exact kernels".to_owned()
+    } else {
+        format!("within stated bounds: {}", fast.join(", "))
+    };
+    Some(format!(
+        "{backend}, kv {}, {kernels}",
+        c["kv_cache_dtype"].as_str().unwrap_or("?")
+    ))
 }
 
 /// A listing's `load_progress` object (present while the worker loads its model).

@@ -187,6 +187,7 @@ all_messages!(
     Load,
     LoadProgress,
     GroupLayout,
+    Compute,
     WorkerInfo,
     InfoRequest,
     DrainRequest,

@@ -277,13 +277,8 @@ impl WorkerSettings {
         }
         // The whole step on the device: one rank, or each rank of an expert-parallel group
         // with data-parallel attention.
-        let expert_ranks = self.expert_parallel_size > 1
-            && self.tensor_parallel_size == 1
-            && !self.moe_tensor_parallel
-            && self.dp_attention;
-        let device_step = self.backend != BackendKind::Cpu
-            && !self.hybrid
-            && ((self.tensor_parallel_size == 1 && self.expert_parallel_size == 1) || expert_ranks);
+        let device_step = self.device_step();
+        let expert_ranks = self.expert_parallel_size > 1;
         if self.decode_attention == DecodeAttention::Fast {
             if !device_step {
                 return Err(Invalid::new(

@@ -141,6 +141,8 @@ where
         },
     };
     let transports = settings.transport_kinds();
+    // What computes its steps, reported in `Info` once the plan is known.
+    let mut compute = settings.compute(None);
     let loaded = async move {
         let shown = dir.display().to_string();
         let thread = spec.engine_thread;
@@ -158,6 +160,11 @@ where
         .await
         .map_err(|e| ServeError::Startup(format!("model_dir {shown}: {e}")))?;
         log_backend_plan(loaded.backend_plan.as_ref());
+        compute.plan = loaded
+            .backend_plan
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default();
         let info = handle.snapshot().await;
         let (fingerprint, layout) = (loaded.fingerprint.clone(), loaded.layout.clone());
         let ranks = loaded.ranks.clone();
@@ -187,6 +194,8 @@ where
             metrics: Arc::clone(&metrics),
         })
         .await?;
+        // Before the model: a worker that reports a model reports how it computes.
+        handle.set_compute(compute).await;
         handle
             .set_model(fingerprint, layout, &worker.offered().kinds)
             .await;

@@ -65,6 +65,14 @@ pub(crate) enum VerifyError {
     /// Answers that must be identical differ (or disagree on a count); the text says where.
     #[error("{0}")]
     Mismatch(String),
+    /// Workers whose settings make their results differ from the reference's bits within
+    /// stated bounds (each `role address: keys`): a bit-for-bit comparison does not apply.
+    #[error(
+        "{}: their fast kernels are within stated bounds of the reference, not its bits; \
+         compare a cluster of exact kernels",
+        .0.join("; ")
+    )]
+    FastKernels(Vec<String>),
     /// The router runs with `transfer_checksums` off.
     #[error("off: set transfer_checksums = true in the router")]
     ChecksumsOff,

@@ -62,6 +62,8 @@ pub struct Worker {
     pub load: Mutex<Load>,
     /// How far its model load is, from its last `Info` (listed while it is loading).
     pub load_progress: Mutex<Option<LoadProgress>>,
+    /// What computes its steps, from `Info` (once its model is loaded).
+    pub compute: Mutex<Option<proto::v1::Compute>>,
     /// Requests this router has in flight on it (exact, unlike the polled load).
     pub in_flight: Arc<AtomicUsize>,
     /// Its state layout, from `Info`.
@@ -99,6 +101,7 @@ impl Worker {
             state: Mutex::new(state),
             load: Mutex::new(Load::default()),
             load_progress: Mutex::new(None),
+            compute: Mutex::new(None),
             in_flight: Arc::new(AtomicUsize::new(0)),
             layout: Mutex::new(None),
             transports: Mutex::new(Vec::new()),
@@ -171,6 +174,9 @@ impl Worker {
                         let info = info.into_inner();
                         *lock(&w.load) = info.load.unwrap_or_default();
                         *lock(&w.load_progress) = info.load_progress;
+                        if info.compute.is_some() {
+                            *lock(&w.compute) = info.compute;
+                        }
                         if let Ok(state) = WorkerState::try_from(info.state) {
                             *lock(&w.state) = state;
                         }
@@ -486,6 +492,12 @@ impl Workers {
                                 pages_total: r.pages_total,
                             })
                             .collect(),
+                        compute: lock(&w.compute).as_ref().map(|c| ComputeListing {
+                            backend: c.backend.clone(),
+                            plan: c.plan.clone(),
+                            kv_cache_dtype: c.kv_cache_dtype.clone(),
+                            fast_kernels: c.fast_kernels.clone(),
+                        }),
                         load_progress: loading.map(|p| LoadProgressListing {
                             bytes_done: p.bytes_done,
                             bytes_total: p.bytes_total,
@@ -521,9 +533,26 @@ pub struct WorkerListing {
     /// A worker over several ranks: each rank's load (the fields above are their sums).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankListing>,
+    /// What computes its steps (absent until its model is loaded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compute: Option<ComputeListing>,
     /// How far a loading worker's model load is (absent once loaded).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub load_progress: Option<LoadProgressListing>,
+}
+
+/// What computes a worker's steps in `GET /workers`: `WorkerInfo.compute` as it came.
+#[derive(Debug, Clone, Serialize)]
+pub struct ComputeListing {
+    /// `cpu`, `cuda` or `emulated`.
+    pub backend: String,
+    /// Where its steps run, as its start-up log says (empty on the CPU reference).
+    pub plan: String,
+    /// `f32`, `fp8` or `bf16`.
+    pub kv_cache_dtype: String,
+    /// The settings that make its results differ from the reference's bits within stated
+    /// bounds; empty: the reference's bits.
+    pub fast_kernels: Vec<String>,
 }
 
 /// One rank's load in `GET /workers`.

@@ -76,3 +76,105 @@ pub enum PrefillExperts {
     /// its bound of the f64 reference over the bf16 activations.
     Fast,
 }
+
+impl super::WorkerSettings {
+    /// Whether the worker's steps run whole on its devices: backend cuda or emulated without
+    /// hybrid, one rank or each rank of an expert-parallel group with data-parallel attention.
+    pub fn device_step(&self) -> bool {
+        let expert_ranks = self.expert_parallel_size > 1
+            && self.tensor_parallel_size == 1
+            && !self.moe_tensor_parallel
+            && self.dp_attention;
+        let one_rank = self.tensor_parallel_size == 1 && self.expert_parallel_size == 1;
+        self.backend != kernels::backend::BackendKind::Cpu
+            && !self.hybrid
+            && (one_rank || expert_ranks)
+    }
+
+    /// The settings that make the worker's results differ from the reference's bits within
+    /// stated bounds: each fast kernel choice, sliced experts (their partial sums added in
+    /// another order), and the per-op CUDA path (`hybrid`, or a group whose steps do not run
+    /// whole on the devices: its GEMVs and GEMMs are within their bounds).
+    pub fn fast_kernels(&self) -> Vec<&'static str> {
+        let per_op_cuda =
+            self.backend == kernels::backend::BackendKind::Cuda && !self.device_step();
+        [
+            (
+                self.decode_attention == DecodeAttention::Fast,
+                "decode_attention",
+            ),
+            (self.decode_experts == DecodeExperts::Fast, "decode_experts"),
+            (self.decode_linears == DecodeLinears::Fast, "decode_linears"),
+            (
+                self.prefill_attention == PrefillAttention::Fast,
+                "prefill_attention",
+            ),
+            (
+                self.prefill_linears == PrefillLinears::Fast,
+                "prefill_linears",
+            ),
+            (
+                self.prefill_experts == PrefillExperts::Fast,
+                "prefill_experts",
+            ),
+            (self.moe_tensor_parallel, "moe_tensor_parallel"),
+            (per_op_cuda, "hybrid"),
+        ]
+        .into_iter()
+        .filter_map(|(fast, key)| fast.then_some(key))
+        .collect()
+    }
+
+    /// What computes the worker's steps, as its `Info` reports it; `plan` is the one its
+    /// start-up log printed (none on the CPU reference).
+    pub fn compute(&self, plan: Option<&engine::backend::BackendPlan>) -> proto::v1::Compute {
+        proto::v1::Compute {
+            backend: self.backend.name().to_owned(),
+            plan: plan.map(ToString::to_string).unwrap_or_default(),
+            kv_cache_dtype: self.kv_cache_dtype.storage().name().to_owned(),
+            fast_kernels: self.fast_kernels().into_iter().map(str::to_owned).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use super::*;
+    use crate::settings::{KvCacheDtype, WorkerSettings};
+    use kernels::backend::BackendKind;
+
+    /// A worker names each setting that makes its results differ from the reference's bits,
+    /// and none when it computes them exactly.
+    #[test]
+    fn compute_names_the_settings_that_leave_the_references_bits() {
+        let mut s = WorkerSettings::listening_on(0);
+        let exact = s.compute(None);
+        assert_eq!(
+            (exact.backend.as_str(), exact.kv_cache_dtype.as_str()),
+            ("cpu", "f32")
+        );
+        assert!(exact.fast_kernels.is_empty() && exact.plan.is_empty());
+        s.backend = BackendKind::Emulated;
+        s.kv_cache_dtype = KvCacheDtype::Bf16;
+        s.decode_attention = DecodeAttention::Fast;
+        s.prefill_experts = PrefillExperts::Fast;
+        let c = s.compute(None);
+        assert_eq!(c.kv_cache_dtype, "bf16");
+        assert_eq!(c.fast_kernels, vec!["decode_attention", "prefill_experts"]);
+        // The per-op CUDA path is within its kernels' bounds; the device step exact by default.
+        let mut s = WorkerSettings::listening_on(0);
+        s.backend = BackendKind::Cuda;
+        assert!(s.device_step() && s.fast_kernels().is_empty());
+        s.hybrid = true;
+        assert_eq!(s.fast_kernels(), vec!["hybrid"]);
+        s.hybrid = false;
+        s.tensor_parallel_size = 2;
+        assert_eq!(s.fast_kernels(), vec!["hybrid"]);
+        s.tensor_parallel_size = 1;
+        s.expert_parallel_size = 2;
+        s.dp_attention = true;
+        assert!(s.device_step() && s.fast_kernels().is_empty());
+    }
+}
