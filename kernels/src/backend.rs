@@ -503,6 +503,11 @@ fn open_cuda_decode(
         Ok(None) => return Err(cuda_unavailable("no CUDA driver or device is present")),
         Err(e) => return Err(cuda_unavailable(e)),
     };
+    // The weights first, before any is uploaded; then the arenas against what they left free.
+    let needed = crate::step::device_model::weight_bytes(model);
+    let memory = gpu.memory().map_err(cuda_unavailable)?;
+    crate::step::device_model::check_weight_room(ordinal, needed, memory)
+        .map_err(cuda_unavailable)?;
     let (slots, tokens) = (config.max_running, slot_tokens(&model.config, config));
     // The arenas are checked against what the weights left free, before they are allocated.
     let room = |k: &CudaKernels, bytes: usize| {

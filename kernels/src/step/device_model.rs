@@ -196,7 +196,139 @@ impl<K: Kernels> DeviceModel<K> {
     }
 }
 
+/// Bytes of the weights [`DeviceModel::upload`] puts on the device for `model`, as stored (the
+/// linears, routed experts of the rank, output head and embedding table in their stored forms;
+/// the mixing matrices, norms and other vectors in f32): counted before uploading, so a GPU
+/// without room refuses with the numbers instead of failing an allocation halfway. A lower
+/// bound: a kernel's own forms of the scales and the step's buffers come on top.
+pub fn weight_bytes(model: &Model) -> usize {
+    let w = &model.weights;
+    let held = model
+        .expert_parallel()
+        .map_or(0..model.config.n_routed_experts, |ep| {
+            ep.split().held_by(ep.rank())
+        });
+    let f32s = |n: usize| 4 * n;
+    let mut bytes = w.head.stored_bytes()
+        + w.embed.stored_bytes()
+        + f32s(w.hc_head.mix.data.len() + w.hc_head.base.len() + w.norm.len());
+    for layer in &w.layers {
+        let a = &layer.attn;
+        bytes += LinearId::ALL
+            .iter()
+            .filter_map(|&id| a.linear(id))
+            .map(Weight::stored_bytes)
+            .sum::<usize>();
+        for h in [&layer.hc_attn, &layer.hc_ffn] {
+            bytes += f32s(h.mix.data.len() + h.base.len());
+        }
+        let shared = &layer.moe.shared;
+        bytes += layer.moe.gate.stored_bytes()
+            + [&shared.w1, &shared.w2, &shared.w3]
+                .iter()
+                .map(|w| w.stored_bytes())
+                .sum::<usize>();
+        bytes += layer
+            .moe
+            .experts
+            .get(held.clone())
+            .into_iter()
+            .flatten()
+            .map(|e| e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes())
+            .sum::<usize>();
+        bytes += f32s(layer.attn_norm.len() + layer.ffn_norm.len() + a.sink.len());
+        for c in [
+            a.compressor.as_ref(),
+            a.indexer.as_ref().map(|i| &i.compressor),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            bytes += f32s(c.ape.data.len() + c.norm.len());
+        }
+        bytes += f32s(layer.moe.bias.as_ref().map_or(0, Vec::len));
+        bytes += 4 * layer.moe.tid2eid.as_ref().map_or(0, Vec::len);
+    }
+    bytes
+}
+
+/// Refuses a device step whose weights (`needed` bytes, [`weight_bytes`]) do not fit the
+/// `free` bytes of GPU `ordinal` (`total` in all), with the numbers and what to do.
+pub fn check_weight_room(
+    ordinal: usize,
+    needed: usize,
+    (free, total): (usize, usize),
+) -> Result<(), String> {
+    let gb = |b: usize| b as f64 / 1e9;
+    if needed > free {
+        return Err(format!(
+            "GPU {ordinal}: the device step's weights need at least {:.2} GB and {:.2} GB of \
+             its {:.2} GB are free; spread the routed experts over more GPUs (--ep N \
+             --dp-attention: each holds 1/N of them; pdctl plan shows a group's bytes per GPU)",
+            gb(needed),
+            gb(free),
+            gb(total)
+        ));
+    }
+    Ok(())
+}
+
 /// Layer `l`'s item of a per-layer list.
 pub fn at_layer<T, E: From<String>>(items: &[T], l: usize) -> Result<&T, E> {
     items.get(l).ok_or_else(|| format!("no layer {l}").into())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use std::{sync::Arc, time::Duration};
+
+    use engine::{
+        config::ExpertFormat,
+        parallel::{collective::InProcessGroup, expert::ExpertParallel},
+        synth::{GenerateOptions, Preset, generate},
+    };
+
+    use super::*;
+
+    /// The weights counted are the stored ones the upload takes: at least the linears, the
+    /// routed experts, the head and the table; a rank of an expert-parallel group counts its
+    /// share of the routed experts only; a GPU without the room is refused with the numbers.
+    #[test]
+    fn weight_bytes_count_the_ranks_share_and_too_little_room_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 3,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let mut model = Model::load(dir.path()).unwrap();
+        let w = &model.weights;
+        let experts: usize = w
+            .layers
+            .iter()
+            .flat_map(|l| &l.moe.experts)
+            .map(|e| e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes())
+            .sum();
+        let whole = weight_bytes(&model);
+        assert!(whole > experts + w.head.stored_bytes() + w.embed.stored_bytes());
+        let mut ranks = InProcessGroup::new(2, Duration::from_secs(5));
+        let rank = ranks.remove(0);
+        let ep = ExpertParallel::new(Box::new(rank), model.config.n_routed_experts).unwrap();
+        model.set_expert_parallel(Arc::new(ep));
+        assert_eq!(weight_bytes(&model), whole - experts / 2);
+        assert!(check_weight_room(0, whole, (whole, 2 * whole)).is_ok());
+        let refused =
+            check_weight_room(1, 164_000_000_000, (140_000_000_000, 143_000_000_000)).unwrap_err();
+        assert!(refused.contains("GPU 1"), "{refused}");
+        assert!(
+            refused.contains("164.00 GB") && refused.contains("140.00 GB"),
+            "{refused}"
+        );
+        assert!(refused.contains("--ep N --dp-attention"), "{refused}");
+    }
 }
