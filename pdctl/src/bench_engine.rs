@@ -246,12 +246,14 @@ pub fn run(args: &BenchEngineArgs) -> Result<(), PdctlError> {
         dir.clone()
     } else {
         tmp = tempfile::tempdir()?;
+        // With the tokenizer (as `gen-model` writes it): the structured-output rows need it.
+        let tokenizer = common::assets::deepseek_v4_tokenizer().map_err(|e| err(&e))?;
         synth::generate(&GenerateOptions {
             preset: Preset::Small,
             seed: 0,
             experts: ExpertFormat::Mxfp4,
             out: tmp.path().to_path_buf(),
-            tokenizer_dir: None,
+            tokenizer_dir: tokenizer.parent().map(std::path::Path::to_path_buf),
         })
         .map_err(|e| err(&e))?;
         tmp.path().to_path_buf()
