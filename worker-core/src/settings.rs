@@ -126,7 +126,7 @@ pub struct WorkerSettings {
     pub max_running: u32,
     /// Tokens per forward step.
     pub max_batch_tokens: u32,
-    /// Storage of the attention K=V rows: `auto` (= `f32`, exact) or `fp8`. Prefill and decode
+    /// Storage of the attention K=V rows: `auto` (= `f32`, exact), `fp8` or `bf16`. Prefill and decode
     /// workers must agree (the layout handshake refuses to pair them otherwise).
     pub kv_cache_dtype: KvCacheDtype,
     /// Reuse the state of prompt blocks computed before (prefix cache).
@@ -151,8 +151,8 @@ pub struct WorkerSettings {
     /// partial backend is an error, so a slow half-CPU deployment is always a choice.
     pub hybrid: bool,
     /// How a decode worker's device step attends: `exact` (the reference's bits) or `fast`
-    /// (tensor cores over FP8 rows and for the indexer's scores, within stated bounds; needs
-    /// `kv_cache_dtype = fp8` and the cuda or emulated backend).
+    /// (tensor cores over FP8 or bf16 rows and for the indexer's scores, within stated bounds;
+    /// needs `kv_cache_dtype` fp8 or bf16 and the cuda or emulated backend).
     pub decode_attention: DecodeAttention,
     /// How a decode worker's device step runs the routed experts: `exact` (the reference's
     /// bits) or `fast` (the grouped FP4 GEMV, within its bound; the cuda or emulated backend).
@@ -168,7 +168,7 @@ pub struct WorkerSettings {
     pub decode_graphs: bool,
     /// How a prefill worker's device step attends for its prompt chunks: `exact` (the
     /// reference's bits) or `fast` (tensor cores over FP8 rows and for the indexer's scores,
-    /// within stated bounds; needs `kv_cache_dtype = fp8`; the cuda or emulated backend, one
+    /// within stated bounds; needs `kv_cache_dtype` fp8 or bf16; the cuda or emulated backend, one
     /// rank or expert-parallel ranks, without hybrid).
     pub prefill_attention: PrefillAttention,
     /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears:
@@ -287,10 +287,10 @@ impl WorkerSettings {
                      one rank or expert-parallel ranks with dp_attention, without hybrid",
                 ));
             }
-            if self.kv_cache_dtype != KvCacheDtype::Fp8 {
+            if !matches!(self.kv_cache_dtype, KvCacheDtype::Fp8 | KvCacheDtype::Bf16) {
                 return Err(Invalid::new(
                     "decode_attention",
-                    "fast attention reads FP8 K=V rows: set kv_cache_dtype = \"fp8\"",
+                    "fast attention reads FP8 or bf16 K=V rows: set kv_cache_dtype = \"fp8\" or \"bf16\"",
                 ));
             }
         }
@@ -317,10 +317,10 @@ impl WorkerSettings {
                      rank or expert-parallel ranks with dp_attention, without hybrid",
                 ));
             }
-            if self.kv_cache_dtype != KvCacheDtype::Fp8 {
+            if !matches!(self.kv_cache_dtype, KvCacheDtype::Fp8 | KvCacheDtype::Bf16) {
                 return Err(Invalid::new(
                     "prefill_attention",
-                    "fast attention reads FP8 K=V rows: set kv_cache_dtype = \"fp8\"",
+                    "fast attention reads FP8 or bf16 K=V rows: set kv_cache_dtype = \"fp8\" or \"bf16\"",
                 ));
             }
         }

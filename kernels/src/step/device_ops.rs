@@ -546,7 +546,8 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
             return Err("attend: fewer sinks than heads".to_owned().into());
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        if let (true, RowFormat::Fp8Kv { nope, rope }) = (self.fast_attention, self.kv_rows) {
+        if let (true, Some((nope, rope))) = (self.fast_attention, self.kv_rows.e4m3_bf16_split(hd))
+        {
             self.k.attn_fast(
                 q,
                 (arena, (nope, rope)),

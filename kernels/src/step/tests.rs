@@ -254,7 +254,7 @@ fn lossy_rows_are_rounded_in_the_step_as_the_engine_rounds_them() {
 /// kernels' emulation: within a stated bound of the engine's logits (9.2e-3 of the largest
 /// logit measured here, 2e-2 asserted), the same greedy token for every sequence at every
 /// step; a poisoned choice still makes its sequence's logits NaN; the indexer's choices are
-/// the tensor-core scores'. Refused without FP8 rows.
+/// the tensor-core scores'. Refused over f32 rows; over bf16 rows too within the bound.
 #[test]
 fn fast_attention_stays_within_its_bound_and_keeps_greedy_tokens() {
     let (_dir, mut model) = model(ExpertFormat::Nvfp4);
@@ -296,6 +296,18 @@ fn fast_attention_stays_within_its_bound_and_keeps_greedy_tokens() {
         logits_equal(&exact),
         "the exact step's scores are untouched"
     );
+    // Over bf16 rows (FP8 rows without e4m3 values, which the kernel reads as such): the same
+    // bound and greedy tokens.
+    model.set_kv_storage(engine::paged::layout::KvStorage::Bf16);
+    let ops = DeviceStepOps::new(EmulatedKernels::new(&model.config), &model)
+        .unwrap()
+        .with_fast_attention()
+        .unwrap();
+    let reads = || ops.kernels().take_reads();
+    let runs = run_on(&model, &ops, &reads, (&LENGTHS, &SLOTS, STEPS), false);
+    let worst = greedy_kept(&runs, "fast attention over bf16 rows");
+    eprintln!("fast attention, bf16 rows: largest logit difference {worst:.2e} of the largest");
+    assert!(worst > 0.0 && worst < 0.02, "{worst}");
 }
 
 /// Asserts the device's greedy token is the engine's at every step for every sequence, and

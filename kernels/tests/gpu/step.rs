@@ -65,6 +65,8 @@ fn check(gpu: &Arc<Gpu>, preset: Preset, format: ExpertFormat, lengths: &[usize]
     model.set_kv_storage(engine::paged::layout::KvStorage::Bf16);
     let what = format!("{preset:?} {format:?}, bf16 K=V rows");
     check_model(gpu, &model, (&what, Held::Bits), lengths, steps);
+    let what = format!("{preset:?} {format:?}, bf16 K=V rows, fast attention");
+    check_model(gpu, &model, (&what, Held::Greedy(0.02)), lengths, steps);
     // FP8 K=V rows: rounded as computed (`fp8_kv_round`), stored as the engine's FP8 rows in
     // the arenas (`fp8_kv_encode`) and read by `attn_exact` as the values they stand for.
     model.set_kv_storage(engine::paged::layout::KvStorage::Fp8);

@@ -11,7 +11,8 @@ pub enum DecodeAttention {
     Exact,
     /// `attn_decode_fp8`: every head of a request against each tile of its FP8 rows on tensor
     /// cores, within `2^-8` of the largest row value of the exact result (needs
-    /// `kv_cache_dtype = fp8`); the indexer's scores on tensor cores (`indexer_scores_mma`).
+    /// `kv_cache_dtype` fp8 or bf16); the indexer's scores on tensor cores
+    /// (`indexer_scores_mma`).
     Fast,
 }
 
@@ -48,7 +49,7 @@ pub enum PrefillAttention {
     Exact,
     /// `attn_decode_fp8` for each token of a chunk (all heads against each tile of its FP8
     /// rows on tensor cores) and the indexer's scores on tensor cores, within their bounds
-    /// (needs `kv_cache_dtype = fp8`).
+    /// (needs `kv_cache_dtype` fp8 or bf16).
     Fast,
 }
 

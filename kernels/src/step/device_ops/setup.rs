@@ -3,7 +3,7 @@
 
 use std::{cell::RefCell, sync::Arc};
 
-use engine::{model::Model, paged::layout::RowFormat, rope::Rope};
+use engine::{model::Model, rope::Rope};
 
 use super::{DIdx, DeviceStepOps, ExpertKernel, Plans, ROTATIONS_KEPT};
 use crate::{
@@ -48,13 +48,16 @@ impl<K: Kernels> DeviceStepOps<K> {
     /// its FP8 rows at once, within `2^-8 · max |row value|` of the exact attention rather than
     /// its bits; the indexer's scores on tensor cores too (`indexer_scores_mma`, bf16 queries
     /// and keys, within [`crate::indexer_mma::bound`]), so its top-k may pick other keys where
-    /// scores nearly tie. Needs FP8 K=V rows and shapes the kernels take (at most 64 heads of
+    /// scores nearly tie. Needs FP8 or bf16 K=V rows (a bf16 row is an FP8 row without e4m3
+    /// values, which the kernel reads as such) and shapes the kernels take (at most 64 heads of
     /// at most 512 values; the indexer's heads and dims within a block's shared memory).
     pub fn with_fast_attention(mut self) -> Result<Self, K::Error> {
-        let RowFormat::Fp8Kv { nope, rope } = self.kv_rows else {
-            return Err("fast attention reads FP8 K=V rows (kv_cache_dtype fp8)"
-                .to_owned()
-                .into());
+        let Some((nope, rope)) = self.kv_rows.e4m3_bf16_split(self.config.head_dim) else {
+            return Err(
+                "fast attention reads FP8 or bf16 K=V rows (kv_cache_dtype fp8 or bf16)"
+                    .to_owned()
+                    .into(),
+            );
         };
         // The kernel's own shape check, here once rather than at the first step.
         crate::step::kernels::fast_attention_shape(self.config.num_heads, (nope, rope), 1.0)
