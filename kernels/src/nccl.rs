@@ -228,6 +228,10 @@ impl Collective for NcclRank {
     fn fail(&mut self, reason: &str) {
         let _ = self.abort(reason.to_owned());
     }
+
+    fn failure(&self) -> Option<String> {
+        self.failed.clone()
+    }
 }
 
 #[cfg(test)]

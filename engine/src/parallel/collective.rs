@@ -58,6 +58,12 @@ pub trait Collective: Send {
 
     /// Marks this rank failed: every rank's current and later calls fail naming it.
     fn fail(&mut self, reason: &str);
+
+    /// Why the group failed, once it did (sticky: every later call fails); `None` while it
+    /// works, or where the collective cannot tell before its next call.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A rank's collective as a model's parallel parts hold it: shared by the forward pass and the
@@ -87,6 +93,11 @@ impl SharedCollective {
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
         self.lock().fail(reason);
+    }
+
+    /// Why the group failed, once it did ([`Collective::failure`]).
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failure()
     }
 }
 
@@ -289,6 +300,10 @@ impl Collective for InProcessRank {
             state.failed = Some((self.rank, reason.to_owned()));
         }
         self.shared.changed.notify_all();
+    }
+
+    fn failure(&self) -> Option<String> {
+        Self::failure(&self.shared.lock()).map(|e| e.to_string())
     }
 }
 

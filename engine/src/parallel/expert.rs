@@ -351,6 +351,11 @@ impl ExpertParallel {
     pub fn fail(&self, reason: &str) {
         self.collective.fail(reason);
     }
+
+    /// Why the group's exchanges failed, once they did (every later one fails too).
+    pub fn failure(&self) -> Option<String> {
+        self.collective.failure()
+    }
 }
 
 #[cfg(test)]

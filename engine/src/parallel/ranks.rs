@@ -173,22 +173,7 @@ fn run_rank(
             Ok(votes) => votes,
             Err(e) => {
                 let reason = format!("the worker's ranks lost lockstep: {e}");
-                tracing::error!(rank = control.rank(), %reason, "rank stops serving");
-                // Peers waiting in an expert or attention exchange stop now, not at their
-                // timeout.
-                if let Some(ep) = engine.model().expert_parallel() {
-                    ep.fail(&reason);
-                }
-                if let Some(sliced) = engine.model().sliced_experts() {
-                    sliced.fail(&reason);
-                }
-                if let Some(tp) = engine.model().tensor_parallel() {
-                    tp.fail(&reason);
-                }
-                for event in engine.fail_all(&reason) {
-                    subs.deliver(event);
-                }
-                failure.set(&reason);
+                stop_serving(&mut engine, &mut subs, (failure, control.rank()), &reason);
                 broken = Some(reason);
                 continue;
             }
@@ -205,6 +190,18 @@ fn run_rank(
         let voted_busy = votes.iter().any(|v| v.first().is_some_and(|&b| b != 0.0));
         if voted_busy || !engine.is_idle() {
             let emitted = pool.install(|| engine.step_with(&mut |event| subs.deliver(event)));
+            // A failed expert exchange (a rank's step failed, on its device or here) fails
+            // every later one: the worker serves no more, as when it loses lockstep.
+            if let Some(e) = engine
+                .model()
+                .expert_parallel()
+                .and_then(super::expert::ExpertParallel::failure)
+            {
+                let reason = format!("the worker's expert-parallel exchanges failed: {e}");
+                stop_serving(&mut engine, &mut subs, (failure, control.rank()), &reason);
+                broken = Some(reason);
+                continue;
+            }
             if emitted == 0 && engine.load().0 == 0 && busy {
                 // Waiting for pages only a job can free: do not spin.
                 wake.wait_past(seen, std::time::Duration::from_millis(5));
@@ -219,6 +216,31 @@ fn run_rank(
         }
         wake.wait_past(seen, IDLE_RECHECK);
     }
+}
+
+/// A rank that can no longer step with its group: peers waiting in an expert or attention
+/// exchange stop now (not at their timeout), its requests fail with `reason`, and the group's
+/// failure is set (the worker reports itself failed).
+fn stop_serving(
+    engine: &mut Engine,
+    subs: &mut Subscribers,
+    (failure, rank): (&Failure, usize),
+    reason: &str,
+) {
+    tracing::error!(rank, %reason, "rank stops serving");
+    if let Some(ep) = engine.model().expert_parallel() {
+        ep.fail(reason);
+    }
+    if let Some(sliced) = engine.model().sliced_experts() {
+        sliced.fail(reason);
+    }
+    if let Some(tp) = engine.model().tensor_parallel() {
+        tp.fail(reason);
+    }
+    for event in engine.fail_all(reason) {
+        subs.deliver(event);
+    }
+    failure.set(reason);
 }
 
 #[cfg(test)]

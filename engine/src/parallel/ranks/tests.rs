@@ -189,3 +189,58 @@ async fn a_dead_rank_fails_the_group_within_the_timeout() {
     let dead = runners[1].call(|engine, _| engine.is_idle()).await;
     assert!(dead.is_err(), "a dead rank must not answer");
 }
+
+/// A rank's expert exchange failed (its step failed on its device, or here, and failed the
+/// group's collective for its peers): the others' requests fail with that error at once, the
+/// group reports itself failed (the worker stops serving) without waiting for the control
+/// timeout, and later requests fail at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_expert_exchange_stops_the_group_at_once() {
+    let dir = checkpoint();
+    let group = {
+        let experts_group = InProcessGroup::new(2, Duration::from_secs(30));
+        let control: Vec<Box<dyn Collective>> = InProcessGroup::new(2, Duration::from_secs(30))
+            .into_iter()
+            .map(|r| Box::new(r) as Box<dyn Collective>)
+            .collect();
+        let engines: Vec<Engine> = experts_group
+            .into_iter()
+            .map(|rank| {
+                let mut model = Model::load(dir.path()).expect("load");
+                let experts = model.config.n_routed_experts;
+                let ep = ExpertParallel::new(Box::new(rank), experts).expect("split");
+                model.set_expert_parallel(Arc::new(ep));
+                Engine::new(model, config(), "ranks").expect("engine")
+            })
+            .collect();
+        start(engines, control, "test", 1, false).expect("start")
+    };
+    let runners = group.runners().to_vec();
+    runners[1]
+        .call(|engine, _| {
+            if let Some(ep) = engine.model().expert_parallel() {
+                ep.fail("a planted device failure");
+            }
+        })
+        .await
+        .expect("call");
+    let started = std::time::Instant::now();
+    let error = generate_on(&runners[0], request(11, 30, 20))
+        .await
+        .expect_err("must fail");
+    assert!(error.contains("a planted device failure"), "{error}");
+    let reason = tokio::time::timeout(Duration::from_secs(5), group.failed())
+        .await
+        .expect("the group reports itself failed");
+    assert!(
+        reason.contains("expert-parallel exchanges failed"),
+        "{reason}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let later = generate_on(&runners[0], request(12, 5, 2)).await;
+    assert!(later.expect_err("must fail").contains("failed"));
+}
