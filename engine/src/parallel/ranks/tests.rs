@@ -53,8 +53,13 @@ fn config() -> EngineConfig {
 }
 
 /// `ranks` engines over the checkpoint, experts split among them, started in lockstep with a
-/// control timeout of `timeout`.
+/// control timeout of `timeout`: their runners.
 fn ranks(dir: &std::path::Path, ranks: usize, timeout: Duration) -> Vec<Runner> {
+    group(dir, ranks, timeout).runners().to_vec()
+}
+
+/// [`ranks`], as the group.
+fn group(dir: &std::path::Path, ranks: usize, timeout: Duration) -> crate::parallel::group::Ranks {
     let experts_group = InProcessGroup::new(ranks, timeout);
     let control: Vec<Box<dyn Collective>> = InProcessGroup::new(ranks, timeout)
         .into_iter()
@@ -70,10 +75,7 @@ fn ranks(dir: &std::path::Path, ranks: usize, timeout: Duration) -> Vec<Runner> 
             Engine::new(model, config(), "ranks").expect("engine")
         })
         .collect();
-    start(engines, control, "test", 1, false)
-        .expect("start")
-        .runners()
-        .to_vec()
+    start(engines, control, "test", 1, false).expect("start")
 }
 
 /// Adds `req` on `runner` and gathers its events until its end.
@@ -197,24 +199,7 @@ async fn a_dead_rank_fails_the_group_within_the_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_expert_exchange_stops_the_group_at_once() {
     let dir = checkpoint();
-    let group = {
-        let experts_group = InProcessGroup::new(2, Duration::from_secs(30));
-        let control: Vec<Box<dyn Collective>> = InProcessGroup::new(2, Duration::from_secs(30))
-            .into_iter()
-            .map(|r| Box::new(r) as Box<dyn Collective>)
-            .collect();
-        let engines: Vec<Engine> = experts_group
-            .into_iter()
-            .map(|rank| {
-                let mut model = Model::load(dir.path()).expect("load");
-                let experts = model.config.n_routed_experts;
-                let ep = ExpertParallel::new(Box::new(rank), experts).expect("split");
-                model.set_expert_parallel(Arc::new(ep));
-                Engine::new(model, config(), "ranks").expect("engine")
-            })
-            .collect();
-        start(engines, control, "test", 1, false).expect("start")
-    };
+    let group = group(dir.path(), 2, Duration::from_secs(30));
     let runners = group.runners().to_vec();
     runners[1]
         .call(|engine, _| {
