@@ -239,6 +239,9 @@ pub struct RankDevices<'a> {
     pub hybrid: bool,
     pub collectives: Option<MakeCollectives<'a>>,
     pub decode: Option<OpenDecode<'a>>,
+    /// The engines take requests only with their prompts' state (a decode worker's:
+    /// [`Engine::set_decode_only`]).
+    pub decode_only: bool,
 }
 
 impl std::fmt::Debug for RankDevices<'_> {
@@ -257,6 +260,7 @@ impl RankDevices<'static> {
         hybrid: false,
         collectives: None,
         decode: None,
+        decode_only: false,
     };
 }
 
@@ -291,7 +295,7 @@ pub fn start_with_backend(
             config,
             (dir, &fingerprint),
             thread_name,
-            group,
+            (group, devices.decode_only),
             open_decode,
         );
     }
@@ -349,6 +353,9 @@ pub fn start_with_backend(
             thread_name,
             &|e| {
                 e.set_token_table(table.clone());
+                if devices.decode_only {
+                    e.set_decode_only();
+                }
             },
         )?;
         if let Some(plan) = first_plan
@@ -360,7 +367,16 @@ pub fn start_with_backend(
         }
         started
     } else {
-        let start = (|_: &mut Engine| Ok(()), backend_plan);
+        let decode_only = devices.decode_only;
+        let start = (
+            move |e: &mut Engine| {
+                if decode_only {
+                    e.set_decode_only();
+                }
+                Ok(())
+            },
+            backend_plan,
+        );
         return start_single(
             model,
             config,
@@ -418,14 +434,19 @@ fn start_decoding_on_device(
     config: crate::scheduler::EngineConfig,
     (dir, fingerprint): (&std::path::Path, &str),
     thread_name: &str,
-    group: crate::parallel::group::GroupSpec,
+    (group, decode_only): (crate::parallel::group::GroupSpec, bool),
     open_decode: OpenDecode<'_>,
 ) -> Result<LoadedEngine, StartError> {
     // The device rounds K=V rows as the engine will store them.
     model.set_kv_storage(config.kv);
     let device = open_decode(&model, &config, 0)?;
     let backend_plan = device_plan(device.as_ref(), 1);
-    let setup = |engine: &mut Engine| Ok(engine.set_step_device(device)?);
+    let setup = move |engine: &mut Engine| {
+        if decode_only {
+            engine.set_decode_only();
+        }
+        Ok(engine.set_step_device(device)?)
+    };
     start_single(
         model,
         config,

@@ -187,6 +187,9 @@ pub enum EngineError {
     /// The decode device cannot serve this engine as configured.
     #[error("decode device {0}")]
     Device(String),
+    /// A request whose prompt would compute here, on an engine that only decodes.
+    #[error("this engine decodes only: requests arrive with their prompt's state")]
+    DecodeOnly,
 }
 
 #[derive(Debug)]
@@ -232,6 +235,9 @@ pub struct Engine {
     device: Option<device::OnDevice>,
     /// How the device ran the last device step, and the tokens it sent back as argmaxes.
     last_device: (Option<DeviceRun>, usize),
+    /// Requests arrive only with their prompts' state ([`Engine::commit`]): no prompt computes
+    /// here ([`Engine::set_decode_only`]).
+    decode_only: bool,
 }
 
 /// What one forward step did, for metrics.
@@ -293,6 +299,7 @@ impl Engine {
             observer: None,
             device: None,
             last_device: (None, 0),
+            decode_only: false,
         })
     }
 
@@ -355,7 +362,18 @@ impl Engine {
         self.enqueue(req, false)
     }
 
+    /// Takes requests only with their prompts' state from now on ([`Engine::commit`]; a decode
+    /// worker's engine): a request whose prompt would compute here is refused. As a rank of an
+    /// expert-parallel group stepping on a device it then joins no host forward, which it can
+    /// never have (every rank of the group is told the same before it steps).
+    pub fn set_decode_only(&mut self) {
+        self.decode_only = true;
+    }
+
     fn enqueue(&mut self, req: GenerationRequest, handoff: bool) -> Result<(), EngineError> {
+        if self.decode_only {
+            return Err(EngineError::DecodeOnly);
+        }
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -514,7 +532,7 @@ impl Engine {
                     self.idle_device_step();
                 }
             }
-            if !group_on_device || !prompts_on_device {
+            if !group_on_device || (!prompts_on_device && !self.decode_only) {
                 self.idle_host_forward();
             }
             return 0;
@@ -556,7 +574,7 @@ impl Engine {
         }
         if !plan.is_empty() {
             emitted += self.host_step(&plan, emit, &mut events, &mut failed);
-        } else if group_on_device && !prompts_on_device {
+        } else if group_on_device && !prompts_on_device && !self.decode_only {
             self.idle_host_forward();
         }
         failed.sort_by_key(|(i, _)| *i);

@@ -194,7 +194,11 @@ fn handoff_continues_bit_exactly() {
         } else {
             device_prefill(kv, page_size, chunk)
         };
+        // A decode worker's engine: requests arrive with their prompts' state only.
         let mut decode = engine(kv, page_size);
+        decode.set_decode_only();
+        let refused = decode.add(request(99, vec![1, 2, 3], 2, 0.0)).unwrap_err();
+        assert!(matches!(refused, EngineError::DecodeOnly), "{refused}");
         let mut rng = Rng::for_tensor(page_size as u64, "handoff");
         let mut previous: Vec<u32> = Vec::new();
         for (i, len) in [1usize, 3, 5, 17, 63, 130, 131, 262, 301, 307]

@@ -85,6 +85,7 @@ fn each_rank_computes_on_its_own_backend_with_the_groups_collectives() {
         hybrid: true,
         collectives: Some(&collectives),
         decode: None,
+        decode_only: false,
     };
     let spec = GroupSpec {
         parallel: Parallel {

@@ -336,6 +336,7 @@ pub fn start_engine(
             BackendKind::Emulated if device_step => Some(&emulated_decode),
             _ => None,
         },
+        decode_only,
     };
     engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
 }
