@@ -311,9 +311,7 @@ pub fn start_engine(
     // prompt chunks of an engine that computes prompts; so does each rank of an
     // expert-parallel group with data-parallel attention (its pairs exchanged at every MoE
     // layer). Tensor-parallel attention and sliced experts keep the per-op path.
-    let p = group.parallel;
-    let expert_ranks = p.ep > 1 && p.tp == 1 && !p.moe_tp && p.dp_attention;
-    let device_step = !hybrid && (group.ranks() == 1 || expert_ranks);
+    let device_step = !hybrid && group.parallel.steps_whole_on_devices();
     let prompts = (!decode_only).then(|| prompt_chunk(&config));
     refuse_off_the_device_step(kind, step, (decode_only, device_step))?;
     let cuda_decode =

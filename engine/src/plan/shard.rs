@@ -43,6 +43,15 @@ impl Parallel {
         self.tp.max(self.ep)
     }
 
+    /// Whether each rank can step whole steps on its own device: one rank, or ranks of expert
+    /// parallelism with data-parallel attention (each exchanging its routed experts' pairs).
+    /// Tensor-parallel attention and sliced experts keep the per-op path.
+    pub fn steps_whole_on_devices(&self) -> bool {
+        let one = self.tp == 1 && self.ep == 1;
+        let expert_ranks = self.ep > 1 && self.tp == 1 && !self.moe_tp && self.dp_attention;
+        one || expert_ranks
+    }
+
     /// Whether `c` can be split so, with the reason when not.
     pub fn validate(&self, c: &ModelConfig) -> Result<(), String> {
         let Self {

@@ -82,14 +82,9 @@ impl super::WorkerSettings {
     /// Whether the worker's steps run whole on its devices: backend cuda or emulated without
     /// hybrid, one rank or each rank of an expert-parallel group with data-parallel attention.
     pub fn device_step(&self) -> bool {
-        let expert_ranks = self.expert_parallel_size > 1
-            && self.tensor_parallel_size == 1
-            && !self.moe_tensor_parallel
-            && self.dp_attention;
-        let one_rank = self.tensor_parallel_size == 1 && self.expert_parallel_size == 1;
         self.backend != kernels::backend::BackendKind::Cpu
             && !self.hybrid
-            && (one_rank || expert_ranks)
+            && self.group_spec().parallel.steps_whole_on_devices()
     }
 
     /// The settings that make the worker's results differ from the reference's bits within
