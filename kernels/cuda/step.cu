@@ -152,3 +152,92 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, long long wi
         out[2 * row + 1] = bad_at_of[0] == width ? -1 : static_cast<int>(bad_at_of[0]);
     }
 }
+
+// Expert-parallel dispatch (`kernels::step::device_group`): a rank's messages to the ranks
+// holding its pairs' experts, the host framing of `engine::parallel::expert::dispatch_messages`
+// (per destination d: its count c_d, the pairs' global expert ids, then their rows). Pair p's
+// expert e is valid in [0, ranks * per_rank) and goes to d = e / per_rank; counts[d] = c_d,
+// counts[ranks] the invalid pairs (pack_to and back_from -1). Message d starts at
+// S_d = sum_{d' < d} (1 + c_d' (1 + width)); the j-th pair to d (in pair order) has its id at
+// S_d + 1 + j, its row put at pack_to[p] = S_d + 1 + c_d + j width (by `copy_rows`), and its
+// output read back from back_from[p] = (c_0 + .. + c_{d-1} + j) width. One block of
+// EP_SLOTS_THREADS threads, each over a contiguous run of pairs, so order is kept.
+#define EP_SLOTS_THREADS 256
+extern "C" __global__ void ep_slots(const int* __restrict__ experts, long long pairs,
+                                    long long ranks, long long per_rank, long long width,
+                                    float* __restrict__ send, long long* __restrict__ pack_to,
+                                    long long* __restrict__ back_from,
+                                    int* __restrict__ counts) {
+    __shared__ long long before[EP_SLOTS_THREADS + 1];
+    const long long run = (pairs + EP_SLOTS_THREADS - 1) / EP_SLOTS_THREADS;
+    const long long lo = min(pairs, static_cast<long long>(threadIdx.x) * run);
+    const long long hi = min(pairs, lo + run);
+    const long long experts_total = ranks * per_rank;
+    long long start = 0;
+    long long row = 0;
+    // d == ranks: the invalid pairs.
+    for (long long d = 0; d <= ranks; ++d) {
+        long long mine = 0;
+        for (long long p = lo; p < hi; ++p) {
+            const long long e = experts[p];
+            const long long to = (e >= 0 && e < experts_total) ? e / per_rank : ranks;
+            mine += to == d;
+        }
+        before[threadIdx.x] = mine;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            long long acc = 0;
+            for (int t = 0; t < EP_SLOTS_THREADS; ++t) {
+                const long long c = before[t];
+                before[t] = acc;
+                acc += c;
+            }
+            before[EP_SLOTS_THREADS] = acc;
+        }
+        __syncthreads();
+        const long long count = before[EP_SLOTS_THREADS];
+        long long j = before[threadIdx.x];
+        for (long long p = lo; p < hi; ++p) {
+            const long long e = experts[p];
+            const long long to = (e >= 0 && e < experts_total) ? e / per_rank : ranks;
+            if (to != d) {
+                continue;
+            }
+            if (d < ranks) {
+                send[start + 1 + j] = static_cast<float>(e);
+                pack_to[p] = start + 1 + count + j * width;
+                back_from[p] = (row + j) * width;
+            } else {
+                pack_to[p] = -1;
+                back_from[p] = -1;
+            }
+            ++j;
+        }
+        if (threadIdx.x == 0) {
+            if (d < ranks) {
+                send[start] = static_cast<float>(count);
+            }
+            counts[d] = static_cast<int>(count);
+        }
+        start += 1 + count * (1 + width);
+        row += count;
+        // `before` is read again for the next destination.
+        __syncthreads();
+    }
+}
+
+// ids[i] = recv[at[i]] - first where that is a whole number in [0, held) (an expert this rank
+// holds, as its index among them), else -1 (NaN and infinities included): the expert kernels
+// answer -1 with a NaN row. One thread per row.
+extern "C" __global__ void ep_take_ids(const float* __restrict__ recv,
+                                       const long long* __restrict__ at, long long first,
+                                       long long held, long long m, int* __restrict__ ids) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= m) {
+        return;
+    }
+    const float v = recv[at[i]];
+    const float local = v - static_cast<float>(first);
+    const bool ok = v == floorf(v) && local >= 0.0f && local < static_cast<float>(held);
+    ids[i] = ok ? static_cast<int>(local) : -1;
+}

@@ -5,8 +5,9 @@
 //!
 //! cudarc has no all-to-all, so [`Collective::exchange`] is an all-gather of the sizes followed
 //! by grouped send/recv (`ncclGroupStart`, a send and a receive per peer, `ncclGroupEnd`).
-//! Payloads are host rows today (the engine's forward pass is on the host between ops); they
-//! are copied to the device, exchanged, and copied back.
+//! [`Collective::exchange`]'s payloads are host rows (the engine's host forward); they are
+//! copied to the device, exchanged, and copied back. A device step's dispatch messages stay on
+//! the GPUs ([`NcclRank::exchange_device`]).
 //!
 //! NCCL calls have no timeout of their own: each call records an event after its work and polls
 //! it until the group's timeout; a call that did not finish by then (a rank died or hangs)
@@ -149,6 +150,97 @@ impl NcclRank {
     }
 }
 
+impl NcclRank {
+    /// [`Collective::exchange`] of values on the GPU (a device step's dispatch messages):
+    /// the first `sizes[r]` values after those of the ranks before `r` go to rank `r`; returns
+    /// what every rank sent to this one, back to back by source, and how many each sent. Only
+    /// the sizes cross to the host; the values go GPU to GPU, ordered after the work queued
+    /// on `stream` so far, and `stream`'s later work after them.
+    ///
+    /// # Errors
+    /// Sizes that do not fit `send` or the group, a failed or stalled exchange (which fails
+    /// the group, as [`Collective::exchange`] does).
+    pub fn exchange_device(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        send: &CudaSlice<f32>,
+        sizes: &[usize],
+    ) -> Result<(CudaSlice<f32>, Vec<usize>), CollectiveError> {
+        self.failure("exchange")?;
+        let total: usize = sizes.iter().sum();
+        if sizes.len() != self.size || total > send.len() {
+            return Err(CollectiveError::Shape(format!(
+                "exchange: {} destinations of {total} values from {} for {} ranks",
+                sizes.len(),
+                send.len(),
+                self.size
+            )));
+        }
+        let wide: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+        let all = self.gather_sizes(&wide)?;
+        let me = self.rank;
+        let from: Vec<usize> = (0..self.size)
+            .map(|s| usize::try_from(all[s][me]).unwrap_or(usize::MAX))
+            .collect();
+        let (starts, _) = sizes.iter().fold((Vec::new(), 0), |(mut v, at), &n| {
+            v.push(at);
+            (v, at + n)
+        });
+        let nccl = Arc::clone(&self.stream);
+        let mut incoming: Vec<(usize, CudaSlice<f32>)> = Vec::new();
+        for peer in (0..self.size).filter(|&p| p != me && from[p] > 0) {
+            let buffer = nccl
+                .alloc_zeros::<f32>(from[peer])
+                .map_err(|e| self.device_error("exchange", e))?;
+            incoming.push((peer, buffer));
+        }
+        // cudarc orders the views' streams: the sends after the step's writes.
+        let posted = {
+            let comm = self.failure("exchange")?;
+            let mut group = comm.group();
+            let mut posted = Ok(());
+            for peer in (0..self.size).filter(|&p| p != me && sizes[p] > 0) {
+                if posted.is_ok() {
+                    let part = send.slice(starts[peer]..starts[peer] + sizes[peer]);
+                    posted = group.send(part, peer as i32).map_err(|e| format!("{e:?}"));
+                }
+            }
+            for (peer, buffer) in &mut incoming {
+                if posted.is_ok() {
+                    posted = group
+                        .recv(buffer.slice_mut(..), *peer as i32)
+                        .map(|_| ())
+                        .map_err(|e| format!("{e:?}"));
+                }
+            }
+            posted
+        };
+        if let Err(e) = posted {
+            return Err(self.abort(format!("exchange: {e}")));
+        }
+        self.wait("exchange")?;
+        // Back to back by source on the step's stream (its own part straight from `send`).
+        let mut recv = stream
+            .alloc_zeros::<f32>(from.iter().sum::<usize>().max(1))
+            .map_err(|e| self.device_error("exchange", e))?;
+        let mut at = 0;
+        for (source, &n) in from.iter().enumerate() {
+            let mut to = recv.slice_mut(at..at + n);
+            let copied = if source == me {
+                let own = send.slice(starts[me]..starts[me] + n.min(sizes[me]));
+                stream.memcpy_dtod(&own, &mut to)
+            } else if let Some((_, buffer)) = incoming.iter().find(|(p, _)| *p == source) {
+                stream.memcpy_dtod(buffer, &mut to)
+            } else {
+                Ok(())
+            };
+            copied.map_err(|e| self.device_error("exchange", e))?;
+            at += n;
+        }
+        Ok((recv, from))
+    }
+}
+
 impl Collective for NcclRank {
     fn rank(&self) -> usize {
         self.rank
@@ -231,6 +323,10 @@ impl Collective for NcclRank {
 
     fn failure(&self) -> Option<String> {
         self.failed.clone()
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }
 

@@ -64,6 +64,12 @@ pub trait Collective: Send {
     fn failure(&self) -> Option<String> {
         None
     }
+
+    /// The collective as its own type, where a caller can do more with it (a device's
+    /// kernels exchange device buffers over NCCL directly); `None` by default.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// A rank's collective as a model's parallel parts hold it: shared by the forward pass and the

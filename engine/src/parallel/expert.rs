@@ -125,6 +125,48 @@ pub fn routed_experts(
     exchange_pairs(coll, (shard.split, shard.width()), &xs, pairs, &mut compute)
 }
 
+/// A rank's dispatch messages by destination rank, with the pairs each lists.
+pub type Dispatch = (Vec<Vec<f32>>, Vec<Vec<usize>>);
+
+/// The dispatch messages of a rank's `pairs` (over its tokens `xs`, rows of `width`), by
+/// destination rank: `[count, expert_1 .. expert_count, x_1 .. x_count]`, the pairs to each
+/// destination in the order they are listed; with the pairs each message lists. A device
+/// packs the same messages (`ep_slots`), so device and host ranks exchange alike.
+///
+/// # Errors
+/// A pair whose token or expert does not exist.
+pub fn dispatch_messages(
+    (split, width): (ExpertSplit, usize),
+    xs: &[&[f32]],
+    pairs: &[(usize, usize)],
+) -> Result<Dispatch, ExpertError> {
+    let mut dispatched: Vec<Vec<usize>> = vec![Vec::new(); split.ranks()];
+    for (p, &(t, e)) in pairs.iter().enumerate() {
+        let ok = t < xs.len() && e < split.experts() && xs[t].len() == width;
+        if !ok {
+            return Err(ExpertError::Invalid(format!(
+                "pair {p} (token {t}, expert {e}) outside {} tokens of width {width} and {} experts",
+                xs.len(),
+                split.experts()
+            )));
+        }
+        dispatched[split.owner(e)].push(p);
+    }
+    let sends = dispatched
+        .iter()
+        .map(|list| {
+            let mut msg = Vec::with_capacity(1 + list.len() * (1 + width));
+            msg.push(list.len() as f32);
+            msg.extend(list.iter().map(|&p| pairs[p].1 as f32));
+            for &p in list {
+                msg.extend_from_slice(xs[pairs[p].0]);
+            }
+            msg
+        })
+        .collect();
+    Ok((sends, dispatched))
+}
+
 /// Computes a rank's share of a layer's expert pairs: every input this rank received, as
 /// (its expert's index among the rank's held experts, the input row); returns one output row
 /// per input, in order.
@@ -150,31 +192,7 @@ pub fn exchange_pairs(
             split.ranks()
         )));
     }
-    // Dispatch: each pair's input to the expert's rank.
-    let mut dispatched: Vec<Vec<usize>> = vec![Vec::new(); ranks];
-    for (p, &(t, e)) in pairs.iter().enumerate() {
-        let ok = t < xs.len() && e < split.experts() && xs[t].len() == width;
-        if !ok {
-            return Err(ExpertError::Invalid(format!(
-                "pair {p} (token {t}, expert {e}) outside {} tokens of width {width} and {} experts",
-                xs.len(),
-                split.experts()
-            )));
-        }
-        dispatched[split.owner(e)].push(p);
-    }
-    let sends: Vec<Vec<f32>> = dispatched
-        .iter()
-        .map(|list| {
-            let mut msg = Vec::with_capacity(1 + list.len() * (1 + width));
-            msg.push(list.len() as f32);
-            msg.extend(list.iter().map(|&p| pairs[p].1 as f32));
-            for &p in list {
-                msg.extend_from_slice(xs[pairs[p].0]);
-            }
-            msg
-        })
-        .collect();
+    let (sends, dispatched) = dispatch_messages((split, width), xs, pairs)?;
     let received = coll.exchange(sends)?;
     // Compute: every received input, by source rank then in the order it was listed.
     let held = split.held_by(me);
@@ -345,6 +363,12 @@ impl ExpertParallel {
             }
         }
         Ok(result)
+    }
+
+    /// This rank's collective, for one call of the group (a device's own exchange of its
+    /// dispatch messages, `kernels::step::device_group`).
+    pub fn collective(&self) -> std::sync::MutexGuard<'_, Box<dyn Collective>> {
+        self.collective.lock()
     }
 
     /// Marks this rank failed, so its peers stop at once.

@@ -17,12 +17,14 @@ use super::{
     graph::{StepGraph, addr},
     non_empty,
 };
+mod dispatch;
 mod launch;
+mod stack;
 
 use crate::step::{
     Proj,
     device_ops::DeviceStepOps,
-    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec, SlotSpec},
 };
 use launch::{blocks, function, per_item};
 
@@ -70,14 +72,6 @@ pub struct DeviceTable {
     bf16: bool,
     rows: usize,
     cols: usize,
-}
-
-fn proj_of(e: &ExpertWeights, proj: Proj) -> &Weight {
-    match proj {
-        Proj::Gate => &e.w1,
-        Proj::Down => &e.w2,
-        Proj::Up => &e.w3,
-    }
 }
 
 impl Kernels for CudaKernels {
@@ -220,57 +214,7 @@ impl Kernels for CudaKernels {
         experts: &[ExpertWeights],
         proj: Proj,
     ) -> Result<PairStack, KernelError> {
-        let first = experts
-            .first()
-            .map(|e| proj_of(e, proj))
-            .ok_or_else(|| KernelError::Shape("a MoE layer without routed experts".into()))?;
-        let (mut packed, mut scales, mut scale_2) = (Vec::new(), Vec::new(), Vec::new());
-        let mut kernel = "";
-        for e in experts {
-            let w = proj_of(e, proj);
-            let parts: Option<(&[u8], &[u8], f32, &'static str)> = match w.form() {
-                WeightForm::Nvfp4 {
-                    packed,
-                    scales,
-                    scale_2,
-                } => Some((
-                    packed.as_slice(),
-                    scales.as_slice(),
-                    *scale_2,
-                    "exact_pairs_nvfp4",
-                )),
-                WeightForm::Mxfp4 { packed, scales } => Some((
-                    packed.as_slice(),
-                    scales.as_slice(),
-                    1.0,
-                    "exact_pairs_mxfp4",
-                )),
-                _ => None,
-            };
-            let Some((p, s, s2, k)) =
-                parts.filter(|_| (w.rows, w.cols) == (first.rows, first.cols))
-            else {
-                return Err(KernelError::Shape(
-                    "the device decode step runs routed experts stored as NVFP4 or MXFP4 only, \
-                     one shape for all"
-                        .into(),
-                ));
-            };
-            kernel = k;
-            packed.extend_from_slice(p);
-            scales.extend_from_slice(s);
-            scale_2.push(s2);
-        }
-        let s = &self.gpu.stream;
-        Ok(PairStack {
-            kernel,
-            packed: s.clone_htod(&non_empty(&packed))?,
-            scales: s.clone_htod(&non_empty(&scales))?,
-            scale_2: s.clone_htod(&non_empty(&scale_2))?,
-            experts: experts.len(),
-            rows: first.rows,
-            cols: first.cols,
-        })
+        stack::upload_stack(&self.gpu.stream, experts, proj)
     }
 
     fn stack_shape(s: &PairStack) -> (usize, usize, usize) {
@@ -787,6 +731,39 @@ impl Kernels for CudaKernels {
         out: &mut CudaSlice<i32>,
     ) -> Result<(), KernelError> {
         self.gpu.launch_argmax_rows(x, shape, out)
+    }
+
+    fn ep_slots(
+        &self,
+        experts: &CudaSlice<i32>,
+        spec: SlotSpec,
+        send: &mut CudaSlice<f32>,
+        offsets: (&mut CudaSlice<i64>, &mut CudaSlice<i64>),
+        counts: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        self.launch_ep_slots(experts, spec, send, offsets, counts)
+    }
+
+    fn ep_take_ids(
+        &self,
+        recv: &CudaSlice<f32>,
+        at: &CudaSlice<i64>,
+        held: (usize, usize),
+        m: usize,
+        ids: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        self.launch_ep_take_ids(recv, at, held, m, ids)
+    }
+
+    /// GPU to GPU where the group's collective is NCCL's; through the host otherwise (an
+    /// in-process group, as two ranks on one GPU in the tests).
+    fn exchange(
+        &self,
+        coll: &mut dyn engine::parallel::collective::Collective,
+        send: &CudaSlice<f32>,
+        sizes: &[usize],
+    ) -> Result<(CudaSlice<f32>, Vec<usize>), KernelError> {
+        self.exchange_rows(coll, send, sizes)
     }
 
     fn moe_combine(

@@ -11,18 +11,20 @@ use engine::{
     config::ModelConfig,
     model::{hyper, moe},
     paged::layout::RowFormat,
+    parallel::collective::Collective,
     tensor::{Matrix, Weight, WeightForm, rms_norm, rms_norm_unweighted, sigmoid},
     weights::{ExpertWeights, HyperWeights, MoeWeights},
 };
 
 mod attend;
 mod counters;
+mod dispatch;
 mod experts;
 mod linear;
 
 use super::{
     Proj, ShapeError,
-    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec, SlotSpec},
     layout::{kv_stride, pack_kv_row},
 };
 
@@ -734,6 +736,39 @@ impl Kernels for EmulatedKernels {
         out: &mut Vec<i32>,
     ) -> Result<(), ShapeError> {
         attend::argmax_rows(x, (rows, width), out)
+    }
+
+    fn ep_slots(
+        &self,
+        experts: &Vec<i32>,
+        spec: SlotSpec,
+        send: &mut Vec<f32>,
+        (pack_to, back_from): (&mut Vec<i64>, &mut Vec<i64>),
+        counts: &mut Vec<i32>,
+    ) -> Result<(), ShapeError> {
+        dispatch::ep_slots(experts, spec, send, (pack_to, back_from), counts)
+    }
+
+    fn ep_take_ids(
+        &self,
+        recv: &Vec<f32>,
+        at: &Vec<i64>,
+        held: (usize, usize),
+        m: usize,
+        ids: &mut Vec<i32>,
+    ) -> Result<(), ShapeError> {
+        let at = at.get(..m).ok_or_else(|| err("ep_take_ids"))?;
+        dispatch::ep_take_ids(recv, at, held, ids)
+    }
+
+    /// As a GPU's NCCL exchange: device to device, so neither a read nor an upload.
+    fn exchange(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Vec<f32>,
+        sizes: &[usize],
+    ) -> Result<(Vec<f32>, Vec<usize>), ShapeError> {
+        dispatch::exchange(coll, send, sizes)
     }
 
     fn moe_combine(

@@ -7,6 +7,7 @@
 
 use engine::{
     paged::layout::RowFormat,
+    parallel::collective::Collective,
     tensor::Weight,
     weights::{ExpertWeights, MoeWeights},
 };
@@ -86,6 +87,15 @@ pub struct RouteSpec {
     pub k: usize,
     pub table_rows: usize,
     pub scaling: f32,
+}
+
+/// `ep_slots`' split: `ranks` ranks holding `per_rank` routed experts each, rows of `width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotSpec {
+    pub ranks: usize,
+    pub per_rank: usize,
+    pub width: usize,
+    pub pairs: usize,
 }
 
 /// The device memory and kernels of the decode step.
@@ -418,6 +428,48 @@ pub trait Kernels {
         out: &mut Self::F,
     ) -> Result<(), Self::Error>;
 
+    /// `ep_slots`: packs a rank's expert-parallel dispatch messages into `send`, with the
+    /// offsets that move the rows. Pair `p`'s expert `experts[p]` is valid below
+    /// `ranks * per_rank` and goes to rank `d = e / per_rank`; `counts[d]` = `c_d`, the valid
+    /// pairs to `d`, and `counts[ranks]` the invalid ones. Message `d` starts at
+    /// `S_d = sum over d' < d of (1 + c_d' (1 + width))`: `send[S_d] = c_d`, then the global
+    /// expert id of each of its pairs (in pair order), then their rows (not written here:
+    /// `pack_to[p] = S_d + 1 + c_d + j width` for the `j`-th pair to `d`, where `copy_rows`
+    /// puts its token's row). The outputs come back by destination in the same order:
+    /// `back_from[p] = (c_0 + .. + c_{d-1} + j) width`. An invalid pair gets -1 in both.
+    /// The messages are `engine::parallel::expert::dispatch_messages`', value for value.
+    fn ep_slots(
+        &self,
+        experts: &Self::I,
+        spec: SlotSpec,
+        send: &mut Self::F,
+        offsets: (&mut Self::L, &mut Self::L),
+        counts: &mut Self::I,
+    ) -> Result<(), Self::Error>;
+    /// `ep_take_ids`: with `held = (first, count)`, `ids[i]` = `recv[at[i]] - first` where
+    /// that is a whole number below `count` (an expert this rank holds, as its index among
+    /// them), else -1 (which the expert kernels answer with a NaN row).
+    fn ep_take_ids(
+        &self,
+        recv: &Self::F,
+        at: &Self::L,
+        held: (usize, usize),
+        m: usize,
+        ids: &mut Self::I,
+    ) -> Result<(), Self::Error>;
+    /// All-to-all over `coll`: the first `sizes[r]` values after those of the ranks before
+    /// `r` go to rank `r` (this rank's own included); returns what every rank sent to this
+    /// one, by source rank back to back, and how many values each sent. Through the host by
+    /// default; a device that can exchange its buffers directly (NCCL) does.
+    fn exchange(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Self::F,
+        sizes: &[usize],
+    ) -> Result<(Self::F, Vec<usize>), Self::Error> {
+        exchange_through_host(self, coll, send, sizes)
+    }
+
     /// Starts recording this device's launches instead of running them; false where it
     /// records none (then the launches run).
     fn begin_capture(&self) -> Result<bool, Self::Error> {
@@ -429,4 +481,34 @@ pub trait Kernels {
     }
     /// Runs a recording's launches again, over the buffers they named.
     fn launch_graph(&self, graph: &Self::Graph) -> Result<(), Self::Error>;
+}
+
+/// [`Kernels::exchange`] through the host: the values read back, exchanged by `coll` as host
+/// rows, the received ones uploaded.
+pub fn exchange_through_host<K: Kernels + ?Sized>(
+    k: &K,
+    coll: &mut dyn Collective,
+    send: &K::F,
+    sizes: &[usize],
+) -> Result<(K::F, Vec<usize>), K::Error> {
+    let total: usize = sizes.iter().sum();
+    let values = if total == 0 {
+        Vec::new()
+    } else {
+        k.read(send, 0..total)?
+    };
+    let mut at = 0;
+    let sends = sizes
+        .iter()
+        .map(|&n| {
+            at += n;
+            values[at - n..at].to_vec()
+        })
+        .collect();
+    let received = coll.exchange(sends).map_err(|e| format!("exchange: {e}"))?;
+    let sizes = received.iter().map(Vec::len).collect();
+    let flat = received.concat();
+    // A buffer is never empty (an upload of nothing has no device address).
+    let recv = k.upload(if flat.is_empty() { &[0.0] } else { &flat })?;
+    Ok((recv, sizes))
 }

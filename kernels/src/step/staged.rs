@@ -17,13 +17,14 @@ use std::{
 
 use engine::{
     paged::layout::RowFormat,
+    parallel::collective::Collective,
     tensor::Weight,
     weights::{ExpertWeights, MoeWeights},
 };
 
 use super::{
     Proj,
-    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec},
+    kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec, SlotSpec},
 };
 
 /// What a pass of the kernels does.
@@ -730,6 +731,43 @@ impl<K: Kernels> Kernels for Staged<K> {
         self.launch("argmax_rows", &addrs, shape, |k| {
             k.argmax_rows(x, shape, out)
         })
+    }
+    fn ep_slots(
+        &self,
+        experts: &K::I,
+        spec: SlotSpec,
+        send: &mut K::F,
+        (pack_to, back_from): (&mut K::L, &mut K::L),
+        counts: &mut K::I,
+    ) -> Result<(), K::Error> {
+        let (e, c) = (K::i_addr(experts), K::i_addr(counts));
+        let (p, b) = (K::l_addr(pack_to), K::l_addr(back_from));
+        let addrs = addrs!(self, e, K::f_addr(send), p, b, c);
+        self.launch("ep_slots", &addrs, spec, |k| {
+            k.ep_slots(experts, spec, send, (pack_to, back_from), counts)
+        })
+    }
+    fn ep_take_ids(
+        &self,
+        recv: &K::F,
+        at: &K::L,
+        held: (usize, usize),
+        m: usize,
+        ids: &mut K::I,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(recv), K::l_addr(at), K::i_addr(ids));
+        self.launch("ep_take_ids", &addrs, (held, m), |k| {
+            k.ep_take_ids(recv, at, held, m, ids)
+        })
+    }
+    /// Only outside the passes: an exchange reads what it sends (a graph cannot hold it).
+    fn exchange(
+        &self,
+        coll: &mut dyn Collective,
+        send: &K::F,
+        sizes: &[usize],
+    ) -> Result<(K::F, Vec<usize>), K::Error> {
+        self.host_read(|k| k.exchange(coll, send, sizes))
     }
     fn moe_combine(
         &self,

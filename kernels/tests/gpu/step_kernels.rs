@@ -239,3 +239,117 @@ where
         self.read(&y, 0..tokens.len() * rows).unwrap()
     }
 }
+
+/// The expert-parallel dispatch kernels' outputs on `k`: `ep_slots`' messages (rows put by
+/// `copy_rows`), offsets and counts, then `ep_take_ids` over the messages' values.
+fn dispatch_outputs<K: Kernels>(
+    k: &K,
+    (ranks, per_rank, width): (usize, usize, usize),
+    ids: &[i32],
+    seed: u64,
+) -> Vec<Vec<f64>>
+where
+    K::Error: std::fmt::Debug,
+{
+    use kernels::step::kernels::SlotSpec;
+    let mut rng = Rng::for_tensor(seed, "gpu-dispatch");
+    let pairs = ids.len();
+    let tokens = pairs.div_ceil(2).max(1);
+    let x = k
+        .upload(
+            &(0..tokens * width)
+                .map(|_| rng.normal())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let experts = k.upload_i(if ids.is_empty() { &[0] } else { ids }).unwrap();
+    let len = ranks + pairs * (1 + width);
+    let mut send = k.upload(&vec![f32::NAN; len]).unwrap();
+    let (mut pack_to, mut back_from) = (
+        k.upload_l(&vec![7; pairs.max(1)]).unwrap(),
+        k.upload_l(&vec![7; pairs.max(1)]).unwrap(),
+    );
+    let mut counts = k.upload_i(&vec![-5; ranks + 1]).unwrap();
+    let spec = SlotSpec {
+        ranks,
+        per_rank,
+        width,
+        pairs,
+    };
+    k.ep_slots(
+        &experts,
+        spec,
+        &mut send,
+        (&mut pack_to, &mut back_from),
+        &mut counts,
+    )
+    .unwrap();
+    if pairs > 0 {
+        let from: Vec<i64> = (0..pairs).map(|p| (p / 2 * width) as i64).collect();
+        let from = k.upload_l(&from).unwrap();
+        k.copy_rows(&x, &from, &mut send, &pack_to, width, pairs)
+            .unwrap();
+    }
+    let values = k.read(&send, 0..len).unwrap();
+    let at: Vec<i64> = (0..len as i64).collect();
+    let mut taken = k.zeros_i(len).unwrap();
+    k.ep_take_ids(
+        &send,
+        &k.upload_l(&at).unwrap(),
+        (per_rank, per_rank),
+        len,
+        &mut taken,
+    )
+    .unwrap();
+    let wide = |v: Vec<i64>| v.into_iter().map(|o| o as f64).collect();
+    let ints = |v: Vec<i32>| v.into_iter().map(f64::from).collect();
+    vec![
+        values.into_iter().map(f64::from).collect(),
+        wide(k.read_l(&pack_to).unwrap()),
+        wide(k.read_l(&back_from).unwrap()),
+        ints(k.read_i(&counts, 0..ranks + 1).unwrap()),
+        ints(k.read_i(&taken, 0..len).unwrap()),
+    ]
+}
+
+/// `ep_slots` and `ep_take_ids` on the GPU equal their references: no pairs, one, a pair per
+/// thread and more than the block's threads, over 1, 3 and 8 ranks, with experts outside the
+/// model among them.
+#[test]
+fn gpu_dispatch_kernels_equal_their_references() {
+    let Some(gpu) = Gpu::for_test("gpu_dispatch_kernels_equal_their_references") else {
+        return;
+    };
+    let cuda = CudaKernels::new(std::sync::Arc::new(gpu));
+    let config = Preset::Tiny.config(ExpertFormat::Nvfp4);
+    let reference = EmulatedKernels::new(&config);
+    let mut rng = Rng::for_tensor(11, "gpu-dispatch-ids");
+    for (ranks, per_rank, width, pairs) in [
+        (1, 4, 37, 0),
+        (3, 5, 37, 1),
+        (8, 4, 5, 256),
+        (3, 2, 3, 5000),
+        (8, 32, 64, 777),
+    ] {
+        let total = (ranks * per_rank) as u64;
+        let ids: Vec<i32> = (0..pairs)
+            .map(|p| match p % 97 {
+                13 => -1,
+                50 => total as i32,
+                _ => (rng.next_u64() % total) as i32,
+            })
+            .collect();
+        let shape = (ranks, per_rank, width);
+        let got = dispatch_outputs(&cuda, shape, &ids, 5);
+        let want = dispatch_outputs(&reference, shape, &ids, 5);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.len(), w.len(), "output {i}");
+            for (j, (a, b)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{ranks} ranks, {pairs} pairs, output {i} at {j}: {a} vs the reference's {b}"
+                );
+            }
+        }
+    }
+}

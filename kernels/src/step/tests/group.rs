@@ -174,3 +174,80 @@ fn a_failing_rank_fails_the_groups_requests() {
         );
     }
 }
+
+/// One layer's routed experts over 4 ranks on their devices (one without tokens): each rank's
+/// outputs are the one-rank step's rows, bit for bit, and nothing crossed to the host but the
+/// messages' counts (no row read back, no row uploaded: the exchange is device to device).
+#[test]
+fn a_layers_exchange_reads_back_only_the_messages_counts() {
+    use std::{sync::Arc, time::Duration};
+
+    use engine::{
+        parallel::{collective::InProcessGroup, expert::ExpertParallel},
+        synth::Rng,
+    };
+
+    use crate::step::{StepOps, device_ops::DeviceStepOps, routed_here};
+
+    let dir = checkpoint();
+    let full = Model::load(dir.path()).unwrap();
+    let c = full.config.clone();
+    let (d, k, inter) = (c.hidden_size, c.experts_per_token, c.moe_intermediate_size);
+    let mut rng = Rng::for_tensor(5, "ep-layer");
+    let work: Vec<(Vec<f32>, Vec<i32>)> = [4usize, 0, 7, 1]
+        .iter()
+        .map(|&tokens| {
+            let h = (0..tokens * d).map(|_| rng.normal()).collect();
+            let ids = (0..tokens * k)
+                .map(|_| (rng.next_u64() % c.n_routed_experts as u64) as i32)
+                .collect();
+            (h, ids)
+        })
+        .collect();
+    let rows = |ops: &DeviceStepOps<EmulatedKernels>, (h, ids): &(Vec<f32>, Vec<i32>)| {
+        let mut x = ops.alloc(h.len().max(1)).unwrap();
+        ops.put_at(&mut x, 0, h).unwrap();
+        (x, ops.put_idx(ids).unwrap())
+    };
+    let one = DeviceStepOps::new(EmulatedKernels::new(&c), &full).unwrap();
+    let want: Vec<Vec<f32>> = work
+        .iter()
+        .map(|w| {
+            let (x, ids) = rows(&one, w);
+            let ys = routed_here(&one, 1, &x, &ids, (k, inter), w.1.len()).unwrap();
+            one.get(&ys, 0..w.1.len() * d).unwrap()
+        })
+        .collect();
+    let group = InProcessGroup::new(4, Duration::from_secs(20));
+    let got: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .zip(&work)
+            .map(|(rank, w)| {
+                let (dir, c) = (dir.path(), &c);
+                s.spawn(move || {
+                    let mut model = Model::load(dir).unwrap();
+                    let ep = ExpertParallel::new(Box::new(rank), c.n_routed_experts).unwrap();
+                    model.set_expert_parallel(Arc::new(ep));
+                    let ops = DeviceStepOps::new(EmulatedKernels::new(c), &model).unwrap();
+                    let (x, ids) = rows(&ops, w);
+                    ops.kernels().take_reads();
+                    ops.kernels().take_uploads();
+                    let pairs = w.1.len();
+                    let ys = ops.routed_experts(1, &x, &ids, (k, inter), pairs).unwrap();
+                    let traffic = (ops.kernels().take_reads(), ops.kernels().take_uploads());
+                    (ops.get(&ys, 0..pairs * d).unwrap(), traffic)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, ((ys, (reads, uploads)), want)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            ys.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()) && ys.len() == want.len(),
+            "rank {r}'s outputs"
+        );
+        assert_eq!(*reads, (1, 4 + 1), "rank {r} read back the counts only");
+        assert_eq!(uploads.0, 0, "rank {r} uploaded no f32 values");
+    }
+}

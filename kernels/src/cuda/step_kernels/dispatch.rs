@@ -1,0 +1,113 @@
+//! The expert-parallel dispatch kernels' launches (`ep_slots`, `ep_take_ids` in `step.cu`) and
+//! the exchange of device buffers over NCCL where the group's collective is NCCL's.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use engine::parallel::collective::Collective;
+
+use super::{CudaKernels, KernelError, function, per_item};
+use crate::step::kernels::{SlotSpec, exchange_through_host};
+
+/// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
+const EP_SLOTS_THREADS: u32 = 256;
+
+fn wide(v: usize, what: &str) -> Result<i64, KernelError> {
+    i64::try_from(v).map_err(|_| KernelError::Shape(format!("{what}: {v}")))
+}
+
+impl CudaKernels {
+    pub(super) fn launch_ep_slots(
+        &self,
+        experts: &CudaSlice<i32>,
+        spec: SlotSpec,
+        send: &mut CudaSlice<f32>,
+        (pack_to, back_from): (&mut CudaSlice<i64>, &mut CudaSlice<i64>),
+        counts: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        let SlotSpec {
+            ranks,
+            per_rank,
+            width,
+            pairs,
+        } = spec;
+        let fits = experts.len() >= pairs
+            && send.len() >= ranks + pairs * (1 + width)
+            && pack_to.len() >= pairs
+            && back_from.len() >= pairs
+            && counts.len() > ranks
+            && i32::try_from(ranks * per_rank).is_ok();
+        if !fits || ranks == 0 || per_rank == 0 {
+            return Err(KernelError::Shape(format!(
+                "ep_slots: {pairs} pairs over {ranks} ranks of {per_rank} experts, rows of \
+                 {width}, outside their buffers"
+            )));
+        }
+        let f = function(&self.gpu.step, "ep_slots")?;
+        let (p, r) = (wide(pairs, "pairs")?, wide(ranks, "ranks")?);
+        let (e, w) = (wide(per_rank, "experts")?, wide(width, "width")?);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(experts).arg(&p).arg(&r).arg(&e).arg(&w);
+        launch.arg(send).arg(pack_to).arg(back_from).arg(counts);
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (EP_SLOTS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `ep_slots`' parameters in order; every buffer as long as it writes (checked
+        // above); one block of the kernel's thread count.
+        unsafe { launch.launch(one)? };
+        Ok(())
+    }
+
+    pub(super) fn launch_ep_take_ids(
+        &self,
+        recv: &CudaSlice<f32>,
+        at: &CudaSlice<i64>,
+        (first, held): (usize, usize),
+        m: usize,
+        ids: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        if at.len() < m || ids.len() < m {
+            return Err(KernelError::Shape(format!(
+                "ep_take_ids: {m} rows outside their buffers"
+            )));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        let f = function(&self.gpu.step, "ep_take_ids")?;
+        let (first, held, n) = (wide(first, "first")?, wide(held, "held")?, wide(m, "m")?);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch
+            .arg(recv)
+            .arg(at)
+            .arg(&first)
+            .arg(&held)
+            .arg(&n)
+            .arg(ids);
+        // SAFETY: `ep_take_ids`' parameters in order; `at` and `ids` hold `m` values (checked
+        // above), every `at` inside `recv` (the caller's offsets); a thread per row.
+        unsafe { launch.launch(per_item(m.div_ceil(128), 128, "ep_take_ids")?)? };
+        Ok(())
+    }
+
+    /// [`crate::step::kernels::Kernels::exchange`]: over NCCL from buffer to buffer where
+    /// `coll` is an [`crate::nccl::NcclRank`], through the host otherwise.
+    pub(super) fn exchange_rows(
+        &self,
+        coll: &mut dyn Collective,
+        send: &CudaSlice<f32>,
+        sizes: &[usize],
+    ) -> Result<(CudaSlice<f32>, Vec<usize>), KernelError> {
+        #[cfg(feature = "nccl")]
+        if let Some(rank) = coll
+            .as_any_mut()
+            .and_then(|c| c.downcast_mut::<crate::nccl::NcclRank>())
+        {
+            return rank
+                .exchange_device(&self.gpu.stream, send, sizes)
+                .map_err(|e| KernelError::Shape(format!("exchange: {e}")));
+        }
+        exchange_through_host(self, coll, send, sizes)
+    }
+}

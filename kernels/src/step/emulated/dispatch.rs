@@ -1,0 +1,248 @@
+//! The references of the expert-parallel dispatch kernels (`ep_slots`, `ep_take_ids`): the
+//! messages a rank packs on its device are `engine::parallel::expert::dispatch_messages`'.
+
+use engine::parallel::collective::Collective;
+
+use super::{ShapeError, err, part};
+use crate::step::kernels::SlotSpec;
+
+/// `ep_slots` ([`crate::step::kernels::Kernels::ep_slots`]).
+pub(super) fn ep_slots(
+    experts: &[i32],
+    spec: SlotSpec,
+    send: &mut [f32],
+    (pack_to, back_from): (&mut [i64], &mut [i64]),
+    counts: &mut [i32],
+) -> Result<(), ShapeError> {
+    let SlotSpec {
+        ranks,
+        per_rank,
+        width,
+        pairs,
+    } = spec;
+    let experts = experts
+        .get(..pairs)
+        .ok_or_else(|| err("ep_slots experts"))?;
+    let owner = |e: i32| {
+        usize::try_from(e)
+            .ok()
+            .filter(|&e| e < ranks * per_rank)
+            .map(|e| (e, e / per_rank))
+    };
+    let mut count = vec![0usize; ranks + 1];
+    for &e in experts {
+        count[owner(e).map_or(ranks, |(_, d)| d)] += 1;
+    }
+    let most = ranks + pairs * (1 + width);
+    if send.len() < most || pack_to.len() < pairs || back_from.len() < pairs {
+        return Err(err("ep_slots"));
+    }
+    let counts = counts
+        .get_mut(..=ranks)
+        .ok_or_else(|| err("ep_slots counts"))?;
+    // Each message's start and its pairs' first output row.
+    let (mut start, mut row) = (Vec::with_capacity(ranks), Vec::with_capacity(ranks));
+    let (mut s, mut r) = (0usize, 0usize);
+    for (d, &c) in count.iter().take(ranks).enumerate() {
+        start.push(s);
+        row.push(r);
+        send[s] = c as f32;
+        counts[d] = c as i32;
+        s += 1 + c * (1 + width);
+        r += c;
+    }
+    counts[ranks] = count[ranks] as i32;
+    let mut placed = vec![0usize; ranks];
+    for (p, &e) in experts.iter().enumerate() {
+        let Some((e, d)) = owner(e) else {
+            pack_to[p] = -1;
+            back_from[p] = -1;
+            continue;
+        };
+        let j = placed[d];
+        placed[d] += 1;
+        send[start[d] + 1 + j] = e as f32;
+        pack_to[p] = (start[d] + 1 + count[d] + j * width) as i64;
+        back_from[p] = ((row[d] + j) * width) as i64;
+    }
+    Ok(())
+}
+
+/// `ep_take_ids` ([`crate::step::kernels::Kernels::ep_take_ids`]).
+pub(super) fn ep_take_ids(
+    recv: &[f32],
+    at: &[i64],
+    (first, held): (usize, usize),
+    ids: &mut [i32],
+) -> Result<(), ShapeError> {
+    if ids.len() < at.len() {
+        return Err(err("ep_take_ids"));
+    }
+    for (id, &o) in ids.iter_mut().zip(at) {
+        let v = usize::try_from(o)
+            .ok()
+            .and_then(|o| recv.get(o))
+            .ok_or_else(|| err("ep_take_ids"))?;
+        let local = v - first as f32;
+        *id = if v.fract() == 0.0 && (0.0..held as f32).contains(&local) {
+            local as i32
+        } else {
+            -1
+        };
+    }
+    Ok(())
+}
+
+/// [`crate::step::kernels::Kernels::exchange`] of host buffers standing for device ones.
+pub(super) fn exchange(
+    coll: &mut dyn Collective,
+    send: &[f32],
+    sizes: &[usize],
+) -> Result<(Vec<f32>, Vec<usize>), ShapeError> {
+    let mut at = 0;
+    let mut sends = Vec::with_capacity(sizes.len());
+    for &n in sizes {
+        sends.push(part(send, at, n, "exchange")?);
+        at += n;
+    }
+    let received = coll
+        .exchange(sends)
+        .map_err(|e| ShapeError(format!("exchange: {e}")))?;
+    let sizes = received.iter().map(Vec::len).collect();
+    Ok((received.concat(), sizes))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use engine::{
+        parallel::expert::{ExpertSplit, dispatch_messages},
+        synth::Rng,
+    };
+
+    use super::*;
+
+    /// `ep_slots`' messages for random pairs, with each pair's row put where `pack_to` says
+    /// (as `copy_rows` does); the messages' counts and where each output comes back from.
+    fn pack(
+        (ranks, per_rank, width): (usize, usize, usize),
+        xs: &[Vec<f32>],
+        ids: &[i32],
+        k: usize,
+    ) -> (Vec<f32>, Vec<i64>, Vec<i32>) {
+        let pairs = ids.len();
+        let spec = SlotSpec {
+            ranks,
+            per_rank,
+            width,
+            pairs,
+        };
+        let mut send = vec![f32::NAN; ranks + pairs * (1 + width)];
+        let (mut pack_to, mut back_from) = (vec![7; pairs], vec![7; pairs]);
+        let mut counts = vec![-5; ranks + 1];
+        ep_slots(
+            ids,
+            spec,
+            &mut send,
+            (&mut pack_to, &mut back_from),
+            &mut counts,
+        )
+        .unwrap();
+        for (p, &to) in pack_to.iter().enumerate() {
+            if let Ok(to) = usize::try_from(to) {
+                send[to..to + width].copy_from_slice(&xs[p / k]);
+            }
+        }
+        (send, back_from, counts)
+    }
+
+    /// The device's messages are the host's, value for value, at awkward shapes (no pairs, one
+    /// rank, a width of 1, more pairs than a block has threads), and each output comes back
+    /// from its row in the order the destinations return them.
+    #[test]
+    fn packed_messages_are_the_host_framings() {
+        let mut rng = Rng::for_tensor(3, "ep-slots");
+        let shapes = [
+            (1, 4, 3, 0, 2),
+            (2, 3, 5, 1, 1),
+            (3, 2, 7, 13, 4),
+            (4, 8, 16, 300, 6),
+            (8, 4, 1, 40, 8),
+        ];
+        for (ranks, per_rank, width, tokens, k) in shapes {
+            let xs: Vec<Vec<f32>> = (0..tokens)
+                .map(|_| (0..width).map(|_| rng.normal()).collect())
+                .collect();
+            let total = ranks * per_rank;
+            let pairs: Vec<(usize, usize)> = (0..tokens * k)
+                .map(|p| (p / k, (rng.next_u64() % total as u64) as usize))
+                .collect();
+            let ids: Vec<i32> = pairs.iter().map(|&(_, e)| e as i32).collect();
+            let (send, back_from, counts) = pack((ranks, per_rank, width), &xs, &ids, k);
+            let split = ExpertSplit::new(total, ranks).unwrap();
+            let rows: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+            let (messages, lists) = dispatch_messages((split, width), &rows, &pairs).unwrap();
+            let want = messages.concat();
+            let got = &send[..want.len()];
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ranks} ranks, {} pairs: {got:?} vs {want:?}",
+                pairs.len()
+            );
+            let listed: Vec<i32> = lists.iter().map(|l| l.len() as i32).collect();
+            assert_eq!(counts[..ranks], listed[..]);
+            assert_eq!(counts[ranks], 0);
+            for (row, &p) in lists.concat().iter().enumerate() {
+                assert_eq!(back_from[p], (row * width) as i64, "pair {p}");
+            }
+        }
+    }
+
+    /// A pair whose expert is not the model's is counted apart and moves nothing; the others
+    /// are packed as without it.
+    #[test]
+    fn pairs_of_no_expert_are_counted_and_skipped() {
+        let xs: Vec<Vec<f32>> = (0..4).map(|t| vec![t as f32; 3]).collect();
+        let ids = [1, -1, 5, 6, 2, i32::MAX, 0, 7];
+        let (send, back_from, counts) = pack((2, 3, 3), &xs, &ids, 2);
+        assert_eq!(counts, [3, 1, 4]);
+        for p in [1, 3, 5, 7] {
+            assert_eq!(back_from[p], -1, "pair {p}");
+        }
+        let kept: Vec<i32> = ids
+            .iter()
+            .copied()
+            .filter(|&e| (0..6).contains(&e))
+            .collect();
+        let (alone, ..) = pack((2, 3, 3), &xs, &kept, 1);
+        assert_eq!(send[..2 + 4 * 4], alone[..2 + 4 * 4]);
+    }
+
+    /// Only whole numbers naming a held expert become ids; everything else (fractions, NaN,
+    /// infinities, experts of other ranks) is -1.
+    #[test]
+    fn taken_ids_name_held_experts_only() {
+        let recv = [
+            3.0,
+            4.0,
+            5.0,
+            4.5,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            2.0,
+            -0.0,
+            6.0,
+            1e9,
+        ];
+        let at: Vec<i64> = (0..recv.len() as i64).rev().collect();
+        let mut ids = vec![9; recv.len()];
+        ep_take_ids(&recv, &at, (3, 3), &mut ids).unwrap();
+        ids.reverse();
+        assert_eq!(ids, [0, 1, 2, -1, -1, -1, -1, -1, -1, -1, -1]);
+        assert!(ep_take_ids(&recv, &[11], (3, 3), &mut ids).is_err());
+    }
+}
