@@ -209,6 +209,27 @@ impl Model {
         self.expert_parallel.clone()
     }
 
+    /// Fails every group this rank is part of (expert, head and expert-slice groups), so the
+    /// other ranks stop at once instead of waiting for this one.
+    pub fn fail_groups(&self, reason: &str) {
+        if let Some(ep) = self.expert_parallel() {
+            ep.fail(reason);
+        }
+        if let Some(sliced) = self.sliced_experts() {
+            sliced.fail(reason);
+        }
+        if let Some(tp) = self.tensor_parallel() {
+            tp.fail(reason);
+        }
+    }
+
+    /// [`Self::tensor_parallel`], shared: a device stepping this rank gathers over it too.
+    pub fn tensor_parallel_shared(
+        &self,
+    ) -> Option<std::sync::Arc<crate::parallel::tensor::TensorParallel>> {
+        self.tensor_parallel.clone()
+    }
+
     /// A step without tokens under expert parallelism: every MoE layer's exchanges with nothing
     /// to send, so the ranks that have tokens get their experts computed here. Without expert
     /// parallelism it does nothing.

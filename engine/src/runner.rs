@@ -333,8 +333,10 @@ pub fn start_with_backend(
             if rank == 0 {
                 *first_plan
                     .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                    Some(device_plan(device.as_ref(), group.ranks()));
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(device_plan(
+                    device.as_ref(),
+                    &group.parallel.describe_ranks(),
+                ));
             }
             Ok(device)
         };
@@ -440,7 +442,7 @@ fn start_decoding_on_device(
     // The device rounds K=V rows as the engine will store them.
     model.set_kv_storage(config.kv);
     let device = open_decode(&model, &config, 0)?;
-    let backend_plan = device_plan(device.as_ref(), 1);
+    let backend_plan = device_plan(device.as_ref(), "");
     let setup = move |engine: &mut Engine| {
         if decode_only {
             engine.set_decode_only();
@@ -460,17 +462,12 @@ fn start_decoding_on_device(
 /// group on its own).
 pub(crate) fn device_plan(
     device: &dyn crate::scheduler::StepDevice,
-    ranks: usize,
+    group: &str,
 ) -> crate::backend::BackendPlan {
     let what = if device.prompt_chunk() > 0 {
         "whole steps on the device"
     } else {
         "the whole decode step on the device"
-    };
-    let group = if ranks > 1 {
-        format!(", each of {ranks} expert-parallel ranks on its own")
-    } else {
-        String::new()
     };
     crate::backend::BackendPlan {
         backend: format!("{} ({what}{group})", device.name()),

@@ -89,6 +89,15 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
     // experts' pairs at every MoE layer: prompt chunks on the prefill side, decode steps on
     // the decode side.
     let on_devices = |n: &'static str| [ep(n), vec!["--backend", "emulated"]].concat();
+    // Tensor-parallel ranks on their (emulated) devices, each with half the heads, gathering
+    // the attention's output groups at every layer; the prefill side splits the experts too.
+    let tp_on_devices = |experts: bool| {
+        let mut flags = vec!["--tp", "2", "--backend", "emulated"];
+        if experts {
+            flags.extend(["--ep", "2"]);
+        }
+        flags
+    };
     // (prefill flags, decode flags, decode ranks holding requests apart, transport)
     for (prefill, decode, spread, transport) in [
         (vec![], ep("2"), 2, "tcp"),
@@ -98,6 +107,7 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
         // Every decode rank holds a copy of each request's state: written to each over UCX.
         (ep("2"), tp.clone(), 1, "ucx"),
         (tp.clone(), tp.clone(), 1, "tcp"),
+        (tp_on_devices(true), tp_on_devices(false), 1, "tcp"),
     ] {
         let (router, decode_worker, prefill_worker) = layout(&prefill, &decode, transport);
         let addr = router.addr("http");
@@ -153,14 +163,14 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
             );
         }
         // Its plan says where it stepped.
-        assert_eq!(
-            log.contains(
-                "emulated (the whole decode step on the device, each of 2 expert-parallel ranks \
-                 on its own)"
-            ),
-            decode.contains(&"emulated"),
-            "{log}"
-        );
+        let plan = if decode.contains(&"--tp") {
+            "emulated (the whole decode step on the device, 2 tensor-parallel ranks each with 1/2 \
+             of the heads)"
+        } else {
+            "emulated (the whole decode step on the device, each of 2 expert-parallel ranks on \
+             its own)"
+        };
+        assert_eq!(log.contains(plan), decode.contains(&"emulated"), "{log}");
         wait_idle(decode_worker.addr("grpc"), "decode");
         wait_idle(prefill_worker.addr("grpc"), "prefill");
     }

@@ -310,7 +310,8 @@ pub fn start_engine(
     // One rank without hybrid on a device runs whole steps there: decode tokens, and the
     // prompt chunks of an engine that computes prompts; so does each rank of an
     // expert-parallel group with data-parallel attention (its pairs exchanged at every MoE
-    // layer). Tensor-parallel attention and sliced experts keep the per-op path.
+    // layer) and of a tensor-parallel group (the attention's output groups gathered at every
+    // layer). Sliced experts keep the per-op path.
     let device_step = !hybrid && group.parallel.steps_whole_on_devices();
     let prompts = (!decode_only).then(|| prompt_chunk(&config));
     refuse_off_the_device_step(kind, step, (decode_only, device_step))?;
@@ -361,13 +362,12 @@ fn refuse_off_the_device_step(
     ];
     let (place, asked): (_, &[(bool, &str)]) = if decode_only {
         (
-            "the device decode step of a decode worker (one rank, or expert-parallel ranks)",
+            "the device decode step of a decode worker (one rank, or a group's ranks)",
             &decode,
         )
     } else {
         (
-            "the device step of an engine that computes prompts (one rank, or expert-parallel \
-             ranks)",
+            "the device step of an engine that computes prompts (one rank, or a group's ranks)",
             &prefill,
         )
     };

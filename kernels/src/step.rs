@@ -38,7 +38,7 @@ mod tests;
 
 use std::ops::Range;
 
-use engine::backend::LinearId;
+use engine::{backend::LinearId, config::ModelConfig};
 
 pub use crate::compose::{Proj, ShapeError};
 
@@ -377,6 +377,21 @@ pub trait StepOps {
         pairs: usize,
     ) -> Result<Self::Buf, Self::Error> {
         routed_here(self, layer, h, experts, (k, inter), pairs)
+    }
+    /// The query heads and output groups this rank computes: all of them, but on a rank of a
+    /// tensor-parallel group its share (`engine::parallel::tensor`).
+    fn head_share(&self, c: &ModelConfig) -> (Range<usize>, Range<usize>) {
+        (0..c.num_heads, 0..c.o_groups)
+    }
+    /// Every rank's output groups (`lows`: `[n, width]`, this rank's) joined per token in rank
+    /// order, the rows `wo_b` takes: `lows` itself on one rank.
+    fn gather_lows(
+        &self,
+        lows: Self::Buf,
+        _n: usize,
+        _width: usize,
+    ) -> Result<Self::Buf, Self::Error> {
+        Ok(lows)
     }
     /// Every token's MoE output: its `k` slot outputs `ys` (`[n * k, D]`) times their weights,
     /// summed in slot order, plus the shared expert's output.

@@ -169,15 +169,15 @@ pub struct WorkerSettings {
     /// How a prefill worker's device step attends for its prompt chunks: `exact` (the
     /// reference's bits) or `fast` (tensor cores over FP8 rows and for the indexer's scores,
     /// within stated bounds; needs `kv_cache_dtype` fp8 or bf16; the cuda or emulated backend, one
-    /// rank or expert-parallel ranks, without hybrid).
+    /// rank or a group's ranks, without sliced experts or hybrid).
     pub prefill_attention: PrefillAttention,
     /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears:
     /// `exact` (the reference's bits) or `fast` (the dense GEMM on tensor cores, within its
-    /// bound; the cuda or emulated backend, one rank or expert-parallel ranks, without hybrid).
+    /// bound; the cuda or emulated backend, one rank or a group's ranks, without hybrid).
     pub prefill_linears: PrefillLinears,
     /// How a prefill worker's device step runs its prompt chunks' routed experts: `exact` (the
     /// reference's bits) or `fast` (the grouped GEMM, within its bound; the cuda or emulated
-    /// backend, one rank or expert-parallel ranks, without hybrid).
+    /// backend, one rank or a group's ranks, without hybrid).
     pub prefill_experts: PrefillExperts,
     /// Attention tensor parallelism: ranks sharing each request's heads (every rank runs every
     /// request and holds a copy of its state; bit-identical to one rank). Experts are then
@@ -275,16 +275,17 @@ impl WorkerSettings {
                 "this binary was built without the CUDA backend (cargo feature `cuda`)",
             ));
         }
-        // The whole step on the device: one rank, or each rank of an expert-parallel group
-        // with data-parallel attention.
+        // The whole step on the device: one rank, or each rank of a tensor-parallel group or of
+        // an expert-parallel group with data-parallel attention.
         let device_step = self.device_step();
-        let expert_ranks = self.expert_parallel_size > 1;
+        let group = self.group_spec().ranks() > 1;
         if self.decode_attention == DecodeAttention::Fast {
             if !device_step {
                 return Err(Invalid::new(
                     "decode_attention",
                     "fast attention runs in the device decode step: backend cuda or emulated, \
-                     one rank or expert-parallel ranks with dp_attention, without hybrid",
+                     one rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
+                     dp_attention), without sliced experts or hybrid",
                 ));
             }
             if !matches!(self.kv_cache_dtype, KvCacheDtype::Fp8 | KvCacheDtype::Bf16) {
@@ -294,19 +295,20 @@ impl WorkerSettings {
                 ));
             }
         }
-        if self.decode_graphs && (!device_step || expert_ranks) {
+        if self.decode_graphs && (!device_step || group) {
             return Err(Invalid::new(
                 "decode_graphs",
                 "graphs replay the device decode step of one rank: backend cuda or emulated, \
-                 without hybrid (expert-parallel ranks exchange through the host at every MoE \
-                 layer)",
+                 without hybrid (a group's ranks wait for the host to size their exchanges at \
+                 every layer)",
             ));
         }
         if self.decode_experts == DecodeExperts::Fast && !device_step {
             return Err(Invalid::new(
                 "decode_experts",
                 "fast experts run in the device decode step: backend cuda or emulated, one \
-                 rank or expert-parallel ranks with dp_attention, without hybrid",
+                 rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
+                 dp_attention), without sliced experts or hybrid",
             ));
         }
         if self.prefill_attention == PrefillAttention::Fast {
@@ -314,7 +316,8 @@ impl WorkerSettings {
                 return Err(Invalid::new(
                     "prefill_attention",
                     "fast attention runs in the device step: backend cuda or emulated, one \
-                     rank or expert-parallel ranks with dp_attention, without hybrid",
+                     rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
+                     dp_attention), without sliced experts or hybrid",
                 ));
             }
             if !matches!(self.kv_cache_dtype, KvCacheDtype::Fp8 | KvCacheDtype::Bf16) {
@@ -328,21 +331,24 @@ impl WorkerSettings {
             return Err(Invalid::new(
                 "prefill_linears",
                 "fast linears run in the device step: backend cuda or emulated, one rank \
-                 or expert-parallel ranks with dp_attention, without hybrid",
+                 or a group (tensor-parallel ranks, or expert-parallel ranks with dp_attention), \
+                 without sliced experts or hybrid",
             ));
         }
         if self.prefill_experts == PrefillExperts::Fast && !device_step {
             return Err(Invalid::new(
                 "prefill_experts",
                 "fast experts run in the device step: backend cuda or emulated, one rank \
-                 or expert-parallel ranks with dp_attention, without hybrid",
+                 or a group (tensor-parallel ranks, or expert-parallel ranks with dp_attention), \
+                 without sliced experts or hybrid",
             ));
         }
         if self.decode_linears == DecodeLinears::Fast && !device_step {
             return Err(Invalid::new(
                 "decode_linears",
                 "fast linears run in the device decode step: backend cuda or emulated, one \
-                 rank or expert-parallel ranks with dp_attention, without hybrid",
+                 rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
+                 dp_attention), without sliced experts or hybrid",
             ));
         }
         self.check_group()?;
@@ -622,8 +628,9 @@ mod tests {
         settings.hybrid = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         settings.hybrid = false;
-        // Expert-parallel ranks with data-parallel attention step on their devices too; a
-        // tensor-parallel group does not, nor does it replay graphs.
+        // Expert-parallel ranks with data-parallel attention step on their devices too, and so
+        // do tensor-parallel ranks (experts whole or split over the same ranks); no group
+        // replays graphs, and sliced experts keep the per-op path.
         settings.expert_parallel_size = 2;
         settings.dp_attention = true;
         assert!(settings.validate().is_ok());
@@ -631,9 +638,15 @@ mod tests {
         let e = settings.validate().unwrap_err();
         assert_eq!(e.key, "decode_graphs", "{e:?}");
         settings.decode_graphs = false;
-        settings.expert_parallel_size = 1;
         settings.dp_attention = false;
         settings.tensor_parallel_size = 2;
+        assert!(settings.validate().is_ok());
+        settings.expert_parallel_size = 1;
+        assert!(settings.validate().is_ok());
+        settings.decode_graphs = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
+        settings.decode_graphs = false;
+        settings.moe_tensor_parallel = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
         assert_eq!(json["decode_attention"], "exact");

@@ -228,15 +228,7 @@ fn stop_serving(
     reason: &str,
 ) {
     tracing::error!(rank, %reason, "rank stops serving");
-    if let Some(ep) = engine.model().expert_parallel() {
-        ep.fail(reason);
-    }
-    if let Some(sliced) = engine.model().sliced_experts() {
-        sliced.fail(reason);
-    }
-    if let Some(tp) = engine.model().tensor_parallel() {
-        tp.fail(reason);
-    }
+    engine.model().fail_groups(reason);
     for event in engine.fail_all(reason) {
         subs.deliver(event);
     }

@@ -87,6 +87,12 @@ impl TensorParallel {
         Ok(out)
     }
 
+    /// This rank's collective, for one call of the group (a device's own gather of the
+    /// groups' outputs, `kernels::step::device_group`).
+    pub fn collective(&self) -> std::sync::MutexGuard<'_, Box<dyn Collective>> {
+        self.collective.lock()
+    }
+
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
         self.collective.fail(reason);

@@ -43,13 +43,27 @@ impl Parallel {
         self.tp.max(self.ep)
     }
 
-    /// Whether each rank can step whole steps on its own device: one rank, or ranks of expert
-    /// parallelism with data-parallel attention (each exchanging its routed experts' pairs).
-    /// Tensor-parallel attention and sliced experts keep the per-op path.
+    /// Whether each rank can step whole steps on its own device: one rank, ranks of expert
+    /// parallelism with data-parallel attention (each exchanging its routed experts' pairs),
+    /// or tensor-parallel ranks (each gathering the attention's output groups), their experts
+    /// whole or split among them. Sliced experts keep the per-op path.
     pub fn steps_whole_on_devices(&self) -> bool {
         let one = self.tp == 1 && self.ep == 1;
         let expert_ranks = self.ep > 1 && self.tp == 1 && !self.moe_tp && self.dp_attention;
-        one || expert_ranks
+        let head_ranks = self.tp > 1 && !self.moe_tp && (self.ep == 1 || self.ep == self.tp);
+        one || expert_ranks || head_ranks
+    }
+
+    /// The group as the device step's plan names it (none for one rank).
+    pub fn describe_ranks(&self) -> String {
+        match (self.tp, self.ep) {
+            (1, 1) => String::new(),
+            (1, ep) => format!(", each of {ep} expert-parallel ranks on its own"),
+            (tp, 1) => format!(", {tp} tensor-parallel ranks each with 1/{tp} of the heads"),
+            (tp, _) => format!(
+                ", {tp} tensor-parallel ranks each with 1/{tp} of the heads and of the experts"
+            ),
+        }
     }
 
     /// Whether `c` can be split so, with the reason when not.

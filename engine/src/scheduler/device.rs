@@ -190,6 +190,12 @@ pub trait StepDevice: Send + fmt::Debug {
         false
     }
 
+    /// Whether its steps compute a share of the attention heads and gather the output groups
+    /// over the tensor-parallel group of the model it was opened for (false by default).
+    fn tensor_parallel(&self) -> bool {
+        false
+    }
+
     /// A step with no sequences, for a rank of an expert-parallel group with nothing to
     /// step: it serves the other ranks' pairs of every layer's experts (their steps wait for
     /// it). Nothing to do by default.
@@ -224,12 +230,28 @@ impl Engine {
                 self.model.kv_rows()
             ));
         }
-        if self.model.tensor_parallel().is_some() || self.model.sliced_experts().is_some() {
+        if self.model.sliced_experts().is_some() {
             return refuse(
-                "a rank of a tensor-parallel or expert-sliced group steps with its group's \
+                "a rank of an expert-sliced group (moe_tensor_parallel) steps with its group's \
                  collectives on the host forward (hybrid = true)"
                     .to_owned(),
             );
+        }
+        if device.tensor_parallel() != self.model.tensor_parallel().is_some() {
+            return refuse(format!(
+                "it {} a share of the heads and this engine's model {} a rank of a \
+                 tensor-parallel group",
+                if device.tensor_parallel() {
+                    "computes"
+                } else {
+                    "does not compute"
+                },
+                if self.model.tensor_parallel().is_some() {
+                    "is"
+                } else {
+                    "is not"
+                },
+            ));
         }
         if device.expert_parallel() != self.model.expert_parallel().is_some() {
             return refuse(format!(
@@ -298,9 +320,7 @@ impl Engine {
         };
         if let Err(e) = d.device.idle_step() {
             tracing::error!(error = %e, "idle device step of an expert-parallel rank failed");
-            if let Some(ep) = self.model.expert_parallel() {
-                ep.fail(&format!("idle device step: {e}"));
-            }
+            self.model.fail_groups(&format!("idle device step: {e}"));
         }
     }
 
@@ -422,9 +442,7 @@ impl Engine {
             Err(e) => {
                 let e = StepError::Forward(format!("{name} decode step: {e}"));
                 // The group's other ranks may wait for this one's exchanges: they stop now.
-                if let Some(ep) = self.model.expert_parallel() {
-                    ep.fail(&e.to_string());
-                }
+                self.model.fail_groups(&e.to_string());
                 failed.extend(stepping.iter().map(|&i| (i, e.clone())));
                 return;
             }

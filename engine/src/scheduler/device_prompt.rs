@@ -93,9 +93,7 @@ impl Engine {
             Err(e) => {
                 let e = StepError::Forward(format!("{name} prompt step: {e}"));
                 // The group's other ranks may wait for this one's exchanges: they stop now.
-                if let Some(ep) = self.model.expert_parallel() {
-                    ep.fail(&e.to_string());
-                }
+                self.model.fail_groups(&e.to_string());
                 failed.extend(stepping.iter().map(|(i, ..)| (*i, e.clone())));
                 return emitted;
             }

@@ -406,7 +406,9 @@ fn attention<O: StepOps>(
     h: &O::Buf,
 ) -> Result<O::Buf, O::Error> {
     let n = seats.len();
-    let (d, hd, heads) = (c.hidden_size, c.head_dim, c.num_heads);
+    // A rank of a tensor-parallel group computes its share of the heads and output groups.
+    let (head_share, group_share) = ops.head_share(c);
+    let (d, hd, heads) = (c.hidden_size, c.head_dim, head_share.len());
     let kind = layout.layers[l].kind;
     let rope = if kind == Attention::Sliding {
         RopeKind::Main
@@ -417,7 +419,8 @@ fn attention<O: StepOps>(
     let lin = |id| Lin::Attn(l, id);
     let mut qr = project(ops, lin(LinearId::QA), 0..c.q_lora_rank, h, d, n)?;
     ops.norm_rope(&mut qr, &normed(c.q_lora_rank, Vector::QNorm(l)), n)?;
-    let mut q = project(ops, lin(LinearId::QB), 0..heads * hd, &qr, c.q_lora_rank, n)?;
+    let q_rows = head_share.start * hd..head_share.end * hd;
+    let mut q = project(ops, lin(LinearId::QB), q_rows, &qr, c.q_lora_rank, n)?;
     let rotated = |norm| RowOp {
         heads,
         head_dim: hd,
@@ -580,27 +583,28 @@ fn attention<O: StepOps>(
     };
     ops.norm_rope(&mut out, &back, n)?;
     // The grouped low-rank output projection: each group's heads to its block of `wo_a`.
-    let (groups, rank) = (c.o_groups, c.o_lora_rank);
-    let group_in = heads * hd / groups;
+    let (groups, rank) = (group_share.len(), c.o_lora_rank);
+    let group_in = c.num_heads * hd / c.o_groups;
     let mut lows = ops.alloc(n * groups * rank)?;
-    for g in 0..groups {
+    for (i, g) in group_share.enumerate() {
         ops.linear(
             lin(LinearId::OA),
             g * rank..(g + 1) * rank,
             &out,
             View {
                 stride: heads * hd,
-                start: g * group_in,
+                start: i * group_in,
             },
             &mut lows,
             View {
                 stride: groups * rank,
-                start: g * rank,
+                start: i * rank,
             },
             n,
         )?;
     }
-    project(ops, lin(LinearId::OB), 0..d, &lows, groups * rank, n)
+    let lows = ops.gather_lows(lows, n, groups * rank)?;
+    project(ops, lin(LinearId::OB), 0..d, &lows, c.o_groups * rank, n)
 }
 
 /// Layer `l`'s MoE for every token (`moe::forward_many`): `[n, D]`.

@@ -346,6 +346,10 @@ where
         self.ops.expert_parallel().is_some()
     }
 
+    fn tensor_parallel(&self) -> bool {
+        self.ops.tensor_parallel().is_some()
+    }
+
     fn idle_step(&mut self) -> Result<(), DeviceError> {
         self.ops.idle_exchange().map_err(DeviceError::device)
     }

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use engine::parallel::expert::ExpertParallel;
+use engine::parallel::{collective::Collective, expert::ExpertParallel, tensor::TensorParallel};
 
 use super::{
     StepOps,
@@ -21,7 +21,22 @@ use super::{
     kernels::{Kernels, SlotSpec},
 };
 
+/// A layer's dispatch messages on the device ([`DeviceStepOps::pack`]).
+struct Packed<K: Kernels> {
+    /// The messages, back to back by destination rank.
+    send: DBuf<K>,
+    /// Where each pair's output is in what the ranks send back.
+    back_from: K::L,
+    /// The pairs to each rank.
+    counts: Vec<usize>,
+}
+
 impl<K: Kernels> DeviceStepOps<K> {
+    /// The group this rank gathers the attention's output groups over, if any.
+    pub fn tensor_parallel(&self) -> Option<&Arc<TensorParallel>> {
+        self.tensor_parallel.as_ref()
+    }
+
     /// The group this rank exchanges its routed experts' pairs with, if any.
     pub fn expert_parallel(&self) -> Option<&Arc<ExpertParallel>> {
         self.expert_parallel.as_ref()
@@ -40,11 +55,52 @@ impl<K: Kernels> DeviceStepOps<K> {
         pairs: usize,
     ) -> Result<DBuf<K>, K::Error> {
         let d = self.config.hidden_size;
+        let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
+        let packed = self.pack(ep, (h, experts), (k, d), pairs)?;
+        let sizes: Vec<usize> = packed.counts.iter().map(|&c| 1 + c * (1 + d)).collect();
+        let (recv, got) = self
+            .exchange(ep.collective().as_mut(), &packed.send, &sizes)
+            .map_err(context)?;
+        // What each rank sent: [count, expert ids, rows], back to back.
+        let (mut id_at, mut row_at, mut from) = (Vec::new(), Vec::new(), Vec::new());
+        let mut base = 0;
+        for (source, &n) in got.iter().enumerate() {
+            if n == 0 || !(n - 1).is_multiple_of(1 + d) {
+                let e = format!("rank {source} sent {n} values, not inputs of width {d}");
+                return Err(context(e.into()).into());
+            }
+            let m = (n - 1) / (1 + d);
+            id_at.extend((0..m).map(|j| (base + 1 + j) as i64));
+            row_at.extend((0..m).map(|j| (base + 1 + m + j * d) as i64));
+            from.push(m);
+            base += n;
+        }
+        let ys = if id_at.is_empty() {
+            self.alloc(1)?
+        } else {
+            self.held_pairs(ep, layer, &recv, (&id_at, &row_at), inter)?
+        };
+        // The outputs back to their tokens' ranks, in the order each listed its pairs.
+        let sizes: Vec<usize> = from.iter().map(|&m| m * d).collect();
+        let (back, returned) = self
+            .exchange(ep.collective().as_mut(), &ys, &sizes)
+            .map_err(context)?;
+        self.unpack(&back, &returned, &packed, (layer, d), pairs)
+    }
+
+    /// A layer's dispatch messages packed on the device (`ep_slots`, then the rows by
+    /// `copy_rows`), with the messages' counts read back.
+    fn pack(
+        &self,
+        ep: &ExpertParallel,
+        (h, experts): (&DBuf<K>, &DIdx<K>),
+        (k, d): (usize, usize),
+        pairs: usize,
+    ) -> Result<Packed<K>, K::Error> {
         let (k, split) = (k.max(1), ep.split());
         let ranks = split.ranks();
-        let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
         if K::f_len(h) < pairs.div_ceil(k) * d || K::i_len(experts) < pairs {
-            return Err(context("buffers shorter than the pairs".to_owned().into()).into());
+            return Err(format!("{pairs} pairs of {k} per token outside their buffers").into());
         }
         let spec = SlotSpec {
             ranks,
@@ -65,59 +121,40 @@ impl<K: Kernels> DeviceStepOps<K> {
             self.k.copy_rows(h, &from, &mut send, &pack_to, d, pairs)?;
         }
         let counts = self.get_idx(&counts, 0..ranks + 1)?;
-        let sent: Vec<usize> = counts
+        let mut counts: Vec<usize> = counts
             .iter()
             .map(|&c| usize::try_from(c).unwrap_or(usize::MAX))
             .collect();
-        if sent[ranks] != 0 || sent[..ranks].iter().sum::<usize>() != pairs {
+        let invalid = counts.pop().unwrap_or(usize::MAX);
+        if invalid != 0 || counts.iter().sum::<usize>() != pairs {
             return Err(format!(
-                "layer {layer}: {} of {pairs} routed pairs name no expert of the model's {}",
-                counts[ranks],
+                "{invalid} of {pairs} routed pairs name no expert of the model's {}",
                 split.experts()
             )
             .into());
         }
-        let sizes: Vec<usize> = sent[..ranks].iter().map(|&c| 1 + c * (1 + d)).collect();
-        let (recv, got) = self.exchange(ep, &send, &sizes).map_err(context)?;
-        // What each rank sent: [count, expert ids, rows], back to back.
-        let (mut id_at, mut row_at, mut from) = (Vec::new(), Vec::new(), Vec::new());
-        let mut base = 0;
-        for (source, &n) in got.iter().enumerate() {
-            if n == 0 || !(n - 1).is_multiple_of(1 + d) {
-                return Err(context(
-                    format!("rank {source} sent {n} values, not inputs of width {d}").into(),
-                )
-                .into());
-            }
-            let m = (n - 1) / (1 + d);
-            id_at.extend((0..m).map(|j| (base + 1 + j) as i64));
-            row_at.extend((0..m).map(|j| (base + 1 + m + j * d) as i64));
-            from.push(m);
-            base += n;
-        }
-        let m = id_at.len();
-        let ys = if m == 0 {
-            self.alloc(1)?
-        } else {
-            let held = split.held_by(ep.rank());
-            let mut ids = self.alloc_i(m)?;
-            let at = self.plan_l(&id_at)?;
-            self.k
-                .ep_take_ids(&recv, &at, (held.start, held.len()), m, &mut ids)?;
-            let mut x = self.alloc(m * d)?;
-            self.copy_rows(&recv, &row_at, &mut x, &offsets(m, d, 0), d)?;
-            super::routed_here(self, layer, &x, &ids, (1, inter), m)?
-        };
-        // The outputs back to their tokens' ranks, in the order each listed its pairs.
-        let sizes: Vec<usize> = from.iter().map(|&m| m * d).collect();
-        let (back, returned) = self.exchange(ep, &ys, &sizes).map_err(context)?;
-        if let Some(owner) = (0..ranks).find(|&r| returned[r] != sent[r] * d) {
-            return Err(context(
-                format!(
-                    "rank {owner} returned {} values for {} outputs of width {d}",
-                    returned[owner], sent[owner]
-                )
-                .into(),
+        Ok(Packed {
+            send,
+            back_from,
+            counts,
+        })
+    }
+
+    /// The outputs that came back (`back`, `returned[r]` values from rank `r`) into pair
+    /// order: `[pairs, D]`.
+    fn unpack(
+        &self,
+        back: &K::F,
+        returned: &[usize],
+        packed: &Packed<K>,
+        (layer, d): (usize, usize),
+        pairs: usize,
+    ) -> Result<DBuf<K>, K::Error> {
+        if let Some(owner) = (0..packed.counts.len()).find(|&r| returned[r] != packed.counts[r] * d)
+        {
+            return Err(format!(
+                "layer {layer}: rank {owner} returned {} values for {} outputs of width {d}",
+                returned[owner], packed.counts[owner]
             )
             .into());
         }
@@ -125,21 +162,128 @@ impl<K: Kernels> DeviceStepOps<K> {
         if pairs > 0 {
             let to = self.plan_l(&offsets(pairs, d, 0))?;
             self.k
-                .copy_rows(&back, &back_from, &mut out, &to, d, pairs)?;
+                .copy_rows(back, &packed.back_from, &mut out, &to, d, pairs)?;
         }
         Ok(out)
     }
 
-    /// [`Kernels::exchange`] over the group's collective, with what failed said.
-    fn exchange(
+    /// [`StepOps::routed_experts`] on a rank of an expert-parallel group whose ranks hold the
+    /// same tokens and pairs (tensor-parallel attention): each rank computes the pairs of the
+    /// experts it holds, from its own copy of their inputs, and the ranks all-gather the
+    /// outputs, which `ep_slots`' offsets put back into pair order. The host forward's
+    /// `routed_replicated` splits the pairs differently; every product is the same row.
+    pub(super) fn routed_replicated(
         &self,
         ep: &ExpertParallel,
+        layer: usize,
+        h: &DBuf<K>,
+        experts: &DIdx<K>,
+        (k, inter): (usize, usize),
+        pairs: usize,
+    ) -> Result<DBuf<K>, K::Error> {
+        let d = self.config.hidden_size;
+        let (k, split, me) = (k.max(1), ep.split(), ep.rank());
+        let ranks = split.ranks();
+        let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
+        let packed = self.pack(ep, (h, experts), (k, d), pairs)?;
+        let sent = &packed.counts;
+        // This rank's message (to itself): [count, expert ids, rows].
+        let start: usize = sent[..me].iter().map(|&c| 1 + c * (1 + d)).sum();
+        let m = sent[me];
+        let ys = if m == 0 {
+            self.alloc(1)?
+        } else {
+            let id_at: Vec<i64> = (0..m).map(|j| (start + 1 + j) as i64).collect();
+            let row_at: Vec<i64> = (0..m).map(|j| (start + 1 + m + j * d) as i64).collect();
+            self.held_pairs(ep, layer, &packed.send, (&id_at, &row_at), inter)?
+        };
+        // Every rank's outputs to every rank.
+        let mut copies = self.alloc((ranks * m * d).max(1))?;
+        let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(m, d, 0)).collect();
+        self.copy_rows(&ys, &from, &mut copies, &offsets(ranks * m, d, 0), d)?;
+        let (back, returned) = self
+            .exchange(ep.collective().as_mut(), &copies, &vec![m * d; ranks])
+            .map_err(context)?;
+        self.unpack(&back, &returned, &packed, (layer, d), pairs)
+    }
+
+    /// The outputs of the pairs of `received` (ids at `at.0`, rows at `at.1`) through this
+    /// rank's experts: `[m, D]`.
+    fn held_pairs(
+        &self,
+        ep: &ExpertParallel,
+        layer: usize,
+        received: &K::F,
+        (id_at, row_at): (&[i64], &[i64]),
+        inter: usize,
+    ) -> Result<DBuf<K>, K::Error> {
+        let (d, m) = (self.config.hidden_size, id_at.len());
+        let held = ep.split().held_by(ep.rank());
+        let mut ids = self.alloc_i(m)?;
+        let at = self.plan_l(id_at)?;
+        self.k
+            .ep_take_ids(received, &at, (held.start, held.len()), m, &mut ids)?;
+        let mut x = self.alloc(m * d)?;
+        self.copy_rows(received, row_at, &mut x, &offsets(m, d, 0), d)?;
+        super::routed_here(self, layer, &x, &ids, (1, inter), m)
+    }
+
+    /// [`StepOps::gather_lows`] over the tensor-parallel group `tp`: this rank's groups'
+    /// outputs (`[n, width]`) to every rank, every rank's joined per token in rank order.
+    pub(super) fn gather_in_group(
+        &self,
+        tp: &TensorParallel,
+        lows: &DBuf<K>,
+        n: usize,
+        width: usize,
+    ) -> Result<DBuf<K>, K::Error> {
+        let ranks = tp.size();
+        let part = n * width;
+        let mut copies = self.alloc((ranks * part).max(1))?;
+        if part > 0 {
+            let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(n, width, 0)).collect();
+            self.copy_rows(
+                lows,
+                &from,
+                &mut copies,
+                &offsets(ranks * n, width, 0),
+                width,
+            )?;
+        }
+        let (recv, got) = self
+            .exchange(tp.collective().as_mut(), &copies, &vec![part; ranks])
+            .map_err(|e| format!("the attention's output groups over the group: {e}"))?;
+        if got.iter().any(|&g| g != part) {
+            return Err(format!(
+                "the attention's output groups over the group: {got:?} values, not {part} each"
+            )
+            .into());
+        }
+        let mut joined = self.alloc((ranks * part).max(1))?;
+        if part > 0 {
+            let (from, to): (Vec<i64>, Vec<i64>) = (0..ranks)
+                .flat_map(|r| (0..n).map(move |t| (r, t)))
+                .map(|(r, t)| {
+                    (
+                        (r * part + t * width) as i64,
+                        ((t * ranks + r) * width) as i64,
+                    )
+                })
+                .unzip();
+            self.copy_rows(&recv, &from, &mut joined, &to, width)?;
+        }
+        Ok(joined)
+    }
+
+    /// [`Kernels::exchange`] over the group's collective, with what failed said.    /// [`Kernels::exchange`] over the group's collective, with what failed said.
+    fn exchange(
+        &self,
+        coll: &mut dyn Collective,
         send: &K::F,
         sizes: &[usize],
     ) -> Result<(K::F, Vec<usize>), K::Error> {
-        let mut coll = ep.collective();
         let ranks = coll.size();
-        let (recv, got) = self.k.exchange(coll.as_mut(), send, sizes)?;
+        let (recv, got) = self.k.exchange(coll, send, sizes)?;
         if got.len() != ranks {
             return Err(format!("{} messages from a group of {ranks}", got.len()).into());
         }
@@ -149,7 +293,12 @@ impl<K: Kernels> DeviceStepOps<K> {
     /// A step with no tokens on a rank of an expert-parallel group: every layer's exchange,
     /// computing the pairs the other ranks send (nothing to do without a group).
     pub fn idle_exchange(&self) -> Result<(), K::Error> {
-        let Some(ep) = self.expert_parallel.as_deref() else {
+        // Under tensor parallelism every rank steps every request: all idle at once.
+        let Some(ep) = self
+            .expert_parallel
+            .as_deref()
+            .filter(|_| self.tensor_parallel.is_none())
+        else {
             return Ok(());
         };
         self.begin_step();

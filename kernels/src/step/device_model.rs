@@ -136,7 +136,15 @@ impl<K: Kernels> DeviceModel<K> {
                     compressors.insert((l, c), compressor(k, cw)?);
                 }
             }
-            sinks.push(k.upload(&a.sink)?);
+            // A rank of a tensor-parallel group attends over its share of the heads.
+            let sink = match model.tensor_parallel() {
+                Some(tp) => a
+                    .sink
+                    .get(tp.heads())
+                    .ok_or_else(|| format!("layer {l}: {} sinks", a.sink.len()))?,
+                None => &a.sink,
+            };
+            sinks.push(k.upload(sink)?);
             let e = layer
                 .moe
                 .experts

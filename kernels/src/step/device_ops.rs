@@ -55,6 +55,9 @@ pub struct DeviceStepOps<K: Kernels> {
     /// The expert-parallel group of the model's rank, whose routed experts' pairs every step
     /// exchanges (`device_group`); the device holds this rank's experts only.
     pub(super) expert_parallel: Option<Arc<engine::parallel::expert::ExpertParallel>>,
+    /// The tensor-parallel group of the model's rank: the step computes its share of the
+    /// heads and output groups and gathers the groups' outputs over it (`device_group`).
+    pub(super) tensor_parallel: Option<Arc<engine::parallel::tensor::TensorParallel>>,
 }
 
 /// The kernel that runs the routed experts' (token, expert) pairs.
@@ -489,7 +492,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         chosen: Option<(&DIdx<K>, usize)>,
     ) -> Result<DBuf<K>, K::Error> {
         let c = &self.config;
-        let (heads, hd, n) = (c.num_heads, c.head_dim, keys.len());
+        let (heads, hd, n) = (self.head_share(c).0.len(), c.head_dim, keys.len());
         let mut out = self.alloc(n * heads * hd)?;
         if n == 0 {
             return Ok(out);
@@ -589,9 +592,24 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         widths: (usize, usize),
         pairs: usize,
     ) -> Result<DBuf<K>, K::Error> {
-        match self.expert_parallel.as_deref() {
-            Some(ep) => self.routed_in_group(ep, layer, h, experts, widths, pairs),
-            None => super::routed_here(self, layer, h, experts, widths, pairs),
+        match (self.expert_parallel.as_deref(), &self.tensor_parallel) {
+            (Some(ep), None) => self.routed_in_group(ep, layer, h, experts, widths, pairs),
+            (Some(ep), Some(_)) => self.routed_replicated(ep, layer, h, experts, widths, pairs),
+            (None, _) => super::routed_here(self, layer, h, experts, widths, pairs),
+        }
+    }
+
+    fn head_share(&self, c: &ModelConfig) -> (Range<usize>, Range<usize>) {
+        match &self.tensor_parallel {
+            Some(tp) => (tp.heads(), tp.groups()),
+            None => (0..c.num_heads, 0..c.o_groups),
+        }
+    }
+
+    fn gather_lows(&self, lows: DBuf<K>, n: usize, width: usize) -> Result<DBuf<K>, K::Error> {
+        match self.tensor_parallel.as_deref() {
+            Some(tp) => self.gather_in_group(tp, &lows, n, width),
+            None => Ok(lows),
         }
     }
 

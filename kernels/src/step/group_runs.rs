@@ -11,8 +11,9 @@ use std::{collections::BTreeMap, path::Path, sync::Arc, thread, time::Duration};
 use engine::{
     model::Model,
     parallel::{
-        collective::{Collective, InProcessGroup},
+        collective::{Collective, InProcessGroup, InProcessRank},
         expert::ExpertParallel,
+        tensor::TensorParallel,
     },
     sampling::{SamplingParams, StopConditions},
     scheduler::{Engine, EngineConfig, Event, GenerationRequest, StepDevice},
@@ -77,6 +78,15 @@ pub fn one_rank(dir: &Path) -> Result<BTreeMap<u64, Vec<Event>>, String> {
 /// Opens rank `r`'s step device for its model (a rank of an expert-parallel group).
 pub type OpenRank<'a> = dyn Fn(&Model, usize) -> Result<Box<dyn StepDevice>, String> + Sync + 'a;
 
+/// How a group splits the model: by experts with each rank stepping its own requests
+/// (`--ep N --dp-attention`), or by attention heads with every rank stepping every request
+/// (`--tp N`), its experts whole on each rank or split among them too (`--tp N --ep N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Experts,
+    Heads { experts: bool },
+}
+
 /// [`requests`] over `ranks` expert-parallel ranks of the checkpoint at `dir` (request `i` on
 /// rank `i % ranks`), each stepping on the device `open` opens for it, by request.
 pub fn on_ranks(
@@ -84,18 +94,34 @@ pub fn on_ranks(
     ranks: usize,
     open: &OpenRank<'_>,
 ) -> Result<BTreeMap<u64, Vec<Event>>, String> {
+    on_group(dir, (ranks, Split::Experts), open)
+}
+
+/// [`requests`] over `ranks` ranks of the checkpoint at `dir` split as `split` says, each
+/// stepping on the device `open` opens for it, by request (under a split by heads, every
+/// rank's events, which must agree).
+pub fn on_group(
+    dir: &Path,
+    (ranks, split): (usize, Split),
+    open: &OpenRank<'_>,
+) -> Result<BTreeMap<u64, Vec<Event>>, String> {
     let experts = Model::load(dir)
         .map_err(|e| e.to_string())?
         .config
         .n_routed_experts;
-    let group = InProcessGroup::new(ranks, Duration::from_secs(30));
+    let group = || InProcessGroup::new(ranks, Duration::from_secs(30));
+    let (expert_ranks, head_ranks) = (group(), group());
     // The ranks agree before each step whether any of them has work.
-    let control = InProcessGroup::new(ranks, Duration::from_secs(30));
+    let control = group();
     let got: Vec<Result<Vec<Event>, String>> = thread::scope(|s| {
-        let handles: Vec<_> = group
+        let handles: Vec<_> = expert_ranks
             .into_iter()
+            .zip(head_ranks)
             .zip(control)
-            .map(|(rank, control)| s.spawn(move || rank_run(dir, (rank, control), experts, open)))
+            .map(|((ep, tp), control)| {
+                let links = RankLinks { ep, tp, control };
+                s.spawn(move || rank_run(dir, links, (experts, split), open))
+            })
             .collect();
         handles
             .into_iter()
@@ -106,39 +132,63 @@ pub fn on_ranks(
             .collect()
     });
     let events = got.into_iter().collect::<Result<Vec<_>, _>>()?;
-    Ok(Event::by_request(&events.concat()))
+    if split == Split::Experts {
+        return Ok(Event::by_request(&events.concat()));
+    }
+    let first = Event::by_request(&events[0]);
+    for (r, e) in events.iter().enumerate().skip(1) {
+        if Event::by_request(e) != first {
+            return Err(format!("rank {r}'s events differ from rank 0's"));
+        }
+    }
+    Ok(first)
 }
 
-/// One rank of [`on_ranks`]: its engine over its device, stepping in lockstep with the others.
+/// A rank's links to the others: its expert and head groups' and the step vote's.
+struct RankLinks {
+    ep: InProcessRank,
+    tp: InProcessRank,
+    control: InProcessRank,
+}
+
+/// One rank of [`on_group`]: its engine over its device, stepping in lockstep with the others.
 fn rank_run(
     dir: &Path,
-    (rank, mut control): (engine::parallel::collective::InProcessRank, impl Collective),
-    experts: usize,
+    RankLinks {
+        ep: rank,
+        tp,
+        mut control,
+    }: RankLinks,
+    (experts, split): (usize, Split),
     open: &OpenRank<'_>,
 ) -> Result<Vec<Event>, String> {
     let me = rank.rank();
     let ranks = rank.size();
     let mut model = Model::load(dir).map_err(|e| e.to_string())?;
-    let ep = ExpertParallel::new(Box::new(rank), experts)?;
-    // This rank's copies of the other ranks' experts are wrong on purpose: only the experts
-    // it holds may be used here.
-    let held = ep.split().held_by(me);
-    for layer in &mut model.weights.layers {
-        let stand_in = layer.moe.experts[held.start].clone();
-        for (e, expert) in layer.moe.experts.iter_mut().enumerate() {
-            if !held.contains(&e) {
-                *expert = stand_in.clone();
+    if matches!(split, Split::Experts | Split::Heads { experts: true }) {
+        let ep = ExpertParallel::new(Box::new(rank), experts)?;
+        // This rank's copies of the other ranks' experts are wrong on purpose: only the
+        // experts it holds may be used here.
+        let held = ep.split().held_by(me);
+        for layer in &mut model.weights.layers {
+            let stand_in = layer.moe.experts[held.start].clone();
+            for (e, expert) in layer.moe.experts.iter_mut().enumerate() {
+                if !held.contains(&e) {
+                    *expert = stand_in.clone();
+                }
             }
         }
+        model.set_expert_parallel(Arc::new(ep));
     }
-    model.set_expert_parallel(Arc::new(ep));
+    if matches!(split, Split::Heads { .. }) {
+        let tp = TensorParallel::new(Box::new(tp), &model.config)?;
+        model.set_tensor_parallel(Arc::new(tp));
+    }
     let mut engine = Engine::new(model, config(), "ep").map_err(|e| e.to_string())?;
     let device = open(engine.model(), me)?;
     engine.set_step_device(device).map_err(|e| e.to_string())?;
-    for r in requests()
-        .into_iter()
-        .filter(|r| r.id as usize % ranks == me)
-    {
+    let mine = |id: u64| split != Split::Experts || id as usize % ranks == me;
+    for r in requests().into_iter().filter(|r| mine(r.id)) {
         engine.add(r).map_err(|e| e.to_string())?;
     }
     // Its own compute pool, as a worker's ranks have: on the shared global pool one rank's

@@ -167,11 +167,12 @@ fn gpu_graph_steps_give_the_eager_steps_bits() {
 /// Expert-parallel ranks stepping on the GPU (`device_group`), both ranks on this one GPU with
 /// their own contexts' streams and the in-process collectives: every request's events equal
 /// the one-rank host engine's (each rank holds half of every layer's experts, its copies of
-/// the others' wrong on purpose), with prompts on the GPU and on the host. The same run over
-/// the kernels' references is CI's (`step::tests::group`).
+/// the others' wrong on purpose), with prompts on the GPU and on the host; and so do
+/// tensor-parallel ranks (half the heads each). The same runs over the kernels' references are
+/// CI's (`step::tests::group`).
 #[test]
 fn gpu_expert_parallel_ranks_give_the_one_rank_events() {
-    use kernels::step::group_runs::{on_ranks, one_rank, slot_tokens};
+    use kernels::step::group_runs::{Split, on_group, on_ranks, one_rank, slot_tokens};
     let Some(gpu) = Gpu::for_test("gpu_expert_parallel_ranks_give_the_one_rank_events") else {
         return;
     };
@@ -204,5 +205,11 @@ fn gpu_expert_parallel_ranks_give_the_one_rank_events() {
         };
         let got = on_ranks(dir.path(), 2, &open).unwrap();
         assert_eq!(got, want, "2 ranks on one GPU, prompt chunks of {chunk}");
+        // Tensor-parallel ranks: half the heads each, experts whole or split between them.
+        for experts in [false, true] {
+            let split = Split::Heads { experts };
+            let got = on_group(dir.path(), (2, split), &open).unwrap();
+            assert_eq!(got, want, "{split:?} on one GPU, prompt chunks of {chunk}");
+        }
     }
 }

@@ -80,7 +80,8 @@ pub enum PrefillExperts {
 
 impl super::WorkerSettings {
     /// Whether the worker's steps run whole on its devices: backend cuda or emulated without
-    /// hybrid, one rank or each rank of an expert-parallel group with data-parallel attention.
+    /// hybrid, one rank or each rank of a tensor-parallel group or of an expert-parallel group
+    /// with data-parallel attention (not sliced experts).
     pub fn device_step(&self) -> bool {
         self.backend != kernels::backend::BackendKind::Cpu
             && !self.hybrid
@@ -166,8 +167,12 @@ mod tests {
         s.hybrid = true;
         assert_eq!(s.fast_kernels(), vec!["hybrid"]);
         s.hybrid = false;
+        // Tensor-parallel ranks step on their devices too (exact); sliced experts do not.
         s.tensor_parallel_size = 2;
-        assert_eq!(s.fast_kernels(), vec!["hybrid"]);
+        assert!(s.device_step() && s.fast_kernels().is_empty());
+        s.moe_tensor_parallel = true;
+        assert_eq!(s.fast_kernels(), vec!["moe_tensor_parallel", "hybrid"]);
+        s.moe_tensor_parallel = false;
         s.tensor_parallel_size = 1;
         s.expert_parallel_size = 2;
         s.dp_attention = true;

@@ -6,6 +6,7 @@ use std::{cell::RefCell, sync::Arc};
 use engine::{model::Model, rope::Rope};
 
 use super::{DIdx, DeviceStepOps, ExpertKernel, Plans, ROTATIONS_KEPT};
+use crate::step::StepOps as _;
 use crate::{
     rows::sin_cos_table,
     step::{
@@ -41,6 +42,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             experts: ExpertKernel::Exact,
             fast_linears: false,
             expert_parallel: model.expert_parallel_shared(),
+            tensor_parallel: model.tensor_parallel_shared(),
         })
     }
 
@@ -60,8 +62,8 @@ impl<K: Kernels> DeviceStepOps<K> {
             );
         };
         // The kernel's own shape check, here once rather than at the first step.
-        crate::step::kernels::fast_attention_shape(self.config.num_heads, (nope, rope), 1.0)
-            .check()?;
+        let heads = self.head_share(&self.config).0.len();
+        crate::step::kernels::fast_attention_shape(heads, (nope, rope), 1.0).check()?;
         let (heads, dim) = (self.config.index_n_heads, self.config.index_head_dim);
         if heads > 0 {
             crate::indexer_mma::check_shape(heads, dim)?;

@@ -14,7 +14,7 @@ use engine::{
 use crate::step::{
     decoder::StepDecoder,
     emulated::EmulatedKernels,
-    group_runs::{on_ranks, one_rank, slot_tokens},
+    group_runs::{Split, on_group, on_ranks, one_rank, slot_tokens},
 };
 
 fn checkpoint() -> tempfile::TempDir {
@@ -66,6 +66,24 @@ fn expert_parallel_ranks_on_their_devices_give_the_one_rank_events() {
         };
         let got = on_ranks(dir.path(), ranks, &open).unwrap();
         assert_eq!(got, want, "{ranks} ranks, prompt chunks of {chunk}");
+    }
+}
+
+/// Two tensor-parallel ranks on their devices, each computing half the heads and output groups
+/// and gathering the groups' outputs, the experts whole on each rank or split between them
+/// (each computing its experts' pairs of the tokens both hold): every rank's events equal the
+/// one-rank host engine's, prompts on the device and on the host.
+#[test]
+fn tensor_parallel_ranks_on_their_devices_give_the_one_rank_events() {
+    let dir = checkpoint();
+    let want = one_rank(dir.path()).unwrap();
+    for (experts, chunk) in [(false, 16usize), (true, 7), (true, 0)] {
+        let open = |model: &Model, _rank: usize| {
+            Ok(Box::new(emulated(model, chunk)?) as Box<dyn StepDevice>)
+        };
+        let split = Split::Heads { experts };
+        let got = on_group(dir.path(), (2, split), &open).unwrap();
+        assert_eq!(got, want, "{split:?}, prompt chunks of {chunk}");
     }
 }
 
