@@ -128,6 +128,41 @@ impl NcclRank {
         self.abort(format!("{op}: {e:?}"))
     }
 
+    /// Posts each of `sends` (its peer, buffer and range) and a receive into each of
+    /// `incoming` (its peer, buffer) as one NCCL group, then waits (at most the timeout) for
+    /// them.
+    fn send_receive(
+        &mut self,
+        sends: &[(usize, &CudaSlice<f32>, std::ops::Range<usize>)],
+        incoming: &mut [(usize, CudaSlice<f32>)],
+    ) -> Result<(), CollectiveError> {
+        let posted = {
+            let comm = self.failure("exchange")?;
+            let mut group = comm.group();
+            let mut posted = Ok(());
+            for (peer, buffer, range) in sends {
+                if posted.is_ok() {
+                    posted = group
+                        .send(buffer.slice(range.clone()), *peer as i32)
+                        .map_err(|e| format!("{e:?}"));
+                }
+            }
+            for (peer, buffer) in incoming.iter_mut() {
+                if posted.is_ok() {
+                    posted = group
+                        .recv(buffer.slice_mut(..), *peer as i32)
+                        .map(|_| ())
+                        .map_err(|e| format!("{e:?}"));
+                }
+            }
+            posted
+        };
+        if let Err(e) = posted {
+            return Err(self.abort(format!("exchange: {e}")));
+        }
+        self.wait("exchange")
+    }
+
     /// Every rank's `sizes` row (`size` entries each), by rank.
     fn gather_sizes(&mut self, sizes: &[u64]) -> Result<Vec<Vec<u64>>, CollectiveError> {
         let n = self.size;
@@ -195,30 +230,11 @@ impl NcclRank {
             incoming.push((peer, buffer));
         }
         // cudarc orders the views' streams: the sends after the step's writes.
-        let posted = {
-            let comm = self.failure("exchange")?;
-            let mut group = comm.group();
-            let mut posted = Ok(());
-            for peer in (0..self.size).filter(|&p| p != me && sizes[p] > 0) {
-                if posted.is_ok() {
-                    let part = send.slice(starts[peer]..starts[peer] + sizes[peer]);
-                    posted = group.send(part, peer as i32).map_err(|e| format!("{e:?}"));
-                }
-            }
-            for (peer, buffer) in &mut incoming {
-                if posted.is_ok() {
-                    posted = group
-                        .recv(buffer.slice_mut(..), *peer as i32)
-                        .map(|_| ())
-                        .map_err(|e| format!("{e:?}"));
-                }
-            }
-            posted
-        };
-        if let Err(e) = posted {
-            return Err(self.abort(format!("exchange: {e}")));
-        }
-        self.wait("exchange")?;
+        let sends: Vec<_> = (0..self.size)
+            .filter(|&p| p != me && sizes[p] > 0)
+            .map(|p| (p, send, starts[p]..starts[p] + sizes[p]))
+            .collect();
+        self.send_receive(&sends, &mut incoming)?;
         // Back to back by source on the step's stream (its own part straight from `send`).
         let mut recv = stream
             .alloc_zeros::<f32>(from.iter().sum::<usize>().max(1))
@@ -283,31 +299,11 @@ impl Collective for NcclRank {
                 incoming.push((peer, buffer));
             }
         }
-        let posted = {
-            let comm = self.failure("exchange")?;
-            let mut group = comm.group();
-            let mut posted = Ok(());
-            for (peer, buffer) in &outgoing {
-                if posted.is_ok() {
-                    posted = group
-                        .send(buffer.slice(..), *peer as i32)
-                        .map_err(|e| format!("{e:?}"));
-                }
-            }
-            for (peer, buffer) in &mut incoming {
-                if posted.is_ok() {
-                    posted = group
-                        .recv(buffer.slice_mut(..), *peer as i32)
-                        .map(|_| ())
-                        .map_err(|e| format!("{e:?}"));
-                }
-            }
-            posted
-        };
-        if let Err(e) = posted {
-            return Err(self.abort(format!("exchange: {e}")));
-        }
-        self.wait("exchange")?;
+        let sends: Vec<_> = outgoing
+            .iter()
+            .map(|(peer, buffer)| (*peer, buffer, 0..buffer.len()))
+            .collect();
+        self.send_receive(&sends, &mut incoming)?;
         for (peer, buffer) in &incoming {
             out[*peer] = stream
                 .clone_dtoh(buffer)
@@ -337,7 +333,7 @@ mod tests {
     use super::*;
 
     /// Every rank sends rank-and-destination-tagged rows of ragged sizes to every rank, as the
-    /// in-process group's tests do; needs 2 or more GPUs (skips with fewer, fails under
+    /// in-process group's tests do, from host rows and GPU to GPU; needs 2 or more GPUs (skips with fewer, fails under
     /// PDSERVE_REQUIRE_GPU=1 without any).
     #[test]
     fn a_group_over_the_visible_gpus_exchanges_like_the_in_process_one() {
@@ -358,14 +354,25 @@ mod tests {
                 .map(|mut rank| {
                     s.spawn(move || {
                         let me = rank.rank();
-                        let sends = (0..rank.size())
+                        let sends: Vec<Vec<f32>> = (0..rank.size())
                             .map(|to| {
                                 (0..(me * 3 + to) % 5)
                                     .map(|i| (me * 100 + to * 10 + i) as f32)
                                     .collect()
                             })
                             .collect();
-                        rank.exchange(sends).unwrap()
+                        let host = rank.exchange(sends.clone()).unwrap();
+                        // The same messages GPU to GPU: one buffer of them, back to back.
+                        let stream = Arc::clone(&rank.stream);
+                        let sizes: Vec<usize> = sends.iter().map(Vec::len).collect();
+                        let flat: Vec<f32> = sends.concat();
+                        let send = stream.clone_htod(&[flat, vec![-1.0]].concat()).unwrap();
+                        let (recv, got) = rank.exchange_device(&stream, &send, &sizes).unwrap();
+                        let values = stream.clone_dtoh(&recv).unwrap();
+                        let lens: Vec<usize> = host.iter().map(Vec::len).collect();
+                        assert_eq!(got, lens, "rank {me}'s sizes GPU to GPU");
+                        assert_eq!(values[..got.iter().sum::<usize>()], host.concat()[..]);
+                        host
                     })
                 })
                 .collect();
