@@ -454,7 +454,7 @@ fn workers_on_the_emulated_device_answer_as_the_engine() {
     prefill.terminate();
     let log = prefill.stderr();
     assert!(
-        log.contains("emulated, prompt chunks of 16 (whole steps on the device)"),
+        log.contains("emulated, prompt chunks of 256 (whole steps on the device)"),
         "{log}"
     );
 
@@ -522,7 +522,7 @@ fn fast_decode_attention_keeps_the_exact_attentions_greedy_answers() {
             let log = prefill.stderr();
             assert!(
                 log.contains(
-                    "emulated, prompt chunks of 16, fast attention, fast linears, GEMM experts \
+                    "emulated, prompt chunks of 256, fast attention, fast linears, GEMM experts \
                      (whole steps on the device)"
                 ),
                 "{log}"

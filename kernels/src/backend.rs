@@ -313,7 +313,7 @@ pub fn start_engine(
     // layer) and of a tensor-parallel group (the attention's output groups gathered at every
     // layer). Sliced experts keep the per-op path.
     let device_step = !hybrid && group.parallel.steps_whole_on_devices();
-    let prompts = (!decode_only).then(|| prompt_chunk(&config));
+    let prompts = (!decode_only).then_some(PROMPT_CHUNK_MOST);
     refuse_off_the_device_step(kind, step, (decode_only, device_step))?;
     let cuda_decode =
         |model: &engine::model::Model, config: &engine::scheduler::EngineConfig, rank: usize| {
@@ -402,20 +402,10 @@ struct StepOptions {
     graphs: bool,
 }
 
-/// The most prompt tokens of a sequence an engine's device step takes at once: with the prefix
-/// cache, a page (so each chunk completes at most one block, cached from the state at its end);
-/// without it [`PROMPT_CHUNK_MOST`] (fewer steps for a long prompt, each reading the weights
-/// once). Never more than [`PROMPT_CHUNK_MOST`].
-pub fn prompt_chunk(config: &engine::scheduler::EngineConfig) -> usize {
-    if config.prefix_cache {
-        config.page_size.clamp(1, PROMPT_CHUNK_MOST)
-    } else {
-        PROMPT_CHUNK_MOST
-    }
-}
-
-/// The longest prompt chunk a device step takes: each slot's window ring holds this many rows
-/// more than the sliding window.
+/// The most prompt tokens of a sequence an engine's device step takes at once (fewer steps for
+/// a long prompt, each reading the weights once), with the prefix cache or without: the blocks
+/// inside a chunk are cached without their slots, so a later prompt resumes at a chunk's end.
+/// Each slot's window ring holds this many rows more than the sliding window.
 pub const PROMPT_CHUNK_MOST: usize = 256;
 
 /// Tokens a decode slot holds: the longest request the engine's page pool and the model admit.
@@ -744,21 +734,6 @@ mod tests {
             .unwrap_err();
             assert!(refused.to_string().contains(what), "{refused}");
         }
-    }
-
-    /// A device prompt chunk is a page with the prefix cache (at most 256 tokens), 256 without.
-    #[test]
-    fn prompt_chunks_are_a_page_with_the_prefix_cache() {
-        use engine::scheduler::EngineConfig;
-        let config = |page_size, prefix_cache| EngineConfig {
-            page_size,
-            prefix_cache,
-            ..EngineConfig::default()
-        };
-        assert_eq!(prompt_chunk(&config(64, true)), 64);
-        assert_eq!(prompt_chunk(&config(16, true)), 16);
-        assert_eq!(prompt_chunk(&config(1024, true)), PROMPT_CHUNK_MOST);
-        assert_eq!(prompt_chunk(&config(16, false)), PROMPT_CHUNK_MOST);
     }
 
     #[test]

@@ -2,8 +2,11 @@
 //! every token up to the block's end. DeepSeek-V4's compressed rows and compressor state depend
 //! on all earlier tokens, so a block is cached together with a snapshot of the request's slot
 //! (the compressors' unfinished state) at the block's end: resuming from a cached prefix then
-//! starts from exactly the state a full recompute would reach. Pages are shared by reference
-//! count and never written once full; eviction is LRU over blocks no request holds.
+//! starts from exactly the state a full recompute would reach. A block completed inside a step
+//! that computed several (a device's prompt chunk, which sends back the state at its end only)
+//! is cached without a snapshot: its page serves the deeper blocks, but no request resumes at
+//! its end. Pages are shared by reference count and never written once full; eviction is LRU
+//! over blocks no request holds.
 
 use std::collections::HashMap;
 
@@ -14,8 +17,9 @@ use crate::pool::{PageId, PagePool, PoolError};
 #[derive(Debug)]
 struct Block {
     page: PageId,
-    /// The request slot's bytes at the end of this block.
-    slot: Vec<u8>,
+    /// The request slot's bytes at the end of this block; none where the step that completed
+    /// it went on past its end (a request cannot resume there).
+    slot: Option<Vec<u8>>,
     last_used: u64,
     /// Block index in its sequence (deeper blocks are evicted first on ties).
     depth: usize,
@@ -38,7 +42,8 @@ pub struct Hit {
 }
 
 impl PrefixCache {
-    /// Longest cached prefix of `keys`, limited to `max_blocks`; retains the pages.
+    /// Longest cached prefix of `keys` that a request can resume from (its last block has a
+    /// slot snapshot), limited to `max_blocks`; retains the pages.
     pub fn lookup(
         &mut self,
         pages: &mut PagePool,
@@ -47,20 +52,17 @@ impl PrefixCache {
     ) -> Result<Option<Hit>, PoolError> {
         self.tick += 1;
         self.lookups += 1;
-        let mut matched = Vec::new();
-        for key in keys.iter().take(max_blocks) {
-            match self.blocks.get(key) {
-                Some(_) => matched.push(*key),
-                None => break,
-            }
-        }
-        let Some(last) = matched.last() else {
+        let depth = self.resumable(&keys[..keys.len().min(max_blocks)]);
+        let Some(slot) = depth
+            .checked_sub(1)
+            .and_then(|last| self.blocks.get(&keys[last]))
+            .and_then(|b| b.slot.clone())
+        else {
             return Ok(None);
         };
         self.hits += 1;
-        let slot = self.blocks[last].slot.clone();
-        let mut out = Vec::with_capacity(matched.len());
-        for key in &matched {
+        let mut out = Vec::with_capacity(depth);
+        for key in &keys[..depth] {
             if let Some(block) = self.blocks.get_mut(key) {
                 block.last_used = self.tick;
                 pages.retain(block.page)?;
@@ -70,27 +72,39 @@ impl PrefixCache {
         Ok(Some(Hit { pages: out, slot }))
     }
 
-    /// How many of `keys`, from the first, are cached (a read: no page is retained and the
-    /// cache's statistics do not change).
+    /// How many of `keys`, from the first, a request could resume from: the cached run's
+    /// deepest block with a slot snapshot (a read: no page is retained and the cache's
+    /// statistics do not change).
     pub fn cached_blocks(&self, keys: &[BlockKey]) -> usize {
-        keys.iter()
-            .take_while(|key| self.blocks.contains_key(*key))
-            .count()
+        self.resumable(keys)
     }
 
-    /// Records block `depth` of a sequence (its page and the slot at the block's end), unless
-    /// already cached. The cache takes its own reference on the page.
+    fn resumable(&self, keys: &[BlockKey]) -> usize {
+        keys.iter()
+            .map_while(|key| self.blocks.get(key))
+            .enumerate()
+            .filter(|(_, b)| b.slot.is_some())
+            .last()
+            .map_or(0, |(i, _)| i + 1)
+    }
+
+    /// Records block `depth` of a sequence (its page and the slot at the block's end, where
+    /// known), unless already cached; a cached block without a slot gets this one. The cache
+    /// takes its own reference on the page.
     pub fn insert(
         &mut self,
         pages: &mut PagePool,
         key: BlockKey,
         page: PageId,
-        slot: &[u8],
+        slot: Option<&[u8]>,
         depth: usize,
     ) -> Result<(), PoolError> {
         self.tick += 1;
         if let Some(block) = self.blocks.get_mut(&key) {
             block.last_used = self.tick;
+            if block.slot.is_none() {
+                block.slot = slot.map(<[u8]>::to_vec);
+            }
             return Ok(());
         }
         pages.retain(page)?;
@@ -98,7 +112,7 @@ impl PrefixCache {
             key,
             Block {
                 page,
-                slot: slot.to_vec(),
+                slot: slot.map(<[u8]>::to_vec),
                 last_used: self.tick,
                 depth,
             },
@@ -153,5 +167,52 @@ impl PrefixCache {
     /// (lookups, lookups that hit at least one block).
     pub fn stats(&self) -> (u64, u64) {
         (self.lookups, self.hits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use super::*;
+
+    /// A run of cached blocks resumes at its deepest block with a slot: blocks without one
+    /// (completed inside a longer step) lend their pages to the deeper blocks only, and a
+    /// later offer of the same block with its slot makes it resumable.
+    #[test]
+    fn a_prefix_resumes_at_its_deepest_block_with_a_slot() {
+        let mut pages = PagePool::new(8, 16);
+        let mut cache = PrefixCache::default();
+        let tokens: Vec<u32> = (0..16).collect();
+        let keys = block_keys(&tokens, 4);
+        let held = pages.alloc(4).unwrap();
+        for (depth, slot) in [(0, None), (1, Some(&[1u8][..])), (2, None)] {
+            cache
+                .insert(&mut pages, keys[depth], held[depth], slot, depth)
+                .unwrap();
+        }
+        assert_eq!(cache.cached_blocks(&keys), 2);
+        let hit = cache.lookup(&mut pages, &keys, 4).unwrap().unwrap();
+        assert_eq!((hit.pages, hit.slot), (held[..2].to_vec(), vec![1]));
+        assert!(cache.lookup(&mut pages, &keys[..1], 4).unwrap().is_none());
+        assert!(cache.lookup(&mut pages, &keys, 1).unwrap().is_none());
+        assert_eq!(cache.stats(), (3, 1));
+        cache
+            .insert(&mut pages, keys[2], held[2], Some(&[3]), 2)
+            .unwrap();
+        let hit = cache.lookup(&mut pages, &keys, 4).unwrap().unwrap();
+        assert_eq!((hit.pages.len(), hit.slot), (3, vec![3]));
+        // A block already resumable keeps its slot.
+        cache
+            .insert(&mut pages, keys[1], held[1], Some(&[9]), 1)
+            .unwrap();
+        assert_eq!(
+            cache
+                .lookup(&mut pages, &keys[..2], 4)
+                .unwrap()
+                .unwrap()
+                .slot,
+            vec![1]
+        );
     }
 }

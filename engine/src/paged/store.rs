@@ -128,8 +128,41 @@ impl PagedStore {
         let depth = seq.len / ps - 1;
         let keys = prefix::block_keys(&tokens[..seq.len], ps);
         let slot = self.slots.page(seq.slot)?.to_vec();
-        self.prefix
-            .insert(&mut self.pages, keys[depth], seq.pages[depth], &slot, depth)
+        self.prefix.insert(
+            &mut self.pages,
+            keys[depth],
+            seq.pages[depth],
+            Some(&slot),
+            depth,
+        )
+    }
+
+    /// Offers the blocks that a step from position `from` completed strictly inside it (the
+    /// one ending at its end goes through [`Self::offer_block`]) without their slots: a
+    /// device's prompt chunk sends back the state at its end only. Their pages serve the
+    /// deeper blocks of later prompts; no request resumes at their ends.
+    pub fn offer_inner_pages(
+        &mut self,
+        seq: &PagedSeq,
+        tokens: &[u32],
+        from: usize,
+    ) -> Result<(), PoolError> {
+        let ps = self.layout.page_size;
+        let end = seq.len.min(tokens.len());
+        if !self.prefix_enabled || end <= from + 1 {
+            return Ok(());
+        }
+        // Blocks ending after `from` and before `end`.
+        let (first, last) = (from / ps, (end - 1) / ps);
+        if first >= last {
+            return Ok(());
+        }
+        let keys = prefix::block_keys(&tokens[..last * ps], ps);
+        for (depth, (&key, &page)) in keys.iter().zip(&seq.pages).enumerate().skip(first) {
+            self.prefix
+                .insert(&mut self.pages, key, page, None, depth)?;
+        }
+        Ok(())
     }
 
     pub fn pages(&self) -> &PagePool {
@@ -260,8 +293,13 @@ impl PagedStore {
         for len in lens {
             let depth = len / ps - 1;
             let slot = self.slot_at(seq, state, len)?;
-            self.prefix
-                .insert(&mut self.pages, keys[depth], seq.pages[depth], &slot, depth)?;
+            self.prefix.insert(
+                &mut self.pages,
+                keys[depth],
+                seq.pages[depth],
+                Some(&slot),
+                depth,
+            )?;
         }
         Ok(())
     }

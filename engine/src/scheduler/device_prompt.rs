@@ -4,9 +4,11 @@
 //! sends the chunks' tokens and gets back the logits rows they ask for and what each added to
 //! its state, which is stored in its pages as the host forward's state is: so the prefix cache
 //! offers its blocks, a prefill-only request streams its pages to its decode worker, and the
-//! pages hold the prompt as they do without a device. Chunks never hold a page boundary
-//! inside them (the engine's plan cuts them there), so no block needs the compressors'
-//! state from the middle of a chunk.
+//! pages hold the prompt as they do without a device. A chunk may complete several blocks; it
+//! sends back the compressors' state at its end only, so the blocks inside it enter the prefix
+//! cache as pages without a resumable slot (`PagedStore::offer_inner_pages`) and the one ending
+//! at its end as a block a later request resumes from: a cached prefix resumes at the last
+//! chunk end it matches.
 //!
 //! [`StepDevice::prompt_chunk`]: super::StepDevice::prompt_chunk
 //! [`StepDevice::prompt_step`]: super::StepDevice::prompt_step
@@ -115,6 +117,7 @@ impl Engine {
             let stored = self
                 .store
                 .scatter_delta(&mut r.seq, &out.delta)
+                .and_then(|()| self.store.offer_inner_pages(&r.seq, &r.tokens, range.start))
                 .and_then(|()| self.store.offer_block(&r.seq, &r.tokens))
                 .and_then(|()| {
                     if r.handoff {

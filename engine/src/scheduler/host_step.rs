@@ -30,13 +30,13 @@ impl Engine {
                 if end < r.prompt_len && (end / ps) * ps > start {
                     end = (end / ps) * ps;
                 }
-                // A device's prompt step takes at most its chunk of a sequence, and (with the
-                // prefix cache) no page boundary inside it: the blocks it completes are cached
-                // from the state at the chunk's end, the only state it sends back.
+                // A device's prompt step takes at most its chunk of a sequence, ending on a page
+                // boundary unless it ends the prompt (the blocks inside it are cached without
+                // their slots: the state at its end is the only state it sends back).
                 if device_chunk > 0 {
                     end = end.min(start + device_chunk);
-                    if self.config.prefix_cache {
-                        end = end.min((start / ps + 1) * ps);
+                    if end < r.prompt_len && (end / ps) * ps > start {
+                        end = (end / ps) * ps;
                     }
                 }
                 budget -= end - start;

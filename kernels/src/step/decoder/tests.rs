@@ -189,17 +189,30 @@ fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
     longer.id = 4;
     longer.prompt.extend([5, 6, 7]);
     requests.push(longer);
+    // Sharing only the first block of the fourth prompt: where that block was completed
+    // inside a chunk it is not resumable, and the prompt is computed from its start.
+    let mut sharing_one_block = requests[3].clone();
+    sharing_one_block.id = 5;
+    sharing_one_block.prompt.truncate(20);
+    sharing_one_block.prompt.extend([11, 12, 13]);
+    requests.push(sharing_one_block);
+    // Chunks of a page, shorter (each ending on a page boundary), and longer: chunks of 36
+    // over pages of 16 complete a block inside them (cached without its slot) and one at
+    // their end (resumable), so the longer prompt still resumes at 32.
     for (kv, chunk) in [
         (KvStorage::Fp8, 16),
         (KvStorage::F32, 7),
         (KvStorage::Bf16, 9),
+        (KvStorage::F32, 36),
     ] {
         model.set_kv_storage(kv);
         let c = EngineConfig { kv, ..c.clone() };
         let mut host = Engine::new(model.replica(), c.clone(), "t").unwrap();
-        let want = run(&mut host, &requests[..4]);
-        host.add(requests[4].clone()).unwrap();
-        let want = [want, host.run_to_completion()].concat();
+        let mut want = run(&mut host, &requests[..4]);
+        for r in &requests[4..] {
+            host.add(r.clone()).unwrap();
+            want.extend(host.run_to_completion());
+        }
         let kernels = EmulatedKernels::new(&model.config);
         let decoder = StepDecoder::new("emulated", kernels, &model, (3, tokens), |_, _| Ok(()))
             .unwrap()
@@ -208,15 +221,30 @@ fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
         assert_eq!(decoder.prompt_chunk(), chunk);
         let mut engine = Engine::new(model.replica(), c, "t").unwrap();
         engine.set_step_device(Box::new(decoder)).unwrap();
-        let got = run(&mut engine, &requests[..4]);
-        engine.add(requests[4].clone()).unwrap();
-        let got = [got, engine.run_to_completion()].concat();
+        let mut got = run(&mut engine, &requests[..4]);
+        for r in &requests[4..] {
+            engine.add(r.clone()).unwrap();
+            got.extend(engine.run_to_completion());
+        }
+        // The tokens and log-probabilities are the host's; how much of a prompt came from
+        // the cache is compared below (the host caches every block with its slot).
+        let uncached = |events: Vec<Event>| -> Vec<Event> {
+            events
+                .into_iter()
+                .map(|mut e| {
+                    if let Event::Finished { usage, .. } = &mut e {
+                        usage.cached_tokens = 0;
+                    }
+                    e
+                })
+                .collect()
+        };
         let (want, got) = (Event::by_request(&want), Event::by_request(&got));
-        assert_eq!(want.len(), 5);
+        assert_eq!(want.len(), 6);
         for (id, events) in &want {
             assert_eq!(
-                got.get(id),
-                Some(events),
+                got.get(id).cloned().map(uncached),
+                Some(uncached(events.clone())),
                 "{kv:?}, chunk {chunk}: request {id}"
             );
         }
@@ -228,6 +256,8 @@ fn an_engine_stepping_prompts_on_the_device_gives_the_host_forwards_events() {
             cached(&got[&4]) >= 32,
             "the longer prompt's blocks came from the cache"
         );
+        let first_block = if chunk > 16 { 0 } else { 16 };
+        assert_eq!(cached(&got[&5]), first_block, "chunk {chunk}");
         let store = engine.store();
         assert_eq!(store.pages().used_count(), store.prefix().len());
     }
