@@ -3,7 +3,7 @@
 //! experts stacked per projection as `exact_pairs` takes them, the small vectors in f32),
 //! looked up by the step's ids.
 
-use std::collections::HashMap;
+use std::{borrow::Cow, collections::HashMap};
 
 use engine::{
     backend::LinearId,
@@ -50,6 +50,32 @@ pub struct DeviceModel<K: Kernels> {
     pub(crate) head_base: K::F,
     pub(crate) head_scale: f32,
     pub(crate) embed: K::Table,
+    /// The first row of the weights the device holds a row block of (a tensor-parallel rank's
+    /// share of `wq_b` and `wo_a`): the step's row ranges are of the whole weight.
+    pub(crate) row_offsets: HashMap<Lin, usize>,
+}
+
+/// The weight a device holds for layer `l`'s attention linear `id`, with its first row: a
+/// rank of a tensor-parallel group holds its share of `wq_b`'s rows (its heads) and of
+/// `wo_a`'s (its output groups), where the weight's form cuts there exactly; else the whole.
+fn attention_linear<'a>(
+    model: &Model,
+    id: LinearId,
+    weight: &'a Weight,
+) -> (Cow<'a, Weight>, usize) {
+    let c = &model.config;
+    let share = model.tensor_parallel().and_then(|tp| match id {
+        LinearId::QB => Some((tp.heads().start * c.head_dim, tp.heads().end * c.head_dim)),
+        LinearId::OA => Some((
+            tp.groups().start * c.o_lora_rank,
+            tp.groups().end * c.o_lora_rank,
+        )),
+        _ => None,
+    });
+    match share.and_then(|(from, to)| Some((weight.row_block(from..to)?, from))) {
+        Some((block, from)) => (Cow::Owned(block), from),
+        None => (Cow::Borrowed(weight), 0),
+    }
 }
 
 impl<K: Kernels> std::fmt::Debug for DeviceModel<K> {
@@ -98,6 +124,7 @@ impl<K: Kernels> DeviceModel<K> {
         let mut vectors = HashMap::new();
         let mut hyper = HashMap::new();
         let mut compressors = HashMap::new();
+        let mut row_offsets = HashMap::new();
         let (mut sinks, mut experts, mut routing) = (Vec::new(), Vec::new(), Vec::new());
         for (l, layer) in w.layers.iter().enumerate() {
             let a = &layer.attn;
@@ -105,7 +132,11 @@ impl<K: Kernels> DeviceModel<K> {
             let index = a.indexer.as_ref();
             for id in LinearId::ALL {
                 if let Some(weight) = a.linear(id) {
-                    linears.insert(Lin::Attn(l, id), k.upload_rows(weight)?);
+                    let (held, from) = attention_linear(model, id, weight);
+                    linears.insert(Lin::Attn(l, id), k.upload_rows(&held)?);
+                    if from > 0 {
+                        row_offsets.insert(Lin::Attn(l, id), from);
+                    }
                 }
             }
             for (sub, h) in [(Sub::Attn, &layer.hc_attn), (Sub::Ffn, &layer.hc_ffn)] {
@@ -176,7 +207,13 @@ impl<K: Kernels> DeviceModel<K> {
             head_base: k.upload(&w.hc_head.base)?,
             head_scale: w.hc_head.scale,
             embed: k.upload_table(&w.embed)?,
+            row_offsets,
         })
+    }
+
+    /// The first row of `w` the device holds (0 but for a tensor-parallel rank's share).
+    pub fn row_offset(&self, w: Lin) -> usize {
+        self.row_offsets.get(&w).copied().unwrap_or(0)
     }
 
     pub fn linear(&self, w: Lin) -> Result<&K::Rows, K::Error> {
@@ -224,8 +261,10 @@ pub fn weight_bytes(model: &Model) -> usize {
         let a = &layer.attn;
         bytes += LinearId::ALL
             .iter()
-            .filter_map(|&id| a.linear(id))
-            .map(Weight::stored_bytes)
+            .filter_map(|&id| {
+                a.linear(id)
+                    .map(|w| attention_linear(model, id, w).0.stored_bytes())
+            })
             .sum::<usize>();
         for h in [&layer.hc_attn, &layer.hc_ffn] {
             bytes += f32s(h.mix.data.len() + h.base.len());
@@ -339,5 +378,85 @@ mod tests {
             "{refused}"
         );
         assert!(refused.contains("--ep N --dp-attention"), "{refused}");
+    }
+
+    /// A rank of a tensor-parallel group holds its share of `wq_b`'s and `wo_a`'s rows where
+    /// their FP8 blocks cut there (the small model's: 4 of 8 heads of 64, 2 of 4 groups of 64),
+    /// counts only those, and its step computes the rows of its share exactly as one rank's.
+    #[test]
+    fn a_tensor_parallel_rank_holds_and_computes_its_share_of_the_heads() {
+        use crate::step::{StepOps, View, device_ops::DeviceStepOps, emulated::EmulatedKernels};
+        use engine::{parallel::tensor::TensorParallel, synth::Rng};
+
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Small,
+            seed: 3,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let one = Model::load(dir.path()).unwrap();
+        let mut shared = one.replica();
+        let mut ranks = InProcessGroup::new(2, Duration::from_secs(5));
+        let tp = TensorParallel::new(Box::new(ranks.remove(1)), &one.config).unwrap();
+        shared.set_tensor_parallel(Arc::new(tp));
+        let c = &one.config;
+        let halves: usize = one
+            .weights
+            .layers
+            .iter()
+            .map(|l| l.attn.wq_b.stored_bytes() / 2 + l.attn.wo_a.stored_bytes() / 2)
+            .sum();
+        assert_eq!(weight_bytes(&shared), weight_bytes(&one) - halves);
+        let ops = DeviceStepOps::new(EmulatedKernels::new(c), &shared).unwrap();
+        let whole = DeviceStepOps::new(EmulatedKernels::new(c), &one).unwrap();
+        let (q_rows, o_rows) = (4 * c.head_dim, 2 * c.o_lora_rank);
+        let mut rng = Rng::for_tensor(4, "tp-rows");
+        for l in 0..c.num_layers() {
+            for (id, from, cols) in [
+                (LinearId::QB, q_rows, c.q_lora_rank),
+                (LinearId::OA, o_rows, c.num_heads * c.head_dim / c.o_groups),
+            ] {
+                let w = Lin::Attn(l, id);
+                assert_eq!(ops.model.row_offset(w), from, "{w:?}");
+                let x: Vec<f32> = (0..3 * cols).map(|_| rng.normal()).collect();
+                let mut got = Vec::new();
+                for o in [&ops, &whole] {
+                    let mut xb = o.alloc(x.len()).unwrap();
+                    o.put_at(&mut xb, 0, &x).unwrap();
+                    let mut y = o.alloc(3 * from).unwrap();
+                    let rows = from..2 * from;
+                    o.linear(w, rows, &xb, View::rows(cols), &mut y, View::rows(from), 3)
+                        .unwrap();
+                    got.push(o.get(&y, 0..3 * from).unwrap());
+                }
+                assert!(
+                    got[0]
+                        .iter()
+                        .zip(&got[1])
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                );
+                let below = ops.linear(
+                    w,
+                    0..from,
+                    &step_buffer(&ops, 3 * cols),
+                    View::rows(cols),
+                    &mut step_buffer(&ops, 3 * from),
+                    View::rows(from),
+                    3,
+                );
+                assert!(below.is_err(), "rows the rank does not hold");
+            }
+        }
+    }
+
+    fn step_buffer(
+        ops: &crate::step::device_ops::DeviceStepOps<crate::step::emulated::EmulatedKernels>,
+        n: usize,
+    ) -> crate::step::device_ops::DBuf<crate::step::emulated::EmulatedKernels> {
+        use crate::step::StepOps;
+        ops.alloc(n).unwrap()
     }
 }

@@ -237,6 +237,12 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
     ) -> Result<(), K::Error> {
         let dev = self.model.linear(w)?;
         let (total, cols) = K::rows_shape(dev);
+        // Rows of the whole weight, of which the device may hold a block.
+        let offset = self.model.row_offset(w);
+        if rows.start < offset && !rows.is_empty() {
+            return Err(format!("{w:?}: rows {rows:?}, and the device holds from {offset}").into());
+        }
+        let rows = rows.start.saturating_sub(offset)..rows.end.saturating_sub(offset);
         let out = rows.len();
         if rows.end > total {
             return Err(format!("{w:?}: rows {rows:?} of {total}").into());
