@@ -248,7 +248,7 @@ pub enum EngineWork {
 /// layer: `crate::step::device_group`), runs whole steps on the GPU
 /// ([`crate::step::decoder::StepDecoder`]: weights and state on the device, tokens in, logits
 /// out): every decode step, and an engine that computes prompts (not decode-only) its prompt
-/// chunks too, [`prompt_chunk`] tokens of a sequence at a time; `hybrid` keeps the per-op
+/// chunks too, [`PROMPT_CHUNK_MOST`] tokens of a sequence at a time; `hybrid` keeps the per-op
 /// path, for debugging. On GPUs, rank r opens GPU r of those
 /// the process sees (`CUDA_VISIBLE_DEVICES`), holds the routed experts only when its group does
 /// not spread them (expert parallelism or slicing computes them), and its groups exchange over

@@ -217,6 +217,34 @@ impl NcclRank {
         let from: Vec<usize> = (0..self.size)
             .map(|s| usize::try_from(all[s][me]).unwrap_or(usize::MAX))
             .collect();
+        let recv = self.exchange_device_known(stream, send, (sizes, &from))?;
+        Ok((recv, from))
+    }
+
+    /// [`Self::exchange_device`] where this rank knows how many values each rank sends it
+    /// (`from[r]`): no sizes are gathered, so only the exchange itself waits.
+    ///
+    /// # Errors
+    /// As [`Self::exchange_device`]'s.
+    pub fn exchange_device_known(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        send: &CudaSlice<f32>,
+        (sizes, from): (&[usize], &[usize]),
+    ) -> Result<CudaSlice<f32>, CollectiveError> {
+        self.failure("exchange")?;
+        let total: usize = sizes.iter().sum();
+        if sizes.len() != self.size || from.len() != self.size || total > send.len() {
+            return Err(CollectiveError::Shape(format!(
+                "exchange: {} destinations and {} sources of {total} values from {} for {} \
+                 ranks",
+                sizes.len(),
+                from.len(),
+                send.len(),
+                self.size
+            )));
+        }
+        let me = self.rank;
         let (starts, _) = sizes.iter().fold((Vec::new(), 0), |(mut v, at), &n| {
             v.push(at);
             (v, at + n)
@@ -253,7 +281,42 @@ impl NcclRank {
             copied.map_err(|e| self.device_error("exchange", e))?;
             at += n;
         }
-        Ok((recv, from))
+        Ok(recv)
+    }
+
+    /// Every rank's first `n` values of `counts` (on the GPU), by rank: gathered GPU to GPU
+    /// and read back once.
+    ///
+    /// # Errors
+    /// A failed or stalled gather (which fails the group).
+    pub fn gather_device_counts(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        counts: &CudaSlice<i32>,
+        n: usize,
+    ) -> Result<Vec<Vec<i32>>, CollectiveError> {
+        self.failure("gather counts")?;
+        if counts.len() < n || n == 0 {
+            return Err(CollectiveError::Shape(format!(
+                "gather counts: {n} of {} values",
+                counts.len()
+            )));
+        }
+        let nccl = Arc::clone(&self.stream);
+        let mut all: CudaSlice<i32> = nccl
+            .alloc_zeros(n * self.size)
+            .map_err(|e| self.device_error("gather counts", e))?;
+        let gathered = self
+            .failure("gather counts")?
+            .all_gather(&counts.slice(..n), &mut all);
+        if let Err(e) = gathered {
+            return Err(self.device_error("gather counts", e));
+        }
+        self.wait("gather counts")?;
+        let values = stream
+            .clone_dtoh(&all)
+            .map_err(|e| self.device_error("gather counts", e))?;
+        Ok(values.chunks_exact(n).map(<[i32]>::to_vec).collect())
     }
 }
 
@@ -372,6 +435,17 @@ mod tests {
                         let lens: Vec<usize> = host.iter().map(Vec::len).collect();
                         assert_eq!(got, lens, "rank {me}'s sizes GPU to GPU");
                         assert_eq!(values[..got.iter().sum::<usize>()], host.concat()[..]);
+                        // Sizes known: the same values without gathering them.
+                        let known = rank
+                            .exchange_device_known(&stream, &send, (&sizes, &got))
+                            .unwrap();
+                        assert_eq!(stream.clone_dtoh(&known).unwrap(), values);
+                        // Counts gathered GPU to GPU.
+                        let mine = stream.clone_htod(&[me as i32, 7, -1]).unwrap();
+                        let all = rank.gather_device_counts(&stream, &mine, 2).unwrap();
+                        let want: Vec<Vec<i32>> =
+                            (0..rank.size()).map(|r| vec![r as i32, 7]).collect();
+                        assert_eq!(all, want);
                         host
                     })
                 })

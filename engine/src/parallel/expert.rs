@@ -131,7 +131,7 @@ pub type Dispatch = (Vec<Vec<f32>>, Vec<Vec<usize>>);
 /// The dispatch messages of a rank's `pairs` (over its tokens `xs`, rows of `width`), by
 /// destination rank: `[count, expert_1 .. expert_count, x_1 .. x_count]`, the pairs to each
 /// destination in the order they are listed; with the pairs each message lists. A device
-/// packs the same messages (`ep_slots`), so device and host ranks exchange alike.
+/// packs the same messages (`ep_slots`).
 ///
 /// # Errors
 /// A pair whose token or expert does not exist.

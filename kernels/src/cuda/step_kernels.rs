@@ -766,6 +766,24 @@ impl Kernels for CudaKernels {
         self.exchange_rows(coll, send, sizes)
     }
 
+    fn exchange_known(
+        &self,
+        coll: &mut dyn engine::parallel::collective::Collective,
+        send: &CudaSlice<f32>,
+        sizes: (&[usize], &[usize]),
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        self.exchange_rows_known(coll, send, sizes)
+    }
+
+    fn gather_counts(
+        &self,
+        coll: &mut dyn engine::parallel::collective::Collective,
+        counts: &CudaSlice<i32>,
+        n: usize,
+    ) -> Result<Vec<Vec<i32>>, KernelError> {
+        self.gather_counts_of(coll, counts, n)
+    }
+
     fn moe_combine(
         &self,
         inputs: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),

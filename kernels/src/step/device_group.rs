@@ -1,15 +1,22 @@
-//! [`DeviceStepOps`] as one rank of an expert-parallel group (`--ep N --dp-attention`): each
-//! rank steps its own requests on its own device and holds `1/N` of every layer's routed
-//! experts. At each MoE layer the step packs its dispatch messages on its device (`ep_slots`
-//! and `copy_rows`: the framing of the host forward's `engine::parallel::expert::exchange_pairs`,
-//! value for value, so device and host ranks exchange alike), exchanges them over the model's
-//! [`ExpertParallel`] collective ([`Kernels::exchange`]: GPU to GPU over NCCL), computes the
-//! pairs it received with its own experts, sends the outputs back the same way and gathers
-//! them into pair order (`copy_rows`) for the device's slot-order sum (`combine`). The host
-//! reads only the messages' counts (and NCCL gathers the sizes): no row crosses to it. Every
-//! product is the row one rank's step computes (a pair's row does not depend on the other rows
-//! of its launch), so the group's logits are the one-rank step's, bit for bit with the exact
-//! kernels.
+//! [`DeviceStepOps`] as one rank of a group. Of an expert-parallel group (`--ep N
+//! --dp-attention`) each rank steps its own requests on its own device and holds `1/N` of
+//! every layer's routed experts. At each MoE layer the step packs its dispatch messages on its
+//! device (`ep_slots` and `copy_rows`: the framing of the host forward's
+//! `engine::parallel::expert::dispatch_messages`, value for value), the ranks gather every
+//! rank's message counts on their devices and read them back once ([`Kernels::gather_counts`]),
+//! so each knows what it sends and receives, and exchange the messages GPU to GPU without
+//! gathering sizes again ([`Kernels::exchange_known`], over NCCL); each computes the pairs it
+//! received with its own experts, sends the outputs back the same way, and gathers them into
+//! pair order (`copy_rows`) for the device's slot-order sum (`combine`). No row crosses to the
+//! host. Every product is the row one rank's step computes (a pair's row does not depend on
+//! the other rows of its launch), so the group's logits are the one-rank step's, bit for bit
+//! with the exact kernels. The ranks of a group run the same phases on the same kind of step
+//! (a rank stepping prompts on the host would meet the others' device exchanges).
+//!
+//! Of a tensor-parallel group (`--tp N`) every rank steps every request over its share of the
+//! heads and gathers the attention's output groups ([`StepOps::gather_lows`]); with the experts
+//! split over the same ranks, each computes its experts' pairs from its own copy of the tokens
+//! and the ranks gather the outputs ([`DeviceStepOps::routed_replicated`]).
 
 use std::sync::Arc;
 
@@ -29,6 +36,8 @@ struct Packed<K: Kernels> {
     back_from: K::L,
     /// The pairs to each rank.
     counts: Vec<usize>,
+    /// The pairs each rank sends this one (where the counts were gathered).
+    to_me: Vec<usize>,
 }
 
 impl<K: Kernels> DeviceStepOps<K> {
@@ -56,24 +65,20 @@ impl<K: Kernels> DeviceStepOps<K> {
     ) -> Result<DBuf<K>, K::Error> {
         let d = self.config.hidden_size;
         let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
-        let packed = self.pack(ep, (h, experts), (k, d), pairs)?;
-        let sizes: Vec<usize> = packed.counts.iter().map(|&c| 1 + c * (1 + d)).collect();
-        let (recv, got) = self
-            .exchange(ep.collective().as_mut(), &packed.send, &sizes)
+        let packed = self.pack(ep, (h, experts), (k, d), pairs, true)?;
+        let message = |c: usize| 1 + c * (1 + d);
+        let sizes: Vec<usize> = packed.counts.iter().map(|&c| message(c)).collect();
+        let from: Vec<usize> = packed.to_me.iter().map(|&c| message(c)).collect();
+        let recv = self
+            .exchange_known(ep.collective().as_mut(), &packed.send, (&sizes, &from))
             .map_err(context)?;
         // What each rank sent: [count, expert ids, rows], back to back.
-        let (mut id_at, mut row_at, mut from) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut id_at, mut row_at) = (Vec::new(), Vec::new());
         let mut base = 0;
-        for (source, &n) in got.iter().enumerate() {
-            if n == 0 || !(n - 1).is_multiple_of(1 + d) {
-                let e = format!("rank {source} sent {n} values, not inputs of width {d}");
-                return Err(context(e.into()).into());
-            }
-            let m = (n - 1) / (1 + d);
+        for &m in &packed.to_me {
             id_at.extend((0..m).map(|j| (base + 1 + j) as i64));
             row_at.extend((0..m).map(|j| (base + 1 + m + j * d) as i64));
-            from.push(m);
-            base += n;
+            base += message(m);
         }
         let ys = if id_at.is_empty() {
             self.alloc(1)?
@@ -81,11 +86,12 @@ impl<K: Kernels> DeviceStepOps<K> {
             self.held_pairs(ep, layer, &recv, (&id_at, &row_at), inter)?
         };
         // The outputs back to their tokens' ranks, in the order each listed its pairs.
-        let sizes: Vec<usize> = from.iter().map(|&m| m * d).collect();
-        let (back, returned) = self
-            .exchange(ep.collective().as_mut(), &ys, &sizes)
+        let sizes: Vec<usize> = packed.to_me.iter().map(|&m| m * d).collect();
+        let back_sizes: Vec<usize> = packed.counts.iter().map(|&c| c * d).collect();
+        let back = self
+            .exchange_known(ep.collective().as_mut(), &ys, (&sizes, &back_sizes))
             .map_err(context)?;
-        self.unpack(&back, &returned, &packed, (layer, d), pairs)
+        self.unpack(&back, &packed, d, pairs)
     }
 
     /// A layer's dispatch messages packed on the device (`ep_slots`, then the rows by
@@ -96,6 +102,7 @@ impl<K: Kernels> DeviceStepOps<K> {
         (h, experts): (&DBuf<K>, &DIdx<K>),
         (k, d): (usize, usize),
         pairs: usize,
+        gathered: bool,
     ) -> Result<Packed<K>, K::Error> {
         let (k, split) = (k.max(1), ep.split());
         let ranks = split.ranks();
@@ -120,44 +127,51 @@ impl<K: Kernels> DeviceStepOps<K> {
             let from = self.plan_l(&tokens)?;
             self.k.copy_rows(h, &from, &mut send, &pack_to, d, pairs)?;
         }
-        let counts = self.get_idx(&counts, 0..ranks + 1)?;
-        let mut counts: Vec<usize> = counts
-            .iter()
-            .map(|&c| usize::try_from(c).unwrap_or(usize::MAX))
-            .collect();
+        // Every rank's counts where the exchange needs them (one read back: gathered on the
+        // device), else this rank's.
+        let me = ep.rank();
+        let all = if gathered {
+            self.k
+                .gather_counts(ep.collective().as_mut(), &counts, ranks + 1)?
+        } else {
+            let mut all = vec![Vec::new(); ranks];
+            all[me] = self.get_idx(&counts, 0..ranks + 1)?;
+            all
+        };
+        let whole = |c: i32| usize::try_from(c).unwrap_or(usize::MAX);
+        let mut counts: Vec<usize> = all[me].iter().map(|&c| whole(c)).collect();
         let invalid = counts.pop().unwrap_or(usize::MAX);
-        if invalid != 0 || counts.iter().sum::<usize>() != pairs {
+        if invalid != 0 || counts.len() != ranks || counts.iter().sum::<usize>() != pairs {
             return Err(format!(
                 "{invalid} of {pairs} routed pairs name no expert of the model's {}",
                 split.experts()
             )
             .into());
         }
+        let to_me = if gathered {
+            all.iter()
+                .map(|row| row.get(me).map_or(usize::MAX, |&c| whole(c)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(Packed {
             send,
             back_from,
             counts,
+            to_me,
         })
     }
 
-    /// The outputs that came back (`back`, `returned[r]` values from rank `r`) into pair
-    /// order: `[pairs, D]`.
+    /// The outputs that came back (`back`, each rank's in the order this rank listed its
+    /// pairs to it) into pair order: `[pairs, D]`.
     fn unpack(
         &self,
         back: &K::F,
-        returned: &[usize],
         packed: &Packed<K>,
-        (layer, d): (usize, usize),
+        d: usize,
         pairs: usize,
     ) -> Result<DBuf<K>, K::Error> {
-        if let Some(owner) = (0..packed.counts.len()).find(|&r| returned[r] != packed.counts[r] * d)
-        {
-            return Err(format!(
-                "layer {layer}: rank {owner} returned {} values for {} outputs of width {d}",
-                returned[owner], packed.counts[owner]
-            )
-            .into());
-        }
         let mut out = self.alloc((pairs * d).max(1))?;
         if pairs > 0 {
             let to = self.plan_l(&offsets(pairs, d, 0))?;
@@ -185,7 +199,8 @@ impl<K: Kernels> DeviceStepOps<K> {
         let (k, split, me) = (k.max(1), ep.split(), ep.rank());
         let ranks = split.ranks();
         let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
-        let packed = self.pack(ep, (h, experts), (k, d), pairs)?;
+        // Every rank packs the same pairs: its own counts are everyone's.
+        let packed = self.pack(ep, (h, experts), (k, d), pairs, false)?;
         let sent = &packed.counts;
         // This rank's message (to itself): [count, expert ids, rows].
         let start: usize = sent[..me].iter().map(|&c| 1 + c * (1 + d)).sum();
@@ -201,10 +216,15 @@ impl<K: Kernels> DeviceStepOps<K> {
         let mut copies = self.alloc((ranks * m * d).max(1))?;
         let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(m, d, 0)).collect();
         self.copy_rows(&ys, &from, &mut copies, &offsets(ranks * m, d, 0), d)?;
-        let (back, returned) = self
-            .exchange(ep.collective().as_mut(), &copies, &vec![m * d; ranks])
+        let from: Vec<usize> = sent.iter().map(|&c| c * d).collect();
+        let back = self
+            .exchange_known(
+                ep.collective().as_mut(),
+                &copies,
+                (&vec![m * d; ranks], &from),
+            )
             .map_err(context)?;
-        self.unpack(&back, &returned, &packed, (layer, d), pairs)
+        self.unpack(&back, &packed, d, pairs)
     }
 
     /// The outputs of the pairs of `received` (ids at `at.0`, rows at `at.1`) through this
@@ -250,15 +270,10 @@ impl<K: Kernels> DeviceStepOps<K> {
                 width,
             )?;
         }
-        let (recv, got) = self
-            .exchange(tp.collective().as_mut(), &copies, &vec![part; ranks])
+        let parts = vec![part; ranks];
+        let recv = self
+            .exchange_known(tp.collective().as_mut(), &copies, (&parts, &parts))
             .map_err(|e| format!("the attention's output groups over the group: {e}"))?;
-        if got.iter().any(|&g| g != part) {
-            return Err(format!(
-                "the attention's output groups over the group: {got:?} values, not {part} each"
-            )
-            .into());
-        }
         let mut joined = self.alloc((ranks * part).max(1))?;
         if part > 0 {
             let (from, to): (Vec<i64>, Vec<i64>) = (0..ranks)
@@ -275,19 +290,18 @@ impl<K: Kernels> DeviceStepOps<K> {
         Ok(joined)
     }
 
-    /// [`Kernels::exchange`] over the group's collective, with what failed said.    /// [`Kernels::exchange`] over the group's collective, with what failed said.
-    fn exchange(
+    /// [`Kernels::exchange_known`] over a group's collective.
+    fn exchange_known(
         &self,
         coll: &mut dyn Collective,
         send: &K::F,
-        sizes: &[usize],
-    ) -> Result<(K::F, Vec<usize>), K::Error> {
+        sizes: (&[usize], &[usize]),
+    ) -> Result<K::F, K::Error> {
         let ranks = coll.size();
-        let (recv, got) = self.k.exchange(coll, send, sizes)?;
-        if got.len() != ranks {
-            return Err(format!("{} messages from a group of {ranks}", got.len()).into());
+        if sizes.0.len() != ranks || sizes.1.len() != ranks {
+            return Err(format!("messages for a group of {ranks}").into());
         }
-        Ok((recv, got))
+        self.k.exchange_known(coll, send, sizes)
     }
 
     /// A step with no tokens on a rank of an expert-parallel group: every layer's exchange,

@@ -470,6 +470,30 @@ pub trait Kernels {
         exchange_through_host(self, coll, send, sizes)
     }
 
+    /// [`Self::exchange`] where this rank knows how many values each rank sends it
+    /// (`from[r]`): nothing is gathered first; a rank that sends otherwise is an error.
+    fn exchange_known(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Self::F,
+        (sizes, from): (&[usize], &[usize]),
+    ) -> Result<Self::F, Self::Error> {
+        let (recv, got) = self.exchange(coll, send, sizes)?;
+        check_received(&got, from)?;
+        Ok(recv)
+    }
+    /// Every rank's first `n` values of `counts` (small whole numbers), by rank: read back
+    /// and all-gathered through the host by default; a device that can gathers them on the
+    /// device and reads back the gathered ones once.
+    fn gather_counts(
+        &self,
+        coll: &mut dyn Collective,
+        counts: &Self::I,
+        n: usize,
+    ) -> Result<Vec<Vec<i32>>, Self::Error> {
+        gather_counts_through_host(self, coll, counts, n)
+    }
+
     /// Starts recording this device's launches instead of running them; false where it
     /// records none (then the launches run).
     fn begin_capture(&self) -> Result<bool, Self::Error> {
@@ -511,4 +535,36 @@ pub fn exchange_through_host<K: Kernels + ?Sized>(
     // A buffer is never empty (an upload of nothing has no device address).
     let recv = k.upload(if flat.is_empty() { &[0.0] } else { &flat })?;
     Ok((recv, sizes))
+}
+
+/// That what each rank sent (`got`) is what this rank expected (`from`).
+pub fn check_received(got: &[usize], from: &[usize]) -> Result<(), String> {
+    if got == from {
+        Ok(())
+    } else {
+        Err(format!(
+            "the ranks sent {got:?} values where {from:?} were due"
+        ))
+    }
+}
+
+/// [`Kernels::gather_counts`] through the host.
+pub fn gather_counts_through_host<K: Kernels + ?Sized>(
+    k: &K,
+    coll: &mut dyn Collective,
+    counts: &K::I,
+    n: usize,
+) -> Result<Vec<Vec<i32>>, K::Error> {
+    // Counts are far below 2^24: exact as f32.
+    let mine: Vec<f32> = k.read_i(counts, 0..n)?.iter().map(|&c| c as f32).collect();
+    let all = coll
+        .all_gather(mine)
+        .map_err(|e| format!("gather counts: {e}"))?;
+    if all.iter().any(|row| row.len() != n) {
+        return Err(format!("gather counts: rows of {n} expected").into());
+    }
+    Ok(all
+        .iter()
+        .map(|row| row.iter().map(|&c| c as i32).collect())
+        .collect())
 }

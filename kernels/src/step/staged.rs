@@ -10,7 +10,7 @@
 
 use std::{
     cell::{Cell, RefCell},
-    fmt::{self, Write as _},
+    fmt,
     hash::{DefaultHasher, Hasher},
     ops::Range,
 };
@@ -26,6 +26,8 @@ use super::{
     Proj,
     kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec, SlotSpec},
 };
+
+mod passes;
 
 /// What a pass of the kernels does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,127 +81,6 @@ macro_rules! addrs {
 /// A weight's identity (its place in the device model, which is uploaded once).
 fn at<T>(w: &T) -> usize {
     std::ptr::from_ref(w) as usize
-}
-
-impl<K: Kernels> Staged<K> {
-    pub fn new(k: K) -> Self {
-        Self {
-            k,
-            pass: Cell::new(Pass::Run),
-            hasher: RefCell::new(DefaultHasher::new()),
-            counts: Cell::new((0, 0)),
-            trace: RefCell::new(None),
-        }
-    }
-
-    /// Keeps each pass's launches and writes in words from now on.
-    pub fn keep_trace(&self) {
-        *self.trace.borrow_mut() = Some(Vec::new());
-    }
-
-    /// The launches and writes in words since the last call (with [`Self::keep_trace`]).
-    pub fn take_trace(&self) -> Vec<String> {
-        self.trace
-            .borrow_mut()
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
-    }
-
-    /// The kernels it stages.
-    pub fn inner(&self) -> &K {
-        &self.k
-    }
-
-    /// Starts `pass` with a fresh signature.
-    pub fn start(&self, pass: Pass) {
-        self.pass.set(pass);
-        *self.hasher.borrow_mut() = DefaultHasher::new();
-        self.counts.set((0, 0));
-    }
-
-    /// The signature of the pass so far; the kernels run everything again.
-    pub fn finish(&self) -> Signature {
-        self.pass.set(Pass::Run);
-        let (launches, writes) = self.counts.get();
-        Signature {
-            hash: self.hasher.borrow().finish(),
-            launches,
-            writes,
-        }
-    }
-
-    /// Whether launches are folded into the signature (in the passes, not in a plain run).
-    fn noting(&self) -> bool {
-        self.pass.get() != Pass::Run
-    }
-
-    fn note(&self, tag: &str, addrs: &[usize], scalars: impl fmt::Debug) {
-        if !self.noting() {
-            return;
-        }
-        if let Some(trace) = self.trace.borrow_mut().as_mut() {
-            trace.push(format!("{tag} {addrs:x?} {scalars:?}"));
-        }
-        let mut h = self.hasher.borrow_mut();
-        h.write(tag.as_bytes());
-        for &a in addrs {
-            h.write_usize(a);
-        }
-        // Writing into a hasher cannot fail.
-        let _ = write!(HashWriter(&mut h), "{scalars:?}");
-    }
-
-    /// A launch: noted, and run unless this is a plan pass.
-    fn launch(
-        &self,
-        tag: &str,
-        addrs: &[usize],
-        scalars: impl fmt::Debug,
-        run: impl FnOnce(&K) -> Result<(), K::Error>,
-    ) -> Result<(), K::Error> {
-        self.note(tag, addrs, scalars);
-        let (launches, writes) = self.counts.get();
-        self.counts.set((launches + 1, writes));
-        match self.pass.get() {
-            Pass::Plan => Ok(()),
-            Pass::Run | Pass::Launch => run(&self.k),
-        }
-    }
-
-    /// A host write: noted (where, not what), and done unless this is a launch pass.
-    fn host_write(
-        &self,
-        tag: &str,
-        dst: Option<usize>,
-        run: impl FnOnce(&K) -> Result<(), K::Error>,
-    ) -> Result<(), K::Error> {
-        if let Some(dst) = dst {
-            self.note(tag, &[dst], ());
-        }
-        let (launches, writes) = self.counts.get();
-        self.counts.set((launches, writes + 1));
-        match self.pass.get() {
-            Pass::Launch => Ok(()),
-            Pass::Run | Pass::Plan => run(&self.k),
-        }
-    }
-
-    /// A new device buffer: refused in a launch pass (a graph replays fixed addresses).
-    fn new_buffer<T>(&self, make: impl FnOnce(&K) -> Result<T, K::Error>) -> Result<T, K::Error> {
-        if self.pass.get() == Pass::Launch {
-            return Err("a launch pass made a device buffer".to_owned().into());
-        }
-        make(&self.k)
-    }
-
-    /// A read to the host: only outside the passes.
-    fn host_read<T>(&self, read: impl FnOnce(&K) -> Result<T, K::Error>) -> Result<T, K::Error> {
-        if self.pass.get() != Pass::Run {
-            return Err("a pass read the device".to_owned().into());
-        }
-        read(&self.k)
-    }
 }
 
 impl<K: Kernels> Kernels for Staged<K> {
@@ -768,6 +649,22 @@ impl<K: Kernels> Kernels for Staged<K> {
         sizes: &[usize],
     ) -> Result<(K::F, Vec<usize>), K::Error> {
         self.host_read(|k| k.exchange(coll, send, sizes))
+    }
+    fn exchange_known(
+        &self,
+        coll: &mut dyn Collective,
+        send: &K::F,
+        sizes: (&[usize], &[usize]),
+    ) -> Result<K::F, K::Error> {
+        self.host_read(|k| k.exchange_known(coll, send, sizes))
+    }
+    fn gather_counts(
+        &self,
+        coll: &mut dyn Collective,
+        counts: &K::I,
+        n: usize,
+    ) -> Result<Vec<Vec<i32>>, K::Error> {
+        self.host_read(|k| k.gather_counts(coll, counts, n))
     }
     fn moe_combine(
         &self,

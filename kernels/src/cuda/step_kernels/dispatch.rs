@@ -6,7 +6,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use engine::parallel::collective::Collective;
 
 use super::{CudaKernels, KernelError, function, per_item};
-use crate::step::kernels::{SlotSpec, exchange_through_host};
+use crate::step::kernels::{
+    SlotSpec, check_received, exchange_through_host, gather_counts_through_host,
+};
 
 /// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
 const EP_SLOTS_THREADS: u32 = 256;
@@ -109,5 +111,47 @@ impl CudaKernels {
                 .map_err(|e| KernelError::Shape(format!("exchange: {e}")));
         }
         exchange_through_host(self, coll, send, sizes)
+    }
+
+    /// [`crate::step::kernels::Kernels::exchange_known`]: over NCCL without gathering sizes
+    /// where `coll` is an [`crate::nccl::NcclRank`], through the host otherwise.
+    pub(super) fn exchange_rows_known(
+        &self,
+        coll: &mut dyn Collective,
+        send: &CudaSlice<f32>,
+        sizes: (&[usize], &[usize]),
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        #[cfg(feature = "nccl")]
+        if let Some(rank) = coll
+            .as_any_mut()
+            .and_then(|c| c.downcast_mut::<crate::nccl::NcclRank>())
+        {
+            return rank
+                .exchange_device_known(&self.gpu.stream, send, sizes)
+                .map_err(|e| KernelError::Shape(format!("exchange: {e}")));
+        }
+        let (recv, got) = exchange_through_host(self, coll, send, sizes.0)?;
+        check_received(&got, sizes.1)?;
+        Ok(recv)
+    }
+
+    /// [`crate::step::kernels::Kernels::gather_counts`]: over NCCL where `coll` is an
+    /// [`crate::nccl::NcclRank`], through the host otherwise.
+    pub(super) fn gather_counts_of(
+        &self,
+        coll: &mut dyn Collective,
+        counts: &CudaSlice<i32>,
+        n: usize,
+    ) -> Result<Vec<Vec<i32>>, KernelError> {
+        #[cfg(feature = "nccl")]
+        if let Some(rank) = coll
+            .as_any_mut()
+            .and_then(|c| c.downcast_mut::<crate::nccl::NcclRank>())
+        {
+            return rank
+                .gather_device_counts(&self.gpu.stream, counts, n)
+                .map_err(|e| KernelError::Shape(format!("gather counts: {e}")));
+        }
+        gather_counts_through_host(self, coll, counts, n)
     }
 }

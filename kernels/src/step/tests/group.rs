@@ -138,6 +138,17 @@ impl StepDevice for FailingAfter {
     fn idle_step(&mut self) -> Result<(), engine::backend::DeviceError> {
         self.inner.idle_step()
     }
+    // Its prompts step on the device as the other rank's do (a group's ranks run the same
+    // phases: a rank with prompts on the host would meet the others' device exchanges).
+    fn prompt_chunk(&self) -> usize {
+        self.inner.prompt_chunk()
+    }
+    fn prompt_step(
+        &mut self,
+        chunks: &[engine::scheduler::PromptChunk<'_>],
+    ) -> Result<Vec<engine::scheduler::PromptOut>, engine::backend::DeviceError> {
+        self.inner.prompt_step(chunks)
+    }
 }
 
 /// Rank 1's third decode step fails before its exchanges: its requests fail with its words,
