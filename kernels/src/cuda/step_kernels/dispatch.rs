@@ -13,6 +13,12 @@ use crate::step::kernels::{
 /// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
 const EP_SLOTS_THREADS: u32 = 256;
 
+/// The group's NCCL rank, where its collective is NCCL's.
+#[cfg(feature = "nccl")]
+fn nccl(coll: &mut dyn Collective) -> Option<&mut crate::nccl::NcclRank> {
+    coll.as_any_mut()?.downcast_mut::<crate::nccl::NcclRank>()
+}
+
 fn wide(v: usize, what: &str) -> Result<i64, KernelError> {
     i64::try_from(v).map_err(|_| KernelError::Shape(format!("{what}: {v}")))
 }
@@ -102,10 +108,7 @@ impl CudaKernels {
         sizes: &[usize],
     ) -> Result<(CudaSlice<f32>, Vec<usize>), KernelError> {
         #[cfg(feature = "nccl")]
-        if let Some(rank) = coll
-            .as_any_mut()
-            .and_then(|c| c.downcast_mut::<crate::nccl::NcclRank>())
-        {
+        if let Some(rank) = nccl(coll) {
             return rank
                 .exchange_device(&self.gpu.stream, send, sizes)
                 .map_err(|e| KernelError::Shape(format!("exchange: {e}")));
@@ -122,10 +125,7 @@ impl CudaKernels {
         sizes: (&[usize], &[usize]),
     ) -> Result<CudaSlice<f32>, KernelError> {
         #[cfg(feature = "nccl")]
-        if let Some(rank) = coll
-            .as_any_mut()
-            .and_then(|c| c.downcast_mut::<crate::nccl::NcclRank>())
-        {
+        if let Some(rank) = nccl(coll) {
             return rank
                 .exchange_device_known(&self.gpu.stream, send, sizes)
                 .map_err(|e| KernelError::Shape(format!("exchange: {e}")));
@@ -144,10 +144,7 @@ impl CudaKernels {
         n: usize,
     ) -> Result<Vec<Vec<i32>>, KernelError> {
         #[cfg(feature = "nccl")]
-        if let Some(rank) = coll
-            .as_any_mut()
-            .and_then(|c| c.downcast_mut::<crate::nccl::NcclRank>())
-        {
+        if let Some(rank) = nccl(coll) {
             return rank
                 .gather_device_counts(&self.gpu.stream, counts, n)
                 .map_err(|e| KernelError::Shape(format!("gather counts: {e}")));
