@@ -52,8 +52,9 @@ impl<K: Kernels> DeviceStepOps<K> {
     }
 
     /// [`StepOps::routed_experts`] over the group `ep`: `[pairs, D]` in pair order. The
-    /// dispatch messages are packed on the device (`ep_slots`, `copy_rows`) and exchanged by
-    /// [`Kernels::exchange`] (GPU to GPU over NCCL); the host reads the messages' counts only.
+    /// dispatch messages are packed on the device (`ep_slots`, `copy_rows`), their counts
+    /// gathered ([`Kernels::gather_counts`], the one read back) and the messages exchanged by
+    /// [`Kernels::exchange_known`] (GPU to GPU over NCCL).
     pub(super) fn routed_in_group(
         &self,
         ep: &ExpertParallel,
@@ -95,7 +96,7 @@ impl<K: Kernels> DeviceStepOps<K> {
     }
 
     /// A layer's dispatch messages packed on the device (`ep_slots`, then the rows by
-    /// `copy_rows`), with the messages' counts read back.
+    /// `copy_rows`), with their counts read back: every rank's (`gathered`), or this rank's.
     fn pack(
         &self,
         ep: &ExpertParallel,
@@ -150,8 +151,13 @@ impl<K: Kernels> DeviceStepOps<K> {
         }
         let to_me = if gathered {
             all.iter()
-                .map(|row| row.get(me).map_or(usize::MAX, |&c| whole(c)))
-                .collect()
+                .enumerate()
+                .map(|(r, row)| {
+                    row.get(me)
+                        .and_then(|&c| usize::try_from(c).ok())
+                        .ok_or_else(|| format!("rank {r} gathered no count for rank {me}"))
+                })
+                .collect::<Result<_, _>>()?
         } else {
             Vec::new()
         };
