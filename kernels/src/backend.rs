@@ -18,13 +18,13 @@ pub enum BackendKind {
     /// Everything on the CPU reference.
     Cpu,
     /// The GPU: one rank without hybrid runs whole steps there (decode steps, and prompt
-    /// chunks for an engine that computes prompts), and so does each rank of an
-    /// expert-parallel group with data-parallel attention; another group layout or hybrid runs
-    /// the per-op path (routed experts, linears, attention core and head on the GPU, the rest
-    /// on the CPU).
+    /// chunks for an engine that computes prompts), and so does each rank of a
+    /// tensor-parallel group or of an expert-parallel group with data-parallel attention;
+    /// sliced experts or hybrid run the per-op path (routed experts, linears, attention core
+    /// and head on the GPU, the rest on the CPU).
     Cuda,
     /// The whole steps as on a GPU (state in arenas, the same launches), each kernel computed
-    /// by its CPU reference: one rank or expert-parallel ranks, without hybrid.
+    /// by its CPU reference: one rank or a group's ranks, without sliced experts or hybrid.
     Emulated,
 }
 
