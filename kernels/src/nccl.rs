@@ -7,7 +7,8 @@
 //! by grouped send/recv (`ncclGroupStart`, a send and a receive per peer, `ncclGroupEnd`).
 //! [`Collective::exchange`]'s payloads are host rows (the engine's host forward); they are
 //! copied to the device, exchanged, and copied back. A device step's dispatch messages stay on
-//! the GPUs ([`NcclRank::exchange_device`]).
+//! the GPUs ([`NcclRank::exchange_device_known`], with the counts gathered by
+//! [`NcclRank::gather_device_counts`]).
 //!
 //! NCCL calls have no timeout of their own: each call records an event after its work and polls
 //! it until the group's timeout; a call that did not finish by then (a rank died or hangs)
@@ -186,46 +187,16 @@ impl NcclRank {
 }
 
 impl NcclRank {
-    /// [`Collective::exchange`] of values on the GPU (a device step's dispatch messages):
-    /// the first `sizes[r]` values after those of the ranks before `r` go to rank `r`; returns
-    /// what every rank sent to this one, back to back by source, and how many each sent. Only
-    /// the sizes cross to the host; the values go GPU to GPU, ordered after the work queued
-    /// on `stream` so far, and `stream`'s later work after them.
+    /// [`Collective::exchange`] of values on the GPU (a device step's dispatch messages), where
+    /// this rank knows how many values each rank sends it (`from[r]`): the first `sizes[r]`
+    /// values after those of the ranks before `r` go to rank `r`; returns what every rank sent
+    /// to this one, back to back by source. No size is gathered and no value crosses to the
+    /// host: they go GPU to GPU, ordered after the work queued on `stream` so far, and
+    /// `stream`'s later work after them.
     ///
     /// # Errors
     /// Sizes that do not fit `send` or the group, a failed or stalled exchange (which fails
     /// the group, as [`Collective::exchange`] does).
-    pub fn exchange_device(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        send: &CudaSlice<f32>,
-        sizes: &[usize],
-    ) -> Result<(CudaSlice<f32>, Vec<usize>), CollectiveError> {
-        self.failure("exchange")?;
-        let total: usize = sizes.iter().sum();
-        if sizes.len() != self.size || total > send.len() {
-            return Err(CollectiveError::Shape(format!(
-                "exchange: {} destinations of {total} values from {} for {} ranks",
-                sizes.len(),
-                send.len(),
-                self.size
-            )));
-        }
-        let wide: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
-        let all = self.gather_sizes(&wide)?;
-        let me = self.rank;
-        let from: Vec<usize> = (0..self.size)
-            .map(|s| usize::try_from(all[s][me]).unwrap_or(usize::MAX))
-            .collect();
-        let recv = self.exchange_device_known(stream, send, (sizes, &from))?;
-        Ok((recv, from))
-    }
-
-    /// [`Self::exchange_device`] where this rank knows how many values each rank sends it
-    /// (`from[r]`): no sizes are gathered, so only the exchange itself waits.
-    ///
-    /// # Errors
-    /// As [`Self::exchange_device`]'s.
     pub fn exchange_device_known(
         &mut self,
         stream: &Arc<CudaStream>,
@@ -430,16 +401,12 @@ mod tests {
                         let sizes: Vec<usize> = sends.iter().map(Vec::len).collect();
                         let flat: Vec<f32> = sends.concat();
                         let send = stream.clone_htod(&[flat, vec![-1.0]].concat()).unwrap();
-                        let (recv, got) = rank.exchange_device(&stream, &send, &sizes).unwrap();
-                        let values = stream.clone_dtoh(&recv).unwrap();
-                        let lens: Vec<usize> = host.iter().map(Vec::len).collect();
-                        assert_eq!(got, lens, "rank {me}'s sizes GPU to GPU");
-                        assert_eq!(values[..got.iter().sum::<usize>()], host.concat()[..]);
-                        // Sizes known: the same values without gathering them.
-                        let known = rank
+                        let got: Vec<usize> = host.iter().map(Vec::len).collect();
+                        let recv = rank
                             .exchange_device_known(&stream, &send, (&sizes, &got))
                             .unwrap();
-                        assert_eq!(stream.clone_dtoh(&known).unwrap(), values);
+                        let values = stream.clone_dtoh(&recv).unwrap();
+                        assert_eq!(values[..got.iter().sum::<usize>()], host.concat()[..]);
                         // Counts gathered GPU to GPU.
                         let mine = stream.clone_htod(&[me as i32, 7, -1]).unwrap();
                         let all = rank.gather_device_counts(&stream, &mine, 2).unwrap();

@@ -757,15 +757,6 @@ impl Kernels for CudaKernels {
 
     /// GPU to GPU where the group's collective is NCCL's; through the host otherwise (an
     /// in-process group, as two ranks on one GPU in the tests).
-    fn exchange(
-        &self,
-        coll: &mut dyn engine::parallel::collective::Collective,
-        send: &CudaSlice<f32>,
-        sizes: &[usize],
-    ) -> Result<(CudaSlice<f32>, Vec<usize>), KernelError> {
-        self.exchange_rows(coll, send, sizes)
-    }
-
     fn exchange_known(
         &self,
         coll: &mut dyn engine::parallel::collective::Collective,

@@ -762,13 +762,13 @@ impl Kernels for EmulatedKernels {
     }
 
     /// As a GPU's NCCL exchange: device to device, so neither a read nor an upload.
-    fn exchange(
+    fn exchange_known(
         &self,
         coll: &mut dyn Collective,
         send: &Vec<f32>,
-        sizes: &[usize],
-    ) -> Result<(Vec<f32>, Vec<usize>), ShapeError> {
-        dispatch::exchange(coll, send, sizes)
+        sizes: (&[usize], &[usize]),
+    ) -> Result<Vec<f32>, ShapeError> {
+        dispatch::exchange_known(coll, send, sizes)
     }
 
     fn moe_combine(

@@ -459,26 +459,17 @@ pub trait Kernels {
     ) -> Result<(), Self::Error>;
     /// All-to-all over `coll`: the first `sizes[r]` values after those of the ranks before
     /// `r` go to rank `r` (this rank's own included); returns what every rank sent to this
-    /// one, by source rank back to back, and how many values each sent. Through the host by
-    /// default; a device that can exchange its buffers directly (NCCL) does.
-    fn exchange(
-        &self,
-        coll: &mut dyn Collective,
-        send: &Self::F,
-        sizes: &[usize],
-    ) -> Result<(Self::F, Vec<usize>), Self::Error> {
-        exchange_through_host(self, coll, send, sizes)
-    }
-
-    /// [`Self::exchange`] where this rank knows how many values each rank sends it
-    /// (`from[r]`): nothing is gathered first; a rank that sends otherwise is an error.
+    /// one, by source rank back to back, where this rank knows how many values each sends it
+    /// (`from[r]`: nothing is gathered first; a rank that sends otherwise is an error).
+    /// Through the host by default; a device that can exchange its buffers directly (NCCL)
+    /// does.
     fn exchange_known(
         &self,
         coll: &mut dyn Collective,
         send: &Self::F,
         (sizes, from): (&[usize], &[usize]),
     ) -> Result<Self::F, Self::Error> {
-        let (recv, got) = self.exchange(coll, send, sizes)?;
+        let (recv, got) = exchange_through_host(self, coll, send, sizes)?;
         check_received(&got, from)?;
         Ok(recv)
     }
@@ -507,8 +498,8 @@ pub trait Kernels {
     fn launch_graph(&self, graph: &Self::Graph) -> Result<(), Self::Error>;
 }
 
-/// [`Kernels::exchange`] through the host: the values read back, exchanged by `coll` as host
-/// rows, the received ones uploaded.
+/// [`Kernels::exchange_known`] through the host: the values read back, exchanged by `coll` as
+/// host rows, the received ones uploaded; with how many values each rank sent.
 pub fn exchange_through_host<K: Kernels + ?Sized>(
     k: &K,
     coll: &mut dyn Collective,

@@ -641,15 +641,7 @@ impl<K: Kernels> Kernels for Staged<K> {
             k.ep_take_ids(recv, at, held, m, ids)
         })
     }
-    /// Only outside the passes: an exchange reads what it sends (a graph cannot hold it).
-    fn exchange(
-        &self,
-        coll: &mut dyn Collective,
-        send: &K::F,
-        sizes: &[usize],
-    ) -> Result<(K::F, Vec<usize>), K::Error> {
-        self.host_read(|k| k.exchange(coll, send, sizes))
-    }
+    /// Only outside the passes: an exchange waits for the host (a graph cannot hold it).
     fn exchange_known(
         &self,
         coll: &mut dyn Collective,

@@ -99,23 +99,6 @@ impl CudaKernels {
         Ok(())
     }
 
-    /// [`crate::step::kernels::Kernels::exchange`]: over NCCL from buffer to buffer where
-    /// `coll` is an [`crate::nccl::NcclRank`], through the host otherwise.
-    pub(super) fn exchange_rows(
-        &self,
-        coll: &mut dyn Collective,
-        send: &CudaSlice<f32>,
-        sizes: &[usize],
-    ) -> Result<(CudaSlice<f32>, Vec<usize>), KernelError> {
-        #[cfg(feature = "nccl")]
-        if let Some(rank) = nccl(coll) {
-            return rank
-                .exchange_device(&self.gpu.stream, send, sizes)
-                .map_err(|e| KernelError::Shape(format!("exchange: {e}")));
-        }
-        exchange_through_host(self, coll, send, sizes)
-    }
-
     /// [`crate::step::kernels::Kernels::exchange_known`]: over NCCL without gathering sizes
     /// where `coll` is an [`crate::nccl::NcclRank`], through the host otherwise.
     pub(super) fn exchange_rows_known(

@@ -4,7 +4,7 @@
 use engine::parallel::collective::Collective;
 
 use super::{ShapeError, err, part};
-use crate::step::kernels::SlotSpec;
+use crate::step::kernels::{SlotSpec, check_received};
 
 /// `ep_slots` ([`crate::step::kernels::Kernels::ep_slots`]).
 pub(super) fn ep_slots(
@@ -93,12 +93,13 @@ pub(super) fn ep_take_ids(
     Ok(())
 }
 
-/// [`crate::step::kernels::Kernels::exchange`] of host buffers standing for device ones.
-pub(super) fn exchange(
+/// [`crate::step::kernels::Kernels::exchange_known`] of host buffers standing for device
+/// ones.
+pub(super) fn exchange_known(
     coll: &mut dyn Collective,
     send: &[f32],
-    sizes: &[usize],
-) -> Result<(Vec<f32>, Vec<usize>), ShapeError> {
+    (sizes, from): (&[usize], &[usize]),
+) -> Result<Vec<f32>, ShapeError> {
     let mut at = 0;
     let mut sends = Vec::with_capacity(sizes.len());
     for &n in sizes {
@@ -108,8 +109,9 @@ pub(super) fn exchange(
     let received = coll
         .exchange(sends)
         .map_err(|e| ShapeError(format!("exchange: {e}")))?;
-    let sizes = received.iter().map(Vec::len).collect();
-    Ok((received.concat(), sizes))
+    let got: Vec<usize> = received.iter().map(Vec::len).collect();
+    check_received(&got, from).map_err(ShapeError)?;
+    Ok(received.concat())
 }
 
 #[cfg(test)]
