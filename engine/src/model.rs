@@ -209,6 +209,13 @@ impl Model {
         self.expert_parallel.clone()
     }
 
+    /// The expert-slice group this rank is part of, shared (a device step gathers over it).
+    pub fn sliced_experts_shared(
+        &self,
+    ) -> Option<std::sync::Arc<crate::parallel::sliced::SlicedExperts>> {
+        self.sliced_experts.clone()
+    }
+
     /// Fails every group this rank is part of (expert, head and expert-slice groups), so the
     /// other ranks stop at once instead of waiting for this one.
     pub fn fail_groups(&self, reason: &str) {

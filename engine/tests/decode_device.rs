@@ -594,9 +594,9 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
     // expert-parallel group.
     assert!(matches!(&refused, StartError::Group(_)), "{refused}");
     assert!(
-        refused
-            .to_string()
-            .contains("does not exchange over an expert-parallel group"),
+        refused.to_string().contains(
+            "does not exchange over an expert-parallel group and this engine's model is a rank"
+        ),
         "{refused}"
     );
 }

@@ -411,39 +411,49 @@ fn parse_response(raw: &[u8]) -> HttpResponse {
 /// folder with `pdctl gen-model` (seed 1, MXFP4 experts).
 pub fn tiny_model_dir() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = bin_dir().join("test-models").join("tiny-mxfp4-seed1");
-        if dir.join("tokenizer.json").is_file() {
-            return dir;
-        }
-        let tmp = bin_dir()
-            .join("test-models")
-            .join(format!("tmp-{}", std::process::id()));
-        let mut cmd = command("pdctl");
-        cmd.args([
-            "gen-model",
-            "--preset",
-            "tiny",
-            "--seed",
-            "1",
-            "--experts",
-            "mxfp4",
-        ])
-        .arg("--out")
-        .arg(&tmp);
-        let (status, _, err) = run_to_exit(cmd, Duration::from_secs(120));
-        assert!(status.success(), "pdctl gen-model failed: {err}");
-        assert!(
-            tmp.join("tokenizer.json").is_file(),
-            "the tokenizer is missing: run scripts/setup"
-        );
-        // Another test process may have won the race; either copy is complete.
-        if std::fs::rename(&tmp, &dir).is_err() {
-            let _ = std::fs::remove_dir_all(&tmp);
-        }
-        dir
-    })
-    .clone()
+    DIR.get_or_init(|| generated_tiny_model("mxfp4")).clone()
+}
+
+/// [`tiny_model_dir`] with NVFP4 experts (whose scale blocks of 16 let 2 ranks slice the tiny
+/// model's 32 intermediate values on the device).
+pub fn tiny_nvfp4_model_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| generated_tiny_model("nvfp4")).clone()
+}
+
+fn generated_tiny_model(experts: &str) -> PathBuf {
+    let dir = bin_dir()
+        .join("test-models")
+        .join(format!("tiny-{experts}-seed1"));
+    if dir.join("tokenizer.json").is_file() {
+        return dir;
+    }
+    let tmp = bin_dir()
+        .join("test-models")
+        .join(format!("tmp-{experts}-{}", std::process::id()));
+    let mut cmd = command("pdctl");
+    cmd.args([
+        "gen-model",
+        "--preset",
+        "tiny",
+        "--seed",
+        "1",
+        "--experts",
+        experts,
+    ])
+    .arg("--out")
+    .arg(&tmp);
+    let (status, _, err) = run_to_exit(cmd, Duration::from_secs(120));
+    assert!(status.success(), "pdctl gen-model failed: {err}");
+    assert!(
+        tmp.join("tokenizer.json").is_file(),
+        "the tokenizer is missing: run scripts/setup"
+    );
+    // Another test process may have won the race; either copy is complete.
+    if std::fs::rename(&tmp, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    dir
 }
 
 /// Starts `pdserve-router` on ephemeral ports with `args` and waits until `/health/ready`

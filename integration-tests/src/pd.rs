@@ -21,8 +21,13 @@ pub fn model_arg() -> String {
 /// The command of a worker serving the tiny model on an ephemeral loopback port, before it
 /// starts (to set its environment: a fault, a log level).
 pub fn worker_command(binary: &str, extra: &[&str]) -> std::process::Command {
+    worker_command_on(&model_arg(), binary, extra)
+}
+
+/// [`worker_command`] serving the checkpoint at `model`.
+pub fn worker_command_on(model: &str, binary: &str, extra: &[&str]) -> std::process::Command {
     let mut cmd = command(binary);
-    cmd.args(["--grpc-listen", "127.0.0.1:0", "--model-dir", &model_arg()])
+    cmd.args(["--grpc-listen", "127.0.0.1:0", "--model-dir", model])
         .args(extra);
     cmd
 }
@@ -34,8 +39,13 @@ pub fn worker(binary: &str, extra: &[&str]) -> Service {
 /// A router serving the tiny model over one decode and one prefill worker; `extra` are more
 /// router flags.
 pub fn router_over(decode: &Service, prefill: &Service, extra: &[&str]) -> Service {
+    router_over_on(&model_arg(), decode, prefill, extra)
+}
+
+/// [`router_over`] serving the checkpoint at `model`.
+pub fn router_over_on(model: &str, decode: &Service, prefill: &Service, extra: &[&str]) -> Service {
     let (model, decode, prefill) = (
-        model_arg(),
+        model.to_owned(),
         decode.addr("grpc").to_string(),
         prefill.addr("grpc").to_string(),
     );

@@ -14,7 +14,7 @@ use integration_tests::{
     Service, http,
     pd::{
         T, chat, essence, listed, model_arg, open_stream, post, read_until_error, wait_idle,
-        worker_command,
+        worker_command, worker_command_on,
     },
     start_router,
 };
@@ -23,19 +23,30 @@ use serde_json::{Value, json};
 /// A decode and a prefill worker with their own extra flags, offering `transport` only, and a
 /// router over them.
 fn layout(prefill: &[&str], decode: &[&str], transport: &str) -> (Service, Service, Service) {
+    layout_on(&model_arg(), (prefill, decode), transport)
+}
+
+/// [`layout`] serving the checkpoint at `model`.
+fn layout_on(
+    model: &str,
+    (prefill, decode): (&[&str], &[&str]),
+    transport: &str,
+) -> (Service, Service, Service) {
     let common = ["--page-size", "16", "--transport", transport];
-    let mut decode = worker_command(
+    let mut decode = worker_command_on(
+        model,
         "pdserve-decode",
         &[&common[..], &["--max-batch-tokens", "37"], decode].concat(),
     );
     // Its log says on which rank each reservation went.
     decode.env("PDSERVE_LOG", "info");
     let decode = Service::start(decode);
-    let prefill = Service::start(worker_command(
+    let prefill = Service::start(worker_command_on(
+        model,
         "pdserve-prefill",
         &[&common[..], &["--max-batch-tokens", "37"], prefill].concat(),
     ));
-    let router = integration_tests::pd::router_over(&decode, &prefill, &[]);
+    let router = integration_tests::pd::router_over_on(model, &decode, &prefill, &[]);
     (router, decode, prefill)
 }
 
@@ -194,19 +205,28 @@ fn logprobs(answer: &Value) -> Vec<f64> {
         .collect()
 }
 
-/// Workers whose experts are sliced over their tensor-parallel ranks (`--moe-tp`) answer greedy
-/// requests with one engine's text, tokens and alternatives, every logprob within 1e-4 (the
-/// sliced sums differ from one engine's in the last bits; `engine/tests/sliced_experts.rs`).
+/// Workers whose experts are sliced over their tensor-parallel ranks (`--moe-tp`), on the host
+/// forward and stepping on their (emulated) devices, answer greedy requests with one engine's text, tokens and
+/// alternatives, every logprob within 1e-4 (the sliced sums differ from one engine's in the
+/// last bits; `engine/tests/sliced_experts.rs`).
 #[test]
 fn sliced_experts_answer_greedy_requests_as_one_engine_does() {
-    let local = start_router(&["--model-dir", &model_arg()], true);
+    // NVFP4 experts: the tiny model's 32 intermediate values cut in two on their scale blocks.
+    let model = integration_tests::tiny_nvfp4_model_dir()
+        .display()
+        .to_string();
+    let local = start_router(&["--model-dir", &model], true);
     let bodies: Vec<Value> = [1usize, 30, 250]
         .into_iter()
         .enumerate()
         .map(|(i, words)| chat(words, 700 + i as u64, 0.0, 7))
         .collect();
+    // The prefill worker's ranks on the host forward; the decode worker's each on its
+    // (emulated) device, holding half of every expert's intermediate values and summing both
+    // halves' partial outputs device to device.
     let sliced = ["--tp", "2", "--moe-tp"];
-    let (router, decode_worker, prefill_worker) = layout(&sliced, &sliced, "tcp");
+    let on_devices = [&sliced[..], &["--backend", "emulated"]].concat();
+    let (router, decode_worker, prefill_worker) = layout_on(&model, (&sliced, &on_devices), "tcp");
     for body in &bodies {
         let want = essence(&post(local.addr("http"), "/v1/chat/completions", body));
         let got = essence(&post(router.addr("http"), "/v1/chat/completions", body));
@@ -230,6 +250,10 @@ fn sliced_experts_answer_greedy_requests_as_one_engine_does() {
         };
         assert_eq!(tokens(&got), tokens(&want));
     }
+    let log = without_colours(&decode_worker.stderr());
+    let plan = "emulated (the whole decode step on the device, 2 tensor-parallel ranks each with \
+                1/2 of the heads and of every expert's intermediate values)";
+    assert!(log.contains(plan), "{log}");
     wait_idle(decode_worker.addr("grpc"), "decode");
     wait_idle(prefill_worker.addr("grpc"), "prefill");
 }

@@ -19,12 +19,13 @@ pub enum BackendKind {
     Cpu,
     /// The GPU: one rank without hybrid runs whole steps there (decode steps, and prompt
     /// chunks for an engine that computes prompts), and so does each rank of a
-    /// tensor-parallel group or of an expert-parallel group with data-parallel attention;
-    /// sliced experts or hybrid run the per-op path (routed experts, linears, attention core
-    /// and head on the GPU, the rest on the CPU).
+    /// tensor-parallel group (its experts whole, split or sliced over the ranks) or of an
+    /// expert-parallel group with data-parallel attention; hybrid runs the per-op path
+    /// (routed experts, linears, attention core and head on the GPU, the rest on the CPU),
+    /// for debugging.
     Cuda,
     /// The whole steps as on a GPU (state in arenas, the same launches), each kernel computed
-    /// by its CPU reference: one rank or a group's ranks, without sliced experts or hybrid.
+    /// by its CPU reference: one rank or a group's ranks, without hybrid.
     Emulated,
 }
 
@@ -311,7 +312,7 @@ pub fn start_engine(
     // prompt chunks of an engine that computes prompts; so does each rank of an
     // expert-parallel group with data-parallel attention (its pairs exchanged at every MoE
     // layer) and of a tensor-parallel group (the attention's output groups gathered at every
-    // layer). Sliced experts keep the per-op path.
+    // layer; with sliced experts, every expert's partial outputs summed over the group).
     let device_step = !hybrid && group.parallel.steps_whole_on_devices();
     let prompts = (!decode_only).then_some(PROMPT_CHUNK_MOST);
     refuse_off_the_device_step(kind, step, (decode_only, device_step))?;

@@ -169,7 +169,7 @@ pub struct WorkerSettings {
     /// How a prefill worker's device step attends for its prompt chunks: `exact` (the
     /// reference's bits) or `fast` (tensor cores over FP8 rows and for the indexer's scores,
     /// within stated bounds; needs `kv_cache_dtype` fp8 or bf16; the cuda or emulated backend, one
-    /// rank or a group's ranks, without sliced experts or hybrid).
+    /// rank or a group's ranks, without hybrid).
     pub prefill_attention: PrefillAttention,
     /// How a prefill worker's device step runs its prompt chunks' bf16 and FP8 linears:
     /// `exact` (the reference's bits) or `fast` (the dense GEMM on tensor cores, within its
@@ -285,7 +285,7 @@ impl WorkerSettings {
                     "decode_attention",
                     "fast attention runs in the device decode step: backend cuda or emulated, \
                      one rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
-                     dp_attention), without sliced experts or hybrid",
+                     dp_attention), without hybrid",
                 ));
             }
             if !matches!(self.kv_cache_dtype, KvCacheDtype::Fp8 | KvCacheDtype::Bf16) {
@@ -308,7 +308,7 @@ impl WorkerSettings {
                 "decode_experts",
                 "fast experts run in the device decode step: backend cuda or emulated, one \
                  rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
-                 dp_attention), without sliced experts or hybrid",
+                 dp_attention), without hybrid",
             ));
         }
         if self.prefill_attention == PrefillAttention::Fast {
@@ -317,7 +317,7 @@ impl WorkerSettings {
                     "prefill_attention",
                     "fast attention runs in the device step: backend cuda or emulated, one \
                      rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
-                     dp_attention), without sliced experts or hybrid",
+                     dp_attention), without hybrid",
                 ));
             }
             if !matches!(self.kv_cache_dtype, KvCacheDtype::Fp8 | KvCacheDtype::Bf16) {
@@ -332,7 +332,7 @@ impl WorkerSettings {
                 "prefill_linears",
                 "fast linears run in the device step: backend cuda or emulated, one rank \
                  or a group (tensor-parallel ranks, or expert-parallel ranks with dp_attention), \
-                 without sliced experts or hybrid",
+                 without hybrid",
             ));
         }
         if self.prefill_experts == PrefillExperts::Fast && !device_step {
@@ -340,7 +340,7 @@ impl WorkerSettings {
                 "prefill_experts",
                 "fast experts run in the device step: backend cuda or emulated, one rank \
                  or a group (tensor-parallel ranks, or expert-parallel ranks with dp_attention), \
-                 without sliced experts or hybrid",
+                 without hybrid",
             ));
         }
         if self.decode_linears == DecodeLinears::Fast && !device_step {
@@ -348,7 +348,7 @@ impl WorkerSettings {
                 "decode_linears",
                 "fast linears run in the device decode step: backend cuda or emulated, one \
                  rank or a group (tensor-parallel ranks, or expert-parallel ranks with \
-                 dp_attention), without sliced experts or hybrid",
+                 dp_attention), without hybrid",
             ));
         }
         self.check_group()?;
@@ -630,7 +630,7 @@ mod tests {
         settings.hybrid = false;
         // Expert-parallel ranks with data-parallel attention step on their devices too, and so
         // do tensor-parallel ranks (experts whole or split over the same ranks); no group
-        // replays graphs, and sliced experts keep the per-op path.
+        // replays graphs.
         settings.expert_parallel_size = 2;
         settings.dp_attention = true;
         assert!(settings.validate().is_ok());
@@ -646,7 +646,14 @@ mod tests {
         settings.decode_graphs = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
         settings.decode_graphs = false;
+        // Sliced experts step on the devices too: fast attention is honoured there, graphs
+        // (whose exchanges wait for the host) refused by name.
         settings.moe_tensor_parallel = true;
+        assert!(settings.validate().is_ok());
+        settings.decode_graphs = true;
+        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
+        settings.decode_graphs = false;
+        settings.hybrid = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
         assert_eq!(json["decode_attention"], "exact");

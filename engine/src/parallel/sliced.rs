@@ -21,7 +21,7 @@ use super::{
     collective::{Collective, SharedCollective},
     expert::ExpertError,
 };
-use crate::{model::moe, weights::ExpertWeights};
+use crate::{model::moe, tensor::Weight, weights::ExpertWeights};
 
 /// This rank's slice of every routed expert's intermediate dimension.
 #[derive(Debug)]
@@ -136,8 +136,116 @@ impl SlicedExperts {
         w.w2.apply_cols_many(slice.start, slice.len(), &acts)
     }
 
+    /// This rank's collective, for one call of the group (a device's own gather of the
+    /// partial outputs, `kernels::step::device_group`).
+    pub fn collective(&self) -> std::sync::MutexGuard<'_, Box<dyn Collective>> {
+        self.collective.lock()
+    }
+
+    /// This rank's slice of expert `w` as an expert of its own (what a device holds of it):
+    /// its rows of `w1` and `w3` and its columns of `w2`, each computing as the whole weight
+    /// over them bit for bit, so [`Self::routed`]'s partials are this expert's outputs. An
+    /// error where the stored form cannot cut on the slice (a scale block across its edge).
+    pub fn held(&self, w: &ExpertWeights) -> Result<ExpertWeights, String> {
+        let s = self.slice(w.w1.rows);
+        if (w.w3.rows, w.w2.cols) != (w.w1.rows, w.w1.rows) {
+            return Err(format!(
+                "an expert of {} gate rows, {} up rows and {} down columns",
+                w.w1.rows, w.w3.rows, w.w2.cols
+            ));
+        }
+        let cut = |block: Option<Weight>, what: &str| {
+            block.ok_or_else(|| {
+                format!(
+                    "moe tp {}: the experts' {what} cannot be cut at intermediate values \
+                     {s:?} (their scale blocks cross the slice's edge)",
+                    self.size
+                )
+            })
+        };
+        Ok(ExpertWeights {
+            w1: cut(w.w1.row_block(s.clone()), "gate rows")?,
+            w2: cut(w.w2.col_block(s.clone()), "down columns")?,
+            w3: cut(w.w3.row_block(s.clone()), "up rows")?,
+        })
+    }
+
     /// Marks this rank failed, so its peers stop at once.
     pub fn fail(&self, reason: &str) {
         self.collective.fail(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{
+        parallel::collective::InProcessGroup,
+        synth::Rng,
+        tensor::{Matrix, SharedBytes},
+    };
+
+    fn f32_weight(rng: &mut Rng, rows: usize, cols: usize) -> Weight {
+        Weight::from(Matrix::new(
+            rows,
+            cols,
+            (0..rows * cols).map(|_| rng.normal()).collect(),
+        ))
+    }
+
+    fn nvfp4_weight(rng: &mut Rng, rows: usize, cols: usize) -> Weight {
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
+        let scales: Vec<u8> = (0..rows * cols / 16)
+            .map(|_| 40 + (rng.next_u64() % 40) as u8)
+            .collect();
+        let (p, s) = (SharedBytes::owned(packed), SharedBytes::owned(scales));
+        Weight::nvfp4(rows, cols, p, s, 0.5).unwrap()
+    }
+
+    /// Every rank's held slice of an expert, computed as an expert of its own, gives that
+    /// rank's partial outputs bit for bit (f32 and NVFP4 experts, 2 and 4 ranks); a slice that
+    /// would cut an NVFP4 scale block is refused by name.
+    #[test]
+    fn a_ranks_held_slice_computes_its_partials() {
+        let mut rng = Rng::for_tensor(4, "sliced-held");
+        let (d, inter) = (32usize, 64usize);
+        let xs: Vec<Vec<f32>> = (0..3)
+            .map(|_| (0..d).map(|_| rng.normal()).collect())
+            .collect();
+        let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+        let f32s = ExpertWeights {
+            w1: f32_weight(&mut rng, inter, d),
+            w2: f32_weight(&mut rng, d, inter),
+            w3: f32_weight(&mut rng, inter, d),
+        };
+        let nvfp4 = ExpertWeights {
+            w1: nvfp4_weight(&mut rng, inter, d),
+            w2: nvfp4_weight(&mut rng, d, inter),
+            w3: nvfp4_weight(&mut rng, inter, d),
+        };
+        for size in [2usize, 4] {
+            for rank in InProcessGroup::new(size, Duration::from_secs(5)) {
+                let sliced = SlicedExperts::new(Box::new(rank), inter).unwrap();
+                for w in [&f32s, &nvfp4] {
+                    let held = sliced.held(w).unwrap();
+                    assert_eq!(held.w1.rows, inter / size);
+                    let want = sliced.partial(w, 7.0, &refs);
+                    assert_eq!(moe::expert_many(&held, &refs, 7.0), want, "of {size}");
+                }
+            }
+        }
+        // 64 over 8 ranks: slices of 8, across NVFP4's blocks of 16.
+        let rank = InProcessGroup::new(8, Duration::from_secs(5)).remove(3);
+        let sliced = SlicedExperts::new(Box::new(rank), inter).unwrap();
+        assert!(sliced.held(&f32s).is_ok());
+        let err = sliced.held(&nvfp4).unwrap_err();
+        assert!(
+            err.contains("down columns") && err.contains("24..32"),
+            "{err}"
+        );
     }
 }

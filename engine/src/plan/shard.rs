@@ -46,11 +46,11 @@ impl Parallel {
     /// Whether each rank can step whole steps on its own device: one rank, ranks of expert
     /// parallelism with data-parallel attention (each exchanging its routed experts' pairs),
     /// or tensor-parallel ranks (each gathering the attention's output groups), their experts
-    /// whole or split among them. Sliced experts keep the per-op path.
+    /// whole, split among them or each sliced over them.
     pub fn steps_whole_on_devices(&self) -> bool {
         let one = self.tp == 1 && self.ep == 1;
         let expert_ranks = self.ep > 1 && self.tp == 1 && !self.moe_tp && self.dp_attention;
-        let head_ranks = self.tp > 1 && !self.moe_tp && (self.ep == 1 || self.ep == self.tp);
+        let head_ranks = self.tp > 1 && (self.ep == 1 || self.ep == self.tp);
         one || expert_ranks || head_ranks
     }
 
@@ -59,6 +59,10 @@ impl Parallel {
         match (self.tp, self.ep) {
             (1, 1) => String::new(),
             (1, ep) => format!(", each of {ep} expert-parallel ranks on its own"),
+            (tp, 1) if self.moe_tp => format!(
+                ", {tp} tensor-parallel ranks each with 1/{tp} of the heads and of every \
+                 expert's intermediate values"
+            ),
             (tp, 1) => format!(", {tp} tensor-parallel ranks each with 1/{tp} of the heads"),
             (tp, _) => format!(
                 ", {tp} tensor-parallel ranks each with 1/{tp} of the heads and of the experts"

@@ -196,6 +196,12 @@ pub trait StepDevice: Send + fmt::Debug {
         false
     }
 
+    /// Whether its steps compute a slice of every routed expert and gather the partial outputs
+    /// over the expert-slice group of the model it was opened for (false by default).
+    fn sliced_experts(&self) -> bool {
+        false
+    }
+
     /// A step with no sequences, for a rank of an expert-parallel group with nothing to
     /// step: it serves the other ranks' pairs of every layer's experts (their steps wait for
     /// it). Nothing to do by default.
@@ -219,8 +225,9 @@ impl Engine {
     /// Steps every decode token on `device` from now on, and every prompt chunk where the
     /// device steps prompts ([`StepDevice::prompt_chunk`]; otherwise they compute here). Refused
     /// when the device cannot hold every request the engine runs at once, or the longest one,
-    /// when it rounds K=V rows to another form than the engine stores them in, when the model
-    /// is one rank of a group, or while requests run.
+    /// when it rounds K=V rows to another form than the engine stores them in, when its steps
+    /// take part in other groups than the model's (tensor-parallel, expert-parallel,
+    /// expert-sliced), or while requests run.
     pub fn set_step_device(&mut self, device: Box<dyn StepDevice>) -> Result<(), EngineError> {
         let refuse = |why: String| Err(EngineError::Device(format!("{}: {why}", device.name())));
         if device.kv_rows() != self.model.kv_rows() {
@@ -230,43 +237,35 @@ impl Engine {
                 self.model.kv_rows()
             ));
         }
-        if self.model.sliced_experts().is_some() {
-            return refuse(
-                "a rank of an expert-sliced group (moe_tensor_parallel) steps with its group's \
-                 collectives on the host forward (hybrid = true)"
-                    .to_owned(),
-            );
-        }
-        if device.tensor_parallel() != self.model.tensor_parallel().is_some() {
-            return refuse(format!(
-                "it {} a share of the heads and this engine's model {} a rank of a \
-                 tensor-parallel group",
-                if device.tensor_parallel() {
-                    "computes"
-                } else {
-                    "does not compute"
-                },
-                if self.model.tensor_parallel().is_some() {
-                    "is"
-                } else {
-                    "is not"
-                },
-            ));
-        }
-        if device.expert_parallel() != self.model.expert_parallel().is_some() {
-            return refuse(format!(
-                "it {} over an expert-parallel group and this engine's model {}",
-                if device.expert_parallel() {
-                    "exchanges"
-                } else {
-                    "does not exchange"
-                },
-                if self.model.expert_parallel().is_some() {
-                    "is a rank of one"
-                } else {
-                    "is not"
-                },
-            ));
+        // The device's steps take part in exactly the model's groups.
+        let m = &self.model;
+        for (does, rank_of, device_does, model_is) in [
+            (
+                "compute a share of the heads",
+                "a tensor-parallel group",
+                device.tensor_parallel(),
+                m.tensor_parallel().is_some(),
+            ),
+            (
+                "exchange over an expert-parallel group",
+                "an expert-parallel group",
+                device.expert_parallel(),
+                m.expert_parallel().is_some(),
+            ),
+            (
+                "compute a slice of every expert",
+                "an expert-sliced group (moe_tensor_parallel)",
+                device.sliced_experts(),
+                m.sliced_experts().is_some(),
+            ),
+        ] {
+            if device_does != model_is {
+                return refuse(format!(
+                    "it does{} {does} and this engine's model is{} a rank of {rank_of}",
+                    if device_does { "" } else { " not" },
+                    if model_is { "" } else { " not" },
+                ));
+            }
         }
         if device.slots() < self.config.max_running {
             return refuse(format!(

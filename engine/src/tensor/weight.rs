@@ -3,6 +3,8 @@
 //! and tests). Products decode a chunk of a row at a time in registers (`rows.rs`) and give
 //! bit for bit what the f32 expansion of the same weights gives.
 
+mod blocks;
+
 use std::{fmt, ops::Range, sync::Arc};
 
 use super::{
@@ -239,41 +241,6 @@ impl Weight {
         })
     }
 
-    /// Rows `rows` of this weight as a weight of their own whose every row is stored, and so
-    /// computes, exactly as here; None where the form cannot cut there (FP8 blocks share a
-    /// scale across 128 rows, so a cut must fall on a block's edge or the last row; the FP4
-    /// forms are not cut).
-    pub fn row_block(&self, rows: Range<usize>) -> Option<Self> {
-        if rows.start >= rows.end || rows.end > self.rows {
-            return None;
-        }
-        let (n, cols) = (rows.end - rows.start, self.cols);
-        let form = match &self.form {
-            WeightForm::F32(v) => WeightForm::F32(v[rows.start * cols..rows.end * cols].to_vec()),
-            WeightForm::Bf16(b) => {
-                WeightForm::Bf16(b.slice(2 * rows.start * cols..2 * rows.end * cols)?)
-            }
-            WeightForm::Fp8Block { codes, scales } => {
-                let edge = |r: usize| r.is_multiple_of(FP8_BLOCK) || r == self.rows;
-                if !edge(rows.start) || !edge(rows.end) {
-                    return None;
-                }
-                let tiles = cols.div_ceil(FP8_BLOCK);
-                let (t0, t1) = (rows.start / FP8_BLOCK, rows.end.div_ceil(FP8_BLOCK));
-                WeightForm::Fp8Block {
-                    codes: codes.slice(rows.start * cols..rows.end * cols)?,
-                    scales: scales.get(t0 * tiles..t1 * tiles)?.to_vec(),
-                }
-            }
-            WeightForm::Mxfp4 { .. } | WeightForm::Nvfp4 { .. } => return None,
-        };
-        Some(Self {
-            rows: n,
-            cols,
-            form,
-        })
-    }
-
     /// MXFP4 as [`crate::quant::dequant_mxfp4`] reads it.
     pub fn mxfp4(
         rows: usize,
@@ -486,7 +453,7 @@ mod tests {
     use super::*;
     use crate::{quant, synth::Rng};
 
-    fn bytes(rng: &mut Rng, n: usize, valid: impl Fn(u8) -> bool) -> Vec<u8> {
+    pub(super) fn bytes(rng: &mut Rng, n: usize, valid: impl Fn(u8) -> bool) -> Vec<u8> {
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             let b = rng.next_u64() as u8;
@@ -497,7 +464,7 @@ mod tests {
         out
     }
 
-    fn vectors(rng: &mut Rng, count: usize, n: usize) -> Vec<Vec<f32>> {
+    pub(super) fn vectors(rng: &mut Rng, count: usize, n: usize) -> Vec<Vec<f32>> {
         (0..count)
             .map(|_| (0..n).map(|_| rng.normal()).collect())
             .collect()
@@ -588,44 +555,6 @@ mod tests {
             let w = Weight::bf16(rows, cols, SharedBytes::owned(raw)).unwrap();
             check_against_expansion(&w, &expanded, &mut rng);
         }
-    }
-
-    /// A row block computes its rows as the whole weight does, bit for bit: f32 and bf16 cut
-    /// anywhere, FP8 blocks on a block's edge or at the last row; elsewhere (and FP4) none.
-    #[test]
-    fn row_blocks_compute_their_rows_as_the_whole_weight() {
-        let mut rng = Rng::for_tensor(2, "row-blocks");
-        let f32s = Weight::from(Matrix::new(5, 7, vectors(&mut rng, 1, 35).concat()));
-        let raw = bytes(&mut rng, 2 * 130 * 67, |_| true)
-            .chunks_exact(2)
-            .flat_map(|p| ((u16::from_le_bytes([p[0], p[1]]) & 0x807F) | 0x3F00).to_le_bytes())
-            .collect();
-        let bf16 = Weight::bf16(130, 67, SharedBytes::owned(raw)).unwrap();
-        let codes = bytes(&mut rng, 300 * 130, |c| c & 0x7F != 0x7F);
-        let scale = bytes(&mut rng, 3 * 2, |c| (100..140).contains(&c));
-        let fp8 = Weight::fp8_block(300, 130, SharedBytes::owned(codes), &scale).unwrap();
-        let cases = [
-            (&f32s, 1..4, true),
-            (&bf16, 3..100, true),
-            (&fp8, 128..256, true),
-            (&fp8, 256..300, true),
-            (&fp8, 0..300, true),
-            (&fp8, 64..128, false),
-            (&fp8, 128..200, false),
-            (&f32s, 4..6, false),
-        ];
-        for (w, rows, cut) in cases {
-            let block = w.row_block(rows.clone());
-            assert_eq!(block.is_some(), cut, "rows {rows:?} of {}", w.rows);
-            let Some(block) = block else { continue };
-            assert_eq!((block.rows, block.cols), (rows.len(), w.cols));
-            let xs = vectors(&mut rng, 3, w.cols);
-            let whole = w.apply_rows_many(rows.start, rows.len(), &xs);
-            assert_eq!(block.apply_many(&xs), whole, "rows {rows:?}");
-        }
-        let packed = SharedBytes::owned(vec![0; 2 * 16]);
-        let fp4 = Weight::mxfp4(2, 32, packed, SharedBytes::owned(vec![127; 2])).unwrap();
-        assert!(fp4.row_block(0..1).is_none());
     }
 
     #[test]

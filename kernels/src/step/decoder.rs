@@ -350,6 +350,10 @@ where
         self.ops.tensor_parallel().is_some()
     }
 
+    fn sliced_experts(&self) -> bool {
+        self.ops.sliced_experts().is_some()
+    }
+
     fn idle_step(&mut self) -> Result<(), DeviceError> {
         self.ops.idle_exchange().map_err(DeviceError::device)
     }

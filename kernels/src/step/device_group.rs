@@ -16,11 +16,15 @@
 //! Of a tensor-parallel group (`--tp N`) every rank steps every request over its share of the
 //! heads and gathers the attention's output groups ([`StepOps::gather_lows`]); with the experts
 //! split over the same ranks, each computes its experts' pairs from its own copy of the tokens
-//! and the ranks gather the outputs ([`DeviceStepOps::routed_replicated`]).
+//! and the ranks gather the outputs ([`DeviceStepOps::routed_replicated`]); with every expert
+//! sliced over them (`--moe-tp`), each computes its slice of every pair and the ranks sum the
+//! gathered partial outputs in rank order ([`DeviceStepOps::routed_sliced`]).
 
 use std::sync::Arc;
 
-use engine::parallel::{collective::Collective, expert::ExpertParallel, tensor::TensorParallel};
+use engine::parallel::{
+    collective::Collective, expert::ExpertParallel, sliced::SlicedExperts, tensor::TensorParallel,
+};
 
 use super::{
     StepOps,
@@ -44,6 +48,11 @@ impl<K: Kernels> DeviceStepOps<K> {
     /// The group this rank gathers the attention's output groups over, if any.
     pub fn tensor_parallel(&self) -> Option<&Arc<TensorParallel>> {
         self.tensor_parallel.as_ref()
+    }
+
+    /// The group this rank sums its routed experts' partial outputs over, if any.
+    pub fn sliced_experts(&self) -> Option<&Arc<SlicedExperts>> {
+        self.sliced.as_ref()
     }
 
     /// The group this rank exchanges its routed experts' pairs with, if any.
@@ -265,20 +274,8 @@ impl<K: Kernels> DeviceStepOps<K> {
     ) -> Result<DBuf<K>, K::Error> {
         let ranks = tp.size();
         let part = n * width;
-        let mut copies = self.alloc((ranks * part).max(1))?;
-        if part > 0 {
-            let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(n, width, 0)).collect();
-            self.copy_rows(
-                lows,
-                &from,
-                &mut copies,
-                &offsets(ranks * n, width, 0),
-                width,
-            )?;
-        }
-        let parts = vec![part; ranks];
         let recv = self
-            .exchange_known(tp.collective().as_mut(), &copies, (&parts, &parts))
+            .all_gather(tp.collective().as_mut(), lows, (n, width))
             .map_err(|e| format!("the attention's output groups over the group: {e}"))?;
         let mut joined = self.alloc((ranks * part).max(1))?;
         if part > 0 {
@@ -294,6 +291,66 @@ impl<K: Kernels> DeviceStepOps<K> {
             self.copy_rows(&recv, &from, &mut joined, &to, width)?;
         }
         Ok(joined)
+    }
+
+    /// [`StepOps::routed_experts`] on a rank of an expert-slice group, whose ranks hold the
+    /// same tokens and pairs (tensor-parallel attention): this rank's partial output of every
+    /// pair (the experts it holds are its slices of theirs, `SlicedExperts::held`, so the
+    /// one-rank products over `inter / N` values are the partials), gathered from every rank
+    /// and summed in rank order as the host forward's `SlicedExperts::routed` sums them, bit
+    /// for bit with the exact kernels.
+    pub(super) fn routed_sliced(
+        &self,
+        sliced: &SlicedExperts,
+        layer: usize,
+        h: &DBuf<K>,
+        experts: &DIdx<K>,
+        (k, inter): (usize, usize),
+        pairs: usize,
+    ) -> Result<DBuf<K>, K::Error> {
+        let (d, ranks) = (self.config.hidden_size, sliced.size());
+        let part = pairs * d;
+        let partials = if pairs == 0 {
+            self.alloc(1)?
+        } else {
+            let slice = sliced.slice(inter).len();
+            super::routed_here(self, layer, h, experts, (k, slice), pairs)?
+        };
+        let all = self
+            .all_gather(sliced.collective().as_mut(), &partials, (pairs, d))
+            .map_err(|e| format!("layer {layer}'s expert slices over the group: {e}"))?;
+        let mut sum = self.alloc(part.max(1))?;
+        if part == 0 {
+            return Ok(sum);
+        }
+        let rank_rows = |r: usize| offsets(pairs, d, r * part);
+        self.copy_rows(&all, &rank_rows(0), &mut sum, &rank_rows(0), d)?;
+        let mut next = self.alloc(part)?;
+        for r in 1..ranks {
+            self.copy_rows(&all, &rank_rows(r), &mut next, &rank_rows(0), d)?;
+            self.k.add_periodic(&mut sum, &next, part, part)?;
+        }
+        Ok(sum)
+    }
+
+    /// `rows` rows of `width` of `buf` from every rank of `coll`'s group to every rank:
+    /// `[ranks * rows * width]`, rank r's at `r * rows * width` (sent as a copy to each).
+    fn all_gather(
+        &self,
+        coll: &mut dyn Collective,
+        buf: &K::F,
+        (rows, width): (usize, usize),
+    ) -> Result<K::F, K::Error> {
+        let ranks = coll.size();
+        let part = rows * width;
+        let mut copies = self.alloc((ranks * part).max(1))?;
+        if part > 0 {
+            let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(rows, width, 0)).collect();
+            let to = offsets(ranks * rows, width, 0);
+            self.copy_rows(buf, &from, &mut copies, &to, width)?;
+        }
+        let parts = vec![part; ranks];
+        self.exchange_known(coll, &copies, (&parts, &parts))
     }
 
     /// [`Kernels::exchange_known`] over a group's collective.

@@ -112,7 +112,8 @@ fn compressor<K: Kernels>(k: &K, w: &CompressorWeights) -> Result<DeviceCompress
 impl<K: Kernels> DeviceModel<K> {
     /// Uploads every weight of `model` a decode step reads; of the routed experts, those of
     /// its rank where it is a rank of an expert-parallel group (a step's pairs name them by
-    /// their index among the rank's).
+    /// their index among the rank's), its slice of each where it is a rank of an expert-slice
+    /// group (`SlicedExperts::held`: rows of `w1`/`w3`, columns of `w2`).
     pub fn upload(k: &K, model: &Model) -> Result<Self, K::Error> {
         let w = &model.weights;
         let held = model
@@ -181,6 +182,13 @@ impl<K: Kernels> DeviceModel<K> {
                 .experts
                 .get(held.clone())
                 .ok_or_else(|| format!("layer {l} has no experts {held:?}"))?;
+            // A rank of an expert-slice group holds its slice of each (a layer's at a time).
+            let slices = model
+                .sliced_experts()
+                .map(|s| e.iter().map(|w| s.held(w)).collect::<Result<Vec<_>, _>>())
+                .transpose()
+                .map_err(|err| format!("layer {l}: {err}"))?;
+            let e = slices.as_deref().unwrap_or(e);
             experts.push([
                 k.upload_stack(e, Proj::Gate)?,
                 k.upload_stack(e, Proj::Up)?,
@@ -275,6 +283,10 @@ pub fn weight_bytes(model: &Model) -> usize {
                 .iter()
                 .map(|w| w.stored_bytes())
                 .sum::<usize>();
+        // A rank of an expert-slice group holds 1/N of each (FP8 scale tiles aside).
+        let slices = model
+            .sliced_experts()
+            .map_or(1, engine::parallel::sliced::SlicedExperts::size);
         bytes += layer
             .moe
             .experts
@@ -282,7 +294,8 @@ pub fn weight_bytes(model: &Model) -> usize {
             .into_iter()
             .flatten()
             .map(|e| e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes())
-            .sum::<usize>();
+            .sum::<usize>()
+            / slices;
         bytes += f32s(layer.attn_norm.len() + layer.ffn_norm.len() + a.sink.len());
         for c in [
             a.compressor.as_ref(),
@@ -378,6 +391,63 @@ mod tests {
             "{refused}"
         );
         assert!(refused.contains("--ep N --dp-attention"), "{refused}");
+    }
+
+    /// A rank of an expert-slice group holds, uploads and counts its slice of every routed
+    /// expert (half of each over 2 ranks: rows of `w1`/`w3`, columns of `w2`); over 4 ranks
+    /// the slices of 8 values would cut NVFP4's scale blocks of 16, and the upload is refused
+    /// naming them.
+    #[test]
+    fn an_expert_slice_rank_holds_its_slice_of_every_expert() {
+        use crate::step::{emulated::EmulatedKernels, kernels::Kernels};
+        use engine::parallel::sliced::SlicedExperts;
+
+        let dir = tempfile::tempdir().unwrap();
+        generate(&GenerateOptions {
+            preset: Preset::Tiny,
+            seed: 3,
+            experts: ExpertFormat::Nvfp4,
+            out: dir.path().to_path_buf(),
+            tokenizer_dir: None,
+        })
+        .unwrap();
+        let one = Model::load(dir.path()).unwrap();
+        let c = one.config.clone();
+        let experts: usize = one
+            .weights
+            .layers
+            .iter()
+            .flat_map(|l| &l.moe.experts)
+            .map(|e| e.w1.stored_bytes() + e.w2.stored_bytes() + e.w3.stored_bytes())
+            .sum();
+        let whole = weight_bytes(&one);
+        let k = EmulatedKernels::new(&c);
+        for (ranks, held) in [(2usize, true), (4, false)] {
+            let mut model = one.replica();
+            let rank = InProcessGroup::new(ranks, Duration::from_secs(5)).remove(1);
+            let sliced = SlicedExperts::new(Box::new(rank), c.moe_intermediate_size).unwrap();
+            model.set_sliced_experts(Arc::new(sliced));
+            assert_eq!(weight_bytes(&model), whole - experts + experts / ranks);
+            let upload = DeviceModel::upload(&k, &model);
+            if !held {
+                let err = upload.err().unwrap().to_string();
+                assert!(
+                    err.contains("down columns") && err.contains("8..16"),
+                    "{err}"
+                );
+                continue;
+            }
+            let device = upload.unwrap();
+            let (n, slice, d) = (
+                c.n_routed_experts,
+                c.moe_intermediate_size / 2,
+                c.hidden_size,
+            );
+            let [gate, up, down] = &device.experts[0];
+            assert_eq!(EmulatedKernels::stack_shape(gate), (n, slice, d));
+            assert_eq!(EmulatedKernels::stack_shape(up), (n, slice, d));
+            assert_eq!(EmulatedKernels::stack_shape(down), (n, d, slice));
+        }
     }
 
     /// A rank of a tensor-parallel group holds its share of `wq_b`'s and `wo_a`'s rows where

@@ -58,6 +58,9 @@ pub struct DeviceStepOps<K: Kernels> {
     /// The tensor-parallel group of the model's rank: the step computes its share of the
     /// heads and output groups and gathers the groups' outputs over it (`device_group`).
     pub(super) tensor_parallel: Option<Arc<engine::parallel::tensor::TensorParallel>>,
+    /// The expert-slice group of the model's rank: the device holds this rank's slice of every
+    /// routed expert and the step sums every rank's partial outputs (`device_group`).
+    pub(super) sliced: Option<Arc<engine::parallel::sliced::SlicedExperts>>,
 }
 
 /// The kernel that runs the routed experts' (token, expert) pairs.
@@ -598,6 +601,9 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         widths: (usize, usize),
         pairs: usize,
     ) -> Result<DBuf<K>, K::Error> {
+        if let Some(sliced) = self.sliced.as_deref() {
+            return self.routed_sliced(sliced, layer, h, experts, widths, pairs);
+        }
         match (self.expert_parallel.as_deref(), &self.tensor_parallel) {
             (Some(ep), None) => self.routed_in_group(ep, layer, h, experts, widths, pairs),
             (Some(ep), Some(_)) => self.routed_replicated(ep, layer, h, experts, widths, pairs),

@@ -13,6 +13,7 @@ use engine::{
     parallel::{
         collective::{Collective, InProcessGroup, InProcessRank},
         expert::ExpertParallel,
+        sliced::SlicedExperts,
         tensor::TensorParallel,
     },
     sampling::{SamplingParams, StopConditions},
@@ -80,11 +81,13 @@ pub type OpenRank<'a> = dyn Fn(&Model, usize) -> Result<Box<dyn StepDevice>, Str
 
 /// How a group splits the model: by experts with each rank stepping its own requests
 /// (`--ep N --dp-attention`), or by attention heads with every rank stepping every request
-/// (`--tp N`), its experts whole on each rank or split among them too (`--tp N --ep N`).
+/// (`--tp N`), its experts whole on each rank or split among them too (`--tp N --ep N`), or
+/// every expert sliced over them (`--tp N --moe-tp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
     Experts,
     Heads { experts: bool },
+    Sliced,
 }
 
 /// [`requests`] over `ranks` expert-parallel ranks of the checkpoint at `dir` (request `i` on
@@ -98,17 +101,31 @@ pub fn on_ranks(
 }
 
 /// [`requests`] over `ranks` ranks of the checkpoint at `dir` split as `split` says, each
-/// stepping on the device `open` opens for it, by request (under a split by heads, every
-/// rank's events, which must agree).
+/// stepping on the device `open` opens for it, by request (where every rank steps every
+/// request, every rank's events, which must agree).
 pub fn on_group(
     dir: &Path,
     (ranks, split): (usize, Split),
     open: &OpenRank<'_>,
 ) -> Result<BTreeMap<u64, Vec<Event>>, String> {
-    let experts = Model::load(dir)
-        .map_err(|e| e.to_string())?
-        .config
-        .n_routed_experts;
+    run_group(dir, (ranks, split), Some(open))
+}
+
+/// [`on_group`] on the host forward (no step device): the group's reference.
+pub fn on_group_host(
+    dir: &Path,
+    (ranks, split): (usize, Split),
+) -> Result<BTreeMap<u64, Vec<Event>>, String> {
+    run_group(dir, (ranks, split), None)
+}
+
+fn run_group(
+    dir: &Path,
+    (ranks, split): (usize, Split),
+    open: Option<&OpenRank<'_>>,
+) -> Result<BTreeMap<u64, Vec<Event>>, String> {
+    let config = Model::load(dir).map_err(|e| e.to_string())?.config;
+    let experts = (config.n_routed_experts, config.moe_intermediate_size);
     let group = || InProcessGroup::new(ranks, Duration::from_secs(30));
     let (expert_ranks, head_ranks) = (group(), group());
     // The ranks agree before each step whether any of them has work.
@@ -151,7 +168,8 @@ struct RankLinks {
     control: InProcessRank,
 }
 
-/// One rank of [`on_group`]: its engine over its device, stepping in lockstep with the others.
+/// One rank of [`on_group`]: its engine over its device (or the host forward), stepping in
+/// lockstep with the others. `experts`: the model's (routed experts, intermediate values).
 fn rank_run(
     dir: &Path,
     RankLinks {
@@ -159,13 +177,16 @@ fn rank_run(
         tp,
         mut control,
     }: RankLinks,
-    (experts, split): (usize, Split),
-    open: &OpenRank<'_>,
+    ((experts, inter), split): ((usize, usize), Split),
+    open: Option<&OpenRank<'_>>,
 ) -> Result<Vec<Event>, String> {
     let me = rank.rank();
     let ranks = rank.size();
     let mut model = Model::load(dir).map_err(|e| e.to_string())?;
-    if matches!(split, Split::Experts | Split::Heads { experts: true }) {
+    if split == Split::Sliced {
+        let sliced = SlicedExperts::new(Box::new(rank), inter)?;
+        model.set_sliced_experts(Arc::new(sliced));
+    } else if matches!(split, Split::Experts | Split::Heads { experts: true }) {
         let ep = ExpertParallel::new(Box::new(rank), experts)?;
         // This rank's copies of the other ranks' experts are wrong on purpose: only the
         // experts it holds may be used here.
@@ -180,13 +201,15 @@ fn rank_run(
         }
         model.set_expert_parallel(Arc::new(ep));
     }
-    if matches!(split, Split::Heads { .. }) {
+    if split != Split::Experts {
         let tp = TensorParallel::new(Box::new(tp), &model.config)?;
         model.set_tensor_parallel(Arc::new(tp));
     }
     let mut engine = Engine::new(model, config(), "ep").map_err(|e| e.to_string())?;
-    let device = open(engine.model(), me)?;
-    engine.set_step_device(device).map_err(|e| e.to_string())?;
+    if let Some(open) = open {
+        let device = open(engine.model(), me)?;
+        engine.set_step_device(device).map_err(|e| e.to_string())?;
+    }
     let mine = |id: u64| split != Split::Experts || id as usize % ranks == me;
     for r in requests().into_iter().filter(|r| mine(r.id)) {
         engine.add(r).map_err(|e| e.to_string())?;

@@ -168,11 +168,14 @@ fn gpu_graph_steps_give_the_eager_steps_bits() {
 /// their own contexts' streams and the in-process collectives: every request's events equal
 /// the one-rank host engine's (each rank holds half of every layer's experts, its copies of
 /// the others' wrong on purpose), with prompts on the GPU and on the host; and so do
-/// tensor-parallel ranks (half the heads each). The same runs over the kernels' references are
+/// tensor-parallel ranks (half the heads each), and ranks with every expert sliced between them
+/// equal the host forward's sliced group. The same runs over the kernels' references are
 /// CI's (`step::tests::group`).
 #[test]
 fn gpu_expert_parallel_ranks_give_the_one_rank_events() {
-    use kernels::step::group_runs::{Split, on_group, on_ranks, one_rank, slot_tokens};
+    use kernels::step::group_runs::{
+        Split, on_group, on_group_host, on_ranks, one_rank, slot_tokens,
+    };
     let Some(gpu) = Gpu::for_test("gpu_expert_parallel_ranks_give_the_one_rank_events") else {
         return;
     };
@@ -211,5 +214,12 @@ fn gpu_expert_parallel_ranks_give_the_one_rank_events() {
             let got = on_group(dir.path(), (2, split), &open).unwrap();
             assert_eq!(got, want, "{split:?} on one GPU, prompt chunks of {chunk}");
         }
+        // Every expert sliced between them: the host forward's sliced group, bit for bit.
+        let sliced = on_group_host(dir.path(), (2, Split::Sliced)).unwrap();
+        let got = on_group(dir.path(), (2, Split::Sliced), &open).unwrap();
+        assert_eq!(
+            got, sliced,
+            "sliced experts on one GPU, prompt chunks of {chunk}"
+        );
     }
 }

@@ -80,8 +80,8 @@ pub enum PrefillExperts {
 
 impl super::WorkerSettings {
     /// Whether the worker's steps run whole on its devices: backend cuda or emulated without
-    /// hybrid, one rank or each rank of a tensor-parallel group or of an expert-parallel group
-    /// with data-parallel attention (not sliced experts).
+    /// hybrid, one rank or each rank of a tensor-parallel group (its experts whole, split or
+    /// sliced over the ranks) or of an expert-parallel group with data-parallel attention.
     pub fn device_step(&self) -> bool {
         self.backend != kernels::backend::BackendKind::Cpu
             && !self.hybrid
@@ -167,11 +167,13 @@ mod tests {
         s.hybrid = true;
         assert_eq!(s.fast_kernels(), vec!["hybrid"]);
         s.hybrid = false;
-        // Tensor-parallel ranks step on their devices too (exact); sliced experts do not.
+        // Tensor-parallel ranks step on their devices too (exact), and so do sliced experts
+        // (their partial sums within their bound).
         s.tensor_parallel_size = 2;
         assert!(s.device_step() && s.fast_kernels().is_empty());
         s.moe_tensor_parallel = true;
-        assert_eq!(s.fast_kernels(), vec!["moe_tensor_parallel", "hybrid"]);
+        assert!(s.device_step());
+        assert_eq!(s.fast_kernels(), vec!["moe_tensor_parallel"]);
         s.moe_tensor_parallel = false;
         s.tensor_parallel_size = 1;
         s.expert_parallel_size = 2;

@@ -20,7 +20,8 @@ use crate::{
 
 impl<K: Kernels> DeviceStepOps<K> {
     /// Uploads `model`'s weights through `k` (of its routed experts, its rank's where the
-    /// model is a rank of an expert-parallel group, whose pairs its steps then exchange).
+    /// model is a rank of an expert-parallel group, whose pairs its steps then exchange, and
+    /// its slice of each where it is a rank of an expert-slice group).
     pub fn new(k: K, model: &Model) -> Result<Self, K::Error> {
         let (main, compress) = Rope::tables(&model.config);
         let device = DeviceModel::upload(&k, model)?;
@@ -43,6 +44,7 @@ impl<K: Kernels> DeviceStepOps<K> {
             fast_linears: false,
             expert_parallel: model.expert_parallel_shared(),
             tensor_parallel: model.tensor_parallel_shared(),
+            sliced: model.sliced_experts_shared(),
         })
     }
 

@@ -14,7 +14,7 @@ use engine::{
 use crate::step::{
     decoder::StepDecoder,
     emulated::EmulatedKernels,
-    group_runs::{Split, on_group, on_ranks, one_rank, slot_tokens},
+    group_runs::{Split, on_group, on_group_host, on_ranks, one_rank, slot_tokens},
 };
 
 fn checkpoint() -> tempfile::TempDir {
@@ -84,6 +84,31 @@ fn tensor_parallel_ranks_on_their_devices_give_the_one_rank_events() {
         let split = Split::Heads { experts };
         let got = on_group(dir.path(), (2, split), &open).unwrap();
         assert_eq!(got, want, "{split:?}, prompt chunks of {chunk}");
+    }
+}
+
+/// Two ranks with every routed expert sliced between them, each holding and computing its
+/// half of every expert's intermediate values and summing both halves' partial outputs in
+/// rank order: every rank's events equal the host forward's of the same group, bit for bit,
+/// prompts on the device and on the host (the one-rank engine's bits differ: the partial sums
+/// add in another order, `engine/tests/sliced_experts.rs` bounds them).
+#[test]
+fn expert_slice_ranks_on_their_devices_give_the_host_groups_events() {
+    let dir = checkpoint();
+    let want = on_group_host(dir.path(), (2, Split::Sliced)).unwrap();
+    assert_eq!(want.len(), 7);
+    assert!(
+        want.values()
+            .flatten()
+            .all(|e| !matches!(e, Event::Failed { .. })),
+        "{want:?}"
+    );
+    for chunk in [16usize, 0] {
+        let open = |model: &Model, _rank: usize| {
+            Ok(Box::new(emulated(model, chunk)?) as Box<dyn StepDevice>)
+        };
+        let got = on_group(dir.path(), (2, Split::Sliced), &open).unwrap();
+        assert_eq!(got, want, "prompt chunks of {chunk}");
     }
 }
 
