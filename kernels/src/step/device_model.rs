@@ -353,20 +353,26 @@ mod tests {
 
     use super::*;
 
-    /// The weights counted are the stored ones the upload takes: at least the linears, the
-    /// routed experts, the head and the table; a rank of an expert-parallel group counts its
-    /// share of the routed experts only; a GPU without the room is refused with the numbers.
-    #[test]
-    fn weight_bytes_count_the_ranks_share_and_too_little_room_is_refused() {
+    /// A synthetic checkpoint of `preset` with NVFP4 experts (seed 3).
+    fn nvfp4_checkpoint(preset: Preset) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
         generate(&GenerateOptions {
-            preset: Preset::Tiny,
+            preset,
             seed: 3,
             experts: ExpertFormat::Nvfp4,
             out: dir.path().to_path_buf(),
             tokenizer_dir: None,
         })
         .unwrap();
+        dir
+    }
+
+    /// The weights counted are the stored ones the upload takes: at least the linears, the
+    /// routed experts, the head and the table; a rank of an expert-parallel group counts its
+    /// share of the routed experts only; a GPU without the room is refused with the numbers.
+    #[test]
+    fn weight_bytes_count_the_ranks_share_and_too_little_room_is_refused() {
+        let dir = nvfp4_checkpoint(Preset::Tiny);
         let mut model = Model::load(dir.path()).unwrap();
         let w = &model.weights;
         let experts: usize = w
@@ -402,15 +408,7 @@ mod tests {
         use crate::step::{emulated::EmulatedKernels, kernels::Kernels};
         use engine::parallel::sliced::SlicedExperts;
 
-        let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 3,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let dir = nvfp4_checkpoint(Preset::Tiny);
         let one = Model::load(dir.path()).unwrap();
         let c = one.config.clone();
         let experts: usize = one
@@ -458,15 +456,7 @@ mod tests {
         use crate::step::{StepOps, View, device_ops::DeviceStepOps, emulated::EmulatedKernels};
         use engine::{parallel::tensor::TensorParallel, synth::Rng};
 
-        let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Small,
-            seed: 3,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let dir = nvfp4_checkpoint(Preset::Small);
         let one = Model::load(dir.path()).unwrap();
         let mut shared = one.replica();
         let mut ranks = InProcessGroup::new(2, Duration::from_secs(5));

@@ -49,17 +49,23 @@ fn emulated(model: &Model, chunk: usize) -> Result<StepDecoder<EmulatedKernels>,
         .map_err(|e| e.to_string())
 }
 
+/// Every request of `events` answered (none failed): a reference worth comparing with.
+fn all_answered(events: &std::collections::BTreeMap<u64, Vec<Event>>) {
+    assert_eq!(events.len(), 7);
+    assert!(
+        events
+            .values()
+            .flatten()
+            .all(|e| !matches!(e, Event::Failed { .. })),
+        "{events:?}"
+    );
+}
+
 #[test]
 fn expert_parallel_ranks_on_their_devices_give_the_one_rank_events() {
     let dir = checkpoint();
     let want = one_rank(dir.path()).unwrap();
-    assert_eq!(want.len(), 7);
-    assert!(
-        want.values()
-            .flatten()
-            .all(|e| !matches!(e, Event::Failed { .. })),
-        "{want:?}"
-    );
+    all_answered(&want);
     for (ranks, chunk) in [(2usize, 16usize), (2, 0), (4, 7)] {
         let open = |model: &Model, _rank: usize| {
             Ok(Box::new(emulated(model, chunk)?) as Box<dyn StepDevice>)
@@ -96,13 +102,7 @@ fn tensor_parallel_ranks_on_their_devices_give_the_one_rank_events() {
 fn expert_slice_ranks_on_their_devices_give_the_host_groups_events() {
     let dir = checkpoint();
     let want = on_group_host(dir.path(), (2, Split::Sliced)).unwrap();
-    assert_eq!(want.len(), 7);
-    assert!(
-        want.values()
-            .flatten()
-            .all(|e| !matches!(e, Event::Failed { .. })),
-        "{want:?}"
-    );
+    all_answered(&want);
     for chunk in [16usize, 0] {
         let open = |model: &Model, _rank: usize| {
             Ok(Box::new(emulated(model, chunk)?) as Box<dyn StepDevice>)
