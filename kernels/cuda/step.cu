@@ -71,6 +71,22 @@ extern "C" __global__ void add_periodic(float* __restrict__ x, const float* __re
     }
 }
 
+// out[i] = x[i] + x[part + i] + ... + x[(blocks - 1) * part + i] for i < part, added in block
+// order (an expert-slice group's partial outputs, gathered by rank, summed in rank order as
+// the host sums them). One thread per value.
+extern "C" __global__ void sum_blocks(const float* __restrict__ x, long long blocks,
+                                      long long part, float* __restrict__ out) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= part) {
+        return;
+    }
+    float s = x[i];
+    for (long long b = 1; b < blocks; ++b) {
+        s = __fadd_rn(s, x[b * part + i]);
+    }
+    out[i] = s;
+}
+
 // x[i] *= s for the first n values (the indexer's head weights times heads^-0.5).
 extern "C" __global__ void scale_values(float* __restrict__ x, float s, long long n) {
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -439,6 +439,15 @@ impl Kernels for CudaKernels {
         Ok(())
     }
 
+    fn sum_blocks(
+        &self,
+        x: &CudaSlice<f32>,
+        shape: (usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.launch_sum_blocks(x, shape, out)
+    }
+
     fn scale_values(&self, x: &mut CudaSlice<f32>, by: f32, n: usize) -> Result<(), KernelError> {
         let f = function(&self.gpu.step, "scale_values")?;
         let n_i = n as i64;

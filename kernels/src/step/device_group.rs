@@ -320,15 +320,8 @@ impl<K: Kernels> DeviceStepOps<K> {
             .all_gather(sliced.collective().as_mut(), &partials, (pairs, d))
             .map_err(|e| format!("layer {layer}'s expert slices over the group: {e}"))?;
         let mut sum = self.alloc(part.max(1))?;
-        if part == 0 {
-            return Ok(sum);
-        }
-        let rank_rows = |r: usize| offsets(pairs, d, r * part);
-        self.copy_rows(&all, &rank_rows(0), &mut sum, &rank_rows(0), d)?;
-        let mut next = self.alloc(part)?;
-        for r in 1..ranks {
-            self.copy_rows(&all, &rank_rows(r), &mut next, &rank_rows(0), d)?;
-            self.k.add_periodic(&mut sum, &next, part, part)?;
+        if part > 0 {
+            self.k.sum_blocks(&all, (ranks, part), &mut sum)?;
         }
         Ok(sum)
     }

@@ -12,7 +12,7 @@ use engine::{
     model::{hyper, moe},
     paged::layout::RowFormat,
     parallel::collective::Collective,
-    tensor::{Matrix, Weight, WeightForm, rms_norm, rms_norm_unweighted, sigmoid},
+    tensor::{Matrix, Weight, WeightForm, sigmoid},
     weights::{ExpertWeights, HyperWeights, MoeWeights},
 };
 
@@ -21,6 +21,7 @@ mod counters;
 mod dispatch;
 mod experts;
 mod linear;
+mod rows;
 
 use super::{
     Proj, ShapeError,
@@ -353,34 +354,7 @@ impl Kernels for EmulatedKernels {
         sin_cos: &Vec<f32>,
         rows: usize,
     ) -> Result<(), ShapeError> {
-        let (hd, rope) = (spec.head_dim, spec.rope);
-        let width = spec.heads * hd;
-        let values = x
-            .get_mut(..rows * width)
-            .ok_or_else(|| err("norm_rope_rows"))?;
-        for (r, row) in values.chunks_exact_mut(width.max(1)).enumerate() {
-            let sc = part(sin_cos, r * rope, rope, "norm_rope_rows sin/cos")?;
-            for head in row.chunks_exact_mut(hd) {
-                match spec.norm {
-                    0 => {}
-                    1 => rms_norm_unweighted(head, spec.eps),
-                    _ => rms_norm(
-                        head,
-                        w.get(..hd).ok_or_else(|| err("norm weight"))?,
-                        spec.eps,
-                    ),
-                }
-                let start = hd - rope;
-                for i in 0..rope / 2 {
-                    let s = if spec.inverse { -sc[2 * i] } else { sc[2 * i] };
-                    let c = sc[2 * i + 1];
-                    let (a, b) = (head[start + 2 * i], head[start + 2 * i + 1]);
-                    head[start + 2 * i] = a * c - b * s;
-                    head[start + 2 * i + 1] = b * c + a * s;
-                }
-            }
-        }
-        Ok(())
+        rows::norm_rope_rows(x, spec, w, sin_cos, rows)
     }
 
     fn hyper_pre(
@@ -476,6 +450,15 @@ impl Kernels for EmulatedKernels {
             *v += bias[i % period];
         }
         Ok(())
+    }
+
+    fn sum_blocks(
+        &self,
+        x: &Vec<f32>,
+        shape: (usize, usize),
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        dispatch::sum_blocks(x, shape, out)
     }
 
     fn scale_values(&self, x: &mut Vec<f32>, by: f32, n: usize) -> Result<(), ShapeError> {

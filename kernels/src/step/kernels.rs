@@ -248,6 +248,14 @@ pub trait Kernels {
         period: usize,
         n: usize,
     ) -> Result<(), Self::Error>;
+    /// `sum_blocks`: `out[i] = x[i] + x[part + i] + .. + x[(blocks - 1) part + i]` for
+    /// `i < part`, added in block order (`blocks` at least 1).
+    fn sum_blocks(
+        &self,
+        x: &Self::F,
+        shape: (usize, usize),
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error>;
     /// `scale_values`: `x[i] *= by` for `n` values.
     fn scale_values(&self, x: &mut Self::F, by: f32, n: usize) -> Result<(), Self::Error>;
     /// `fp8_kv_encode` into the f32 arena `arena` (its bytes): row `i` of `rows` (`nope + rope`

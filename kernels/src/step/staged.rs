@@ -318,6 +318,10 @@ impl<K: Kernels> Kernels for Staged<K> {
             k.add_periodic(x, bias, period, n)
         })
     }
+    fn sum_blocks(&self, x: &K::F, shape: (usize, usize), out: &mut K::F) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(x), K::f_addr(out));
+        self.launch("sum_blocks", &addrs, shape, |k| k.sum_blocks(x, shape, out))
+    }
     fn scale_values(&self, x: &mut K::F, by: f32, n: usize) -> Result<(), K::Error> {
         let addrs = addrs!(self, K::f_addr(x));
         self.launch("scale_values", &addrs, (by.to_bits(), n), |k| {

@@ -1,4 +1,4 @@
-//! `step.cu`'s kernels (embedding rows, row copies, position bias, scale, the indexer choice's
+//! `step.cu`'s kernels (embedding rows, row copies, position bias, scale, block sums, the indexer choice's
 //! key offsets) on the GPU against their CPU references (`EmulatedKernels`), on random inputs
 //! at awkward shapes, through the one `Kernels` interface the decode step launches them by:
 //! equal bits, NaN rows for ids outside the table, skipped rows, poisoned choices. Skips
@@ -46,6 +46,17 @@ where
     k.add_periodic(&mut x, &bias, 24, 7 * 24 + 3).unwrap();
     k.scale_values(&mut x, 0.353_553_4, 7 * 24 + 1).unwrap();
     out.push(read(&x));
+    // Three blocks of 37 summed in block order, a NaN in one, -0 in every block of a column,
+    // two values out of the sum's reach past the blocks.
+    let mut parts = values(3 * 37 + 2);
+    parts[40] = f32::NAN;
+    for b in 0..3 {
+        parts[b * 37 + 9] = -0.0;
+    }
+    let parts = k.upload(&parts).unwrap();
+    let mut sum = k.upload(&values(40)).unwrap();
+    k.sum_blocks(&parts, (3, 37), &mut sum).unwrap();
+    out.push(read(&sum));
     // FP8 K=V rounding of 3 of 4 rows of 100 + 28 (a partial scale block): values over a wide
     // range of magnitudes, a NaN, an infinity, a huge and a subnormal value; the fourth row
     // stays as it was.

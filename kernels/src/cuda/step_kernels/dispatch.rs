@@ -1,11 +1,11 @@
-//! The expert-parallel dispatch kernels' launches (`ep_slots`, `ep_take_ids` in `step.cu`) and
-//! the exchange of device buffers over NCCL where the group's collective is NCCL's.
+//! The group kernels' launches (`ep_slots`, `ep_take_ids`, `sum_blocks` in `step.cu`) and the
+//! exchange of device buffers over NCCL where the group's collective is NCCL's.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use engine::parallel::collective::Collective;
 
-use super::{CudaKernels, KernelError, function, per_item};
+use super::{CudaKernels, KernelError, blocks, function, per_item};
 use crate::step::kernels::{
     SlotSpec, check_received, exchange_through_host, gather_counts_through_host,
 };
@@ -96,6 +96,31 @@ impl CudaKernels {
         // SAFETY: `ep_take_ids`' parameters in order; `at` and `ids` hold `m` values (checked
         // above), every `at` inside `recv` (the caller's offsets); a thread per row.
         unsafe { launch.launch(per_item(m.div_ceil(128), 128, "ep_take_ids")?)? };
+        Ok(())
+    }
+
+    pub(super) fn launch_sum_blocks(
+        &self,
+        x: &CudaSlice<f32>,
+        (count, part): (usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let whole = count.checked_mul(part);
+        if count == 0 || whole.is_none_or(|n| x.len() < n) || out.len() < part {
+            return Err(KernelError::Shape(format!(
+                "sum_blocks: {count} blocks of {part} values outside their buffers"
+            )));
+        }
+        if part == 0 {
+            return Ok(());
+        }
+        let f = function(&self.gpu.step, "sum_blocks")?;
+        let (b, n) = (wide(count, "blocks")?, wide(part, "part")?);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(x).arg(&b).arg(&n).arg(out);
+        // SAFETY: `sum_blocks`' parameters in order; `x` holds `count * part` values and `out`
+        // `part` (checked above); a thread per value.
+        unsafe { launch.launch(blocks(part, 256, "sum_blocks")?)? };
         Ok(())
     }
 

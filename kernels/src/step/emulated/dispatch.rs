@@ -93,6 +93,28 @@ pub(super) fn ep_take_ids(
     Ok(())
 }
 
+/// `sum_blocks`: the first `part` values of `out` the block-order sums of `x`'s `blocks`
+/// blocks of `part` (the first block as it is, NaN in NaN out).
+pub(super) fn sum_blocks(
+    x: &[f32],
+    (blocks, part): (usize, usize),
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let whole = blocks
+        .checked_mul(part)
+        .filter(|&n| blocks > 0 && n <= x.len());
+    let (Some(_), Some(out)) = (whole, out.get_mut(..part)) else {
+        return Err(err("sum_blocks"));
+    };
+    out.copy_from_slice(&x[..part]);
+    for block in x[..blocks * part].chunks_exact(part.max(1)).skip(1) {
+        for (o, v) in out.iter_mut().zip(block) {
+            *o += v;
+        }
+    }
+    Ok(())
+}
+
 /// [`crate::step::kernels::Kernels::exchange_known`] of host buffers standing for device
 /// ones.
 pub(super) fn exchange_known(
@@ -124,6 +146,39 @@ mod tests {
     };
 
     use super::*;
+
+    /// Block-order sums, the first block's bits kept (a lone -0 stays -0), NaN in NaN out;
+    /// blocks beyond the buffer or none at all refused.
+    #[test]
+    fn blocks_are_summed_in_order() {
+        let x = [
+            1.0,
+            -0.0,
+            f32::NAN,
+            1e8,
+            2.0,
+            -0.0,
+            1.0,
+            -1e8,
+            3.0,
+            -0.0,
+            0.0,
+            1.0,
+        ];
+        let mut out = vec![9.0; 5];
+        sum_blocks(&x, (3, 4), &mut out).unwrap();
+        // The last column is 0 in reverse order.
+        let want = [6.0, -0.0, f32::NAN, 1.0];
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out[..4]), bits(&want));
+        assert_eq!(out[4].to_bits(), 9f32.to_bits());
+        sum_blocks(&x, (1, 4), &mut out).unwrap();
+        assert_eq!(bits(&out[..4]), bits(&x[..4]));
+        assert!(sum_blocks(&x, (4, 4), &mut out).is_err());
+        assert!(sum_blocks(&x, (0, 4), &mut out).is_err());
+        assert!(sum_blocks(&x, (2, 6), &mut out).is_err());
+        sum_blocks(&x, (3, 0), &mut out).unwrap();
+    }
 
     /// `ep_slots`' messages for random pairs, with each pair's row put where `pack_to` says
     /// (as `copy_rows` does); the messages' counts and where each output comes back from.
