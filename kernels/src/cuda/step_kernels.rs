@@ -18,6 +18,7 @@ use super::{
     non_empty,
 };
 mod dispatch;
+mod hyper;
 mod launch;
 mod stack;
 
@@ -346,28 +347,7 @@ impl Kernels for CudaKernels {
             &mut CudaSlice<f32>,
         ),
     ) -> Result<(), KernelError> {
-        if spec.hc > super::MAX_HC {
-            return Err(KernelError::Shape(format!("{} streams", spec.hc)));
-        }
-        let f = function(&self.gpu.hyper, "hyper_pre")?;
-        let (hc, dim, iters) = (spec.hc as i32, spec.dim as i64, spec.iters as i32);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(mixes)
-            .arg(scale)
-            .arg(base)
-            .arg(&hc)
-            .arg(&dim)
-            .arg(&spec.eps)
-            .arg(&iters)
-            .arg(collapsed)
-            .arg(post)
-            .arg(comb);
-        // SAFETY: `hyper_pre`'s parameters in order; one block per token (shapes checked by
-        // the caller).
-        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
-        Ok(())
+        self.launch_hyper_pre(x, mixes, (scale, base), spec, n, (collapsed, post, comb))
     }
 
     fn hyper_post(
@@ -380,20 +360,7 @@ impl Kernels for CudaKernels {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.hyper, "hyper_post")?;
-        let (hc, dim) = (spec.hc as i32, spec.dim as i64);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(y)
-            .arg(post)
-            .arg(comb)
-            .arg(&hc)
-            .arg(&dim)
-            .arg(out);
-        // SAFETY: `hyper_post`'s parameters in order; one block per token.
-        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
-        Ok(())
+        self.launch_hyper_post(x, y, (post, comb), spec, n, out)
     }
 
     fn hyper_head(
@@ -405,21 +372,7 @@ impl Kernels for CudaKernels {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.hyper, "hyper_head")?;
-        let (hc, dim) = (spec.hc as i32, spec.dim as i64);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(mix)
-            .arg(&scale)
-            .arg(base)
-            .arg(&hc)
-            .arg(&dim)
-            .arg(&spec.eps)
-            .arg(out);
-        // SAFETY: `hyper_head`'s parameters in order; one block per token.
-        unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
-        Ok(())
+        self.launch_hyper_head(x, mix, (scale, base), spec, n, out)
     }
 
     fn add_periodic(
