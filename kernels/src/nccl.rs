@@ -255,6 +255,41 @@ impl NcclRank {
         Ok(recv)
     }
 
+    /// Every rank's first `part` values of `send` (on the GPU), `[size * part]` in rank order:
+    /// one all-gather GPU to GPU, ordered after the work queued on `stream` so far (a device
+    /// step's groups' outputs or partial outputs). Nothing crosses to the host.
+    ///
+    /// # Errors
+    /// A `part` beyond `send`, a failed or stalled gather (which fails the group).
+    pub fn all_gather_device(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        send: &CudaSlice<f32>,
+        part: usize,
+    ) -> Result<CudaSlice<f32>, CollectiveError> {
+        self.failure("all-gather")?;
+        if send.len() < part {
+            return Err(CollectiveError::Shape(format!(
+                "all-gather: {part} of {} values",
+                send.len()
+            )));
+        }
+        let mut all: CudaSlice<f32> = stream
+            .alloc_zeros((part * self.size).max(1))
+            .map_err(|e| self.device_error("all-gather", e))?;
+        if part == 0 {
+            return Ok(all);
+        }
+        let gathered = self
+            .failure("all-gather")?
+            .all_gather(&send.slice(..part), &mut all);
+        if let Err(e) = gathered {
+            return Err(self.device_error("all-gather", e));
+        }
+        self.wait("all-gather")?;
+        Ok(all)
+    }
+
     /// Every rank's first `n` values of `counts` (on the GPU), by rank: gathered GPU to GPU
     /// and read back once.
     ///
@@ -413,6 +448,13 @@ mod tests {
                         let want: Vec<Vec<i32>> =
                             (0..rank.size()).map(|r| vec![r as i32, 7]).collect();
                         assert_eq!(all, want);
+                        // Rows of 3 all-gathered GPU to GPU: every rank's, in rank order.
+                        let row = stream.clone_htod(&[me as f32, 0.5, -2.0, 9.0]).unwrap();
+                        let all = rank.all_gather_device(&stream, &row, 3).unwrap();
+                        let want: Vec<f32> = (0..rank.size())
+                            .flat_map(|r| [r as f32, 0.5, -2.0])
+                            .collect();
+                        assert_eq!(stream.clone_dtoh(&all).unwrap(), want);
                         host
                     })
                 })

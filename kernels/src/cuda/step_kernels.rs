@@ -728,6 +728,17 @@ impl Kernels for CudaKernels {
         self.exchange_rows_known(coll, send, sizes)
     }
 
+    /// GPU to GPU where the group's collective is NCCL's (one all-gather); through the host
+    /// otherwise.
+    fn all_gather(
+        &self,
+        coll: &mut dyn engine::parallel::collective::Collective,
+        send: &CudaSlice<f32>,
+        part: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        self.all_gather_of(coll, send, part)
+    }
+
     fn gather_counts(
         &self,
         coll: &mut dyn engine::parallel::collective::Collective,

@@ -327,23 +327,19 @@ impl<K: Kernels> DeviceStepOps<K> {
     }
 
     /// `rows` rows of `width` of `buf` from every rank of `coll`'s group to every rank:
-    /// `[ranks * rows * width]`, rank r's at `r * rows * width` (sent as a copy to each).
+    /// `[ranks * rows * width]`, rank r's at `r * rows * width` ([`Kernels::all_gather`]: one
+    /// NCCL all-gather on GPUs).
     fn all_gather(
         &self,
         coll: &mut dyn Collective,
         buf: &K::F,
         (rows, width): (usize, usize),
     ) -> Result<K::F, K::Error> {
-        let ranks = coll.size();
         let part = rows * width;
-        let mut copies = self.alloc((ranks * part).max(1))?;
-        if part > 0 {
-            let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(rows, width, 0)).collect();
-            let to = offsets(ranks * rows, width, 0);
-            self.copy_rows(buf, &from, &mut copies, &to, width)?;
+        if K::f_len(buf) < part {
+            return Err(format!("all-gather: {rows} rows of {width} outside their buffer").into());
         }
-        let parts = vec![part; ranks];
-        self.exchange_known(coll, &copies, (&parts, &parts))
+        self.k.all_gather(coll, buf, part)
     }
 
     /// [`Kernels::exchange_known`] over a group's collective.

@@ -754,6 +754,16 @@ impl Kernels for EmulatedKernels {
         dispatch::exchange_known(coll, send, sizes)
     }
 
+    /// As a GPU's NCCL all-gather: device to device, so neither a read nor an upload.
+    fn all_gather(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Vec<f32>,
+        part: usize,
+    ) -> Result<Vec<f32>, ShapeError> {
+        dispatch::all_gather(coll, send, part)
+    }
+
     fn moe_combine(
         &self,
         (ys, weights, shared): (&Vec<f32>, &Vec<f32>, &Vec<f32>),

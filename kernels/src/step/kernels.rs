@@ -481,6 +481,17 @@ pub trait Kernels {
         check_received(&got, from)?;
         Ok(recv)
     }
+    /// All-gather over `coll`: the first `part` values of `send` to every rank (its own
+    /// included); returns every rank's, `[ranks * part]` in rank order. Through the host by
+    /// default; a device that can gathers its buffers directly (one NCCL all-gather).
+    fn all_gather(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Self::F,
+        part: usize,
+    ) -> Result<Self::F, Self::Error> {
+        all_gather_through_host(self, coll, send, part)
+    }
     /// Every rank's first `n` values of `counts` (small whole numbers), by rank: read back
     /// and all-gathered through the host by default; a device that can gathers them on the
     /// device and reads back the gathered ones once.
@@ -534,6 +545,28 @@ pub fn exchange_through_host<K: Kernels + ?Sized>(
     // A buffer is never empty (an upload of nothing has no device address).
     let recv = k.upload(if flat.is_empty() { &[0.0] } else { &flat })?;
     Ok((recv, sizes))
+}
+
+/// [`Kernels::all_gather`] through the host.
+pub fn all_gather_through_host<K: Kernels + ?Sized>(
+    k: &K,
+    coll: &mut dyn Collective,
+    send: &K::F,
+    part: usize,
+) -> Result<K::F, K::Error> {
+    let mine = if part == 0 {
+        Vec::new()
+    } else {
+        k.read(send, 0..part)?
+    };
+    let all = coll
+        .all_gather(mine)
+        .map_err(|e| format!("all-gather: {e}"))?;
+    let got: Vec<usize> = all.iter().map(Vec::len).collect();
+    check_received(&got, &vec![part; all.len()])?;
+    let flat = all.concat();
+    // A buffer is never empty (an upload of nothing has no device address).
+    k.upload(if flat.is_empty() { &[0.0] } else { &flat })
 }
 
 /// That what each rank sent (`got`) is what this rank expected (`from`).

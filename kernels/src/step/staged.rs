@@ -662,6 +662,14 @@ impl<K: Kernels> Kernels for Staged<K> {
     ) -> Result<Vec<Vec<i32>>, K::Error> {
         self.host_read(|k| k.gather_counts(coll, counts, n))
     }
+    fn all_gather(
+        &self,
+        coll: &mut dyn Collective,
+        send: &K::F,
+        part: usize,
+    ) -> Result<K::F, K::Error> {
+        self.host_read(|k| k.all_gather(coll, send, part))
+    }
     fn moe_combine(
         &self,
         (ys, weights, shared): (&K::F, &K::F, &K::F),

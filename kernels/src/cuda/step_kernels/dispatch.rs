@@ -7,7 +7,8 @@ use engine::parallel::collective::Collective;
 
 use super::{CudaKernels, KernelError, blocks, function, per_item};
 use crate::step::kernels::{
-    SlotSpec, check_received, exchange_through_host, gather_counts_through_host,
+    SlotSpec, all_gather_through_host, check_received, exchange_through_host,
+    gather_counts_through_host,
 };
 
 /// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
@@ -141,6 +142,23 @@ impl CudaKernels {
         let (recv, got) = exchange_through_host(self, coll, send, sizes.0)?;
         check_received(&got, sizes.1)?;
         Ok(recv)
+    }
+
+    /// [`crate::step::kernels::Kernels::all_gather`]: one NCCL all-gather where `coll` is an
+    /// [`crate::nccl::NcclRank`], through the host otherwise.
+    pub(super) fn all_gather_of(
+        &self,
+        coll: &mut dyn Collective,
+        send: &CudaSlice<f32>,
+        part: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        #[cfg(feature = "nccl")]
+        if let Some(rank) = nccl(coll) {
+            return rank
+                .all_gather_device(&self.gpu.stream, send, part)
+                .map_err(|e| KernelError::Shape(format!("all-gather: {e}")));
+        }
+        all_gather_through_host(self, coll, send, part)
     }
 
     /// [`crate::step::kernels::Kernels::gather_counts`]: over NCCL where `coll` is an

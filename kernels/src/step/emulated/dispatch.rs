@@ -136,6 +136,22 @@ pub(super) fn exchange_known(
     Ok(received.concat())
 }
 
+/// [`crate::step::kernels::Kernels::all_gather`] of host buffers standing for device ones.
+pub(super) fn all_gather(
+    coll: &mut dyn Collective,
+    send: &[f32],
+    part: usize,
+) -> Result<Vec<f32>, ShapeError> {
+    let mine = send.get(..part).ok_or_else(|| err("all_gather"))?;
+    let all = coll
+        .all_gather(mine.to_vec())
+        .map_err(|e| ShapeError(format!("all-gather: {e}")))?;
+    let got: Vec<usize> = all.iter().map(Vec::len).collect();
+    check_received(&got, &vec![part; all.len()]).map_err(ShapeError)?;
+    let flat = all.concat();
+    Ok(if flat.is_empty() { vec![0.0] } else { flat })
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "test code")]
