@@ -324,8 +324,8 @@ pub fn check_weight_room(
         return Err(format!(
             "GPU {ordinal}: the device step's weights need at least {:.2} GB and {:.2} GB of \
              its {:.2} GB are free; spread the routed experts over more GPUs (--ep N \
-             --dp-attention, or --tp N --ep N: each holds 1/N of them; pdctl plan shows a \
-             group's bytes per GPU)",
+             --dp-attention, or --tp N --ep N: each holds 1/N of them; or --tp N --moe-tp: \
+             each holds 1/N of every one; pdctl plan shows a group's bytes per GPU)",
             gb(needed),
             gb(free),
             gb(total)
