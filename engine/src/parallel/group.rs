@@ -500,6 +500,8 @@ pub fn start(
     let mut models: Vec<Model> = (1..n).map(|_| model.replica()).collect();
     models.push(model);
     let mut engines = Vec::with_capacity(n);
+    // Each rank's step device (its name and prompt chunk), where it has one.
+    let mut stepping: Vec<Option<(String, usize)>> = Vec::with_capacity(n);
     for (rank, (mut replica, backend)) in models.into_iter().zip(setup.backends).enumerate() {
         if let Some(backend) = backend {
             replica
@@ -533,6 +535,21 @@ pub fn start(
             }
             None => None,
         };
+        // The ranks meet at every exchange of every phase: they must step alike.
+        let steps = device
+            .as_ref()
+            .map(|d| (d.name().to_owned(), d.prompt_chunk()));
+        if let Some(first) = stepping.first()
+            && *first != steps
+        {
+            return Err(GroupError::Refused(format!(
+                "rank {rank} steps {} and rank 0 {}: a group's ranks step alike (each meets \
+                 the others' exchanges)",
+                describe_steps(steps.as_ref()),
+                describe_steps(first.as_ref())
+            )));
+        }
+        stepping.push(steps);
         let mut engine = Engine::new(replica, config.clone(), fingerprint)?;
         if let Some(device) = device {
             engine
@@ -553,6 +570,15 @@ pub fn start(
     let replicated = spec.parallel.tp > 1;
     let ranks = super::ranks::start(engines, control, name, spec.threads_per_rank, replicated)?;
     Ok((ranks, layout))
+}
+
+/// How a rank steps, in words: its step device (name, prompt chunk) or the host forward.
+fn describe_steps(steps: Option<&(String, usize)>) -> String {
+    match steps {
+        None => "on the host forward".to_owned(),
+        Some((name, 0)) => format!("on {name} (prompts on the host)"),
+        Some((name, chunk)) => format!("on {name} (prompt chunk {chunk})"),
+    }
 }
 
 #[cfg(test)]

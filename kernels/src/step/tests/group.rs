@@ -14,7 +14,9 @@ use engine::{
 use crate::step::{
     decoder::StepDecoder,
     emulated::EmulatedKernels,
-    group_runs::{Split, on_group, on_group_host, on_ranks, one_rank, slot_tokens},
+    group_runs::{
+        Split, config as slot_config, on_group, on_group_host, on_ranks, one_rank, slot_tokens,
+    },
 };
 
 fn checkpoint() -> tempfile::TempDir {
@@ -109,6 +111,61 @@ fn expert_slice_ranks_on_their_devices_give_the_host_groups_events() {
         };
         let got = on_group(dir.path(), (2, Split::Sliced), &open).unwrap();
         assert_eq!(got, want, "prompt chunks of {chunk}");
+    }
+}
+
+/// A group whose ranks would step prompts differently (one on its device in chunks, one on
+/// the host, which would meet the other's device exchanges with its host forward's) is
+/// refused at start, naming both ranks' ways; ranks alike start.
+#[test]
+fn a_group_whose_ranks_step_differently_is_refused() {
+    use engine::{
+        backend::BackendError,
+        parallel::group::{GroupSpec, RankSetup, start},
+        plan::shard::Parallel,
+        scheduler::EngineConfig,
+    };
+    let dir = checkpoint();
+    let spec = GroupSpec {
+        parallel: Parallel {
+            ep: 2,
+            dp_attention: true,
+            ..Parallel::SINGLE
+        },
+        ..GroupSpec::SINGLE
+    };
+    for chunks in [[16usize, 0], [16, 16]] {
+        let open = |model: &Model, _: &EngineConfig, rank: usize| {
+            emulated(model, chunks[rank])
+                .map(|d| Box::new(d) as Box<dyn StepDevice>)
+                .map_err(|reason| BackendError::Unavailable {
+                    backend: "emulated".to_owned(),
+                    reason,
+                })
+        };
+        let setup = RankSetup {
+            decode: Some(&open),
+            ..RankSetup::cpu(2)
+        };
+        let model = Model::load(dir.path()).unwrap();
+        let started = start(
+            model,
+            &slot_config(),
+            "alike",
+            (spec, setup),
+            "alike",
+            &|_| {},
+        );
+        if chunks[0] == chunks[1] {
+            assert!(started.is_ok(), "{:?}", started.err());
+            continue;
+        }
+        let refused = started.err().unwrap().to_string();
+        assert!(
+            refused.contains("rank 1 steps on emulated (prompts on the host)")
+                && refused.contains("rank 0 on emulated, prompt chunks of 16 (prompt chunk 16)"),
+            "{refused}"
+        );
     }
 }
 
