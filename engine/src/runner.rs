@@ -524,14 +524,8 @@ mod tests {
 
     fn runner() -> Runner {
         let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 3,
-            experts: ExpertFormat::Bf16,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 3, ExpertFormat::Bf16, dir.path());
+        generate(&options).unwrap();
         let model = Model::load(dir.path()).unwrap();
         Runner::start(
             Engine::new(model, EngineConfig::default(), "t").unwrap(),

@@ -152,6 +152,20 @@ pub struct GenerateOptions {
     pub tokenizer_dir: Option<PathBuf>,
 }
 
+impl GenerateOptions {
+    /// `preset`'s checkpoint of `seed` with `experts` into `out`, without a tokenizer (tests
+    /// and tools; the router's tokenizer tests copy one in).
+    pub fn new(preset: Preset, seed: u64, experts: ExpertFormat, out: impl Into<PathBuf>) -> Self {
+        Self {
+            preset,
+            seed,
+            experts,
+            out: out.into(),
+            tokenizer_dir: None,
+        }
+    }
+}
+
 /// Failures writing a checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {

@@ -15,14 +15,8 @@ use engine::{
 
 fn tiny(experts: ExpertFormat) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 9,
-        experts,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 9, experts, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

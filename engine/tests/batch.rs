@@ -11,14 +11,8 @@ use engine::{
 #[test]
 fn logits_do_not_depend_on_the_batch() {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 21,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 21, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let mut rng = Rng::for_tensor(5, "batch");
     let lengths = [1usize, 9, 40, 133, 150, 70];
@@ -88,14 +82,8 @@ fn logits_do_not_depend_on_the_batch() {
 fn expert_major_moe_equals_token_major() {
     use engine::model::moe;
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 2,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 2, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let c = &model.config;
     let mut rng = Rng::for_tensor(9, "moe");
@@ -118,14 +106,8 @@ fn expert_major_moe_equals_token_major() {
 #[test]
 fn a_nan_indexer_key_makes_nan_not_a_plausible_answer() {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 4,
-        experts: ExpertFormat::Bf16,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 4, ExpertFormat::Bf16, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919) % 129_280).collect();
     let mut state = model.new_state();

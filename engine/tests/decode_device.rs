@@ -24,14 +24,8 @@ use engine::{
 /// The tiny checkpoint every test here uses.
 fn checkpoint() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 21,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 21, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

@@ -22,14 +22,8 @@ use engine::{
 
 fn checkpoint() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 17,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 17, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

@@ -9,14 +9,8 @@ use engine::{
 
 fn checkpoint(seed: u64, experts: ExpertFormat) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed,
-        experts,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, seed, experts, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

@@ -98,14 +98,8 @@ fn engine_matches_transformers_golden_logits() {
         if !models.contains_key(&name) {
             let (preset, experts, seed) = parse_dir_name(&name);
             let tmp = tempfile::tempdir().unwrap();
-            generate(&GenerateOptions {
-                preset,
-                seed,
-                experts,
-                out: tmp.path().to_path_buf(),
-                tokenizer_dir: None,
-            })
-            .unwrap();
+            let options = GenerateOptions::new(preset, seed, experts, tmp.path());
+            generate(&options).unwrap();
             for (file, want) in fixture["model"]["safetensors_sha256"].as_object().unwrap() {
                 assert_eq!(
                     sha256(&tmp.path().join(file)),

@@ -20,14 +20,8 @@ use engine::{
 
 fn model() -> Model {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 5,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 5, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     Model::load(dir.path()).unwrap()
 }
 

@@ -11,14 +11,8 @@ use engine::{
 
 fn tiny(experts: ExpertFormat, seed: u64) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed,
-        experts,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, seed, experts, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     (dir, model)
 }

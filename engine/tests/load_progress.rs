@@ -13,14 +13,8 @@ use engine::{
 #[test]
 fn shards_are_reported_once_and_totals_are_the_files() {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 4,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 4, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     let mut files: Vec<(String, u64)> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().path())

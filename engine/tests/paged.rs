@@ -15,14 +15,8 @@ use engine::{
 
 fn model(preset: Preset, seed: u64) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset,
-        seed,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(preset, seed, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     let m = Model::load(dir.path()).unwrap();
     (dir, m)
 }

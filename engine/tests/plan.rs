@@ -46,14 +46,8 @@ fn weight_bytes_equal_a_written_checkpoint() {
         ExpertFormat::Nvfp4,
     ] {
         let dir = tempfile::tempdir().unwrap();
-        synth::generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 3,
-            experts,
-            out: dir.path().to_owned(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 3, experts, dir.path().to_owned());
+        synth::generate(&options).unwrap();
         let config = ModelConfig::from_dir(dir.path()).unwrap();
         let weights = plan::weights(&config);
         assert_eq!(weights.total, data_bytes(dir.path()), "{experts:?}");

@@ -54,14 +54,8 @@ impl Backend for Head {
 #[test]
 fn each_rank_computes_on_its_own_backend_with_the_groups_collectives() {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 21,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 21, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     let plain = Model::load(dir.path()).unwrap();
     let seen: Vec<Arc<AtomicUsize>> = (0..2).map(|_| Arc::default()).collect();
     let opened = Mutex::new(Vec::new());

@@ -14,14 +14,8 @@ use engine::{
 
 fn load() -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 12,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 12, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     (dir, model)
 }

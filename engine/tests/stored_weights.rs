@@ -48,14 +48,8 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn checkpoint(experts: ExpertFormat, preset: Preset) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset,
-        seed: 3,
-        experts,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(preset, 3, experts, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

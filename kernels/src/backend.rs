@@ -590,14 +590,8 @@ mod tests {
             weights::stored::StoredWeights,
         };
         let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 3,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 3, ExpertFormat::Nvfp4, dir.path());
+        generate(&options).unwrap();
         let config = ModelConfig::from_dir(dir.path()).unwrap();
         let stored = StoredWeights::open(dir.path(), &config).unwrap();
         let all = device_weight_bytes(&stored, &config, true).unwrap();

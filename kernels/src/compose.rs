@@ -330,14 +330,8 @@ mod tests {
 
     fn model(format: ExpertFormat) -> (tempfile::TempDir, Model, Vec<[Stack; 3]>) {
         let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 13,
-            experts: format,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 13, format, dir.path());
+        generate(&options).unwrap();
         let model = Model::load(dir.path()).unwrap();
         let stored = StoredWeights::open(dir.path(), &model.config).unwrap();
         let layers = (0..model.config.num_layers())

@@ -207,14 +207,8 @@ mod tests {
     /// The tiny checkpoint the per-op backend's GPU test loads (`tests/gpu/cuda_backend.rs`).
     fn model_of(format: ExpertFormat) -> (tempfile::TempDir, Model) {
         let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 21,
-            experts: format,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 21, format, dir.path());
+        generate(&options).unwrap();
         let model = Model::load(dir.path()).unwrap();
         (dir, model)
     }

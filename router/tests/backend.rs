@@ -15,14 +15,8 @@ use router::backend::{Backend, BackendError, BackendEvent, BackendRequest, Local
 
 fn backend() -> (tempfile::TempDir, LocalBackend, Vec<u32>) {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 1,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 1, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let eos = model.config.eos_token_ids.clone();
     let config = EngineConfig {

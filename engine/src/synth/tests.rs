@@ -2,14 +2,8 @@ use super::*;
 use crate::model::{Logits, Model};
 
 fn generate_to(dir: &Path, experts: ExpertFormat, seed: u64) {
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed,
-        experts,
-        out: dir.to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, seed, experts, dir);
+    generate(&options).unwrap();
 }
 
 fn digest(dir: &Path) -> Vec<(String, Vec<u8>)> {

@@ -296,14 +296,8 @@ mod tests {
 
     fn tiny(experts: ExpertFormat) -> (tempfile::TempDir, crate::model::Model) {
         let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 3,
-            experts,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 3, experts, dir.path());
+        generate(&options).unwrap();
         let model = crate::model::Model::load(dir.path()).unwrap();
         (dir, model)
     }

@@ -13,14 +13,8 @@ use engine::{
 
 pub fn checkpoint(preset: Preset, seed: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset,
-        seed,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(preset, seed, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

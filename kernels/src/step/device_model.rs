@@ -356,14 +356,8 @@ mod tests {
     /// A synthetic checkpoint of `preset` with NVFP4 experts (seed 3).
     fn nvfp4_checkpoint(preset: Preset) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
-        generate(&GenerateOptions {
-            preset,
-            seed: 3,
-            experts: ExpertFormat::Nvfp4,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(preset, 3, ExpertFormat::Nvfp4, dir.path());
+        generate(&options).unwrap();
         dir
     }
 

@@ -26,14 +26,8 @@ fn model(format: ExpertFormat) -> (tempfile::TempDir, Model) {
 
 pub(super) fn model_of(preset: Preset, format: ExpertFormat) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset,
-        seed: 29,
-        experts: format,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(preset, 29, format, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     (dir, model)
 }

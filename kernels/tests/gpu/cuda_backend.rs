@@ -170,14 +170,8 @@ fn gpu_fp8_block_gemv_matches_reference() {
 
 fn checkpoint(format: ExpertFormat) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 21,
-        experts: format,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 21, format, dir.path());
+    generate(&options).unwrap();
     dir
 }
 

@@ -56,14 +56,8 @@ fn gpu_decoding_engine_gives_the_host_forwards_events() {
     };
     let gpu = Arc::new(gpu);
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 4,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 4, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let config = EngineConfig {
         page_size: 16,
@@ -148,14 +142,8 @@ fn gpu_graph_steps_give_the_eager_steps_bits() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 12,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 12, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let stats = crate::step::graphs_against_eager(&Arc::new(gpu), &model, "tiny", &[0, 0], 80);
     assert!(
@@ -181,14 +169,8 @@ fn gpu_expert_parallel_ranks_give_the_one_rank_events() {
     };
     drop(gpu);
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 17,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 17, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     let want = one_rank(dir.path()).unwrap();
     for chunk in [16usize, 0] {
         let open = |model: &Model, _rank: usize| {

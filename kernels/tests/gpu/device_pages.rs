@@ -32,14 +32,8 @@ struct Stored {
 
 fn stored() -> Stored {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 4,
-        experts: ExpertFormat::Mxfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 4, ExpertFormat::Mxfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     let layout = StateLayout::new(&model.config, 16, KvStorage::F32, "t").unwrap();
     let mut store = PagedStore::new(&model.config, layout, 64, 1);

@@ -112,14 +112,8 @@ fn gpu_routing_gives_the_engines_bits() {
         return;
     };
     let dir = std::env::temp_dir().join(format!("pdserve-route-{}", std::process::id()));
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 5,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.clone(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 5, ExpertFormat::Nvfp4, dir.clone());
+    generate(&options).unwrap();
     let model = Model::load(&dir).unwrap();
     let c = &model.config;
     let mut rng = Rng::for_tensor(77, "gpu-route");
@@ -172,14 +166,8 @@ fn gpu_moe_block_gives_the_engines_bits() {
             "pdserve-moe-exact-{}-{format:?}",
             std::process::id()
         ));
-        generate(&GenerateOptions {
-            preset: Preset::Tiny,
-            seed: 3,
-            experts: format,
-            out: dir.clone(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 3, format, dir.clone());
+        generate(&options).unwrap();
         let model = Model::load(&dir).unwrap();
         let c = &model.config;
         let mut rng = Rng::for_tensor(121, "gpu-moe-exact");

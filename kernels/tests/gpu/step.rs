@@ -45,14 +45,8 @@ fn generated(preset: Preset, format: ExpertFormat, tag: &str) -> (std::path::Pat
         "pdserve-gpu-{tag}-{}-{preset:?}-{format:?}",
         std::process::id()
     ));
-    generate(&GenerateOptions {
-        preset,
-        seed: 31,
-        experts: format,
-        out: dir.clone(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(preset, 31, format, dir.clone());
+    generate(&options).unwrap();
     let model = Model::load(&dir).unwrap();
     (dir, model)
 }
@@ -324,14 +318,9 @@ fn gpu_decode_step_of_flash_shape() {
     };
     let gpu = Arc::new(gpu);
     let dir = std::env::temp_dir().join(format!("pdserve-gpu-flash-{}", std::process::id()));
-    generate(&GenerateOptions {
-        preset: Preset::FlashShape(FlashShape::new(4, 16).unwrap()),
-        seed: 31,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.clone(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let preset = Preset::FlashShape(FlashShape::new(4, 16).unwrap());
+    let options = GenerateOptions::new(preset, 31, ExpertFormat::Nvfp4, dir.clone());
+    generate(&options).unwrap();
     let mut model = Model::load(&dir).unwrap();
     let lengths = [0, 5, 200, 700];
     check_model(

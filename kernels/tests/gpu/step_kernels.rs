@@ -152,14 +152,8 @@ fn gpu_step_kernels_equal_their_references() {
         return;
     };
     let dir = std::env::temp_dir().join(format!("pdserve-step-kernels-{}", std::process::id()));
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 8,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.clone(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 8, ExpertFormat::Nvfp4, dir.clone());
+    generate(&options).unwrap();
     let model = Model::load(&dir).unwrap();
     let cuda = CudaKernels::new(std::sync::Arc::new(gpu));
     let reference = EmulatedKernels::new(&model.config);

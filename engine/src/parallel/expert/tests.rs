@@ -10,14 +10,8 @@ use crate::{
 
 fn model(experts: ExpertFormat) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().expect("dir");
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 31,
-        experts,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .expect("generate");
+    let options = GenerateOptions::new(Preset::Tiny, 31, experts, dir.path());
+    generate(&options).expect("generate");
     let model = Model::load(dir.path()).expect("load");
     (dir, model)
 }

@@ -12,14 +12,8 @@ use crate::{
 
 fn checkpoint() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("dir");
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 23,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .expect("generate");
+    let options = GenerateOptions::new(Preset::Tiny, 23, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).expect("generate");
     dir
 }
 

@@ -348,14 +348,9 @@ fn flash_shape_loads_and_runs() {
     use crate::model::{Logits, Model};
     for experts in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
         let dir = tempfile::tempdir().unwrap();
-        super::super::generate(&super::super::GenerateOptions {
-            preset: Preset::FlashShape(FlashShape::new(1, 6).unwrap()),
-            seed: 1,
-            experts,
-            out: dir.path().to_path_buf(),
-            tokenizer_dir: None,
-        })
-        .unwrap();
+        let preset = Preset::FlashShape(FlashShape::new(1, 6).unwrap());
+        let options = super::super::GenerateOptions::new(preset, 1, experts, dir.path());
+        super::super::generate(&options).unwrap();
         let model = Model::load(dir.path()).unwrap();
         let mut state = model.new_state();
         let logits = model

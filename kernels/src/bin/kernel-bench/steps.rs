@@ -24,13 +24,12 @@ pub fn engine_steps() -> Result<Vec<StepRow>, KernelError> {
     };
     let dir = std::env::temp_dir().join(format!("pdserve-kernel-bench-{}", std::process::id()));
     let fail = |e: String| KernelError::Checkpoint(e);
-    generate(&GenerateOptions {
-        preset: Preset::Small,
-        seed: 1,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.clone(),
-        tokenizer_dir: None,
-    })
+    generate(&GenerateOptions::new(
+        Preset::Small,
+        1,
+        ExpertFormat::Nvfp4,
+        dir.clone(),
+    ))
     .map_err(|e| fail(e.to_string()))?;
     let cpu = Model::load(&dir).map_err(|e| fail(e.to_string()))?;
     let mut cuda = Model::load(&dir).map_err(|e| fail(e.to_string()))?;

@@ -16,14 +16,8 @@ use engine::model::Logits;
 /// The tiny checkpoint of `seed`, loaded.
 fn tiny(seed: u64) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, seed, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     let model = Model::load(dir.path()).unwrap();
     (dir, model)
 }

@@ -21,14 +21,8 @@ use crate::step::{
 
 fn checkpoint() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    generate(&GenerateOptions {
-        preset: Preset::Tiny,
-        seed: 17,
-        experts: ExpertFormat::Nvfp4,
-        out: dir.path().to_path_buf(),
-        tokenizer_dir: None,
-    })
-    .unwrap();
+    let options = GenerateOptions::new(Preset::Tiny, 17, ExpertFormat::Nvfp4, dir.path());
+    generate(&options).unwrap();
     dir
 }
 
