@@ -31,7 +31,6 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    ffi::c_char,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -40,10 +39,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use cudarc::{
-    driver::{CudaContext, CudaSlice, CudaStream, DriverError},
-    nccl::{Comm, Id, result::NcclError},
-};
+use cudarc::{driver::CudaContext, nccl::Id};
 use proto::auth::{AuthChannel, Credentials};
 use proto::v1::{
     NcclConnectRequest, NcclExpectReply, NcclExpectRequest, NcclPiece, NcclTarget, PageRef,
@@ -53,6 +49,10 @@ use tokio::sync::oneshot;
 use tonic::Status;
 
 use crate::TransferError;
+
+mod link;
+
+use link::{Link, LinkError, id_bytes, id_from_bytes, spawn_pair};
 
 /// Longest wait for the peer in any one step: joining the communicator, one transfer's bytes,
 /// the answer to an announcement, an announcement the decode side is missing.
@@ -166,216 +166,6 @@ fn check_available(device: usize) -> Result<i32, TransferError> {
     }
     cudarc::nccl::result::get_nccl_version()
         .map_err(|e| unavailable(format!("ncclGetVersion: {:?}", e.0)))
-}
-
-fn id_bytes(id: &Id) -> Vec<u8> {
-    id.internal().iter().map(|c| c.to_ne_bytes()[0]).collect()
-}
-
-fn id_from_bytes(bytes: &[u8]) -> Option<Id> {
-    let bytes: &[u8; ID_BYTES] = bytes.try_into().ok()?;
-    Some(Id::uninit(bytes.map(|b| c_char::from_ne_bytes([b]))))
-}
-
-/// Why a pair's thread could not join or move a transfer (a [`TransferError::Failed`]
-/// message for the caller).
-#[derive(Debug, Clone, thiserror::Error)]
-enum LinkError {
-    /// A CUDA or NCCL call failed: `call` names it (with what it was for), `message` says why.
-    #[error("{call}: {message}")]
-    Cuda { call: String, message: String },
-    /// The pair was marked broken or closed while this step waited.
-    #[error("the NCCL connection was closed")]
-    Closed,
-    /// The peer did not finish its side of a transfer within [`TIMEOUT`].
-    #[error("the peer did not complete the transfer within {TIMEOUT:?} (gone?)")]
-    Timeout,
-    /// The prefill side's thread got transfer `seq` while `next` was due.
-    #[error("transfer {seq} queued out of order ({next} next)")]
-    OutOfOrder { seq: u64, next: u64 },
-    /// The decode side's pair was replaced by a newer one or shut down.
-    #[error("the NCCL connection was replaced or closed")]
-    Replaced,
-    /// The decode side's queue of announcements closed.
-    #[error("the NCCL connection closed")]
-    Disconnected,
-    /// A later transfer waited [`TIMEOUT`] for this one's announcement.
-    #[error("transfer {0} was not announced within {TIMEOUT:?}")]
-    NotAnnounced(u64),
-    /// The same transfer was announced twice.
-    #[error("transfer {0} announced twice")]
-    AnnouncedTwice(u64),
-}
-
-impl LinkError {
-    /// The error of a failed CUDA driver call.
-    fn cuda(call: impl Into<String>) -> impl FnOnce(DriverError) -> Self {
-        move |e| Self::Cuda {
-            call: call.into(),
-            message: e.to_string(),
-        }
-    }
-
-    /// The error of a failed NCCL call.
-    fn nccl(call: &'static str) -> impl FnOnce(NcclError) -> Self {
-        move |e| Self::Cuda {
-            call: call.to_owned(),
-            message: format!("{:?}", e.0),
-        }
-    }
-}
-
-/// One side of a pair's communicator, owned by the pair's thread (communicators must not be
-/// used from two threads at once). Fields drop in order: the communicator is aborted before
-/// the buffer it may still be using is freed.
-struct Link {
-    comm: Comm,
-    buffer: Option<CudaSlice<u8>>,
-    stream: Arc<CudaStream>,
-}
-
-impl Link {
-    /// Joins the communicator `id` as `rank` (blocks until the other rank joined too).
-    fn join(device: usize, rank: i32, id: Id) -> Result<Self, LinkError> {
-        let ctx =
-            CudaContext::new(device).map_err(LinkError::cuda(format!("CUDA device {device}")))?;
-        // A stream of its own: NCCL's kernels on the legacy default stream would serialise
-        // with every other pair's work on this device.
-        let stream = ctx.new_stream().map_err(LinkError::cuda("CUDA stream"))?;
-        let comm = Comm::from_rank(Arc::clone(&stream), rank as usize, RANKS, id)
-            .map_err(LinkError::nccl("ncclCommInitRank"))?;
-        let mut link = Self {
-            comm,
-            buffer: None,
-            stream,
-        };
-        // NCCL connects the two ranks' point-to-point channel on their first send/recv, inside
-        // the host call and waiting for the peer; one byte now does that while joining, so a
-        // transfer's host calls return at once and only its (bounded) completion waits.
-        let never = AtomicBool::new(false);
-        if rank == PREFILL_RANK {
-            link.send(&[vec![0]], &never)?;
-        } else {
-            link.recv(1, &never)?;
-        }
-        Ok(link)
-    }
-
-    /// The staging buffer, at least `len` bytes.
-    fn staging<'a>(
-        buffer: &'a mut Option<CudaSlice<u8>>,
-        stream: &Arc<CudaStream>,
-        len: usize,
-    ) -> Result<&'a mut CudaSlice<u8>, LinkError> {
-        if buffer.as_ref().is_some_and(|b| b.len() < len) {
-            // Free the old buffer before allocating the larger one.
-            *buffer = None;
-        }
-        match buffer {
-            Some(b) => Ok(b),
-            None => Ok(buffer.insert(
-                stream
-                    .alloc_zeros::<u8>(len)
-                    .map_err(LinkError::cuda(format!("device buffer of {len} bytes")))?,
-            )),
-        }
-    }
-
-    /// Waits until the work queued on `stream` so far completed, the deadline passed or
-    /// `abort` was set.
-    fn wait(stream: &CudaStream, deadline: Instant, abort: &AtomicBool) -> Result<(), LinkError> {
-        let event = stream
-            .record_event(None)
-            .map_err(LinkError::cuda("CUDA event"))?;
-        loop {
-            if event.try_is_complete().map_err(LinkError::cuda("CUDA"))? {
-                return Ok(());
-            }
-            if abort.load(Ordering::Acquire) {
-                return Err(LinkError::Closed);
-            }
-            if Instant::now() > deadline {
-                return Err(LinkError::Timeout);
-            }
-            std::thread::sleep(POLL);
-        }
-    }
-
-    /// Sends `pieces`, concatenated, to the decode rank; returns once they left.
-    fn send(&mut self, pieces: &[Vec<u8>], abort: &AtomicBool) -> Result<(), LinkError> {
-        let total: usize = pieces.iter().map(Vec::len).sum();
-        if total == 0 {
-            // The decode side skips empty transfers too.
-            return Ok(());
-        }
-        let deadline = Instant::now() + TIMEOUT;
-        let buffer = Self::staging(&mut self.buffer, &self.stream, total)?;
-        let mut at = 0;
-        for piece in pieces.iter().filter(|p| !p.is_empty()) {
-            self.stream
-                .memcpy_htod(
-                    piece.as_slice(),
-                    &mut buffer.slice_mut(at..at + piece.len()),
-                )
-                .map_err(LinkError::cuda("copy to the device"))?;
-            at += piece.len();
-        }
-        self.comm
-            .send(&buffer.slice(0..total), DECODE_RANK)
-            .map_err(LinkError::nccl("ncclSend"))?;
-        Self::wait(&self.stream, deadline, abort)
-    }
-
-    /// Receives `total` bytes from the prefill rank into host memory.
-    fn recv(&mut self, total: usize, abort: &AtomicBool) -> Result<Vec<u8>, LinkError> {
-        if total == 0 {
-            return Ok(Vec::new());
-        }
-        let deadline = Instant::now() + TIMEOUT;
-        let buffer = Self::staging(&mut self.buffer, &self.stream, total)?;
-        self.comm
-            .recv(&mut buffer.slice_mut(0..total), PREFILL_RANK)
-            .map_err(LinkError::nccl("ncclRecv"))?;
-        // Bounded wait before the copy: a copy queued behind a receive that never completes
-        // would block this thread without a timeout.
-        Self::wait(&self.stream, deadline, abort)?;
-        let mut host = vec![0u8; total];
-        self.stream
-            .memcpy_dtoh(&buffer.slice(0..total), host.as_mut_slice())
-            .map_err(LinkError::cuda("copy from the device"))?;
-        self.stream.synchronize().map_err(LinkError::cuda("CUDA"))?;
-        Ok(host)
-    }
-}
-
-/// Starts a pair's thread: it joins `id` as `rank`, reports that on `ready`, then runs `work`
-/// with the communicator.
-fn spawn_pair<F>(
-    name: &str,
-    device: usize,
-    rank: i32,
-    id: Id,
-    ready: oneshot::Sender<Result<(), LinkError>>,
-    work: F,
-) -> Result<(), TransferError>
-where
-    F: FnOnce(Link) + Send + 'static,
-{
-    std::thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || match Link::join(device, rank, id) {
-            Ok(link) => {
-                // When the caller gave up waiting, the link is dropped (aborted) right away.
-                if ready.send(Ok(())).is_ok() {
-                    work(link);
-                }
-            }
-            Err(e) => {
-                let _ = ready.send(Err(e));
-            }
-        })
-        .map(drop)
-        .map_err(|e| unavailable(format!("NCCL thread: {e}")))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -938,126 +728,4 @@ fn recv_thread(mut link: Link, expectations: &mpsc::Receiver<Expectation>, close
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn segment(page: u64, offset: u64, len: usize, fill: u8) -> Segment {
-        Segment {
-            page: PageRef {
-                region: 0,
-                page,
-                offset_bytes: page * 4096,
-            },
-            slot: false,
-            offset,
-            data: vec![fill; len],
-        }
-    }
-
-    #[test]
-    fn batches_keep_order_and_bound_every_transfer() {
-        let out = batches(
-            vec![
-                segment(0, 0, 6, 1),
-                segment(1, 0, 3, 2),
-                segment(2, 4, 21, 3),
-                segment(3, 0, 0, 4),
-            ],
-            10,
-        );
-        let shape: Vec<Vec<(u64, u64, usize)>> = out
-            .iter()
-            .map(|b| {
-                b.iter()
-                    .map(|s| (s.page.page, s.offset, s.data.len()))
-                    .collect()
-            })
-            .collect();
-        assert_eq!(
-            shape,
-            vec![
-                vec![(0, 0, 6), (1, 0, 3)],
-                vec![(2, 4, 10)],
-                vec![(2, 14, 10)],
-                vec![(2, 24, 1), (3, 0, 0)],
-            ]
-        );
-        assert!(batches(Vec::new(), 10).is_empty());
-    }
-
-    #[test]
-    fn unique_ids_survive_the_wire() {
-        let bytes: Vec<u8> = (0..ID_BYTES).map(|i| (i * 7 % 256) as u8).collect();
-        let id = id_from_bytes(&bytes).unwrap();
-        assert_eq!(id_bytes(&id), bytes);
-        assert!(id_from_bytes(&bytes[..127]).is_none());
-    }
-
-    #[test]
-    fn starting_without_cuda_or_nccl_is_an_error_not_a_panic() {
-        // On a GPU host with NCCL both start; elsewhere both explain what is missing.
-        match NcclSender::start("p".into(), 0, Credentials::none()) {
-            Ok(sender) => assert!(format!("{sender:?}").contains("NcclSender")),
-            Err(e) => assert!(matches!(e, TransferError::Failed { .. }), "{e}"),
-        }
-        match NcclReceiver::start("d".into(), 0) {
-            Ok(receiver) => assert!(format!("{receiver:?}").contains("NcclReceiver")),
-            Err(e) => assert!(
-                e.to_string().contains("not present") || e.to_string().contains("device"),
-                "{e}"
-            ),
-        }
-    }
-
-    #[test]
-    fn link_errors_read_as_the_messages_callers_see() {
-        let cases = [
-            (
-                LinkError::Cuda {
-                    call: "device buffer of 8 bytes".into(),
-                    message: "out of memory".into(),
-                },
-                "device buffer of 8 bytes: out of memory".to_owned(),
-            ),
-            (
-                LinkError::Closed,
-                "the NCCL connection was closed".to_owned(),
-            ),
-            (
-                LinkError::Timeout,
-                format!("the peer did not complete the transfer within {TIMEOUT:?} (gone?)"),
-            ),
-            (
-                LinkError::OutOfOrder { seq: 3, next: 1 },
-                "transfer 3 queued out of order (1 next)".to_owned(),
-            ),
-            (
-                LinkError::Replaced,
-                "the NCCL connection was replaced or closed".to_owned(),
-            ),
-            (
-                LinkError::Disconnected,
-                "the NCCL connection closed".to_owned(),
-            ),
-            (
-                LinkError::NotAnnounced(4),
-                format!("transfer 4 was not announced within {TIMEOUT:?}"),
-            ),
-            (
-                LinkError::AnnouncedTwice(5),
-                "transfer 5 announced twice".to_owned(),
-            ),
-        ];
-        for (error, text) in cases {
-            assert_eq!(error.to_string(), text);
-        }
-    }
-
-    #[test]
-    fn descriptors_carry_the_address_and_no_id() {
-        let t = target("10.0.0.1:7000");
-        assert!(t.unique_id.is_empty());
-        assert_eq!((t.prefill_rank, t.decode_rank), (0, 1));
-        assert_eq!(t.address, "10.0.0.1:7000");
-    }
-}
+mod tests;
