@@ -5,7 +5,7 @@
 use std::{path::PathBuf, process::Command};
 
 use engine::{config::ModelConfig, paged::layout::KvStorage, plan};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn configs() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/configs")
@@ -172,6 +172,14 @@ fn per_gpu_shares_follow_the_layout() {
         sliced["per_gpu"]["weight_bytes"],
         tp["per_gpu"]["weight_bytes"]
     );
+    // Each rank's slice of every expert, on the stored form's scale blocks (GPU workers hold
+    // it as an expert of its own).
+    let inter = config.moe_intermediate_size as u64;
+    assert_eq!(
+        sliced["per_gpu"]["expert_slice"],
+        json!({"values": inter / 4, "of": inter, "on_scale_blocks": true})
+    );
+    assert!(tp["per_gpu"]["expert_slice"].is_null());
     // Under DP-attention every rank's pool holds its own requests: 4x the tokens of TP's
     // replicated state, less the larger replicated attention.
     let tokens = |v: &Value| v["per_gpu"]["fit"]["tokens"].as_u64().unwrap();
@@ -199,5 +207,43 @@ fn per_gpu_shares_follow_the_layout() {
         assert!(!out.status.success(), "{extra:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(reason), "{extra:?}: {err}");
+    }
+}
+
+/// A slice of every expert that would cut the stored form's scale blocks (the tiny model's 32
+/// MXFP4 values over 2 ranks: 16 each, blocks of 32) is planned, and the plan says GPU workers
+/// refuse it; NVFP4's blocks of 16 take it.
+#[test]
+fn a_slice_across_scale_blocks_is_named() {
+    use engine::{
+        config::ExpertFormat,
+        synth::{GenerateOptions, Preset, generate},
+    };
+    for (experts, on_blocks) in [(ExpertFormat::Mxfp4, false), (ExpertFormat::Nvfp4, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let options = GenerateOptions::new(Preset::Tiny, 1, experts, dir.path());
+        generate(&options).unwrap();
+        let config = dir.path().to_str().unwrap();
+        let v = plan_json(&["--config", config, "--tp", "2", "--moe-tp"]);
+        assert_eq!(
+            v["per_gpu"]["expert_slice"],
+            json!({"values": 16, "of": 32, "on_scale_blocks": on_blocks})
+        );
+        let out = Command::new(env!("CARGO_BIN_EXE_pdctl"))
+            .args(["plan", "--config", config, "--tp", "2", "--moe-tp"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("each rank holds 16 of every expert's 32 intermediate values"),
+            "{text}"
+        );
+        assert_eq!(
+            text.contains(
+                "GPU workers refuse it (a slice of 16 cuts the stored scale blocks of 32"
+            ),
+            !on_blocks,
+            "{text}"
+        );
     }
 }

@@ -20,6 +20,42 @@ pub struct GroupReport {
     pub weights: GpuWeights,
     pub fit: Option<GpuFit>,
     pub context: u64,
+    /// Under sliced experts: each rank's slice of every expert's intermediate values, of how
+    /// many, and whether it falls on the stored form's scale blocks (which GPU workers need).
+    pub slice: Option<ExpertSlice>,
+}
+
+/// A rank's slice of every routed expert's intermediate values.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertSlice {
+    pub values: usize,
+    pub of: usize,
+    /// Values per scale block of the experts' stored form (1: none).
+    pub block: usize,
+}
+
+impl ExpertSlice {
+    /// Of `c`'s experts over `parallel`'s ranks, under sliced experts.
+    fn of(c: &ModelConfig, parallel: Parallel) -> Option<Self> {
+        use engine::config::ExpertFormat;
+        let block = match c.expert_format {
+            ExpertFormat::Bf16 => 1,
+            ExpertFormat::Fp8Block => engine::quant::FP8_BLOCK,
+            ExpertFormat::Mxfp4 => engine::quant::MXFP4_BLOCK,
+            ExpertFormat::Nvfp4 => engine::quant::NVFP4_BLOCK,
+        };
+        let of = c.moe_intermediate_size;
+        (parallel.moe_tp && parallel.tp > 0).then(|| Self {
+            values: of / parallel.tp,
+            of,
+            block,
+        })
+    }
+
+    /// Whether a GPU worker can hold it: its edges on the stored form's scale blocks.
+    pub fn on_blocks(self) -> bool {
+        self.values.is_multiple_of(self.block)
+    }
 }
 
 impl GroupReport {
@@ -50,6 +86,7 @@ impl GroupReport {
             weights,
             fit,
             context,
+            slice: ExpertSlice::of(c, parallel),
         }
     }
 
@@ -75,6 +112,11 @@ impl GroupReport {
             "ep": self.parallel.ep,
             "dp_attention": self.parallel.dp_attention,
             "moe_tp": self.parallel.moe_tp,
+            "expert_slice": self.slice.map(|s| json!({
+                "values": s.values,
+                "of": s.of,
+                "on_scale_blocks": s.on_blocks(),
+            })),
             "weight_bytes": self.weights.total,
             "classes": self.weights.classes.iter().map(|(k, b)| json!({
                 "class": k.name(),
@@ -116,6 +158,23 @@ impl GroupReport {
             "every rank stores the whole state of every request (one KV latent, replicated)"
         };
         let _ = writeln!(out, "  state: {state}");
+        if let Some(s) = self.slice {
+            let _ = write!(
+                out,
+                "  experts: each rank holds {} of every expert's {} intermediate values",
+                s.values, s.of
+            );
+            if s.on_blocks() {
+                let _ = writeln!(out);
+            } else {
+                let _ = writeln!(
+                    out,
+                    "; GPU workers refuse it (a slice of {} cuts the stored scale blocks of {}; \
+                     the cpu backend runs it)",
+                    s.values, s.block
+                );
+            }
+        }
         if let Some(f) = &self.fit {
             if f.weights_fit {
                 let _ = writeln!(
