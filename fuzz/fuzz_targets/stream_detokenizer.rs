@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use libfuzzer_sys::fuzz_target;
-use router::api::completions::Detokenizer;
+use router::api::detokenize::Detokenizer;
 use tokenizers::{Tokenizer, models::bpe::BPE, pre_tokenizers::byte_level::ByteLevel};
 
 /// One token per byte, so multi-byte characters always span tokens.
