@@ -87,6 +87,35 @@ extern "C" __global__ void sum_blocks(const float* __restrict__ x, long long blo
     out[i] = s;
 }
 
+// ids[p] = experts[p] - first for an expert this rank holds (first <= e < first + held), -1 for
+// another rank's (below total), -2 for none of the model's: a tensor-parallel rank's pairs (every
+// rank has them all) through the experts it holds. One thread per pair.
+extern "C" __global__ void held_ids(const int* __restrict__ experts, long long first,
+                                    long long held, long long total, long long pairs,
+                                    int* __restrict__ ids) {
+    const long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (p >= pairs) {
+        return;
+    }
+    const long long e = experts[p];
+    ids[p] = (e >= first && e - first < held) ? static_cast<int>(e - first)
+                                               : ((e >= 0 && e < total) ? -1 : -2);
+}
+
+// Row p of `width` values of ys set to -0.0 where ids[p] is -1 (another rank's expert): -0 is the
+// identity of the all-reduce that merges the ranks' rows, so each row comes out as the rank that
+// holds its expert computed it. One thread per value.
+extern "C" __global__ void clear_unheld_rows(float* __restrict__ ys, const int* __restrict__ ids,
+                                             long long width, long long pairs) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= pairs * width) {
+        return;
+    }
+    if (ids[i / width] == -1) {
+        ys[i] = -0.0f;
+    }
+}
+
 // x[i] *= s for the first n values (the indexer's head weights times heads^-0.5).
 extern "C" __global__ void scale_values(float* __restrict__ x, float s, long long n) {
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -54,8 +54,8 @@
 //!   hyper-connections' mixing from the mixing projections' outputs, bit for bit: `exact.cuh`
 //!   ports the engine's own `exp`, and no multiply-add is contracted).
 //! - `moe_act.cu` `swiglu_clamp` — [`cpu::swiglu_clamp`] (the experts' clamped SwiGLU).
-//! - `step.cu` `embed_rows`, `copy_rows`, `add_periodic`, `sum_blocks`, `scale_values`,
-//!   `chosen_offsets` —
+//! - `step.cu` `embed_rows`, `copy_rows`, `add_periodic`, `sum_blocks`, `held_ids`,
+//!   `clear_unheld_rows`, `scale_values`, `chosen_offsets` —
 //!   [`step::emulated`] (the device decode step's data movement between activations and state).
 //! - `dense_gemv.cu` `bf16_gemv_many`, `fp8_block_gemv_many` — [`cpu::bf16_gemv`],
 //!   [`cpu::fp8_block_gemv`] (dense weights, several vectors, a block of rows: the output head,

@@ -13,7 +13,9 @@
 //! NCCL calls have no timeout of their own: each call records an event after its work and polls
 //! it until the group's timeout; a call that did not finish by then (a rank died or hangs)
 //! fails, this rank aborts its communicator, and every later call fails at once. NCCL's
-//! all-reduce is never used: its summation order is not the one-rank engine's.
+//! all-reduce sums in an order of its own, not the one-rank engine's: it merges only values
+//! each held by one rank, -0.0 on the others ([`NcclRank::all_owned_device`]), where every
+//! order gives the same bits.
 //!
 //! Built with the `nccl` feature; run only on a machine with 2+ GPUs (see
 //! `tests::a_group_over_the_visible_gpus_exchanges_like_the_in_process_one`).
@@ -25,7 +27,7 @@ use std::{
 
 use cudarc::{
     driver::{CudaContext, CudaSlice, CudaStream},
-    nccl::Comm,
+    nccl::{Comm, ReduceOp},
 };
 use engine::parallel::collective::{Collective, CollectiveError};
 
@@ -288,6 +290,45 @@ impl NcclRank {
         }
         self.wait("all-gather")?;
         Ok(all)
+    }
+
+    /// [`crate::step::kernels::Kernels::all_owned`] over NCCL: the first `len` values of
+    /// `send` summed over the ranks into `out`'s first `len` (one all-reduce GPU to GPU,
+    /// ordered after the work queued on `stream` so far). Each value is one rank's and -0.0 on
+    /// the others, so NCCL's order of the sum gives that rank's bits. Nothing crosses to the
+    /// host.
+    ///
+    /// # Errors
+    /// A `len` beyond either buffer, a failed or stalled reduction (which fails the group).
+    pub fn all_owned_device(
+        &mut self,
+        _stream: &Arc<CudaStream>,
+        send: &CudaSlice<f32>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CollectiveError> {
+        self.failure("all-reduce")?;
+        if send.len() < len || out.len() < len {
+            return Err(CollectiveError::Shape(format!(
+                "all-reduce: {len} of {} and {} values",
+                send.len(),
+                out.len()
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // cudarc orders the views' streams: the reduction after the step's writes of `send`,
+        // the step's later reads of `out` after it.
+        let reduced = self.failure("all-reduce")?.all_reduce(
+            &send.slice(..len),
+            &mut out.slice_mut(..len),
+            &ReduceOp::Sum,
+        );
+        if let Err(e) = reduced {
+            return Err(self.device_error("all-reduce", e));
+        }
+        self.wait("all-reduce")
     }
 
     /// Every rank's first `n` values of `counts` (on the GPU), by rank: gathered GPU to GPU

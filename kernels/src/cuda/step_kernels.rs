@@ -717,6 +717,27 @@ impl Kernels for CudaKernels {
         self.launch_ep_take_ids(recv, at, held, m, ids)
     }
 
+    fn held_ids(
+        &self,
+        experts: &CudaSlice<i32>,
+        held: (usize, usize),
+        total: usize,
+        pairs: usize,
+        ids: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        self.launch_held_ids(experts, held, total, pairs, ids)
+    }
+
+    fn clear_unheld_rows(
+        &self,
+        ys: &mut CudaSlice<f32>,
+        ids: &CudaSlice<i32>,
+        width: usize,
+        pairs: usize,
+    ) -> Result<(), KernelError> {
+        self.launch_clear_unheld_rows(ys, ids, width, pairs)
+    }
+
     /// GPU to GPU where the group's collective is NCCL's; through the host otherwise (an
     /// in-process group, as two ranks on one GPU in the tests).
     fn exchange_known(
@@ -737,6 +758,18 @@ impl Kernels for CudaKernels {
         part: usize,
     ) -> Result<CudaSlice<f32>, KernelError> {
         self.all_gather_of(coll, send, part)
+    }
+
+    /// GPU to GPU where the group's collective is NCCL's (one all-reduce); through the host
+    /// otherwise.
+    fn all_owned(
+        &self,
+        coll: &mut dyn engine::parallel::collective::Collective,
+        send: &CudaSlice<f32>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.all_owned_of(coll, send, len, out)
     }
 
     fn gather_counts(

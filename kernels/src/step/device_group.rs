@@ -75,7 +75,7 @@ impl<K: Kernels> DeviceStepOps<K> {
     ) -> Result<DBuf<K>, K::Error> {
         let d = self.config.hidden_size;
         let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
-        let packed = self.pack(ep, (h, experts), (k, d), pairs, true)?;
+        let packed = self.pack(ep, (h, experts), (k, d), pairs)?;
         let message = |c: usize| 1 + c * (1 + d);
         let sizes: Vec<usize> = packed.counts.iter().map(|&c| message(c)).collect();
         let from: Vec<usize> = packed.to_me.iter().map(|&c| message(c)).collect();
@@ -105,14 +105,13 @@ impl<K: Kernels> DeviceStepOps<K> {
     }
 
     /// A layer's dispatch messages packed on the device (`ep_slots`, then the rows by
-    /// `copy_rows`), with their counts read back: every rank's (`gathered`), or this rank's.
+    /// `copy_rows`), with every rank's counts, gathered on the devices and read back once.
     fn pack(
         &self,
         ep: &ExpertParallel,
         (h, experts): (&DBuf<K>, &DIdx<K>),
         (k, d): (usize, usize),
         pairs: usize,
-        gathered: bool,
     ) -> Result<Packed<K>, K::Error> {
         let (k, split) = (k.max(1), ep.split());
         let ranks = split.ranks();
@@ -137,17 +136,11 @@ impl<K: Kernels> DeviceStepOps<K> {
             let from = self.plan_l(&tokens)?;
             self.k.copy_rows(h, &from, &mut send, &pack_to, d, pairs)?;
         }
-        // Every rank's counts where the exchange needs them (one read back: gathered on the
-        // device), else this rank's.
+        // Every rank's counts (one read back: gathered on the devices).
         let me = ep.rank();
-        let all = if gathered {
-            self.k
-                .gather_counts(ep.collective().as_mut(), &counts, ranks + 1)?
-        } else {
-            let mut all = vec![Vec::new(); ranks];
-            all[me] = self.get_idx(&counts, 0..ranks + 1)?;
-            all
-        };
+        let all = self
+            .k
+            .gather_counts(ep.collective().as_mut(), &counts, ranks + 1)?;
         let whole = |c: i32| usize::try_from(c).unwrap_or(usize::MAX);
         let mut counts: Vec<usize> = all[me].iter().map(|&c| whole(c)).collect();
         let invalid = counts.pop().unwrap_or(usize::MAX);
@@ -158,18 +151,15 @@ impl<K: Kernels> DeviceStepOps<K> {
             )
             .into());
         }
-        let to_me = if gathered {
-            all.iter()
-                .enumerate()
-                .map(|(r, row)| {
-                    row.get(me)
-                        .and_then(|&c| usize::try_from(c).ok())
-                        .ok_or_else(|| format!("rank {r} gathered no count for rank {me}"))
-                })
-                .collect::<Result<_, _>>()?
-        } else {
-            Vec::new()
-        };
+        let to_me = all
+            .iter()
+            .enumerate()
+            .map(|(r, row)| {
+                row.get(me)
+                    .and_then(|&c| usize::try_from(c).ok())
+                    .ok_or_else(|| format!("rank {r} gathered no count for rank {me}"))
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Packed {
             send,
             back_from,
@@ -198,9 +188,13 @@ impl<K: Kernels> DeviceStepOps<K> {
 
     /// [`StepOps::routed_experts`] on a rank of an expert-parallel group whose ranks hold the
     /// same tokens and pairs (tensor-parallel attention): each rank computes the pairs of the
-    /// experts it holds, from its own copy of their inputs, and the ranks all-gather the
-    /// outputs, which `ep_slots`' offsets put back into pair order. The host forward's
-    /// `routed_replicated` splits the pairs differently; every product is the same row.
+    /// experts it holds from its own copy of their tokens (`held_ids`: another rank's pairs
+    /// get -1, a NaN row the kernels skip past), clears the others' rows to -0.0
+    /// (`clear_unheld_rows`) and the ranks sum their rows ([`Kernels::all_owned`]: one NCCL
+    /// all-reduce), which gives each pair's row as the rank that holds its expert computed it,
+    /// bit for bit. Nothing is read back: the exchange's size is the batch's. The host
+    /// forward's `routed_replicated` splits the pairs differently; every product is the same
+    /// row.
     pub(super) fn routed_replicated(
         &self,
         ep: &ExpertParallel,
@@ -210,36 +204,26 @@ impl<K: Kernels> DeviceStepOps<K> {
         (k, inter): (usize, usize),
         pairs: usize,
     ) -> Result<DBuf<K>, K::Error> {
-        let d = self.config.hidden_size;
-        let (k, split, me) = (k.max(1), ep.split(), ep.rank());
-        let ranks = split.ranks();
-        let context = |e: K::Error| format!("layer {layer}'s routed experts over the group: {e}");
-        // Every rank packs the same pairs: its own counts are everyone's.
-        let packed = self.pack(ep, (h, experts), (k, d), pairs, false)?;
-        let sent = &packed.counts;
-        // This rank's message (to itself): [count, expert ids, rows].
-        let start: usize = sent[..me].iter().map(|&c| 1 + c * (1 + d)).sum();
-        let m = sent[me];
-        let ys = if m == 0 {
-            self.alloc(1)?
-        } else {
-            let id_at: Vec<i64> = (0..m).map(|j| (start + 1 + j) as i64).collect();
-            let row_at: Vec<i64> = (0..m).map(|j| (start + 1 + m + j * d) as i64).collect();
-            self.held_pairs(ep, layer, &packed.send, (&id_at, &row_at), inter)?
-        };
-        // Every rank's outputs to every rank.
-        let mut copies = self.alloc((ranks * m * d).max(1))?;
-        let from: Vec<i64> = (0..ranks).flat_map(|_| offsets(m, d, 0)).collect();
-        self.copy_rows(&ys, &from, &mut copies, &offsets(ranks * m, d, 0), d)?;
-        let from: Vec<usize> = sent.iter().map(|&c| c * d).collect();
-        let back = self
-            .exchange_known(
-                ep.collective().as_mut(),
-                &copies,
-                (&vec![m * d; ranks], &from),
-            )
-            .map_err(context)?;
-        self.unpack(&back, &packed, d, pairs)
+        let (d, split) = (self.config.hidden_size, ep.split());
+        let mut out = self.alloc((pairs * d).max(1))?;
+        // Every rank has the same pairs: none on one is none on all, and none exchanges.
+        if pairs == 0 {
+            return Ok(out);
+        }
+        if K::i_len(experts) < pairs {
+            return Err(format!("{pairs} pairs outside their buffer").into());
+        }
+        let held = split.held_by(ep.rank());
+        let mut ids = self.alloc_i(pairs)?;
+        let mine = (held.start, held.len());
+        self.k
+            .held_ids(experts, mine, split.experts(), pairs, &mut ids)?;
+        let mut ys = super::routed_here(self, layer, h, &ids, (k, inter), pairs)?;
+        self.k.clear_unheld_rows(&mut ys, &ids, d, pairs)?;
+        self.k
+            .all_owned(ep.collective().as_mut(), &ys, pairs * d, &mut out)
+            .map_err(|e| format!("layer {layer}'s routed experts over the group: {e}"))?;
+        Ok(out)
     }
 
     /// The outputs of the pairs of `received` (ids at `at.0`, rows at `at.1`) through this

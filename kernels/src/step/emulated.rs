@@ -539,26 +539,10 @@ impl Kernels for EmulatedKernels {
         &self,
         scores: &Vec<f32>,
         visible: &Vec<i32>,
-        (tokens, max_keys, k): (usize, usize, usize),
+        shape: (usize, usize, usize),
         out: &mut Vec<i32>,
     ) -> Result<(), ShapeError> {
-        for (t, &seen) in visible.iter().enumerate().take(tokens) {
-            let n = index(i64::from(seen), "visible")?;
-            let row = part(scores, t * max_keys, n, "indexer scores")?;
-            let slots = out
-                .get_mut(t * k..(t + 1) * k)
-                .ok_or_else(|| err("indexer_topk"))?;
-            match crate::cpu::topk_of_scores(&row, k) {
-                None => slots.fill(super::CHOSEN_POISONED),
-                Some(chosen) => {
-                    slots.fill(super::CHOSEN_EMPTY);
-                    for (slot, c) in slots.iter_mut().zip(chosen) {
-                        *slot = c as i32;
-                    }
-                }
-            }
-        }
-        Ok(())
+        attend::indexer_topk(scores, visible, shape, out)
     }
 
     fn chosen_offsets(
@@ -570,27 +554,9 @@ impl Kernels for EmulatedKernels {
         entries: usize,
         offsets: &mut Vec<i64>,
     ) -> Result<(), ShapeError> {
-        for e in 0..entries {
-            let mine = part(
-                chosen,
-                index(i64::from(tokens[e]), "chosen")? * k,
-                k,
-                "chosen",
-            )?;
-            let poisoned = k > 0 && mine[0] == super::CHOSEN_POISONED;
-            let count = index(i64::from(counts[e]), "counts")?;
-            for (j, &row) in mine.iter().enumerate().take(count) {
-                let row = row + i32::from(self.plant == Some(KernelPlant::ChosenRowShifted));
-                let at = index(starts[e], "chosen slots")? + j;
-                *offsets.get_mut(at).ok_or_else(|| err("chosen_offsets"))? = if poisoned || row < 0
-                {
-                    super::POISONED_KEY
-                } else {
-                    bases[e] + i64::from(row) * row_bytes as i64
-                };
-            }
-        }
-        Ok(())
+        let plans = (&tokens[..], &starts[..], &counts[..], &bases[..]);
+        let shifted = self.plant == Some(KernelPlant::ChosenRowShifted);
+        attend::chosen_offsets((chosen, k), plans, (row_bytes, entries), offsets, shifted)
     }
 
     fn attn_exact(
@@ -744,6 +710,28 @@ impl Kernels for EmulatedKernels {
         dispatch::ep_take_ids(recv, at, held, ids)
     }
 
+    fn held_ids(
+        &self,
+        experts: &Vec<i32>,
+        held: (usize, usize),
+        total: usize,
+        pairs: usize,
+        ids: &mut Vec<i32>,
+    ) -> Result<(), ShapeError> {
+        let experts = experts.get(..pairs).ok_or_else(|| err("held_ids"))?;
+        dispatch::held_ids(experts, held, total, ids)
+    }
+
+    fn clear_unheld_rows(
+        &self,
+        ys: &mut Vec<f32>,
+        ids: &Vec<i32>,
+        width: usize,
+        pairs: usize,
+    ) -> Result<(), ShapeError> {
+        dispatch::clear_unheld_rows(ys, ids, width, pairs)
+    }
+
     /// As a GPU's NCCL exchange: device to device, so neither a read nor an upload.
     fn exchange_known(
         &self,
@@ -762,6 +750,17 @@ impl Kernels for EmulatedKernels {
         part: usize,
     ) -> Result<Vec<f32>, ShapeError> {
         dispatch::all_gather(coll, send, part)
+    }
+
+    /// As a GPU's NCCL all-reduce: device to device, so neither a read nor an upload.
+    fn all_owned(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Vec<f32>,
+        len: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        dispatch::all_owned(coll, send, len, out)
     }
 
     fn moe_combine(

@@ -454,6 +454,30 @@ pub trait Kernels {
         offsets: (&mut Self::L, &mut Self::L),
         counts: &mut Self::I,
     ) -> Result<(), Self::Error>;
+    /// `held_ids`: a rank's ids of the routed pairs' experts among those it holds, where every
+    /// rank of its group has every pair (tensor-parallel attention): with `held = (first,
+    /// count)`, `ids[p]` = `experts[p] - first` for an expert this rank holds, -1 for another
+    /// rank's expert (below `total`), -2 for none of the model's. The expert kernels answer
+    /// both with a NaN row; [`Self::clear_unheld_rows`] clears only the -1 rows, so a pair of
+    /// no expert stays NaN on every rank and fails the step.
+    fn held_ids(
+        &self,
+        experts: &Self::I,
+        held: (usize, usize),
+        total: usize,
+        pairs: usize,
+        ids: &mut Self::I,
+    ) -> Result<(), Self::Error>;
+    /// `clear_unheld_rows`: each row `p < pairs` of `width` values of `ys` whose `ids[p]` is -1
+    /// (another rank's expert) set to -0.0, the identity of the sum [`Self::all_owned`] merges
+    /// the ranks' rows by.
+    fn clear_unheld_rows(
+        &self,
+        ys: &mut Self::F,
+        ids: &Self::I,
+        width: usize,
+        pairs: usize,
+    ) -> Result<(), Self::Error>;
     /// `ep_take_ids`: with `held = (first, count)`, `ids[i]` = `recv[at[i]] - first` where
     /// that is a whole number below `count` (an expert this rank holds, as its index among
     /// them), else -1 (which the expert kernels answer with a NaN row).
@@ -491,6 +515,33 @@ pub trait Kernels {
         part: usize,
     ) -> Result<Self::F, Self::Error> {
         all_gather_through_host(self, coll, send, part)
+    }
+    /// All-reduce over `coll` of values each held by one rank: the first `len` values of
+    /// `send`, summed over the ranks into `out`, where at each place every rank's value but at
+    /// most one is -0.0 (NaN aside). -0 is the sum's identity, so every order of the sum gives
+    /// that rank's value, bit for bit (NCCL's all-reduce adds in an order of its own). Through
+    /// the host by default ([`merge_owned`]: checked, a place two ranks hold refused);
+    /// a device that can reduces its buffers directly (one NCCL all-reduce).
+    fn all_owned(
+        &self,
+        coll: &mut dyn Collective,
+        send: &Self::F,
+        len: usize,
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error> {
+        let mine = if len == 0 {
+            Vec::new()
+        } else {
+            self.read(send, 0..len)?
+        };
+        let all = coll
+            .all_gather(mine)
+            .map_err(|e| format!("all-reduce: {e}"))?;
+        let merged = merge_owned(&all, len)?;
+        if len > 0 {
+            self.write(out, 0, &merged)?;
+        }
+        Ok(())
     }
     /// Every rank's first `n` values of `counts` (small whole numbers), by rank: read back
     /// and all-gathered through the host by default; a device that can gathers them on the
@@ -567,6 +618,32 @@ pub fn all_gather_through_host<K: Kernels + ?Sized>(
     let flat = all.concat();
     // A buffer is never empty (an upload of nothing has no device address).
     k.upload(if flat.is_empty() { &[0.0] } else { &flat })
+}
+
+/// The ranks' values (`all`, `len` each) each held by one rank ([`Kernels::all_owned`]), summed
+/// in rank order; refused where two ranks hold a value at one place (neither is -0.0 nor NaN:
+/// the sum would then depend on its order) or a rank sent another count.
+pub fn merge_owned(all: &[Vec<f32>], len: usize) -> Result<Vec<f32>, String> {
+    let got: Vec<usize> = all.iter().map(Vec::len).collect();
+    check_received(&got, &vec![len; all.len()])?;
+    let held = |v: f32| v.to_bits() != (-0.0f32).to_bits() && !v.is_nan();
+    let mut out = vec![-0.0f32; len];
+    let mut owner: Vec<Option<usize>> = vec![None; len];
+    for (r, values) in all.iter().enumerate() {
+        for (i, &v) in values.iter().enumerate() {
+            if held(v) {
+                if let Some(first) = owner[i] {
+                    return Err(format!(
+                        "all-reduce: ranks {first} and {r} both hold value {i} (each value is \
+                         one rank's, -0 on the others)"
+                    ));
+                }
+                owner[i] = Some(r);
+            }
+            out[i] += v;
+        }
+    }
+    Ok(out)
 }
 
 /// That what each rank sent (`got`) is what this rank expected (`from`).

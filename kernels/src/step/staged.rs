@@ -645,6 +645,31 @@ impl<K: Kernels> Kernels for Staged<K> {
             k.ep_take_ids(recv, at, held, m, ids)
         })
     }
+    fn held_ids(
+        &self,
+        experts: &K::I,
+        held: (usize, usize),
+        total: usize,
+        pairs: usize,
+        ids: &mut K::I,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::i_addr(experts), K::i_addr(ids));
+        self.launch("held_ids", &addrs, (held, total, pairs), |k| {
+            k.held_ids(experts, held, total, pairs, ids)
+        })
+    }
+    fn clear_unheld_rows(
+        &self,
+        ys: &mut K::F,
+        ids: &K::I,
+        width: usize,
+        pairs: usize,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(ys), K::i_addr(ids));
+        self.launch("clear_unheld_rows", &addrs, (width, pairs), |k| {
+            k.clear_unheld_rows(ys, ids, width, pairs)
+        })
+    }
     /// Only outside the passes: an exchange waits for the host (a graph cannot hold it).
     fn exchange_known(
         &self,
@@ -669,6 +694,15 @@ impl<K: Kernels> Kernels for Staged<K> {
         part: usize,
     ) -> Result<K::F, K::Error> {
         self.host_read(|k| k.all_gather(coll, send, part))
+    }
+    fn all_owned(
+        &self,
+        coll: &mut dyn Collective,
+        send: &K::F,
+        len: usize,
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        self.host_read(|k| k.all_owned(coll, send, len, out))
     }
     fn moe_combine(
         &self,

@@ -1,8 +1,9 @@
-//! `step.cu`'s kernels (embedding rows, row copies, position bias, scale, block sums, the indexer choice's
-//! key offsets) on the GPU against their CPU references (`EmulatedKernels`), on random inputs
-//! at awkward shapes, through the one `Kernels` interface the decode step launches them by:
-//! equal bits, NaN rows for ids outside the table, skipped rows, poisoned choices. Skips
-//! without a GPU (fails under `PDSERVE_REQUIRE_GPU=1`).
+//! `step.cu`'s kernels (embedding rows, row copies, position bias, scale, block sums, held
+//! expert ids and the others' rows cleared, the indexer choice's key offsets) on the GPU
+//! against their CPU references (`EmulatedKernels`), on random inputs at awkward shapes,
+//! through the one `Kernels` interface the decode step launches them by: equal bits, NaN rows
+//! for ids outside the table, skipped rows, poisoned choices. Skips without a GPU (fails under
+//! `PDSERVE_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, reason = "test code")]
 
@@ -57,6 +58,20 @@ where
     let mut sum = k.upload(&values(40)).unwrap();
     k.sum_blocks(&parts, (3, 37), &mut sum).unwrap();
     out.push(read(&sum));
+    // A rank's held ids of 300 pairs (experts 40..52 of 64 held; others', negative and past
+    // the model's among them), then the others' rows of 13 cleared to -0 (a NaN row of no
+    // expert kept); the ids as f32 for the comparison.
+    let experts: Vec<i32> = (0..300).map(|p: i32| p * 37 % 70 - 3).collect();
+    let experts = k.upload_i(&experts).unwrap();
+    let mut ids = k.upload_i(&[7; 301]).unwrap();
+    k.held_ids(&experts, (40, 12), 64, 300, &mut ids).unwrap();
+    let held = k.read_i(&ids, 0..301).unwrap();
+    out.push(held.iter().map(|&i| i as f32).collect());
+    let mut ys = values(300 * 13 + 4);
+    ys[13 * 2] = f32::NAN;
+    let mut ys = k.upload(&ys).unwrap();
+    k.clear_unheld_rows(&mut ys, &ids, 13, 300).unwrap();
+    out.push(read(&ys));
     // FP8 K=V rounding of 3 of 4 rows of 100 + 28 (a partial scale block): values over a wide
     // range of magnitudes, a NaN, an infinity, a huge and a subnormal value; the fourth row
     // stays as it was.

@@ -1,5 +1,6 @@
-//! The group kernels' launches (`ep_slots`, `ep_take_ids`, `sum_blocks` in `step.cu`) and the
-//! exchange of device buffers over NCCL where the group's collective is NCCL's.
+//! The group kernels' launches (`ep_slots`, `ep_take_ids`, `held_ids`, `clear_unheld_rows`,
+//! `sum_blocks` in `step.cu`) and the exchange of device buffers over NCCL where the group's
+//! collective is NCCL's.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -8,7 +9,7 @@ use engine::parallel::collective::Collective;
 use super::{CudaKernels, KernelError, blocks, function, per_item};
 use crate::step::kernels::{
     SlotSpec, all_gather_through_host, check_received, exchange_through_host,
-    gather_counts_through_host,
+    gather_counts_through_host, merge_owned,
 };
 
 /// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
@@ -100,6 +101,60 @@ impl CudaKernels {
         Ok(())
     }
 
+    pub(super) fn launch_held_ids(
+        &self,
+        experts: &CudaSlice<i32>,
+        (first, held): (usize, usize),
+        total: usize,
+        pairs: usize,
+        ids: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        if experts.len() < pairs || ids.len() < pairs || i32::try_from(total).is_err() {
+            return Err(KernelError::Shape(format!(
+                "held_ids: {pairs} pairs of {total} experts outside their buffers"
+            )));
+        }
+        if pairs == 0 {
+            return Ok(());
+        }
+        let f = function(&self.gpu.step, "held_ids")?;
+        let (first, held) = (wide(first, "first")?, wide(held, "held")?);
+        let (total, n) = (wide(total, "total")?, wide(pairs, "pairs")?);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(experts).arg(&first).arg(&held);
+        launch.arg(&total).arg(&n).arg(ids);
+        // SAFETY: `held_ids`' parameters in order; `experts` and `ids` hold `pairs` values
+        // (checked above); a thread per pair.
+        unsafe { launch.launch(per_item(pairs.div_ceil(128), 128, "held_ids")?)? };
+        Ok(())
+    }
+
+    pub(super) fn launch_clear_unheld_rows(
+        &self,
+        ys: &mut CudaSlice<f32>,
+        ids: &CudaSlice<i32>,
+        width: usize,
+        pairs: usize,
+    ) -> Result<(), KernelError> {
+        let values = pairs.checked_mul(width);
+        if values.is_none_or(|n| ys.len() < n) || ids.len() < pairs {
+            return Err(KernelError::Shape(format!(
+                "clear_unheld_rows: {pairs} rows of {width} outside their buffers"
+            )));
+        }
+        if pairs == 0 || width == 0 {
+            return Ok(());
+        }
+        let f = function(&self.gpu.step, "clear_unheld_rows")?;
+        let (w, n) = (wide(width, "width")?, wide(pairs, "pairs")?);
+        let mut launch = self.gpu.stream.launch_builder(&f);
+        launch.arg(ys).arg(ids).arg(&w).arg(&n);
+        // SAFETY: `clear_unheld_rows`' parameters in order; `ys` holds `pairs * width` values
+        // and `ids` `pairs` (checked above); a thread per value.
+        unsafe { launch.launch(blocks(pairs * width, 256, "clear_unheld_rows")?)? };
+        Ok(())
+    }
+
     pub(super) fn launch_sum_blocks(
         &self,
         x: &CudaSlice<f32>,
@@ -159,6 +214,44 @@ impl CudaKernels {
                 .map_err(|e| KernelError::Shape(format!("all-gather: {e}")));
         }
         all_gather_through_host(self, coll, send, part)
+    }
+
+    /// [`crate::step::kernels::Kernels::all_owned`]: one NCCL all-reduce where `coll` is an
+    /// [`crate::nccl::NcclRank`], through the host otherwise (checked: a value two ranks hold
+    /// is refused).
+    pub(super) fn all_owned_of(
+        &self,
+        coll: &mut dyn Collective,
+        send: &CudaSlice<f32>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        if send.len() < len || out.len() < len {
+            return Err(KernelError::Shape(format!(
+                "all-reduce: {len} values outside their buffers"
+            )));
+        }
+        #[cfg(feature = "nccl")]
+        if let Some(rank) = nccl(coll) {
+            return rank
+                .all_owned_device(&self.gpu.stream, send, len, out)
+                .map_err(|e| KernelError::Shape(format!("all-reduce: {e}")));
+        }
+        let mine = if len == 0 {
+            Vec::new()
+        } else {
+            self.gpu.stream.clone_dtoh(&send.slice(..len))?
+        };
+        let all = coll
+            .all_gather(mine)
+            .map_err(|e| KernelError::Shape(format!("all-reduce: {e}")))?;
+        let merged = merge_owned(&all, len).map_err(KernelError::Shape)?;
+        if len > 0 {
+            self.gpu
+                .stream
+                .memcpy_htod(&merged, &mut out.slice_mut(..len))?;
+        }
+        Ok(())
     }
 
     /// [`crate::step::kernels::Kernels::gather_counts`]: over NCCL where `coll` is an

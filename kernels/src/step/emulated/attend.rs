@@ -1,5 +1,6 @@
 //! The larger kernels' CPU references of [`super::EmulatedKernels`]: compressor pooling, the
-//! indexer's scores (exact and on tensor cores), exact and fast attention, the logits' argmax.
+//! indexer's scores (exact and on tensor cores), its choice and the chosen rows' offsets, exact
+//! and fast attention, the logits' argmax.
 
 use engine::{model::attention, paged::layout::RowFormat, tensor::exp};
 
@@ -9,6 +10,65 @@ use crate::step::{
     kernels::{PoolSpec, ScoreSpec},
     layout::{kv_stride, unpack_kv_row},
 };
+
+/// `indexer_topk`: each token's `k` highest scores of its visible keys (`CHOSEN_EMPTY` in
+/// the slots beyond them, `CHOSEN_POISONED` in every slot when the choice is undefined).
+pub(super) fn indexer_topk(
+    scores: &[f32],
+    visible: &[i32],
+    (tokens, max_keys, k): (usize, usize, usize),
+    out: &mut [i32],
+) -> Result<(), ShapeError> {
+    for (t, &seen) in visible.iter().enumerate().take(tokens) {
+        let n = index(i64::from(seen), "visible")?;
+        let row = part(scores, t * max_keys, n, "indexer scores")?;
+        let slots = out
+            .get_mut(t * k..(t + 1) * k)
+            .ok_or_else(|| err("indexer_topk"))?;
+        match crate::cpu::topk_of_scores(&row, k) {
+            None => slots.fill(crate::step::CHOSEN_POISONED),
+            Some(chosen) => {
+                slots.fill(crate::step::CHOSEN_EMPTY);
+                for (slot, c) in slots.iter_mut().zip(chosen) {
+                    *slot = c as i32;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `chosen_offsets`: entry `e`'s chosen rows as byte offsets from `bases[e]`
+/// (`POISONED_KEY` where the choice is poisoned or a row is negative); `shifted` plants a
+/// row one past the chosen.
+pub(super) fn chosen_offsets(
+    (chosen, k): (&[i32], usize),
+    (tokens, starts, counts, bases): (&[i32], &[i64], &[i32], &[i64]),
+    (row_bytes, entries): (usize, usize),
+    offsets: &mut [i64],
+    shifted: bool,
+) -> Result<(), ShapeError> {
+    for e in 0..entries {
+        let mine = part(
+            chosen,
+            index(i64::from(tokens[e]), "chosen")? * k,
+            k,
+            "chosen",
+        )?;
+        let poisoned = k > 0 && mine[0] == crate::step::CHOSEN_POISONED;
+        let count = index(i64::from(counts[e]), "counts")?;
+        for (j, &row) in mine.iter().enumerate().take(count) {
+            let row = row + i32::from(shifted);
+            let at = index(starts[e], "chosen slots")? + j;
+            *offsets.get_mut(at).ok_or_else(|| err("chosen_offsets"))? = if poisoned || row < 0 {
+                crate::step::POISONED_KEY
+            } else {
+                bases[e] + i64::from(row) * row_bytes as i64
+            };
+        }
+    }
+    Ok(())
+}
 
 /// `indexer_scores` (the engine's bits: `dot`, ReLU keeping a NaN, heads summed in order from
 /// -0) or, with `sp.tensor_cores`, `indexer_scores_mma` by its reference.

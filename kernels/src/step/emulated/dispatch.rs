@@ -1,10 +1,13 @@
-//! The references of the expert-parallel dispatch kernels (`ep_slots`, `ep_take_ids`): the
-//! messages a rank packs on its device are `engine::parallel::expert::dispatch_messages`'.
+//! The references of the group kernels: the expert-parallel dispatch (`ep_slots`,
+//! `ep_take_ids`: the messages a rank packs on its device are
+//! `engine::parallel::expert::dispatch_messages`'), the replicated pairs' (`held_ids`,
+//! `clear_unheld_rows`), `sum_blocks`, and the collectives over host buffers standing for
+//! device ones.
 
 use engine::parallel::collective::Collective;
 
 use super::{ShapeError, err, part};
-use crate::step::kernels::{SlotSpec, check_received};
+use crate::step::kernels::{SlotSpec, check_received, merge_owned};
 
 /// `ep_slots` ([`crate::step::kernels::Kernels::ep_slots`]).
 pub(super) fn ep_slots(
@@ -93,6 +96,44 @@ pub(super) fn ep_take_ids(
     Ok(())
 }
 
+/// `held_ids` ([`crate::step::kernels::Kernels::held_ids`]).
+pub(super) fn held_ids(
+    experts: &[i32],
+    (first, held): (usize, usize),
+    total: usize,
+    ids: &mut [i32],
+) -> Result<(), ShapeError> {
+    if ids.len() < experts.len() {
+        return Err(err("held_ids"));
+    }
+    for (id, &e) in ids.iter_mut().zip(experts) {
+        *id = match usize::try_from(e) {
+            Ok(e) if e >= first && e - first < held => (e - first) as i32,
+            Ok(e) if e < total => -1,
+            _ => -2,
+        };
+    }
+    Ok(())
+}
+
+/// `clear_unheld_rows` ([`crate::step::kernels::Kernels::clear_unheld_rows`]).
+pub(super) fn clear_unheld_rows(
+    ys: &mut [f32],
+    ids: &[i32],
+    width: usize,
+    pairs: usize,
+) -> Result<(), ShapeError> {
+    let (Some(ids), Some(ys)) = (ids.get(..pairs), ys.get_mut(..pairs * width)) else {
+        return Err(err("clear_unheld_rows"));
+    };
+    for (row, &id) in ys.chunks_exact_mut(width.max(1)).zip(ids) {
+        if id == -1 {
+            row.fill(-0.0);
+        }
+    }
+    Ok(())
+}
+
 /// `sum_blocks`: the first `part` values of `out` the block-order sums of `x`'s `blocks`
 /// blocks of `part` (the first block as it is, NaN in NaN out).
 pub(super) fn sum_blocks(
@@ -150,6 +191,24 @@ pub(super) fn all_gather(
     check_received(&got, &vec![part; all.len()]).map_err(ShapeError)?;
     let flat = all.concat();
     Ok(if flat.is_empty() { vec![0.0] } else { flat })
+}
+
+/// [`crate::step::kernels::Kernels::all_owned`] of host buffers standing for device ones
+/// (checked as the host's: a value two ranks hold is refused).
+pub(super) fn all_owned(
+    coll: &mut dyn Collective,
+    send: &[f32],
+    len: usize,
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
+    let (Some(mine), Some(out)) = (send.get(..len), out.get_mut(..len)) else {
+        return Err(err("all_owned"));
+    };
+    let all = coll
+        .all_gather(mine.to_vec())
+        .map_err(|e| ShapeError(format!("all-reduce: {e}")))?;
+    out.copy_from_slice(&merge_owned(&all, len).map_err(ShapeError)?);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -292,6 +351,62 @@ mod tests {
             .collect();
         let (alone, ..) = pack((2, 3, 3), &xs, &kept, 1);
         assert_eq!(send[..2 + 4 * 4], alone[..2 + 4 * 4]);
+    }
+
+    /// A held expert becomes its index among the held, another rank's -1, anything else
+    /// (negative, past the model's experts) -2; only the -1 rows are cleared, to -0.
+    #[test]
+    fn held_ids_name_this_ranks_experts_and_clear_the_others_rows() {
+        let experts = [4, 5, 3, 6, 0, 8, -1, 7, i32::MAX];
+        let mut ids = vec![9; experts.len()];
+        held_ids(&experts, (4, 2), 8, &mut ids).unwrap();
+        assert_eq!(ids, [0, 1, -1, -1, -1, -2, -2, -1, -2]);
+        assert!(held_ids(&experts, (4, 2), 8, &mut ids[..3]).is_err());
+        let mut ys: Vec<f32> = (0..ids.len() * 2).map(|v| v as f32 + 0.5).collect();
+        ys[10] = f32::NAN;
+        clear_unheld_rows(&mut ys, &ids, 2, ids.len()).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (p, &id) in ids.iter().enumerate() {
+            let row = &ys[2 * p..2 * p + 2];
+            if id == -1 {
+                assert_eq!(bits(row), bits(&[-0.0, -0.0]), "row {p}");
+            } else if p == 5 {
+                assert!(
+                    row[0].is_nan() && row[1].to_bits() == 11.5f32.to_bits(),
+                    "row {p}"
+                );
+            } else {
+                let want = [2.0 * p as f32 + 0.5, 2.0 * p as f32 + 1.5];
+                assert_eq!(bits(row), bits(&want), "row {p}");
+            }
+        }
+        assert!(clear_unheld_rows(&mut ys, &ids, 2, 10).is_err());
+    }
+
+    /// Values each held by one rank merge to that rank's bits (+0 and -0 kept, a NaN of one
+    /// rank or of every rank NaN), whichever rank holds them; two ranks holding one value, or
+    /// a rank sending another count, are refused.
+    #[test]
+    fn owned_values_merge_to_their_holders_bits() {
+        let z = -0.0f32;
+        let all = [
+            vec![1.5, z, z, 0.0, f32::NAN, z],
+            vec![z, -2.0, z, z, f32::NAN, f32::NAN],
+            vec![z, z, f32::INFINITY, z, f32::NAN, 7.0],
+        ];
+        let merged = merge_owned(&all, 6).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&merged[..4]), bits(&[1.5, -2.0, f32::INFINITY, 0.0]));
+        assert!(merged[4].is_nan() && merged[5].is_nan());
+        assert_eq!(
+            merge_owned(&[vec![z], vec![z]], 1).unwrap()[0].to_bits(),
+            z.to_bits()
+        );
+        let two = [vec![1.0, z], vec![z, z], vec![2.0, z]];
+        let e = merge_owned(&two, 2).unwrap_err();
+        assert!(e.contains("ranks 0 and 2 both hold value 0"), "{e}");
+        assert!(merge_owned(&[vec![0.0], vec![0.0]], 1).is_err());
+        assert!(merge_owned(&[vec![1.0], vec![]], 1).is_err());
     }
 
     /// Only whole numbers naming a held expert become ids; everything else (fractions, NaN,
