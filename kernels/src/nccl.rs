@@ -496,6 +496,24 @@ mod tests {
                             .flat_map(|r| [r as f32, 0.5, -2.0])
                             .collect();
                         assert_eq!(stream.clone_dtoh(&all).unwrap(), want);
+                        // Values each held by one rank (value i by rank i % size, -0 on the
+                        // others; +0 and -0 held too) merged by one all-reduce: the holders'
+                        // bits.
+                        let held = |i: usize| [1.5 + i as f32, -0.0, 0.0, -7.25][i % 4];
+                        let size = rank.size();
+                        let mine: Vec<f32> = (0..9)
+                            .map(|i| if i % size == me { held(i) } else { -0.0 })
+                            .collect();
+                        let send = stream.clone_htod(&mine).unwrap();
+                        let mut out = stream.clone_htod(&[5.0f32; 10]).unwrap();
+                        rank.all_owned_device(&stream, &send, 9, &mut out).unwrap();
+                        let got = stream.clone_dtoh(&out).unwrap();
+                        let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                        let want: Vec<u32> = (0..9)
+                            .map(|i| held(i).to_bits())
+                            .chain([5f32.to_bits()])
+                            .collect();
+                        assert_eq!(bits, want);
                         host
                     })
                 })
