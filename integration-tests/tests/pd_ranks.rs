@@ -223,9 +223,18 @@ fn sliced_experts_answer_greedy_requests_as_one_engine_does() {
         .collect();
     // The prefill worker's ranks on the host forward; the decode worker's each on its
     // (emulated) device, holding half of every expert's intermediate values and summing both
-    // halves' partial outputs device to device.
+    // halves' partial outputs device to device, its steps replayed as graphs would replay
+    // them (plan pass, then launch pass with the group's collectives in it).
     let sliced = ["--tp", "2", "--moe-tp"];
-    let on_devices = [&sliced[..], &["--backend", "emulated"]].concat();
+    let graphs = [
+        "--backend",
+        "emulated",
+        "--decode-graphs",
+        "true",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    let on_devices = [&sliced[..], &graphs].concat();
     let (router, decode_worker, prefill_worker) = layout_on(&model, (&sliced, &on_devices), "tcp");
     for body in &bodies {
         let want = essence(&post(local.addr("http"), "/v1/chat/completions", body));
@@ -251,9 +260,26 @@ fn sliced_experts_answer_greedy_requests_as_one_engine_does() {
         assert_eq!(tokens(&got), tokens(&want));
     }
     let log = without_colours(&decode_worker.stderr());
-    let plan = "emulated (the whole decode step on the device, 2 tensor-parallel ranks each with \
-                1/2 of the heads and of every expert's intermediate values)";
+    let plan = "emulated, graphs (the whole decode step on the device, 2 tensor-parallel ranks \
+                each with 1/2 of the heads and of every expert's intermediate values)";
     assert!(log.contains(plan), "{log}");
+    // Steps whose launches repeated ran as their launch pass: the plans written first, then
+    // every launch and the group's collectives with no host work between them.
+    let metrics = integration_tests::http(
+        decode_worker.addr("metrics"),
+        "GET",
+        "/metrics",
+        &[],
+        b"",
+        Duration::from_secs(10),
+    );
+    let key = "pdserve_engine_device_steps_total{role=\"decode\",how=\"launch_pass\"} ";
+    let launched = metrics
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(launched.is_some_and(|n| n > 0), "{}", metrics.body);
     wait_idle(decode_worker.addr("grpc"), "decode");
     wait_idle(prefill_worker.addr("grpc"), "prefill");
 }

@@ -265,31 +265,33 @@ impl NcclRank {
     /// A `part` beyond `send`, a failed or stalled gather (which fails the group).
     pub fn all_gather_device(
         &mut self,
-        stream: &Arc<CudaStream>,
+        _stream: &Arc<CudaStream>,
         send: &CudaSlice<f32>,
         part: usize,
-    ) -> Result<CudaSlice<f32>, CollectiveError> {
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CollectiveError> {
         self.failure("all-gather")?;
-        if send.len() < part {
+        let all = part * self.size;
+        if send.len() < part || out.len() < all {
             return Err(CollectiveError::Shape(format!(
-                "all-gather: {part} of {} values",
-                send.len()
+                "all-gather: {part} of {} values into {} for {} ranks",
+                send.len(),
+                out.len(),
+                self.size
             )));
         }
-        let mut all: CudaSlice<f32> = stream
-            .alloc_zeros((part * self.size).max(1))
-            .map_err(|e| self.device_error("all-gather", e))?;
         if part == 0 {
-            return Ok(all);
+            return Ok(());
         }
+        // cudarc orders the views' streams: the gather after the step's writes of `send`, the
+        // step's later reads of `out` after it.
         let gathered = self
             .failure("all-gather")?
-            .all_gather(&send.slice(..part), &mut all);
+            .all_gather(&send.slice(..part), &mut out.slice_mut(..all));
         if let Err(e) = gathered {
             return Err(self.device_error("all-gather", e));
         }
-        self.wait("all-gather")?;
-        Ok(all)
+        self.wait("all-gather")
     }
 
     /// [`crate::step::kernels::Kernels::all_owned`] over NCCL: the first `len` values of
@@ -491,7 +493,8 @@ mod tests {
                         assert_eq!(all, want);
                         // Rows of 3 all-gathered GPU to GPU: every rank's, in rank order.
                         let row = stream.clone_htod(&[me as f32, 0.5, -2.0, 9.0]).unwrap();
-                        let all = rank.all_gather_device(&stream, &row, 3).unwrap();
+                        let mut all = stream.alloc_zeros::<f32>(3 * rank.size()).unwrap();
+                        rank.all_gather_device(&stream, &row, 3, &mut all).unwrap();
                         let want: Vec<f32> = (0..rank.size())
                             .flat_map(|r| [r as f32, 0.5, -2.0])
                             .collect();

@@ -164,7 +164,8 @@ pub struct WorkerSettings {
     /// Replay a decode worker's device steps as CUDA graphs: a step whose launches (kernels,
     /// buffers, shapes) a recorded graph has runs as that graph after the host writes its
     /// plans; others run as they come. Same results as without (checked over the kernels'
-    /// references on `emulated`); the cuda or emulated backend, one rank, without hybrid.
+    /// references on `emulated`); the cuda or emulated backend without hybrid, one rank (or a
+    /// tensor-parallel group's ranks on emulated: their collectives run in the launch pass).
     pub decode_graphs: bool,
     /// How a prefill worker's device step attends for its prompt chunks: `exact` (the
     /// reference's bits) or `fast` (tensor cores over FP8 rows and for the indexer's scores,
@@ -278,7 +279,6 @@ impl WorkerSettings {
         // The whole step on the device: one rank, or each rank of a tensor-parallel group or of
         // an expert-parallel group with data-parallel attention.
         let device_step = self.device_step();
-        let group = self.group_spec().ranks() > 1;
         if self.decode_attention == DecodeAttention::Fast {
             if !device_step {
                 return Err(Invalid::new(
@@ -295,13 +295,8 @@ impl WorkerSettings {
                 ));
             }
         }
-        if self.decode_graphs && (!device_step || group) {
-            return Err(Invalid::new(
-                "decode_graphs",
-                "graphs replay the device decode step of one rank: backend cuda or emulated, \
-                 without hybrid (a group's ranks wait for the host to size their exchanges at \
-                 every layer)",
-            ));
+        if let Some(why) = self.graphs_refused() {
+            return Err(Invalid::new("decode_graphs", why));
         }
         if self.decode_experts == DecodeExperts::Fast && !device_step {
             return Err(Invalid::new(
@@ -433,6 +428,37 @@ impl WorkerSettings {
             parallel,
             timeout: std::time::Duration::from_millis(self.rank_timeout_ms),
             threads_per_rank: (cores / parallel.gpus().max(1)).max(1),
+        }
+    }
+
+    /// Why `decode_graphs` is refused, if it is asked for and cannot run: off the device
+    /// step, over expert-parallel ranks with their own requests (their exchanges' sizes follow
+    /// the routing), over a GPU group (its NCCL collectives are not recorded).
+    fn graphs_refused(&self) -> Option<&'static str> {
+        let group = self.group_spec().ranks() > 1;
+        let own_requests = self.dp_attention && self.expert_parallel_size > 1;
+        if !self.decode_graphs {
+            None
+        } else if !self.device_step() {
+            Some(
+                "graphs replay the device decode step: backend cuda or emulated, without \
+                 hybrid",
+            )
+        } else if group && own_requests {
+            Some(
+                "graphs replay steps without host work, and expert-parallel ranks with \
+                 dp_attention read back their dispatch messages' counts at every MoE layer \
+                 (their sizes follow the routing); a tensor-parallel group replays its steps \
+                 (its exchanges' sizes are the batch's)",
+            )
+        } else if group && self.backend == BackendKind::Cuda {
+            Some(
+                "a GPU group's collectives are not recorded into graphs (NCCL runs on its own \
+                 stream and each call waits on the host for the group's timeout): graphs \
+                 replay one GPU's steps, or a group's on the emulated backend",
+            )
+        } else {
+            None
         }
     }
 
@@ -629,30 +655,18 @@ mod tests {
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         settings.hybrid = false;
         // Expert-parallel ranks with data-parallel attention step on their devices too, and so
-        // do tensor-parallel ranks (experts whole or split over the same ranks); no group
-        // replays graphs.
+        // do tensor-parallel ranks (experts whole or split over the same ranks).
         settings.expert_parallel_size = 2;
         settings.dp_attention = true;
         assert!(settings.validate().is_ok());
-        settings.decode_graphs = true;
-        let e = settings.validate().unwrap_err();
-        assert_eq!(e.key, "decode_graphs", "{e:?}");
-        settings.decode_graphs = false;
         settings.dp_attention = false;
         settings.tensor_parallel_size = 2;
         assert!(settings.validate().is_ok());
         settings.expert_parallel_size = 1;
         assert!(settings.validate().is_ok());
-        settings.decode_graphs = true;
-        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
-        settings.decode_graphs = false;
-        // Sliced experts step on the devices too: fast attention is honoured there, graphs
-        // (whose exchanges wait for the host) refused by name.
+        // Sliced experts step on the devices too: fast attention is honoured there.
         settings.moe_tensor_parallel = true;
         assert!(settings.validate().is_ok());
-        settings.decode_graphs = true;
-        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
-        settings.decode_graphs = false;
         settings.hybrid = true;
         assert_eq!(settings.validate().unwrap_err().key, "decode_attention");
         let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
@@ -700,8 +714,11 @@ mod tests {
         assert_eq!(back.decode_linears, DecodeLinears::Fast);
     }
 
-    /// Decode graphs are honoured only where the device step runs (cuda or emulated, one
-    /// rank, without hybrid), refused elsewhere naming the key.
+    /// Decode graphs are honoured only where the device step runs (cuda or emulated without
+    /// hybrid, one rank; a tensor-parallel group's ranks on emulated, the experts whole, split
+    /// or sliced over them), refused elsewhere naming the key: expert-parallel ranks with
+    /// their own requests (whose exchanges' sizes follow the routing), and a GPU group (its
+    /// NCCL collectives are not recorded).
     #[test]
     fn decode_graphs_need_the_device_step() {
         let mut settings = WorkerSettings::listening_on(0);
@@ -715,7 +732,26 @@ mod tests {
         assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
         settings.hybrid = false;
         settings.tensor_parallel_size = 2;
-        assert_eq!(settings.validate().unwrap_err().key, "decode_graphs");
+        assert!(settings.validate().is_ok());
+        settings.expert_parallel_size = 2;
+        assert!(settings.validate().is_ok());
+        settings.expert_parallel_size = 1;
+        settings.moe_tensor_parallel = true;
+        assert!(settings.validate().is_ok());
+        settings.moe_tensor_parallel = false;
+        // (A build without the cuda feature refuses the backend first.)
+        settings.backend = BackendKind::Cuda;
+        let e = settings.graphs_refused().unwrap();
+        assert!(e.contains("not recorded into graphs"), "{e}");
+        settings.tensor_parallel_size = 1;
+        assert_eq!(settings.graphs_refused(), None);
+        settings.tensor_parallel_size = 2;
+        settings.backend = BackendKind::Emulated;
+        settings.tensor_parallel_size = 1;
+        settings.expert_parallel_size = 2;
+        settings.dp_attention = true;
+        let e = settings.validate().unwrap_err();
+        assert!(e.reason.contains("dp_attention"), "{e:?}");
         let mut json = serde_json::to_value(WorkerSettings::listening_on(0)).unwrap();
         assert_eq!(json["decode_graphs"], false);
         json["decode_graphs"] = serde_json::json!(true);

@@ -11,6 +11,13 @@ use super::{Gpu, KernelError};
 /// A decode step recorded as a CUDA graph.
 pub struct StepGraph(CudaGraph);
 
+/// Why a GPU group's steps are not recorded: its NCCL collectives run on a stream of their
+/// own, ordered by events that a capture does not follow, and wait on the host for their
+/// completion (the group's timeout), which a capture cannot hold. A graph over a group needs
+/// the collectives on the step's stream and one bounded wait at the step's end.
+pub const NO_GROUP_GRAPHS: &str = "a GPU group's collectives are not recorded into graphs \
+     (NCCL runs on its own stream and each call waits on the host for the group's timeout)";
+
 // SAFETY: a graph is used by the decoder that recorded it, which one thread at a time owns
 // (CUDA asks that calls on one graph be serialised, not that they come from one thread).
 unsafe impl Send for StepGraph {}

@@ -110,6 +110,10 @@ impl Kernels for CudaKernels {
         super::graph::begin_capture(&self.gpu)
     }
 
+    fn graphs_hold_collectives(&self) -> Result<(), String> {
+        Err(super::graph::NO_GROUP_GRAPHS.to_owned())
+    }
+
     fn end_capture(&self) -> Result<Option<StepGraph>, KernelError> {
         super::graph::end_capture(&self.gpu)
     }
@@ -756,8 +760,9 @@ impl Kernels for CudaKernels {
         coll: &mut dyn engine::parallel::collective::Collective,
         send: &CudaSlice<f32>,
         part: usize,
-    ) -> Result<CudaSlice<f32>, KernelError> {
-        self.all_gather_of(coll, send, part)
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.all_gather_of(coll, send, part, out)
     }
 
     /// GPU to GPU where the group's collective is NCCL's (one all-reduce); through the host

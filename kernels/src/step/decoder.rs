@@ -144,13 +144,19 @@ impl<K: Kernels> StepDecoder<K> {
                     .into(),
             );
         }
-        if self.ops.expert_parallel().is_some() {
+        let ops = &self.ops;
+        if ops.expert_parallel().is_some() && ops.tensor_parallel().is_none() {
             return Err(
                 "graphs replay steps without host work; a rank of an expert-parallel group \
-                 exchanges its routed experts' pairs through the host at every MoE layer"
+                 with requests of its own (dp attention) reads back its dispatch messages' \
+                 counts at every MoE layer (their sizes follow the routing)"
                     .to_owned()
                     .into(),
             );
+        }
+        let group = ops.tensor_parallel().is_some() || ops.sliced_experts().is_some();
+        if group && let Err(why) = ops.kernels().graphs_hold_collectives() {
+            return Err(format!("graphs over a group: {why}").into());
         }
         let layout = self.layout.clone().with_shared_slot();
         // What the shared slot adds, checked while the old arenas still hold their bytes.

@@ -312,18 +312,20 @@ impl<K: Kernels> DeviceStepOps<K> {
 
     /// `rows` rows of `width` of `buf` from every rank of `coll`'s group to every rank:
     /// `[ranks * rows * width]`, rank r's at `r * rows * width` ([`Kernels::all_gather`]: one
-    /// NCCL all-gather on GPUs).
+    /// NCCL all-gather on GPUs), in a buffer of the step's pool.
     fn all_gather(
         &self,
         coll: &mut dyn Collective,
         buf: &K::F,
         (rows, width): (usize, usize),
-    ) -> Result<K::F, K::Error> {
+    ) -> Result<DBuf<K>, K::Error> {
         let part = rows * width;
         if K::f_len(buf) < part {
             return Err(format!("all-gather: {rows} rows of {width} outside their buffer").into());
         }
-        self.k.all_gather(coll, buf, part)
+        let mut all = self.alloc((coll.size() * part).max(1))?;
+        self.k.all_gather(coll, buf, part, &mut all)?;
+        Ok(all)
     }
 
     /// [`Kernels::exchange_known`] over a group's collective.

@@ -748,8 +748,9 @@ impl Kernels for EmulatedKernels {
         coll: &mut dyn Collective,
         send: &Vec<f32>,
         part: usize,
-    ) -> Result<Vec<f32>, ShapeError> {
-        dispatch::all_gather(coll, send, part)
+        out: &mut Vec<f32>,
+    ) -> Result<(), ShapeError> {
+        dispatch::all_gather(coll, send, part, out)
     }
 
     /// As a GPU's NCCL all-reduce: device to device, so neither a read nor an upload.

@@ -124,8 +124,6 @@ fn run_group(
     (ranks, split): (usize, Split),
     open: Option<&OpenRank<'_>>,
 ) -> Result<BTreeMap<u64, Vec<Event>>, String> {
-    let config = Model::load(dir).map_err(|e| e.to_string())?.config;
-    let experts = (config.n_routed_experts, config.moe_intermediate_size);
     let group = || InProcessGroup::new(ranks, Duration::from_secs(30));
     let (expert_ranks, head_ranks) = (group(), group());
     // The ranks agree before each step whether any of them has work.
@@ -137,7 +135,7 @@ fn run_group(
             .zip(control)
             .map(|((ep, tp), control)| {
                 let links = RankLinks { ep, tp, control };
-                s.spawn(move || rank_run(dir, links, (experts, split), open))
+                s.spawn(move || rank_run(dir, links, split, open))
             })
             .collect();
         handles
@@ -169,7 +167,7 @@ struct RankLinks {
 }
 
 /// One rank of [`on_group`]: its engine over its device (or the host forward), stepping in
-/// lockstep with the others. `experts`: the model's (routed experts, intermediate values).
+/// lockstep with the others.
 fn rank_run(
     dir: &Path,
     RankLinks {
@@ -177,34 +175,11 @@ fn rank_run(
         tp,
         mut control,
     }: RankLinks,
-    ((experts, inter), split): ((usize, usize), Split),
+    split: Split,
     open: Option<&OpenRank<'_>>,
 ) -> Result<Vec<Event>, String> {
-    let me = rank.rank();
-    let ranks = rank.size();
-    let mut model = Model::load(dir).map_err(|e| e.to_string())?;
-    if split == Split::Sliced {
-        let sliced = SlicedExperts::new(Box::new(rank), inter)?;
-        model.set_sliced_experts(Arc::new(sliced));
-    } else if matches!(split, Split::Experts | Split::Heads { experts: true }) {
-        let ep = ExpertParallel::new(Box::new(rank), experts)?;
-        // This rank's copies of the other ranks' experts are wrong on purpose: only the
-        // experts it holds may be used here.
-        let held = ep.split().held_by(me);
-        for layer in &mut model.weights.layers {
-            let stand_in = layer.moe.experts[held.start].clone();
-            for (e, expert) in layer.moe.experts.iter_mut().enumerate() {
-                if !held.contains(&e) {
-                    *expert = stand_in.clone();
-                }
-            }
-        }
-        model.set_expert_parallel(Arc::new(ep));
-    }
-    if split != Split::Experts {
-        let tp = TensorParallel::new(Box::new(tp), &model.config)?;
-        model.set_tensor_parallel(Arc::new(tp));
-    }
+    let (me, ranks) = (rank.rank(), rank.size());
+    let model = rank_model(dir, (rank, tp), split)?;
     let mut engine = Engine::new(model, config(), "ep").map_err(|e| e.to_string())?;
     if let Some(open) = open {
         let device = open(engine.model(), me)?;
@@ -231,4 +206,42 @@ fn rank_run(
         events.extend(pool.install(|| engine.step()));
     }
     Err(format!("rank {me} made no progress"))
+}
+
+/// A rank's model of the checkpoint at `dir` split as `split` says, over its links to its
+/// expert group (`ep`) and head group (`tp`): holding its experts (its copies of the other
+/// ranks' are wrong on purpose: only the experts it holds may be used), or its slice of every
+/// expert, or its share of the heads.
+pub fn rank_model(
+    dir: &Path,
+    (rank, tp): (InProcessRank, InProcessRank),
+    split: Split,
+) -> Result<Model, String> {
+    let me = rank.rank();
+    let mut model = Model::load(dir).map_err(|e| e.to_string())?;
+    let (experts, inter) = (
+        model.config.n_routed_experts,
+        model.config.moe_intermediate_size,
+    );
+    if split == Split::Sliced {
+        let sliced = SlicedExperts::new(Box::new(rank), inter)?;
+        model.set_sliced_experts(Arc::new(sliced));
+    } else if matches!(split, Split::Experts | Split::Heads { experts: true }) {
+        let ep = ExpertParallel::new(Box::new(rank), experts)?;
+        let held = ep.split().held_by(me);
+        for layer in &mut model.weights.layers {
+            let stand_in = layer.moe.experts[held.start].clone();
+            for (e, expert) in layer.moe.experts.iter_mut().enumerate() {
+                if !held.contains(&e) {
+                    *expert = stand_in.clone();
+                }
+            }
+        }
+        model.set_expert_parallel(Arc::new(ep));
+    }
+    if split != Split::Experts {
+        let tp = TensorParallel::new(Box::new(tp), &model.config)?;
+        model.set_tensor_parallel(Arc::new(tp));
+    }
+    Ok(model)
 }

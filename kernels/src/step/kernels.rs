@@ -506,15 +506,16 @@ pub trait Kernels {
         Ok(recv)
     }
     /// All-gather over `coll`: the first `part` values of `send` to every rank (its own
-    /// included); returns every rank's, `[ranks * part]` in rank order. Through the host by
-    /// default; a device that can gathers its buffers directly (one NCCL all-gather).
+    /// included), every rank's into `out`'s first `ranks * part` in rank order. Through the
+    /// host by default; a device that can gathers its buffers directly (one NCCL all-gather).
     fn all_gather(
         &self,
         coll: &mut dyn Collective,
         send: &Self::F,
         part: usize,
-    ) -> Result<Self::F, Self::Error> {
-        all_gather_through_host(self, coll, send, part)
+        out: &mut Self::F,
+    ) -> Result<(), Self::Error> {
+        all_gather_through_host(self, coll, send, part, out)
     }
     /// All-reduce over `coll` of values each held by one rank: the first `len` values of
     /// `send`, summed over the ranks into `out`, where at each place every rank's value but at
@@ -555,6 +556,12 @@ pub trait Kernels {
         gather_counts_through_host(self, coll, counts, n)
     }
 
+    /// Whether a graph of this device's holds a group's collectives ([`Self::all_gather`],
+    /// [`Self::all_owned`]), and why not: a device that records nothing runs them in its
+    /// launch pass, as every launch.
+    fn graphs_hold_collectives(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// Starts recording this device's launches instead of running them; false where it
     /// records none (then the launches run).
     fn begin_capture(&self) -> Result<bool, Self::Error> {
@@ -604,7 +611,11 @@ pub fn all_gather_through_host<K: Kernels + ?Sized>(
     coll: &mut dyn Collective,
     send: &K::F,
     part: usize,
-) -> Result<K::F, K::Error> {
+    out: &mut K::F,
+) -> Result<(), K::Error> {
+    if K::f_len(out) < coll.size() * part {
+        return Err(format!("all-gather: {part} values of {} ranks outside", coll.size()).into());
+    }
     let mine = if part == 0 {
         Vec::new()
     } else {
@@ -615,9 +626,10 @@ pub fn all_gather_through_host<K: Kernels + ?Sized>(
         .map_err(|e| format!("all-gather: {e}"))?;
     let got: Vec<usize> = all.iter().map(Vec::len).collect();
     check_received(&got, &vec![part; all.len()])?;
-    let flat = all.concat();
-    // A buffer is never empty (an upload of nothing has no device address).
-    k.upload(if flat.is_empty() { &[0.0] } else { &flat })
+    if part > 0 {
+        k.write(out, 0, &all.concat())?;
+    }
+    Ok(())
 }
 
 /// The ranks' values (`all`, `len` each) each held by one rank ([`Kernels::all_owned`]), summed

@@ -357,6 +357,97 @@ mod tests {
         assert!(stats.matched * 2 >= stats.steps, "{stats:?}");
     }
 
+    /// Two ranks of each group that steps every request on every rank (the heads split, the
+    /// experts whole on each, split between them, or sliced) replay their decode steps, the
+    /// group's collectives launches of the launch pass, with the bits of the same group's
+    /// eager steps, step by step; most steps (on every rank) run as plan pass then launch
+    /// pass, which need nothing from the host but the plans written before them.
+    #[test]
+    fn a_groups_steps_replay_as_its_eager_steps() {
+        use std::time::Duration;
+
+        use engine::parallel::collective::InProcessGroup;
+
+        use crate::step::{
+            decode::decode_step,
+            group_runs::{Split, rank_model},
+        };
+
+        let (dir, _) = model_of(Preset::Tiny, ExpertFormat::Nvfp4);
+        let (sequences, steps) = (3usize, 60u64);
+        let splits = [
+            Split::Heads { experts: false },
+            Split::Heads { experts: true },
+            Split::Sliced,
+        ];
+        for split in splits {
+            let group = || InProcessGroup::new(2, Duration::from_secs(30));
+            let links = group()
+                .into_iter()
+                .zip(group())
+                .zip(group().into_iter().zip(group()));
+            let stats: Vec<ReplayStats> = std::thread::scope(|s| {
+                let handles: Vec<_> = links
+                    .map(|(staged_links, eager_links)| {
+                        let dir = dir.path();
+                        s.spawn(move || {
+                            let staged_model = rank_model(dir, staged_links, split).unwrap();
+                            let eager_model = rank_model(dir, eager_links, split).unwrap();
+                            let c = &staged_model.config;
+                            let kernels = Staged::new(EmulatedKernels::new(c));
+                            let staged = DeviceStepOps::new(kernels, &staged_model).unwrap();
+                            let eager =
+                                DeviceStepOps::new(EmulatedKernels::new(c), &eager_model).unwrap();
+                            let layout = StateLayout::stored(
+                                c,
+                                sequences,
+                                steps as usize + 1,
+                                staged_model.kv_rows(),
+                            )
+                            .with_shared_slot();
+                            let mut replayed = layout.arenas(&staged).unwrap();
+                            let mut direct = layout.arenas(&eager).unwrap();
+                            let first: Vec<Seat> =
+                                (0..sequences).map(|slot| Seat { slot, len: 0 }).collect();
+                            let (mut seats, mut eager_seats) = (first.clone(), first);
+                            let mut replays = Replays::default();
+                            for step in 0..steps {
+                                let next = tokens(sequences, 500 + step, c.vocab_size);
+                                let out = graph_step(
+                                    &staged,
+                                    &mut replays,
+                                    (c, &layout),
+                                    &mut replayed,
+                                    &seats,
+                                    &next,
+                                )
+                                .unwrap()
+                                .unwrap();
+                                let got = read_logits(&staged, c, &out, &mut seats).unwrap();
+                                let want = decode_step(
+                                    &eager,
+                                    c,
+                                    &layout,
+                                    &mut direct,
+                                    &mut eager_seats,
+                                    &next,
+                                )
+                                .unwrap();
+                                assert!(same(&[want], &[got]), "{split:?}, step {step}");
+                            }
+                            replays.stats
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, st) in stats.iter().enumerate() {
+                eprintln!("{split:?} rank {r}: {st:?}");
+                assert!(st.matched * 2 >= st.steps, "{split:?} rank {r}: {st:?}");
+            }
+        }
+    }
+
     /// A signature whose recording failed twice is kept without a graph (its steps then run
     /// their launch pass, never a third recording); one failure is retried.
     #[test]

@@ -687,13 +687,19 @@ impl<K: Kernels> Kernels for Staged<K> {
     ) -> Result<Vec<Vec<i32>>, K::Error> {
         self.host_read(|k| k.gather_counts(coll, counts, n))
     }
+    /// A collective of sizes the batch fixes, into a buffer of the step's: a launch (a
+    /// graph holds it where the device's collectives run on its stream; a plan pass skips it).
     fn all_gather(
         &self,
         coll: &mut dyn Collective,
         send: &K::F,
         part: usize,
-    ) -> Result<K::F, K::Error> {
-        self.host_read(|k| k.all_gather(coll, send, part))
+        out: &mut K::F,
+    ) -> Result<(), K::Error> {
+        let addrs = addrs!(self, K::f_addr(send), K::f_addr(out));
+        self.launch("all_gather", &addrs, (part, coll.size()), |k| {
+            k.all_gather(coll, send, part, out)
+        })
     }
     fn all_owned(
         &self,
@@ -702,7 +708,11 @@ impl<K: Kernels> Kernels for Staged<K> {
         len: usize,
         out: &mut K::F,
     ) -> Result<(), K::Error> {
-        self.host_read(|k| k.all_owned(coll, send, len, out))
+        // A launch, as `all_gather`.
+        let addrs = addrs!(self, K::f_addr(send), K::f_addr(out));
+        self.launch("all_owned", &addrs, (len, coll.size()), |k| {
+            k.all_owned(coll, send, len, out)
+        })
     }
     fn moe_combine(
         &self,
@@ -724,6 +734,9 @@ impl<K: Kernels> Kernels for Staged<K> {
 
     fn begin_capture(&self) -> Result<bool, K::Error> {
         self.k.begin_capture()
+    }
+    fn graphs_hold_collectives(&self) -> Result<(), String> {
+        self.k.graphs_hold_collectives()
     }
     fn end_capture(&self) -> Result<Option<K::Graph>, K::Error> {
         self.k.end_capture()

@@ -206,14 +206,15 @@ impl CudaKernels {
         coll: &mut dyn Collective,
         send: &CudaSlice<f32>,
         part: usize,
-    ) -> Result<CudaSlice<f32>, KernelError> {
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
         #[cfg(feature = "nccl")]
         if let Some(rank) = nccl(coll) {
             return rank
-                .all_gather_device(&self.gpu.stream, send, part)
+                .all_gather_device(&self.gpu.stream, send, part, out)
                 .map_err(|e| KernelError::Shape(format!("all-gather: {e}")));
         }
-        all_gather_through_host(self, coll, send, part)
+        all_gather_through_host(self, coll, send, part, out)
     }
 
     /// [`crate::step::kernels::Kernels::all_owned`]: one NCCL all-reduce where `coll` is an

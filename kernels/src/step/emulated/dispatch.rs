@@ -182,15 +182,19 @@ pub(super) fn all_gather(
     coll: &mut dyn Collective,
     send: &[f32],
     part: usize,
-) -> Result<Vec<f32>, ShapeError> {
+    out: &mut [f32],
+) -> Result<(), ShapeError> {
     let mine = send.get(..part).ok_or_else(|| err("all_gather"))?;
+    let out = out
+        .get_mut(..coll.size() * part)
+        .ok_or_else(|| err("all_gather"))?;
     let all = coll
         .all_gather(mine.to_vec())
         .map_err(|e| ShapeError(format!("all-gather: {e}")))?;
     let got: Vec<usize> = all.iter().map(Vec::len).collect();
     check_received(&got, &vec![part; all.len()]).map_err(ShapeError)?;
-    let flat = all.concat();
-    Ok(if flat.is_empty() { vec![0.0] } else { flat })
+    out.copy_from_slice(&all.concat());
+    Ok(())
 }
 
 /// [`crate::step::kernels::Kernels::all_owned`] of host buffers standing for device ones

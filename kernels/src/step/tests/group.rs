@@ -436,3 +436,40 @@ fn replicated_pairs_merge_on_the_devices_without_a_read() {
         assert_eq!(uploads.0, 0, "rank {r} uploaded no f32 values");
     }
 }
+
+/// Graphs over a group: a tensor-parallel rank (the heads split, the experts whole, split or
+/// sliced: its exchanges' sizes are the batch's) turns them on; an expert-parallel rank with
+/// requests of its own refuses them, naming the counts it reads back at every MoE layer.
+#[test]
+fn graphs_are_refused_only_where_a_groups_exchanges_follow_the_routing() {
+    use std::time::Duration;
+
+    use engine::parallel::collective::InProcessGroup;
+
+    use crate::step::group_runs::rank_model;
+
+    let dir = checkpoint();
+    let splits = [
+        Split::Experts,
+        Split::Heads { experts: false },
+        Split::Heads { experts: true },
+        Split::Sliced,
+    ];
+    for split in splits {
+        let first = || {
+            InProcessGroup::new(2, Duration::from_secs(5))
+                .into_iter()
+                .next()
+                .unwrap()
+        };
+        let model = rank_model(dir.path(), (first(), first()), split).unwrap();
+        let graphs = emulated(&model, 0).unwrap().with_graphs(|_, _| Ok(()));
+        match split {
+            Split::Experts => {
+                let e = graphs.err().unwrap().to_string();
+                assert!(e.contains("counts at every MoE layer"), "{e}");
+            }
+            _ => assert!(graphs.is_ok(), "{split:?}"),
+        }
+    }
+}
