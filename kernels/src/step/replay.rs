@@ -314,10 +314,8 @@ mod tests {
     /// step, and half of them (21 of 40 measured) run as plan pass then launch pass.
     #[test]
     fn fast_steps_replay_as_they_run_eagerly() {
-        use crate::step::decode::decode_step;
         let (_dir, model) = model_of(Preset::Tiny, ExpertFormat::Nvfp4);
         let c = &model.config;
-        let (sequences, steps) = (3usize, 40u64);
         let staged = DeviceStepOps::new(Staged::new(EmulatedKernels::new(c)), &model)
             .unwrap()
             .with_fast_linears()
@@ -326,33 +324,7 @@ mod tests {
             .unwrap()
             .with_fast_linears()
             .with_fast_experts();
-        let layout = StateLayout::stored(c, sequences, steps as usize + 1, model.kv_rows())
-            .with_shared_slot();
-        let (mut replayed, mut direct) = (
-            layout.arenas(&staged).unwrap(),
-            layout.arenas(&eager).unwrap(),
-        );
-        let first: Vec<Seat> = (0..sequences).map(|slot| Seat { slot, len: 0 }).collect();
-        let (mut seats, mut eager_seats) = (first.clone(), first);
-        let mut replays = Replays::default();
-        for step in 0..steps {
-            let next = tokens(sequences, 800 + step, c.vocab_size);
-            let out = graph_step(
-                &staged,
-                &mut replays,
-                (c, &layout),
-                &mut replayed,
-                &seats,
-                &next,
-            )
-            .unwrap()
-            .unwrap();
-            let got = read_logits(&staged, c, &out, &mut seats).unwrap();
-            let want =
-                decode_step(&eager, c, &layout, &mut direct, &mut eager_seats, &next).unwrap();
-            assert!(same(&[want], &[got]), "step {step}");
-        }
-        let stats = replays.stats;
+        let stats = beside_eager((&staged, &eager), &model, (3, 40), 800);
         eprintln!("{stats:?}");
         assert!(stats.matched * 2 >= stats.steps, "{stats:?}");
     }
@@ -368,13 +340,9 @@ mod tests {
 
         use engine::parallel::collective::InProcessGroup;
 
-        use crate::step::{
-            decode::decode_step,
-            group_runs::{Split, rank_model},
-        };
+        use crate::step::group_runs::{Split, rank_model};
 
         let (dir, _) = model_of(Preset::Tiny, ExpertFormat::Nvfp4);
-        let (sequences, steps) = (3usize, 60u64);
         let splits = [
             Split::Heads { experts: false },
             Split::Heads { experts: true },
@@ -398,44 +366,7 @@ mod tests {
                             let staged = DeviceStepOps::new(kernels, &staged_model).unwrap();
                             let eager =
                                 DeviceStepOps::new(EmulatedKernels::new(c), &eager_model).unwrap();
-                            let layout = StateLayout::stored(
-                                c,
-                                sequences,
-                                steps as usize + 1,
-                                staged_model.kv_rows(),
-                            )
-                            .with_shared_slot();
-                            let mut replayed = layout.arenas(&staged).unwrap();
-                            let mut direct = layout.arenas(&eager).unwrap();
-                            let first: Vec<Seat> =
-                                (0..sequences).map(|slot| Seat { slot, len: 0 }).collect();
-                            let (mut seats, mut eager_seats) = (first.clone(), first);
-                            let mut replays = Replays::default();
-                            for step in 0..steps {
-                                let next = tokens(sequences, 500 + step, c.vocab_size);
-                                let out = graph_step(
-                                    &staged,
-                                    &mut replays,
-                                    (c, &layout),
-                                    &mut replayed,
-                                    &seats,
-                                    &next,
-                                )
-                                .unwrap()
-                                .unwrap();
-                                let got = read_logits(&staged, c, &out, &mut seats).unwrap();
-                                let want = decode_step(
-                                    &eager,
-                                    c,
-                                    &layout,
-                                    &mut direct,
-                                    &mut eager_seats,
-                                    &next,
-                                )
-                                .unwrap();
-                                assert!(same(&[want], &[got]), "{split:?}, step {step}");
-                            }
-                            replays.stats
+                            beside_eager((&staged, &eager), &staged_model, (3, 60), 500)
                         })
                     })
                     .collect();
@@ -466,6 +397,49 @@ mod tests {
         assert!(replays.kept[0].0 == sig(1) && replays.kept[0].1.is_none());
         assert_eq!(replays.stats.fell_back, 3);
         assert_eq!(replays.reasons.len(), 2, "each reason logged once");
+    }
+
+    /// `sequences` sequences decoded from their first token for `steps` steps by `graph_step`
+    /// over `staged` and eagerly over `eager` (the same ops), tokens from `seed`: the same bits
+    /// at every step. How the replayed steps ran.
+    fn beside_eager(
+        (staged, eager): (
+            &DeviceStepOps<Staged<EmulatedKernels>>,
+            &DeviceStepOps<EmulatedKernels>,
+        ),
+        model: &Model,
+        (sequences, steps): (usize, u64),
+        seed: u64,
+    ) -> ReplayStats {
+        use crate::step::decode::decode_step;
+        let c = &model.config;
+        let layout = StateLayout::stored(c, sequences, steps as usize + 1, model.kv_rows())
+            .with_shared_slot();
+        let (mut replayed, mut direct) = (
+            layout.arenas(staged).unwrap(),
+            layout.arenas(eager).unwrap(),
+        );
+        let first: Vec<Seat> = (0..sequences).map(|slot| Seat { slot, len: 0 }).collect();
+        let (mut seats, mut eager_seats) = (first.clone(), first);
+        let mut replays = Replays::default();
+        for step in 0..steps {
+            let next = tokens(sequences, seed + step, c.vocab_size);
+            let out = graph_step(
+                staged,
+                &mut replays,
+                (c, &layout),
+                &mut replayed,
+                &seats,
+                &next,
+            )
+            .unwrap()
+            .unwrap();
+            let got = read_logits(staged, c, &out, &mut seats).unwrap();
+            let want =
+                decode_step(eager, c, &layout, &mut direct, &mut eager_seats, &next).unwrap();
+            assert!(same(&[want], &[got]), "step {step}");
+        }
+        replays.stats
     }
 
     /// A step's logits, by sequence.

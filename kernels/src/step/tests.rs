@@ -10,6 +10,7 @@ use engine::{
 
 mod chunks;
 mod group;
+mod layers;
 
 use super::{
     StepOps,
