@@ -17,6 +17,7 @@ use super::{
     graph::{StepGraph, addr},
     non_empty,
 };
+mod choice;
 mod dispatch;
 mod hyper;
 mod launch;
@@ -485,28 +486,17 @@ impl Kernels for CudaKernels {
         &self,
         scores: &CudaSlice<f32>,
         visible: &CudaSlice<i32>,
-        (tokens, max_keys, k): (usize, usize, usize),
+        shape: (usize, usize, usize),
         out: &mut CudaSlice<i32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.indexer, "indexer_topk")?;
-        let (max_keys, k) = (max_keys as i64, k as i32);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(scores)
-            .arg(visible)
-            .arg(&max_keys)
-            .arg(&k)
-            .arg(out);
-        // SAFETY: `indexer_topk`'s parameters in order; one block per token, `k` slots each.
-        unsafe { launch.launch(per_item(tokens, 256, "tokens")?)? };
-        Ok(())
+        self.launch_indexer_topk(scores, visible, shape, out)
     }
 
     fn chosen_offsets(
         &self,
         chosen: &CudaSlice<i32>,
         k: usize,
-        (tokens, starts, counts, bases): (
+        plans: (
             &CudaSlice<i32>,
             &CudaSlice<i64>,
             &CudaSlice<i32>,
@@ -516,24 +506,7 @@ impl Kernels for CudaKernels {
         entries: usize,
         offsets: &mut CudaSlice<i64>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.step, "chosen_offsets")?;
-        let (k, row_bytes, n) = (k as i32, row_bytes as i64, entries as i32);
-        let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(chosen)
-            .arg(&k)
-            .arg(tokens)
-            .arg(starts)
-            .arg(counts)
-            .arg(bases)
-            .arg(&row_bytes)
-            .arg(&n)
-            .arg(offsets);
-        // SAFETY: `chosen_offsets`' parameters in order; each entry's slots lie inside
-        // `offsets` (reserved by the caller's plan), its chosen rows below the rows the token
-        // sees.
-        unsafe { launch.launch(blocks(entries, 128, "tokens")?)? };
-        Ok(())
+        self.launch_chosen_offsets((chosen, k), plans, (row_bytes, entries), offsets)
     }
 
     fn attn_exact(
