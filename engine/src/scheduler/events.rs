@@ -45,7 +45,7 @@ pub enum Event {
         id: u64,
         writes: Vec<StateWrite>,
     },
-    /// A prefill-only request ([`Engine::add_prefill`]) computed its prompt and sampled its
+    /// A prefill-only request ([`super::Engine::add_prefill`]) computed its prompt and sampled its
     /// first token (reported just before as `Token` index 0): its state, exported in this
     /// engine's layout for a decode worker. Its pages are released.
     Prefilled {
