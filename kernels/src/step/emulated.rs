@@ -26,7 +26,6 @@ mod rows;
 use super::{
     Proj, ShapeError,
     kernels::{HyperSpec, Kernels, PoolSpec, RouteSpec, RowSpec, ScoreSpec, SlotSpec},
-    layout::{kv_stride, pack_kv_row},
 };
 
 /// The decode step's kernels on host buffers.
@@ -471,30 +470,13 @@ impl Kernels for EmulatedKernels {
     fn fp8_kv_store(
         &self,
         rows: &Vec<f32>,
-        (nope, rope): (usize, usize),
+        shape: (usize, usize),
         arena: &mut Vec<f32>,
         offsets: &Vec<i64>,
         n: usize,
     ) -> Result<(), ShapeError> {
-        let kv = RowFormat::Fp8Kv { nope, rope };
-        let stride = kv_stride(nope + rope, kv)?;
-        for (i, &b) in offsets
-            .get(..n)
-            .ok_or_else(|| err("fp8_kv_store"))?
-            .iter()
-            .enumerate()
-        {
-            if b < 0 {
-                continue;
-            }
-            if b % 4 != 0 {
-                return Err(err("fp8_kv_store: an unaligned row"));
-            }
-            let row = part(rows, i * (nope + rope), nope + rope, "fp8_kv_store rows")?;
-            let stored = pack_kv_row(kv, &row);
-            store(arena, index(b / 4, "fp8_kv_store")?, &stored[..stride])?;
-        }
-        Ok(())
+        let offsets = offsets.get(..n).ok_or_else(|| err("fp8_kv_store"))?;
+        rows::fp8_kv_store(rows, shape, arena, offsets)
     }
 
     fn fp8_kv_round(
