@@ -16,9 +16,11 @@
 //! Of a tensor-parallel group (`--tp N`) every rank steps every request over its share of the
 //! heads and gathers the attention's output groups ([`StepOps::gather_lows`]); with the experts
 //! split over the same ranks, each computes its experts' pairs from its own copy of the tokens
-//! and the ranks gather the outputs ([`DeviceStepOps::routed_replicated`]); with every expert
-//! sliced over them (`--moe-tp`), each computes its slice of every pair and the ranks sum the
-//! gathered partial outputs in rank order ([`DeviceStepOps::routed_sliced`]).
+//! and the ranks sum their rows, -0 where another rank holds the pair's expert
+//! ([`DeviceStepOps::routed_replicated`]); with every expert sliced over them (`--moe-tp`),
+//! each computes its slice of every pair and the ranks sum the gathered partial outputs in
+//! rank order ([`DeviceStepOps::routed_sliced`]). These groups' exchanges have the batch's
+//! sizes and read nothing back, so their steps replay as graphs do (`super::replay`).
 
 use std::sync::Arc;
 
