@@ -111,6 +111,7 @@ pub mod indexer_mma;
 pub mod moe_group;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod poll;
 pub mod prefill_gemm;
 pub mod rows;
 pub mod step;

@@ -20,10 +20,7 @@
 //! Built with the `nccl` feature; run only on a machine with 2+ GPUs (see
 //! `tests::a_group_over_the_visible_gpus_exchanges_like_the_in_process_one`).
 
-use std::{
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::{sync::Arc, time::Duration};
 
 use cudarc::{
     driver::{CudaContext, CudaSlice, CudaStream},
@@ -115,14 +112,11 @@ impl NcclRank {
             Ok(e) => e,
             Err(e) => return Err(self.abort(format!("{op}: {e}"))),
         };
-        let started = Instant::now();
-        while !event.is_complete() {
-            if started.elapsed() > self.timeout {
-                let after = self.timeout;
-                let _ = self.abort(format!("{op} did not complete within {after:?}"));
-                return Err(CollectiveError::Stalled { op, after });
-            }
-            std::thread::sleep(Duration::from_micros(50));
+        let done = crate::poll::poll_until(|| Ok::<_, ()>(event.is_complete()), self.timeout);
+        if done != Ok(true) {
+            let after = self.timeout;
+            let _ = self.abort(format!("{op} did not complete within {after:?}"));
+            return Err(CollectiveError::Stalled { op, after });
         }
         Ok(())
     }
