@@ -101,7 +101,8 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
     // the decode side.
     let on_devices = |n: &'static str| [ep(n), vec!["--backend", "emulated"]].concat();
     // Tensor-parallel ranks on their (emulated) devices, each with half the heads, gathering
-    // the attention's output groups at every layer; the prefill side splits the experts too.
+    // the attention's output groups at every layer; with the experts split too, each computing
+    // its experts' pairs and the ranks summing their rows.
     let tp_on_devices = |experts: bool| {
         let mut flags = vec!["--tp", "2", "--backend", "emulated"];
         if experts {
@@ -109,6 +110,9 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
         }
         flags
     };
+    // The decode side's steps replayed as graphs would replay them (plan pass, then launch
+    // pass with the group's collectives in it).
+    let with_graphs = |flags: Vec<&'static str>| [flags, vec!["--decode-graphs", "true"]].concat();
     // (prefill flags, decode flags, decode ranks holding requests apart, transport)
     for (prefill, decode, spread, transport) in [
         (vec![], ep("2"), 2, "tcp"),
@@ -119,6 +123,12 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
         (ep("2"), tp.clone(), 1, "ucx"),
         (tp.clone(), tp.clone(), 1, "tcp"),
         (tp_on_devices(true), tp_on_devices(false), 1, "tcp"),
+        (
+            tp_on_devices(false),
+            with_graphs(tp_on_devices(true)),
+            1,
+            "tcp",
+        ),
     ] {
         let (router, decode_worker, prefill_worker) = layout(&prefill, &decode, transport);
         let addr = router.addr("http");
@@ -174,7 +184,10 @@ fn prefill_and_decode_of_different_rank_layouts_answer_what_one_engine_answers()
             );
         }
         // Its plan says where it stepped.
-        let plan = if decode.contains(&"--tp") {
+        let plan = if decode.contains(&"--decode-graphs") {
+            "emulated, graphs (the whole decode step on the device, 2 tensor-parallel ranks each \
+             with 1/2 of the heads and of the experts)"
+        } else if decode.contains(&"--tp") {
             "emulated (the whole decode step on the device, 2 tensor-parallel ranks each with 1/2 \
              of the heads)"
         } else {
