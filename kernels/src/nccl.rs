@@ -494,9 +494,10 @@ mod tests {
                             .collect();
                         assert_eq!(stream.clone_dtoh(&all).unwrap(), want);
                         // Values each held by one rank (value i by rank i % size, -0 on the
-                        // others; +0 and -0 held too) merged by one all-reduce: the holders'
+                        // others; +0, -0 and a subnormal held too: a reduction that flushed
+                        // subnormals would lose it) merged by one all-reduce: the holders'
                         // bits.
-                        let held = |i: usize| [1.5 + i as f32, -0.0, 0.0, -7.25][i % 4];
+                        let held = |i: usize| [1.5 + i as f32, -0.0, 0.0, -7.25, 1e-40][i % 5];
                         let size = rank.size();
                         let mine: Vec<f32> = (0..9)
                             .map(|i| if i % size == me { held(i) } else { -0.0 })
