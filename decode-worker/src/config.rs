@@ -31,24 +31,8 @@ impl ServiceConfig for DecodeConfig {
     const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
-        if self.worker.prefill_attention != worker_core::settings::PrefillAttention::Exact {
-            return Err(Invalid::new(
-                "prefill_attention",
-                "a decode worker computes no prompts: it takes no prefill attention",
-            ));
-        }
-        if self.worker.prefill_linears != worker_core::settings::PrefillLinears::Exact {
-            return Err(Invalid::new(
-                "prefill_linears",
-                "a decode worker computes no prompts: it takes no prefill linears",
-            ));
-        }
-        if self.worker.prefill_experts != worker_core::settings::PrefillExperts::Exact {
-            return Err(Invalid::new(
-                "prefill_experts",
-                "a decode worker computes no prompts: it takes no prefill experts",
-            ));
-        }
+        self.worker
+            .refuse_other_roles_settings(proto::v1::Role::Decode)?;
         self.worker.validate()
     }
 }

@@ -36,30 +36,8 @@ impl ServiceConfig for PrefillConfig {
     const HOST_PORT_KEY: Option<&'static str> = Some("grpc_listen");
 
     fn validate(&self) -> Result<(), Invalid> {
-        if self.worker.decode_attention != worker_core::settings::DecodeAttention::Exact {
-            return Err(Invalid::new(
-                "decode_attention",
-                "a prefill worker does not decode: it takes no decode attention",
-            ));
-        }
-        if self.worker.decode_experts != worker_core::settings::DecodeExperts::Exact {
-            return Err(Invalid::new(
-                "decode_experts",
-                "a prefill worker does not decode: it takes no decode experts",
-            ));
-        }
-        if self.worker.decode_linears != worker_core::settings::DecodeLinears::Exact {
-            return Err(Invalid::new(
-                "decode_linears",
-                "a prefill worker does not decode: it takes no decode linears",
-            ));
-        }
-        if self.worker.decode_graphs {
-            return Err(Invalid::new(
-                "decode_graphs",
-                "a prefill worker does not decode: it replays no decode steps",
-            ));
-        }
+        self.worker
+            .refuse_other_roles_settings(proto::v1::Role::Prefill)?;
         self.worker.validate()
     }
 }

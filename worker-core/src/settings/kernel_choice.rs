@@ -88,6 +88,59 @@ impl super::WorkerSettings {
             && self.group_spec().parallel.steps_whole_on_devices()
     }
 
+    /// The first kernel setting of the other role's steps that is set, refused naming its key:
+    /// a decode worker computes no prompts, a prefill worker decodes nothing (never accepted
+    /// and then ignored).
+    ///
+    /// # Errors
+    /// That setting's key.
+    pub fn refuse_other_roles_settings(
+        &self,
+        role: proto::v1::Role,
+    ) -> Result<(), common::config::Invalid> {
+        let (set, why) = if role == proto::v1::Role::Decode {
+            let set = [
+                (
+                    self.prefill_attention != PrefillAttention::Exact,
+                    "prefill_attention",
+                ),
+                (
+                    self.prefill_linears != PrefillLinears::Exact,
+                    "prefill_linears",
+                ),
+                (
+                    self.prefill_experts != PrefillExperts::Exact,
+                    "prefill_experts",
+                ),
+            ];
+            (set.to_vec(), "a decode worker computes no prompts")
+        } else {
+            let set = [
+                (
+                    self.decode_attention != DecodeAttention::Exact,
+                    "decode_attention",
+                ),
+                (
+                    self.decode_experts != DecodeExperts::Exact,
+                    "decode_experts",
+                ),
+                (
+                    self.decode_linears != DecodeLinears::Exact,
+                    "decode_linears",
+                ),
+                (self.decode_graphs, "decode_graphs"),
+            ];
+            (set.to_vec(), "a prefill worker does not decode")
+        };
+        match set.into_iter().find(|&(set, _)| set) {
+            Some((_, key)) => Err(common::config::Invalid::new(
+                key,
+                format!("{why}: it takes no {key}"),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The settings that make the worker's results differ from the reference's bits within
     /// stated bounds: each fast kernel choice, sliced experts (their partial sums added in
     /// another order), and the per-op CUDA path (`hybrid`, or a group whose steps do not run
