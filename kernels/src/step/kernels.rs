@@ -530,19 +530,7 @@ pub trait Kernels {
         len: usize,
         out: &mut Self::F,
     ) -> Result<(), Self::Error> {
-        let mine = if len == 0 {
-            Vec::new()
-        } else {
-            self.read(send, 0..len)?
-        };
-        let all = coll
-            .all_gather(mine)
-            .map_err(|e| format!("all-reduce: {e}"))?;
-        let merged = merge_owned(&all, len)?;
-        if len > 0 {
-            self.write(out, 0, &merged)?;
-        }
-        Ok(())
+        all_owned_through_host(self, coll, send, len, out)
     }
     /// Every rank's first `n` values of `counts` (small whole numbers), by rank: read back
     /// and all-gathered through the host by default; a device that can gathers them on the
@@ -628,6 +616,30 @@ pub fn all_gather_through_host<K: Kernels + ?Sized>(
     check_received(&got, &vec![part; all.len()])?;
     if part > 0 {
         k.write(out, 0, &all.concat())?;
+    }
+    Ok(())
+}
+
+/// [`Kernels::all_owned`] through the host: the values read back, all-gathered by `coll` as
+/// host rows, merged ([`merge_owned`]) and written into `out`.
+pub fn all_owned_through_host<K: Kernels + ?Sized>(
+    k: &K,
+    coll: &mut dyn Collective,
+    send: &K::F,
+    len: usize,
+    out: &mut K::F,
+) -> Result<(), K::Error> {
+    let mine = if len == 0 {
+        Vec::new()
+    } else {
+        k.read(send, 0..len)?
+    };
+    let all = coll
+        .all_gather(mine)
+        .map_err(|e| format!("all-reduce: {e}"))?;
+    let merged = merge_owned(&all, len)?;
+    if len > 0 {
+        k.write(out, 0, &merged)?;
     }
     Ok(())
 }

@@ -8,8 +8,8 @@ use engine::parallel::collective::Collective;
 
 use super::{CudaKernels, KernelError, blocks, function, per_item};
 use crate::step::kernels::{
-    SlotSpec, all_gather_through_host, check_received, exchange_through_host,
-    gather_counts_through_host, merge_owned,
+    SlotSpec, all_gather_through_host, all_owned_through_host, check_received,
+    exchange_through_host, gather_counts_through_host,
 };
 
 /// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
@@ -238,21 +238,7 @@ impl CudaKernels {
                 .all_owned_device(&self.gpu.stream, send, len, out)
                 .map_err(|e| KernelError::Shape(format!("all-reduce: {e}")));
         }
-        let mine = if len == 0 {
-            Vec::new()
-        } else {
-            self.gpu.stream.clone_dtoh(&send.slice(..len))?
-        };
-        let all = coll
-            .all_gather(mine)
-            .map_err(|e| KernelError::Shape(format!("all-reduce: {e}")))?;
-        let merged = merge_owned(&all, len).map_err(KernelError::Shape)?;
-        if len > 0 {
-            self.gpu
-                .stream
-                .memcpy_htod(&merged, &mut out.slice_mut(..len))?;
-        }
-        Ok(())
+        all_owned_through_host(self, coll, send, len, out)
     }
 
     /// [`crate::step::kernels::Kernels::gather_counts`]: over NCCL where `coll` is an
