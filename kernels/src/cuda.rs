@@ -16,12 +16,25 @@ mod graph;
 mod hyper;
 mod moe;
 mod pages;
+mod params;
 mod rows;
 mod sm100;
 mod step_kernels;
 mod wgmma_probe;
 
 use std::sync::Arc;
+
+/// A typed launcher per kernel (`kernel::NAME::args`), written by the build script from the
+/// kernels' parameter lists (`build/signatures.rs`; the arguments' traits in [`params`]).
+#[allow(
+    clippy::too_many_arguments,
+    clippy::trivially_copy_pass_by_ref,
+    reason = "one launcher per kernel, each with the kernel's parameters; the launch keeps a \
+              pointer to each scalar until it is made"
+)]
+pub(crate) mod kernel {
+    include!(concat!(env!("OUT_DIR"), "/kernel_params.rs"));
+}
 
 use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 

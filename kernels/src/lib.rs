@@ -3,7 +3,10 @@
 //! `build.rs` compiles `cuda/*.cu` with nvcc into fatbins for sm_90a, sm_100a and sm_120a
 //! (plus compute_90 PTX) when nvcc is available; [`compiled`] says whether it was. The launch
 //! wrappers (feature `cuda`) load cudarc dynamically and never panic on a machine without a
-//! driver: `cuda::Gpu::open` returns `Ok(None)` there.
+//! driver: `cuda::Gpu::open` returns `Ok(None)` there. Every launch goes through a typed
+//! launcher the build writes from the kernel's own parameter list (`build/signatures.rs`,
+//! checked against the compiled PTX's `.entry` lists): an argument of the wrong type or width,
+//! or one too many or too few, does not compile.
 //!
 //! Kernels and their references:
 //! - `nvfp4_quant.cu` `nvfp4_quantize_rows` — [`cpu::nvfp4_quantize_rows`]
@@ -115,6 +118,12 @@ pub mod poll;
 pub mod prefill_gemm;
 pub mod rows;
 pub mod step;
+
+/// The kernels' parameter lists as the build script reads them (tested here; the build
+/// writes `cuda::kernel` from them).
+#[cfg(test)]
+#[path = "../build/signatures.rs"]
+mod signatures;
 
 /// Embedded fatbins (empty when built without nvcc).
 pub mod fatbins {

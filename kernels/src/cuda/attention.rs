@@ -1,7 +1,8 @@
 //! Launch wrappers of the attention kernels: split-KV decode attention and the lightning
 //! indexer.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::step::kernels::ScoreSpec;
@@ -154,20 +155,22 @@ impl Gpu {
         }
         let grid_x = super::grid_dim(batch * heads, "attention heads")?;
         let (heads_i, dim_i, splits_i) = (heads as i32, dim as i32, splits as i32);
-        let partial = self.attn.load_function("attn_decode_partial")?;
+        let partial = self.attn.load_function(kernel::attn_decode_partial::NAME)?;
         let mut launch = self.stream.launch_builder(&partial);
-        launch
-            .arg(q)
-            .arg(pool)
-            .arg(row_offsets)
-            .arg(starts)
-            .arg(&heads_i)
-            .arg(&dim_i)
-            .arg(&splits_i)
-            .arg(&scale)
-            .arg(&mut scratch.m)
-            .arg(&mut scratch.l)
-            .arg(&mut scratch.acc);
+        kernel::attn_decode_partial::args(
+            &mut launch,
+            q,
+            pool,
+            row_offsets,
+            starts,
+            &heads_i,
+            &dim_i,
+            &splits_i,
+            &scale,
+            &mut scratch.m,
+            &mut scratch.l,
+            &mut scratch.acc,
+        );
         // SAFETY: argument types and order match `attn_decode_partial`; every offset points
         // at a whole row inside `pool` (the caller's contract, checked by the tests).
         unsafe {
@@ -177,17 +180,19 @@ impl Gpu {
                 shared_mem_bytes: 0,
             })?;
         }
-        let merge = self.attn.load_function("attn_decode_merge")?;
+        let merge = self.attn.load_function(kernel::attn_decode_merge::NAME)?;
         let mut launch = self.stream.launch_builder(&merge);
-        launch
-            .arg(&scratch.m)
-            .arg(&scratch.l)
-            .arg(&scratch.acc)
-            .arg(sinks)
-            .arg(&heads_i)
-            .arg(&dim_i)
-            .arg(&splits_i)
-            .arg(&mut scratch.out);
+        kernel::attn_decode_merge::args(
+            &mut launch,
+            &scratch.m,
+            &scratch.l,
+            &scratch.acc,
+            sinks,
+            &heads_i,
+            &dim_i,
+            &splits_i,
+            &mut scratch.out,
+        );
         // SAFETY: argument types and order match `attn_decode_merge`.
         unsafe {
             launch.launch(LaunchConfig {
@@ -239,23 +244,47 @@ impl Gpu {
             }
         };
         let f = self.indexer.load_function(if sp.tensor_cores {
-            "indexer_scores_mma"
+            kernel::indexer_scores_mma::NAME
         } else {
-            "indexer_scores"
+            kernel::indexer_scores::NAME
         })?;
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(q)
-            .arg(w)
-            .arg(keys)
-            .arg(starts)
-            .arg(visible)
-            .arg(&n)
-            .arg(&heads)
-            .arg(&dim)
-            .arg(&sp.scale)
-            .arg(&max_keys)
-            .arg(scores);
+        let args = (
+            q, w, keys, starts, visible, &n, &heads, &dim, &sp.scale, &max_keys,
+        );
+        if sp.tensor_cores {
+            let (q, w, keys, starts, visible, n, heads, dim, scale, max_keys) = args;
+            kernel::indexer_scores_mma::args(
+                &mut launch,
+                q,
+                w,
+                keys,
+                starts,
+                visible,
+                n,
+                heads,
+                dim,
+                scale,
+                max_keys,
+                scores,
+            );
+        } else {
+            let (q, w, keys, starts, visible, n, heads, dim, scale, max_keys) = args;
+            kernel::indexer_scores::args(
+                &mut launch,
+                q,
+                w,
+                keys,
+                starts,
+                visible,
+                n,
+                heads,
+                dim,
+                scale,
+                max_keys,
+                scores,
+            );
+        }
         // SAFETY: both kernels take these parameters in this order; each token's rows inside
         // `keys` (the caller's check), `scores` `tokens * max_keys`; the tensor-core kernel's
         // shared memory as `indexer_mma::shared_bytes` sizes it.
@@ -335,14 +364,16 @@ impl Gpu {
             let (inputs, rows) = ((&d_q, &d_w, &d_keys), (&d_starts, &d_visible));
             self.launch_indexer_scores(inputs, rows, spec, &mut d_scores)?;
             let (max_keys_i, k_i) = (max_keys as i64, batch.top_k as i32);
-            let topk = self.indexer.load_function("indexer_topk")?;
+            let topk = self.indexer.load_function(kernel::indexer_topk::NAME)?;
             let mut launch = self.stream.launch_builder(&topk);
-            launch
-                .arg(&d_scores)
-                .arg(&d_visible)
-                .arg(&max_keys_i)
-                .arg(&k_i)
-                .arg(&mut d_out);
+            kernel::indexer_topk::args(
+                &mut launch,
+                &d_scores,
+                &d_visible,
+                &max_keys_i,
+                &k_i,
+                &mut d_out,
+            );
             // SAFETY: argument types and order match `indexer_topk`.
             unsafe {
                 launch.launch(LaunchConfig {

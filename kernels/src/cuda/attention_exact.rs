@@ -1,7 +1,8 @@
 //! Launch wrapper of `attn_exact.cu`: decode attention with the engine's bits
 //! (`engine::model::attention::attend` per token) over f32 rows at byte offsets of the pool.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::{kernel, params::Raw};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 
@@ -101,7 +102,7 @@ impl Gpu {
             .ok()
             .filter(|&b| b <= 96 * 1024)
             .ok_or_else(|| KernelError::Shape(format!("attn_exact: {most_keys} keys")))?;
-        let f = self.attn_exact.load_function("attn_exact")?;
+        let f = self.attn_exact.load_function(kernel::attn_exact::NAME)?;
         if smem > 48 * 1024 {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -109,18 +110,21 @@ impl Gpu {
             )?;
         }
         let (heads_i, dim_i) = (heads as i32, dim as i32);
+        let pool_bytes = Raw(pool);
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(q)
-            .arg(pool)
-            .arg(row_offsets)
-            .arg(starts)
-            .arg(sinks)
-            .arg(&heads_i)
-            .arg(&dim_i)
-            .arg(&scale)
-            .arg(&fp8_nope)
-            .arg(out);
+        kernel::attn_exact::args(
+            &mut launch,
+            q,
+            &pool_bytes,
+            row_offsets,
+            starts,
+            sinks,
+            &heads_i,
+            &dim_i,
+            &scale,
+            &fp8_nope,
+            out,
+        );
         // SAFETY: `attn_exact`'s parameters in order; one float of shared memory per key of
         // the longest token.
         unsafe {

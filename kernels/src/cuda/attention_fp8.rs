@@ -3,12 +3,13 @@
 //! (batch, parts) alone, so a graph can capture the three launches with lengths that change
 //! from step to step in device memory.
 
+use crate::cuda::{kernel, params::Raw};
 use std::{
     collections::{HashMap, hash_map::Entry},
     sync::{Mutex, PoisonError},
 };
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg, sys::CUfunction_attribute_enum};
+use cudarc::driver::{CudaSlice, LaunchConfig, sys::CUfunction_attribute_enum};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::attn_fp8::{Fp8AttnShape, THREADS, check_inputs};
@@ -187,15 +188,17 @@ impl Gpu {
             shape.rope as i32,
             dim as i32,
         );
-        let plan = self.attn_fp8.load_function("attn_fp8_plan")?;
+        let plan = self.attn_fp8.load_function(kernel::attn_fp8_plan::NAME)?;
         let mut launch = self.stream.launch_builder(&plan);
-        launch
-            .arg(starts)
-            .arg(&batch_i)
-            .arg(&parts_i)
-            .arg(&mut scratch.items)
-            .arg(&mut scratch.split_starts)
-            .arg(&mut scratch.item_count);
+        kernel::attn_fp8_plan::args(
+            &mut launch,
+            starts,
+            &batch_i,
+            &parts_i,
+            &mut scratch.items,
+            &mut scratch.split_starts,
+            &mut scratch.item_count,
+        );
         // SAFETY: argument types and order match `attn_fp8_plan`; `items` holds
         // `batch + parts` items, the most the plan makes.
         unsafe {
@@ -205,27 +208,32 @@ impl Gpu {
                 shared_mem_bytes: 0,
             })?;
         }
-        let partial = self.attn_fp8.load_function("attn_fp8_partial")?;
+        let partial = self
+            .attn_fp8
+            .load_function(kernel::attn_fp8_partial::NAME)?;
         let smem = shape.smem_bytes() as u32;
         partial.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )?;
+        let pool_bytes = Raw(pool);
         let mut launch = self.stream.launch_builder(&partial);
-        launch
-            .arg(q)
-            .arg(pool)
-            .arg(row_offsets)
-            .arg(starts)
-            .arg(&scratch.items)
-            .arg(&scratch.item_count)
-            .arg(&heads_i)
-            .arg(&nope_i)
-            .arg(&rope_i)
-            .arg(&shape.scale)
-            .arg(&mut scratch.m)
-            .arg(&mut scratch.l)
-            .arg(&mut scratch.acc);
+        kernel::attn_fp8_partial::args(
+            &mut launch,
+            q,
+            &pool_bytes,
+            row_offsets,
+            starts,
+            &scratch.items,
+            &scratch.item_count,
+            &heads_i,
+            &nope_i,
+            &rope_i,
+            &shape.scale,
+            &mut scratch.m,
+            &mut scratch.l,
+            &mut scratch.acc,
+        );
         // SAFETY: argument types and order match `attn_fp8_partial`; blocks past the plan's
         // item count return at once; the shared memory is the kernel's layout for `shape`.
         unsafe {
@@ -235,17 +243,21 @@ impl Gpu {
                 shared_mem_bytes: smem,
             })?;
         }
-        let combine = self.attn_fp8.load_function("attn_fp8_combine")?;
+        let combine = self
+            .attn_fp8
+            .load_function(kernel::attn_fp8_combine::NAME)?;
         let mut launch = self.stream.launch_builder(&combine);
-        launch
-            .arg(&scratch.m)
-            .arg(&scratch.l)
-            .arg(&scratch.acc)
-            .arg(&scratch.split_starts)
-            .arg(sinks)
-            .arg(&heads_i)
-            .arg(&dim_i)
-            .arg(&mut scratch.out);
+        kernel::attn_fp8_combine::args(
+            &mut launch,
+            &scratch.m,
+            &scratch.l,
+            &scratch.acc,
+            &scratch.split_starts,
+            sinks,
+            &heads_i,
+            &dim_i,
+            &mut scratch.out,
+        );
         // SAFETY: argument types and order match `attn_fp8_combine`.
         unsafe {
             launch.launch(LaunchConfig {

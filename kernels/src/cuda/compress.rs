@@ -1,7 +1,8 @@
 //! Launch wrapper of `compress.cu`: closed compressor windows' rows (before norm and rotation)
 //! with the engine's bits (`engine::model::compressor::pool_window`).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::LaunchConfig;
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 
@@ -71,20 +72,22 @@ impl Gpu {
         if windows > 0 {
             let (windows_i, ratio_i, d_i) = (windows as i32, w.ratio as i32, w.d as i32);
             let (width_i, overlap_i) = (w.width as i64, i32::from(w.overlap));
-            let f = self.compress.load_function("compress_pool")?;
+            let f = self.compress.load_function(kernel::compress_pool::NAME)?;
             let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_kv)
-                .arg(&d_gate)
-                .arg(&d_pk)
-                .arg(&d_pg)
-                .arg(&d_has)
-                .arg(&windows_i)
-                .arg(&ratio_i)
-                .arg(&d_i)
-                .arg(&width_i)
-                .arg(&overlap_i)
-                .arg(&mut d_out);
+            kernel::compress_pool::args(
+                &mut launch,
+                &d_kv,
+                &d_gate,
+                &d_pk,
+                &d_pg,
+                &d_has,
+                &windows_i,
+                &ratio_i,
+                &d_i,
+                &width_i,
+                &overlap_i,
+                &mut d_out,
+            );
             // SAFETY: `compress_pool`'s parameters in order; every buffer sized above.
             unsafe {
                 launch.launch(LaunchConfig {

@@ -2,7 +2,8 @@
 //! bf16 and FP8-block GEMVs over several vectors (`dense_gemv.cu`: the output head, the shared
 //! expert).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, non_empty};
 
@@ -54,10 +55,10 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let f = self.moe_act.load_function("swiglu_clamp")?;
+        let f = self.moe_act.load_function(kernel::swiglu_clamp::NAME)?;
         let n_arg = n as i64;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(gate).arg(up).arg(&n_arg).arg(&limit).arg(out);
+        kernel::swiglu_clamp::args(&mut launch, gate, up, &n_arg, &limit, out);
         // A grid-stride loop: enough blocks to fill the device, never more than 65535 x 256.
         let blocks = super::grid_dim(n.div_ceil(SWIGLU_THREADS as usize).min(65_535), "swiglu")?;
         // SAFETY: argument types and order match the kernel; all buffers hold `n` values.
@@ -171,8 +172,8 @@ impl Gpu {
             return Ok(());
         }
         let f = self.dense.load_function(match weight {
-            DenseWeight::Bf16(_) => "bf16_gemv_many",
-            DenseWeight::Fp8Block { .. } => "fp8_block_gemv_many",
+            DenseWeight::Bf16(_) => kernel::bf16_gemv_many::NAME,
+            DenseWeight::Fp8Block { .. } => kernel::fp8_block_gemv_many::NAME,
         })?;
         let grid_x = super::grid_dim(rows.div_ceil(DENSE_GEMV_WARPS), "dense gemv rows")?;
         let (row0_arg, rows_arg, cols_arg) = (row0 as i64, rows as i64, cols as i64);
@@ -183,15 +184,26 @@ impl Gpu {
             let mut y_part = y.slice_mut(first * rows..(first + count) * rows);
             let mut launch = self.stream.launch_builder(&f);
             match weight {
-                DenseWeight::Bf16(w) => launch.arg(w),
-                DenseWeight::Fp8Block { w, scales } => launch.arg(w).arg(scales),
-            };
-            launch
-                .arg(&x_part)
-                .arg(&row0_arg)
-                .arg(&rows_arg)
-                .arg(&cols_arg)
-                .arg(&mut y_part);
+                DenseWeight::Bf16(w) => kernel::bf16_gemv_many::args(
+                    &mut launch,
+                    w,
+                    &x_part,
+                    &row0_arg,
+                    &rows_arg,
+                    &cols_arg,
+                    &mut y_part,
+                ),
+                DenseWeight::Fp8Block { w, scales } => kernel::fp8_block_gemv_many::args(
+                    &mut launch,
+                    w,
+                    scales,
+                    &x_part,
+                    &row0_arg,
+                    &rows_arg,
+                    &cols_arg,
+                    &mut y_part,
+                ),
+            }
             // SAFETY: argument types and order match `bf16_gemv_many` / `fp8_block_gemv_many`;
             // the weight holds rows up to row0 + rows (and their scales), the views hold
             // `count` vectors of inputs and outputs.

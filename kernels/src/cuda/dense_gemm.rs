@@ -2,7 +2,11 @@
 //! many activation rows on bf16 tensor cores, K split by [`crate::dense_gemm::splits`] for
 //! this device's multiprocessors and the partials summed in split order.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::{
+    kernel,
+    params::{Raw, Reads},
+};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::{
@@ -89,27 +93,78 @@ impl Gpu {
         let (m_arg, row0_arg, n_arg, k_arg, split_arg) =
             (m as i64, row0 as i64, n as i64, k as i64, k_split as i64);
         let out = if split { &mut *scratch } else { &mut *c };
-        let f = self.dense_gemm.load_function(match (w, self.bf16_mma) {
-            (GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_), Bf16Mma::MmaSync) => "dense_gemm_bf16",
-            (GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_), Bf16Mma::Wgmma) => {
-                "dense_gemm_bf16_wgmma"
+        let wgmma = self.bf16_mma == Bf16Mma::Wgmma;
+        let f = self.dense_gemm.load_function(match (w, wgmma) {
+            (GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_), false) => kernel::dense_gemm_bf16::NAME,
+            (GemmWeight::Bf16(_) | GemmWeight::Bf16Bits(_), true) => {
+                kernel::dense_gemm_bf16_wgmma::NAME
             }
-            (GemmWeight::Fp8Block { .. }, Bf16Mma::MmaSync) => "dense_gemm_fp8_block",
-            (GemmWeight::Fp8Block { .. }, Bf16Mma::Wgmma) => "dense_gemm_fp8_block_wgmma",
+            (GemmWeight::Fp8Block { .. }, false) => kernel::dense_gemm_fp8_block::NAME,
+            (GemmWeight::Fp8Block { .. }, true) => kernel::dense_gemm_fp8_block_wgmma::NAME,
         })?;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(a).arg(&m_arg);
-        match w {
-            GemmWeight::Bf16(w) => launch.arg(w),
-            GemmWeight::Bf16Bits(w) => launch.arg(w),
-            GemmWeight::Fp8Block { codes, scales } => launch.arg(codes).arg(scales),
+        // The weight's bytes, and an FP8 weight's f32 tile scales (held as bytes).
+        let (bits, tile_scales);
+        let (weight, scales): (&dyn Reads<u8>, Option<&dyn Reads<f32>>) = match w {
+            GemmWeight::Bf16(w) => (w, None),
+            GemmWeight::Bf16Bits(w) => {
+                bits = Raw(w);
+                (&bits, None)
+            }
+            GemmWeight::Fp8Block { codes, scales } => {
+                tile_scales = Raw(scales);
+                (codes, Some(&tile_scales))
+            }
         };
-        launch
-            .arg(&row0_arg)
-            .arg(&n_arg)
-            .arg(&k_arg)
-            .arg(&split_arg)
-            .arg(out);
+        let (m_p, row0_p, n_p, k_p, split_p) = (&m_arg, &row0_arg, &n_arg, &k_arg, &split_arg);
+        match (scales, wgmma) {
+            (None, false) => kernel::dense_gemm_bf16::args(
+                &mut launch,
+                a,
+                m_p,
+                weight,
+                row0_p,
+                n_p,
+                k_p,
+                split_p,
+                out,
+            ),
+            (None, true) => kernel::dense_gemm_bf16_wgmma::args(
+                &mut launch,
+                a,
+                m_p,
+                weight,
+                row0_p,
+                n_p,
+                k_p,
+                split_p,
+                out,
+            ),
+            (Some(scales), false) => kernel::dense_gemm_fp8_block::args(
+                &mut launch,
+                a,
+                m_p,
+                weight,
+                scales,
+                row0_p,
+                n_p,
+                k_p,
+                split_p,
+                out,
+            ),
+            (Some(scales), true) => kernel::dense_gemm_fp8_block_wgmma::args(
+                &mut launch,
+                a,
+                m_p,
+                weight,
+                scales,
+                row0_p,
+                n_p,
+                k_p,
+                split_p,
+                out,
+            ),
+        }
         // SAFETY: argument types and order match the kernels; the weight holds rows up to
         // row0 + n of k values (and their scales), `a` m rows of k, the output (or the
         // scratch) every split's m x n values.
@@ -123,10 +178,10 @@ impl Gpu {
         if split {
             let count = m * n;
             let (parts_arg, count_arg) = (parts as i64, count as i64);
-            let f = self.dense_gemm.load_function("sum_splits")?;
+            let f = self.dense_gemm.load_function(kernel::sum_splits::NAME)?;
             let blocks = grid_dim(count.div_ceil(SUM_THREADS as usize).min(65_535), "sum")?;
             let mut launch = self.stream.launch_builder(&f);
-            launch.arg(&*scratch).arg(&parts_arg).arg(&count_arg).arg(c);
+            kernel::sum_splits::args(&mut launch, &*scratch, &parts_arg, &count_arg, c);
             // SAFETY: `scratch` holds `parts` partials of `count` values, `c` `count` values.
             unsafe {
                 launch.launch(LaunchConfig {

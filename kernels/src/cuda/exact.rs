@@ -1,7 +1,8 @@
 //! Launch wrapper of `exact_gemv.cu`: weight rows times vectors with the engine's dot product
 //! definition, in every stored format, so a linear on the device gives the CPU's bits.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 
@@ -84,16 +85,22 @@ impl StoredRows<'_> {
         let n = rows * cols;
         let tiles = rows.div_ceil(128) * cols.div_ceil(128);
         let (kernel, data, scales, scale_2, ok) = match *self {
-            StoredRows::F32(v) => ("exact_gemv_f32", bytes_of(v), Vec::new(), 1.0, v.len() == n),
+            StoredRows::F32(v) => (
+                kernel::exact_gemv_f32::NAME,
+                bytes_of(v),
+                Vec::new(),
+                1.0,
+                v.len() == n,
+            ),
             StoredRows::Bf16(b) => (
-                "exact_gemv_bf16",
+                kernel::exact_gemv_bf16::NAME,
                 b.to_vec(),
                 Vec::new(),
                 1.0,
                 b.len() == 2 * n,
             ),
             StoredRows::Fp8Block { codes, scales } => (
-                "exact_gemv_fp8_block",
+                kernel::exact_gemv_fp8_block::NAME,
                 codes.to_vec(),
                 bytes_of(scales),
                 1.0,
@@ -104,14 +111,14 @@ impl StoredRows<'_> {
                 scales,
                 scale_2,
             } => (
-                "exact_gemv_nvfp4",
+                kernel::exact_gemv_nvfp4::NAME,
                 packed.to_vec(),
                 scales.to_vec(),
                 scale_2,
                 cols.is_multiple_of(16) && packed.len() == n / 2 && scales.len() == n / 16,
             ),
             StoredRows::Mxfp4 { packed, scales } => (
-                "exact_gemv_mxfp4",
+                kernel::exact_gemv_mxfp4::NAME,
                 packed.to_vec(),
                 scales.to_vec(),
                 1.0,
@@ -137,8 +144,8 @@ impl DeviceRows {
     /// f32 and FP4 forms have none).
     pub fn gemm_weight(&self) -> Option<super::GemmWeight<'_>> {
         match self.kernel {
-            "exact_gemv_bf16" => Some(super::GemmWeight::Bf16(&self.data)),
-            "exact_gemv_fp8_block" => Some(super::GemmWeight::Fp8Block {
+            k if k == kernel::exact_gemv_bf16::NAME => Some(super::GemmWeight::Bf16(&self.data)),
+            k if k == kernel::exact_gemv_fp8_block::NAME => Some(super::GemmWeight::Fp8Block {
                 codes: &self.data,
                 scales: &self.scales,
             }),
@@ -236,16 +243,18 @@ impl Gpu {
         let (cols, row0_i, rows_i) = (w.cols as i64, row0 as i64, rows as i64);
         let vectors_i = i32::try_from(vectors).map_err(|_| KernelError::Shape("vectors".into()))?;
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(&w.data)
-            .arg(&w.scales)
-            .arg(&w.scale_2)
-            .arg(&cols)
-            .arg(&row0_i)
-            .arg(&rows_i)
-            .arg(x)
-            .arg(&vectors_i)
-            .arg(y);
+        kernel::exact_gemv::args(
+            &mut launch,
+            &w.data,
+            &w.scales,
+            &w.scale_2,
+            &cols,
+            &row0_i,
+            &rows_i,
+            x,
+            &vectors_i,
+            y,
+        );
         // SAFETY: the parameters of every `exact_gemv_*` in order; the weight's bytes were
         // checked against its shape at upload, the vectors and outputs just above.
         unsafe {
@@ -294,7 +303,7 @@ impl Gpu {
                 scales,
                 scale_2,
             } => (
-                "exact_pairs_nvfp4",
+                kernel::exact_pairs_nvfp4::NAME,
                 packed,
                 scales,
                 scale_2.to_vec(),
@@ -303,7 +312,7 @@ impl Gpu {
                     && scale_2.len() == experts,
             ),
             StoredExperts::Mxfp4 { packed, scales } => (
-                "exact_pairs_mxfp4",
+                kernel::exact_pairs_mxfp4::NAME,
                 packed,
                 scales,
                 vec![1.0; experts],
@@ -482,17 +491,19 @@ impl Gpu {
         let (experts_i, rows_i, cols_i) = (experts as i32, rows as i64, cols as i64);
         let f = self.exact.load_function(stack.kernel)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(stack.packed)
-            .arg(stack.scales)
-            .arg(stack.scale_2)
-            .arg(&experts_i)
-            .arg(&rows_i)
-            .arg(&cols_i)
-            .arg(pair_token)
-            .arg(pair_expert)
-            .arg(x)
-            .arg(y);
+        kernel::exact_pairs::args(
+            &mut launch,
+            stack.packed,
+            stack.scales,
+            stack.scale_2,
+            &experts_i,
+            &rows_i,
+            &cols_i,
+            pair_token,
+            pair_expert,
+            x,
+            y,
+        );
         // SAFETY: `exact_pairs_*`'s parameters in order; the stack holds `experts` experts of
         // [rows, cols] (its uploader checked the bytes), the pairs' tokens inside `x` (the
         // caller's check); an expert outside the stack gives a NaN row.
@@ -525,15 +536,9 @@ impl Gpu {
             return Ok(());
         }
         let (k_i, hidden_i) = (k as i32, hidden as i64);
-        let f = self.exact.load_function("moe_combine")?;
+        let f = self.exact.load_function(kernel::moe_combine::NAME)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(ys)
-            .arg(weights)
-            .arg(shared)
-            .arg(&k_i)
-            .arg(&hidden_i)
-            .arg(out);
+        kernel::moe_combine::args(&mut launch, ys, weights, shared, &k_i, &hidden_i, out);
         // SAFETY: `moe_combine`'s parameters in order; shapes checked above; a block a token.
         unsafe {
             launch.launch(LaunchConfig {
@@ -576,26 +581,24 @@ impl Gpu {
         }
         let (tokens_i, experts_i, k_i) = (tokens as i32, experts as i32, k as i32);
         let table_rows = table_rows as i64;
-        let f = self.exact.load_function("moe_route")?;
+        let f = self.exact.load_function(kernel::moe_route::NAME)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(logits).arg(&tokens_i).arg(&experts_i).arg(&k_i);
-        // Null device pointers select the other routing modes.
-        let null: u64 = 0;
-        match bias {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&null),
-        };
-        match table {
-            Some(t) => launch.arg(t),
-            None => launch.arg(&null),
-        };
-        launch
-            .arg(&table_rows)
-            .arg(token_ids)
-            .arg(&scaling)
-            .arg(scores)
-            .arg(chosen)
-            .arg(weights);
+        // Null device pointers (`None`) select the other routing modes.
+        kernel::moe_route::args(
+            &mut launch,
+            logits,
+            &tokens_i,
+            &experts_i,
+            &k_i,
+            &bias,
+            &table,
+            &table_rows,
+            token_ids,
+            &scaling,
+            scores,
+            chosen,
+            weights,
+        );
         // SAFETY: `moe_route`'s parameters in order (a null pointer where a mode is off); the
         // buffers hold `tokens` rows (checked above).
         unsafe {

@@ -1,7 +1,8 @@
 //! Launch wrappers of the FP4 kernels: NVFP4 activation quantization, FP4 GEMVs (single and
 //! grouped over routed experts) and the NVFP4 tensor-core GEMM.
 
-use cudarc::driver::{CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, non_empty};
 use crate::cpu;
@@ -28,16 +29,20 @@ impl Gpu {
         let mut d_packed = self.stream.clone_htod(&vec![poison; (blocks * 8).max(1)])?;
         let mut d_scales = self.stream.clone_htod(&vec![poison; blocks.max(1)])?;
         if blocks > 0 {
-            let f = self.nvfp4.load_function("nvfp4_quantize_rows")?;
+            let f = self
+                .nvfp4
+                .load_function(kernel::nvfp4_quantize_rows::NAME)?;
             let (rows_arg, cols_arg) = (rows as i64, cols as i64);
             let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_x)
-                .arg(&rows_arg)
-                .arg(&cols_arg)
-                .arg(&global_scale)
-                .arg(&mut d_packed)
-                .arg(&mut d_scales);
+            kernel::nvfp4_quantize_rows::args(
+                &mut launch,
+                &d_x,
+                &rows_arg,
+                &cols_arg,
+                &global_scale,
+                &mut d_packed,
+                &mut d_scales,
+            );
             let threads = 128u32;
             let grid = u32::try_from(blocks.div_ceil(threads as usize))
                 .map_err(|_| KernelError::Shape("too many blocks".into()))?;
@@ -131,22 +136,26 @@ impl Gpu {
             return Ok(());
         }
         let (rows_arg, cols_arg) = (rows as i64, cols as i64);
-        let f;
-        let mut launch = match format {
-            GemvFormat::Nvfp4 { ref scale_2 } => {
-                f = self.gemv.load_function("nvfp4_gemv")?;
-                let mut l = self.stream.launch_builder(&f);
-                l.arg(packed).arg(scales).arg(scale_2);
-                l
-            }
+        let f = self.gemv.load_function(match format {
+            GemvFormat::Nvfp4 { .. } => kernel::nvfp4_gemv::NAME,
+            GemvFormat::Mxfp4 => kernel::mxfp4_gemv::NAME,
+        })?;
+        let mut launch = self.stream.launch_builder(&f);
+        match format {
+            GemvFormat::Nvfp4 { ref scale_2 } => kernel::nvfp4_gemv::args(
+                &mut launch,
+                packed,
+                scales,
+                scale_2,
+                x,
+                &rows_arg,
+                &cols_arg,
+                y,
+            ),
             GemvFormat::Mxfp4 => {
-                f = self.gemv.load_function("mxfp4_gemv")?;
-                let mut l = self.stream.launch_builder(&f);
-                l.arg(packed).arg(scales);
-                l
+                kernel::mxfp4_gemv::args(&mut launch, packed, scales, x, &rows_arg, &cols_arg, y);
             }
-        };
-        launch.arg(x).arg(&rows_arg).arg(&cols_arg).arg(y);
+        }
         let grid = super::grid_dim(rows.div_ceil(GEMV_WARPS), "gemv rows")?;
         // SAFETY: argument types and order match the kernel; buffer sizes checked above.
         unsafe {
@@ -260,27 +269,43 @@ impl Gpu {
         let (rows_arg, cols_arg) = (rows as i64, cols as i64);
         // The kernel poisons a pair whose indices fall outside these instead of reading there.
         let (experts_arg, tokens_arg) = (count as i64, (x.len() / cols.max(1)) as i64);
-        let f;
-        let mut launch = if let Some(scale_2) = scale_2 {
-            f = self.gemv.load_function("nvfp4_grouped_gemv")?;
-            let mut l = self.stream.launch_builder(&f);
-            l.arg(packed).arg(scales).arg(scale_2);
-            l
+        let f = self.gemv.load_function(if scale_2.is_some() {
+            kernel::nvfp4_grouped_gemv::NAME
         } else {
-            f = self.gemv.load_function("mxfp4_grouped_gemv")?;
-            let mut l = self.stream.launch_builder(&f);
-            l.arg(packed).arg(scales);
-            l
-        };
-        launch
-            .arg(x)
-            .arg(pair_token)
-            .arg(pair_expert)
-            .arg(&rows_arg)
-            .arg(&cols_arg)
-            .arg(&experts_arg)
-            .arg(&tokens_arg)
-            .arg(y);
+            kernel::mxfp4_grouped_gemv::NAME
+        })?;
+        let mut launch = self.stream.launch_builder(&f);
+        let shape = (&rows_arg, &cols_arg, &experts_arg, &tokens_arg);
+        let (rows_p, cols_p, experts_p, tokens_p) = shape;
+        match scale_2 {
+            Some(scale_2) => kernel::nvfp4_grouped_gemv::args(
+                &mut launch,
+                packed,
+                scales,
+                scale_2,
+                x,
+                pair_token,
+                pair_expert,
+                rows_p,
+                cols_p,
+                experts_p,
+                tokens_p,
+                y,
+            ),
+            None => kernel::mxfp4_grouped_gemv::args(
+                &mut launch,
+                packed,
+                scales,
+                x,
+                pair_token,
+                pair_expert,
+                rows_p,
+                cols_p,
+                experts_p,
+                tokens_p,
+                y,
+            ),
+        }
         let grid_x = super::grid_dim(rows.div_ceil(GEMV_WARPS), "grouped gemv rows")?;
         if pairs > 65_535 {
             return Err(KernelError::Shape(format!("{pairs} pairs (at most 65535)")));
@@ -347,21 +372,32 @@ impl Gpu {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let f = self.gemm.load_function(match self.bf16_mma() {
-            crate::arch::Bf16Mma::MmaSync => "nvfp4_gemm_bf16",
-            crate::arch::Bf16Mma::Wgmma => "nvfp4_gemm_bf16_wgmma",
+        let wgmma = self.bf16_mma() == crate::arch::Bf16Mma::Wgmma;
+        let f = self.gemm.load_function(if wgmma {
+            kernel::nvfp4_gemm_bf16_wgmma::NAME
+        } else {
+            kernel::nvfp4_gemm_bf16::NAME
         })?;
         let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(a)
-            .arg(packed)
-            .arg(scales)
-            .arg(&scale_2)
-            .arg(&m_arg)
-            .arg(&n_arg)
-            .arg(&k_arg)
-            .arg(c);
+        let shape = (&m_arg, &n_arg, &k_arg);
+        if wgmma {
+            let (m, n, k) = shape;
+            kernel::nvfp4_gemm_bf16_wgmma::args(
+                &mut launch,
+                a,
+                packed,
+                scales,
+                &scale_2,
+                m,
+                n,
+                k,
+                c,
+            );
+        } else {
+            let (m, n, k) = shape;
+            kernel::nvfp4_gemm_bf16::args(&mut launch, a, packed, scales, &scale_2, m, n, k, c);
+        }
         let grid = (
             super::grid_dim(n.div_ceil(GEMM_TILE), "gemm columns")?,
             super::grid_dim(m.div_ceil(GEMM_TILE), "gemm rows")?,
@@ -371,8 +407,8 @@ impl Gpu {
                 "gemm m = {m} (at most 65535 tiles)"
             )));
         }
-        // SAFETY: argument types and order match `nvfp4_gemm_bf16` (and its `_wgmma` twin);
-        // sizes checked above.
+        // SAFETY: the chosen kernel's parameters in order (its typed launcher); sizes checked
+        // above.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (grid.0, grid.1, 1),
@@ -402,29 +438,18 @@ impl Gpu {
         }
         // SAFETY: the device is exactly sm_120, where the kernel has its real
         // body; it takes the W4A4 parameter list and 128 threads per 64 x 64 tile.
-        unsafe {
-            self.launch_w4a4(
-                &self.gemm_sm120,
-                "nvfp4_gemm_w4a4_sm120",
-                (GEMM_TILE, GEMM_TILE),
-                a,
-                w,
-                (m, n, k),
-            )
-        }
+        unsafe { self.launch_w4a4(W4a4::Sm120, (GEMM_TILE, GEMM_TILE), a, w, (m, n, k)) }
     }
 
-    /// Uploads the W4A4 operands, poisons `C` with NaN, launches `kernel` of `module` with 128
-    /// threads per `tile` (rows of A, rows of W) and copies `C` back.
+    /// Uploads the W4A4 operands, poisons `C` with NaN, launches `kernel` with 128 threads per
+    /// `tile` (rows of A, rows of W) and copies `C` back.
     ///
     /// # Safety
-    /// `kernel` must take `(a_codes, a_scales, a_scale_2, w_codes, w_scales, w_scale_2, m, n, k,
-    /// c)`, compute `tile` with 128 threads and static shared memory, and have its real body on
-    /// this device.
+    /// `kernel` must compute `tile` with 128 threads and static shared memory, and have its
+    /// real body on this device.
     pub(super) unsafe fn launch_w4a4(
         &self,
-        module: &std::sync::Arc<CudaModule>,
-        kernel: &str,
+        kernel: W4a4,
         tile: (usize, usize),
         a: (&[u8], &[u8], f32),
         w: (&[u8], &[u8], f32),
@@ -453,22 +478,47 @@ impl Gpu {
         let d_sw = self.stream.clone_htod(&non_empty(w.1))?;
         let mut d_c = self.stream.clone_htod(&vec![f32::NAN; (m * n).max(1)])?;
         if m > 0 && n > 0 {
-            let f = module.load_function(kernel)?;
+            let f = match kernel {
+                W4a4::Sm100 => self
+                    .gemm_sm100
+                    .load_function(kernel::nvfp4_gemm_w4a4_sm100::NAME),
+                W4a4::Sm120 => self
+                    .gemm_sm120
+                    .load_function(kernel::nvfp4_gemm_w4a4_sm120::NAME),
+            }?;
             let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
             let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_a)
-                .arg(&d_sa)
-                .arg(&a.2)
-                .arg(&d_w)
-                .arg(&d_sw)
-                .arg(&w.2)
-                .arg(&m_arg)
-                .arg(&n_arg)
-                .arg(&k_arg)
-                .arg(&mut d_c);
-            // SAFETY: argument types and order are the W4A4 list (the caller's contract), the
-            // buffer sizes were checked above.
+            let (a_codes, a_scales, w_codes, w_scales) = (&d_a, &d_sa, &d_w, &d_sw);
+            match kernel {
+                W4a4::Sm100 => kernel::nvfp4_gemm_w4a4_sm100::args(
+                    &mut launch,
+                    a_codes,
+                    a_scales,
+                    &a.2,
+                    w_codes,
+                    w_scales,
+                    &w.2,
+                    &m_arg,
+                    &n_arg,
+                    &k_arg,
+                    &mut d_c,
+                ),
+                W4a4::Sm120 => kernel::nvfp4_gemm_w4a4_sm120::args(
+                    &mut launch,
+                    a_codes,
+                    a_scales,
+                    &a.2,
+                    w_codes,
+                    w_scales,
+                    &w.2,
+                    &m_arg,
+                    &n_arg,
+                    &k_arg,
+                    &mut d_c,
+                ),
+            }
+            // SAFETY: the kernel's parameters in order (its typed launcher), the buffer sizes
+            // checked above.
             unsafe {
                 launch.launch(LaunchConfig {
                     grid_dim: (grid.0, grid.1, 1),
@@ -481,6 +531,16 @@ impl Gpu {
         c.truncate(m * n);
         Ok(c)
     }
+}
+
+/// The block-scaled FP4 tensor-core GEMM kernels (W4A4): one per architecture, the same
+/// parameters.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum W4a4 {
+    /// `nvfp4_gemm_w4a4_sm100` (tcgen05).
+    Sm100,
+    /// `nvfp4_gemm_w4a4_sm120` (block-scaled mma.sync).
+    Sm120,
 }
 
 /// Warps (output rows) per block of the GEMV kernels (`WARPS_PER_BLOCK` in `fp4_gemv.cu`).

@@ -1,7 +1,8 @@
 //! Launch wrappers of `hyper.cu`: the hyper-connections' mixing on the device, bit for bit as
 //! `engine::model::hyper` computes it from the mixing projections' outputs, and `exact::exp`.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::LaunchConfig;
 use engine::weights::{HeadWeights, HyperWeights};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
@@ -83,20 +84,22 @@ impl Gpu {
             let d_scale = self.stream.clone_htod(&w.scale)?;
             let d_base = self.stream.clone_htod(&w.base)?;
             let (hc, dim, iters) = (s.hc as i32, s.dim as i64, s.sinkhorn_iters as i32);
-            let f = self.hyper.load_function("hyper_pre")?;
+            let f = self.hyper.load_function(kernel::hyper_pre::NAME)?;
             let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_x)
-                .arg(&d_m)
-                .arg(&d_scale)
-                .arg(&d_base)
-                .arg(&hc)
-                .arg(&dim)
-                .arg(&s.eps)
-                .arg(&iters)
-                .arg(&mut collapsed)
-                .arg(&mut post)
-                .arg(&mut comb);
+            kernel::hyper_pre::args(
+                &mut launch,
+                &d_x,
+                &d_m,
+                &d_scale,
+                &d_base,
+                &hc,
+                &dim,
+                &s.eps,
+                &iters,
+                &mut collapsed,
+                &mut post,
+                &mut comb,
+            );
             // SAFETY: `hyper_pre`'s parameters in order; shapes checked above.
             unsafe { launch.launch(per_token(tokens)?)? };
         }
@@ -130,16 +133,9 @@ impl Gpu {
             let (d_x, d_y) = (self.stream.clone_htod(x)?, self.stream.clone_htod(y)?);
             let (d_p, d_c) = (self.stream.clone_htod(post)?, self.stream.clone_htod(comb)?);
             let (hc, dim) = (s.hc as i32, s.dim as i64);
-            let f = self.hyper.load_function("hyper_post")?;
+            let f = self.hyper.load_function(kernel::hyper_post::NAME)?;
             let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_x)
-                .arg(&d_y)
-                .arg(&d_p)
-                .arg(&d_c)
-                .arg(&hc)
-                .arg(&dim)
-                .arg(&mut out);
+            kernel::hyper_post::args(&mut launch, &d_x, &d_y, &d_p, &d_c, &hc, &dim, &mut out);
             // SAFETY: `hyper_post`'s parameters in order; shapes checked above.
             unsafe { launch.launch(per_token(tokens)?)? };
         }
@@ -168,17 +164,19 @@ impl Gpu {
             let (d_x, d_m) = (self.stream.clone_htod(x)?, self.stream.clone_htod(mix)?);
             let d_base = self.stream.clone_htod(&w.base)?;
             let (hc, dim) = (s.hc as i32, s.dim as i64);
-            let f = self.hyper.load_function("hyper_head")?;
+            let f = self.hyper.load_function(kernel::hyper_head::NAME)?;
             let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&d_x)
-                .arg(&d_m)
-                .arg(&w.scale)
-                .arg(&d_base)
-                .arg(&hc)
-                .arg(&dim)
-                .arg(&s.eps)
-                .arg(&mut out);
+            kernel::hyper_head::args(
+                &mut launch,
+                &d_x,
+                &d_m,
+                &w.scale,
+                &d_base,
+                &hc,
+                &dim,
+                &s.eps,
+                &mut out,
+            );
             // SAFETY: `hyper_head`'s parameters in order; shapes checked above.
             unsafe { launch.launch(per_token(tokens)?)? };
         }
@@ -193,9 +191,9 @@ impl Gpu {
         let mut d_y = self.stream.clone_htod(&vec![f32::NAN; x.len().max(1)])?;
         if !x.is_empty() {
             let n = x.len() as i64;
-            let f = self.hyper.load_function("exact_exp")?;
+            let f = self.hyper.load_function(kernel::exact_exp::NAME)?;
             let mut launch = self.stream.launch_builder(&f);
-            launch.arg(&d_x).arg(&n).arg(&mut d_y);
+            kernel::exact_exp::args(&mut launch, &d_x, &n, &mut d_y);
             let blocks = grid_dim(x.len().div_ceil(256), "values")?;
             // SAFETY: `exact_exp(const float*, long long, float*)`; `n` values each.
             unsafe {

@@ -4,7 +4,8 @@
 //! Every buffer is sized by (pairs, experts) alone, so a graph can capture the launches with a
 //! routing that changes from step to step in device memory.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::{
@@ -191,18 +192,20 @@ impl Gpu {
         }
         let (pairs_i, experts_i) = (pairs as i32, experts as i32);
         self.launch_fill_nan_first(out, pairs * n)?;
-        let zero = self.moe_align.load_function("moe_zero")?;
+        let zero = self.moe_align.load_function(kernel::moe_zero::NAME)?;
         let mut launch = self.stream.launch_builder(&zero);
-        launch.arg(&mut g.counts).arg(&experts_i);
+        kernel::moe_zero::args(&mut launch, &mut g.counts, &experts_i);
         // SAFETY: `moe_zero(int*, int)`; `counts` holds `experts`.
         unsafe { launch.launch(LaunchConfig::for_num_elems(experts as u32))? };
-        let count = self.moe_align.load_function("moe_count")?;
+        let count = self.moe_align.load_function(kernel::moe_count::NAME)?;
         let mut launch = self.stream.launch_builder(&count);
-        launch
-            .arg(pair_expert)
-            .arg(&pairs_i)
-            .arg(&experts_i)
-            .arg(&mut g.counts);
+        kernel::moe_count::args(
+            &mut launch,
+            pair_expert,
+            &pairs_i,
+            &experts_i,
+            &mut g.counts,
+        );
         let by_pair = LaunchConfig {
             grid_dim: (blocks(pairs, 256)?, 1, 1),
             block_dim: (256, 1, 1),
@@ -210,16 +213,18 @@ impl Gpu {
         };
         // SAFETY: `moe_count(const int*, int, int, int*)`; sizes from the grouping.
         unsafe { launch.launch(by_pair)? };
-        let align = self.moe_align.load_function("moe_align")?;
+        let align = self.moe_align.load_function(kernel::moe_align::NAME)?;
         let mut launch = self.stream.launch_builder(&align);
-        launch
-            .arg(&g.counts)
-            .arg(&experts_i)
-            .arg(&mut g.tile_starts)
-            .arg(&mut g.tile_expert)
-            .arg(&mut g.tile_count)
-            .arg(&mut g.cursor)
-            .arg(&mut g.sorted_pair);
+        kernel::moe_align::args(
+            &mut launch,
+            &g.counts,
+            &experts_i,
+            &mut g.tile_starts,
+            &mut g.tile_expert,
+            &mut g.tile_count,
+            &mut g.cursor,
+            &mut g.sorted_pair,
+        );
         // SAFETY: `moe_align`'s parameters in order; `tile_expert` and `sorted_pair` hold the
         // most tiles `pairs` pairs can make (`max_tiles`).
         unsafe {
@@ -229,46 +234,93 @@ impl Gpu {
                 shared_mem_bytes: 0,
             })?;
         }
-        let scatter = self.moe_align.load_function("moe_scatter")?;
+        let scatter = self.moe_align.load_function(kernel::moe_scatter::NAME)?;
         let mut launch = self.stream.launch_builder(&scatter);
-        launch
-            .arg(pair_expert)
-            .arg(&pairs_i)
-            .arg(&experts_i)
-            .arg(&g.tile_starts)
-            .arg(&mut g.cursor)
-            .arg(&mut g.sorted_pair);
+        kernel::moe_scatter::args(
+            &mut launch,
+            pair_expert,
+            &pairs_i,
+            &experts_i,
+            &g.tile_starts,
+            &mut g.cursor,
+            &mut g.sorted_pair,
+        );
         // SAFETY: `moe_scatter`'s parameters in order; slots within the aligned tiles.
         unsafe { launch.launch(by_pair)? };
-        let gemm = self
-            .gemm
-            .load_function(match (stack.scale_2, self.bf16_mma()) {
-                (Some(_), Bf16Mma::MmaSync) => "nvfp4_grouped_gemm_bf16",
-                (None, Bf16Mma::MmaSync) => "mxfp4_grouped_gemm_bf16",
-                (Some(_), Bf16Mma::Wgmma) => "nvfp4_grouped_gemm_bf16_wgmma",
-                (None, Bf16Mma::Wgmma) => "mxfp4_grouped_gemm_bf16_wgmma",
-            })?;
+        let wgmma = self.bf16_mma() == Bf16Mma::Wgmma;
+        let gemm = self.gemm.load_function(match (stack.scale_2, wgmma) {
+            (Some(_), false) => kernel::nvfp4_grouped_gemm_bf16::NAME,
+            (None, false) => kernel::mxfp4_grouped_gemm_bf16::NAME,
+            (Some(_), true) => kernel::nvfp4_grouped_gemm_bf16_wgmma::NAME,
+            (None, true) => kernel::mxfp4_grouped_gemm_bf16_wgmma::NAME,
+        })?;
         let (n_i, k_i) = (n as i64, k as i64);
         let mut launch = self.stream.launch_builder(&gemm);
-        launch
-            .arg(a)
-            .arg(pair_token)
-            .arg(&g.sorted_pair)
-            .arg(&g.tile_expert)
-            .arg(&g.tile_count)
-            .arg(stack.packed)
-            .arg(stack.scales);
-        if let Some(scale_2) = stack.scale_2 {
-            launch.arg(scale_2);
+        let tiles = (&g.sorted_pair, &g.tile_expert, &g.tile_count);
+        let (sorted, tile_expert, tile_count) = tiles;
+        let (packed, scales) = (stack.packed, stack.scales);
+        match (stack.scale_2, wgmma) {
+            (Some(scale_2), false) => kernel::nvfp4_grouped_gemm_bf16::args(
+                &mut launch,
+                a,
+                pair_token,
+                sorted,
+                tile_expert,
+                tile_count,
+                packed,
+                scales,
+                scale_2,
+                &n_i,
+                &k_i,
+                out,
+            ),
+            (None, false) => kernel::mxfp4_grouped_gemm_bf16::args(
+                &mut launch,
+                a,
+                pair_token,
+                sorted,
+                tile_expert,
+                tile_count,
+                packed,
+                scales,
+                &n_i,
+                &k_i,
+                out,
+            ),
+            (Some(scale_2), true) => kernel::nvfp4_grouped_gemm_bf16_wgmma::args(
+                &mut launch,
+                a,
+                pair_token,
+                sorted,
+                tile_expert,
+                tile_count,
+                packed,
+                scales,
+                scale_2,
+                &n_i,
+                &k_i,
+                out,
+            ),
+            (None, true) => kernel::mxfp4_grouped_gemm_bf16_wgmma::args(
+                &mut launch,
+                a,
+                pair_token,
+                sorted,
+                tile_expert,
+                tile_count,
+                packed,
+                scales,
+                &n_i,
+                &k_i,
+                out,
+            ),
         }
-        launch.arg(&n_i).arg(&k_i).arg(&mut *out);
         let column_blocks = grid_dim(n.div_ceil(64), "grouped gemm columns")?;
         if column_blocks > 65_535 {
             return Err(KernelError::Shape(format!("grouped gemm n = {n}")));
         }
-        // SAFETY: `nvfp4_grouped_gemm_bf16`'s (or, without `scale_2`,
-        // `mxfp4_grouped_gemm_bf16`'s; the `_wgmma` kernels take the same) parameters in order; blocks past the tile count return
-        // at once.
+        // SAFETY: the chosen kernel's parameters in order (its typed launcher); blocks past
+        // the tile count return at once.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (

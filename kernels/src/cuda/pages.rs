@@ -4,7 +4,8 @@
 //! both sides. Pages are copied up after the host writes them; a page never written reads as
 //! NaN (0xFF bytes), so a kernel reading it cannot produce a plausible result.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::CudaSlice;
 use engine::pool::{PageId, PagePool};
 
 use super::{Gpu, KernelError};
@@ -151,9 +152,9 @@ impl Gpu {
         let pieces = plan.len() / 3;
         let d_plan = self.stream.clone_htod(&plan)?;
         let mut staging = self.stream.alloc_zeros::<f32>(total)?;
-        let f = self.step.load_function("gather_pieces")?;
+        let f = self.step.load_function(kernel::gather_pieces::NAME)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(&d_plan).arg(&mut staging);
+        kernel::gather_pieces::args(&mut launch, &d_plan, &mut staging);
         let config = cudarc::driver::LaunchConfig {
             grid_dim: (super::grid_dim(pieces, "read_ranges pieces")?, 1, 1),
             block_dim: (128, 1, 1),

@@ -1,7 +1,8 @@
 //! Launch wrappers of `kv_rows.cu`: per-head norm and RoPE of rows, FP8 encoding of K=V rows
 //! into the page pool.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::{kernel, params::RawMut};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::rows::{NormRope, RowNorm, check_encode};
@@ -57,18 +58,20 @@ impl Gpu {
         }
         let (heads, head_dim, rope) = (spec.heads as i32, spec.head_dim as i32, spec.rope as i32);
         let inverse = i32::from(spec.inverse);
-        let f = self.rows.load_function("norm_rope_rows")?;
+        let f = self.rows.load_function(kernel::norm_rope_rows::NAME)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(&heads)
-            .arg(&head_dim)
-            .arg(w)
-            .arg(&norm)
-            .arg(&spec.eps)
-            .arg(sin_cos)
-            .arg(&rope)
-            .arg(&inverse);
+        kernel::norm_rope_rows::args(
+            &mut launch,
+            x,
+            &heads,
+            &head_dim,
+            w,
+            &norm,
+            &spec.eps,
+            sin_cos,
+            &rope,
+            &inverse,
+        );
         // SAFETY: `norm_rope_rows`' parameters in order; buffers checked above.
         unsafe {
             launch.launch(LaunchConfig {
@@ -119,9 +122,9 @@ impl Gpu {
             return Ok(());
         }
         let (nope_i, rope_i) = (nope as i32, rope as i32);
-        let f = self.rows.load_function("fp8_kv_round")?;
+        let f = self.rows.load_function(kernel::fp8_kv_round::NAME)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(rows).arg(&nope_i).arg(&rope_i);
+        kernel::fp8_kv_round::args(&mut launch, rows, &nope_i, &rope_i);
         // SAFETY: `fp8_kv_round`'s parameters in order; 64 threads per row as it expects, the
         // rows checked above.
         unsafe {
@@ -151,14 +154,17 @@ impl Gpu {
             return Ok(());
         }
         let (nope_i, rope_i) = (nope as i32, rope as i32);
-        let f = self.rows.load_function("fp8_kv_encode")?;
+        let f = self.rows.load_function(kernel::fp8_kv_encode::NAME)?;
+        let mut pool_bytes = RawMut(pool);
         let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(rows)
-            .arg(&nope_i)
-            .arg(&rope_i)
-            .arg(pool)
-            .arg(offsets);
+        kernel::fp8_kv_encode::args(
+            &mut launch,
+            rows,
+            &nope_i,
+            &rope_i,
+            &mut pool_bytes,
+            offsets,
+        );
         // SAFETY: `fp8_kv_encode`'s parameters in order; 64 threads per row as it expects.
         unsafe {
             launch.launch(LaunchConfig {
@@ -185,11 +191,11 @@ impl Gpu {
         n: usize,
     ) -> Result<(), KernelError> {
         let n = n.min(x.len());
-        let f = self.moe_align.load_function("fill_nan")?;
+        let f = self.moe_align.load_function(kernel::fill_nan::NAME)?;
         let grid = grid_dim(n.div_ceil(256).max(1), "values")?;
         let n_arg = n as i64;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(x).arg(&n_arg);
+        kernel::fill_nan::args(&mut launch, x, &n_arg);
         // SAFETY: `fill_nan(float*, long long)` over the first `n` values, `n` within `x`.
         unsafe {
             launch.launch(LaunchConfig {
@@ -216,10 +222,10 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let f = self.step.load_function("argmax_rows")?;
+        let f = self.step.load_function(kernel::argmax_rows::NAME)?;
         let width_l = width as i64;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(x).arg(&width_l).arg(out);
+        kernel::argmax_rows::args(&mut launch, x, &width_l, out);
         // SAFETY: `argmax_rows(const float*, long long, int*)`: a block of 256 threads per row
         // (its shared arrays are 256 long), `x` holds `rows * width` values, `out` `2 * rows`.
         unsafe {

@@ -34,15 +34,6 @@ impl Gpu {
         // SAFETY: the device is sm_100, where the kernel has its real
         // body; it takes the W4A4 parameter list, 128 threads per 128 x 128 tile and static
         // shared memory (36 KiB).
-        unsafe {
-            self.launch_w4a4(
-                &self.gemm_sm100,
-                "nvfp4_gemm_w4a4_sm100",
-                (TILE_M, TILE_N),
-                a,
-                w,
-                (m, n, k),
-            )
-        }
+        unsafe { self.launch_w4a4(super::fp4::W4a4::Sm100, (TILE_M, TILE_N), a, w, (m, n, k)) }
     }
 }

@@ -2,9 +2,10 @@
 //! and [`CudaStepOps`], the step's ops over them. Each launch passes the kernel's parameters in
 //! order; the shapes were checked by `crate::step::device_ops` before.
 
+use crate::cuda::kernel;
 use std::{ops::Range, sync::Arc};
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use engine::{
     tensor::{Weight, WeightForm},
     weights::{ExpertWeights, MoeWeights},
@@ -263,7 +264,7 @@ impl Kernels for CudaKernels {
         (n, hc): (usize, usize),
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.step, "embed_rows")?;
+        let f = function(&self.gpu.step, kernel::embed_rows::NAME)?;
         let (bf16, rows, dim, hc_i) = (
             i32::from(table.bf16),
             table.rows as i64,
@@ -271,14 +272,16 @@ impl Kernels for CudaKernels {
             hc as i32,
         );
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(&table.bytes)
-            .arg(&bf16)
-            .arg(&rows)
-            .arg(&dim)
-            .arg(tokens)
-            .arg(&hc_i)
-            .arg(out);
+        kernel::embed_rows::args(
+            &mut launch,
+            &table.bytes,
+            &bf16,
+            &rows,
+            &dim,
+            tokens,
+            &hc_i,
+            out,
+        );
         // SAFETY: `embed_rows`' parameters in order; one block per token, `n` ids, `out`
         // `n * hc * dim` values (checked by the caller); ids outside the table give NaN rows.
         unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
@@ -294,10 +297,10 @@ impl Kernels for CudaKernels {
         width: usize,
         n: usize,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.step, "copy_rows")?;
+        let f = function(&self.gpu.step, kernel::copy_rows::NAME)?;
         let w = width as i64;
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(src).arg(from).arg(dst).arg(to).arg(&w);
+        kernel::copy_rows::args(&mut launch, src, from, dst, to, &w);
         // SAFETY: `copy_rows`' parameters in order; every row inside its buffer (checked by
         // the caller); one block per row.
         unsafe { launch.launch(per_item(n, 128, "rows")?)? };
@@ -387,10 +390,10 @@ impl Kernels for CudaKernels {
         period: usize,
         n: usize,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.step, "add_periodic")?;
+        let f = function(&self.gpu.step, kernel::add_periodic::NAME)?;
         let (period, n_i) = (period as i64, n as i64);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(x).arg(bias).arg(&period).arg(&n_i);
+        kernel::add_periodic::args(&mut launch, x, bias, &period, &n_i);
         // SAFETY: `add_periodic`'s parameters in order; `x` holds `n` values, the bias
         // `period` (checked by the caller).
         unsafe { launch.launch(blocks(n, 256, "values")?)? };
@@ -407,10 +410,10 @@ impl Kernels for CudaKernels {
     }
 
     fn scale_values(&self, x: &mut CudaSlice<f32>, by: f32, n: usize) -> Result<(), KernelError> {
-        let f = function(&self.gpu.step, "scale_values")?;
+        let f = function(&self.gpu.step, kernel::scale_values::NAME)?;
         let n_i = n as i64;
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(x).arg(&by).arg(&n_i);
+        kernel::scale_values::args(&mut launch, x, &by, &n_i);
         // SAFETY: `scale_values(float*, float, long long)`; `x` holds `n` values.
         unsafe { launch.launch(blocks(n, 256, "values")?)? };
         Ok(())
@@ -447,22 +450,24 @@ impl Kernels for CudaKernels {
         p: PoolSpec,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.compress, "compress_pool")?;
+        let f = function(&self.gpu.compress, kernel::compress_pool::NAME)?;
         let (windows, ratio, d) = (p.windows as i32, p.ratio as i32, p.d as i32);
         let (width, overlap) = (p.width as i64, i32::from(p.overlap));
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(kv)
-            .arg(gate)
-            .arg(prev_kv)
-            .arg(prev_gate)
-            .arg(has_prev)
-            .arg(&windows)
-            .arg(&ratio)
-            .arg(&d)
-            .arg(&width)
-            .arg(&overlap)
-            .arg(out);
+        kernel::compress_pool::args(
+            &mut launch,
+            kv,
+            gate,
+            prev_kv,
+            prev_gate,
+            has_prev,
+            &windows,
+            &ratio,
+            &d,
+            &width,
+            &overlap,
+            out,
+        );
         // SAFETY: `compress_pool`'s parameters in order; every buffer holds `windows` windows.
         unsafe { launch.launch(blocks(p.windows * p.d, 128, "channels")?)? };
         Ok(())
@@ -594,7 +599,7 @@ impl Kernels for CudaKernels {
         let device = super::DeviceExperts {
             packed: &stack.packed,
             scales: &stack.scales,
-            scale_2: (stack.kernel == "exact_pairs_nvfp4").then_some(&stack.scale_2),
+            scale_2: (stack.kernel == kernel::exact_pairs_nvfp4::NAME).then_some(&stack.scale_2),
             experts: stack.experts,
             rows: stack.rows,
             cols: stack.cols,
@@ -615,7 +620,7 @@ impl Kernels for CudaKernels {
         let device = super::DeviceStack {
             packed: &stack.packed,
             scales: &stack.scales,
-            scale_2: (stack.kernel == "exact_pairs_nvfp4").then_some(&stack.scale_2),
+            scale_2: (stack.kernel == kernel::exact_pairs_nvfp4::NAME).then_some(&stack.scale_2),
             experts: stack.experts,
             n: stack.rows,
             k: stack.cols,

@@ -2,7 +2,8 @@
 //! `sum_blocks` in `step.cu`) and the exchange of device buffers over NCCL where the group's
 //! collective is NCCL's.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use engine::parallel::collective::Collective;
 
@@ -52,12 +53,22 @@ impl CudaKernels {
                  {width}, outside their buffers"
             )));
         }
-        let f = function(&self.gpu.step, "ep_slots")?;
+        let f = function(&self.gpu.step, kernel::ep_slots::NAME)?;
         let (p, r) = (wide(pairs, "pairs")?, wide(ranks, "ranks")?);
         let (e, w) = (wide(per_rank, "experts")?, wide(width, "width")?);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(experts).arg(&p).arg(&r).arg(&e).arg(&w);
-        launch.arg(send).arg(pack_to).arg(back_from).arg(counts);
+        kernel::ep_slots::args(
+            &mut launch,
+            experts,
+            &p,
+            &r,
+            &e,
+            &w,
+            send,
+            pack_to,
+            back_from,
+            counts,
+        );
         let one = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (EP_SLOTS_THREADS, 1, 1),
@@ -85,16 +96,10 @@ impl CudaKernels {
         if m == 0 {
             return Ok(());
         }
-        let f = function(&self.gpu.step, "ep_take_ids")?;
+        let f = function(&self.gpu.step, kernel::ep_take_ids::NAME)?;
         let (first, held, n) = (wide(first, "first")?, wide(held, "held")?, wide(m, "m")?);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(recv)
-            .arg(at)
-            .arg(&first)
-            .arg(&held)
-            .arg(&n)
-            .arg(ids);
+        kernel::ep_take_ids::args(&mut launch, recv, at, &first, &held, &n, ids);
         // SAFETY: `ep_take_ids`' parameters in order; `at` and `ids` hold `m` values (checked
         // above), every `at` inside `recv` (the caller's offsets); a thread per row.
         unsafe { launch.launch(per_item(m.div_ceil(128), 128, "ep_take_ids")?)? };
@@ -117,12 +122,11 @@ impl CudaKernels {
         if pairs == 0 {
             return Ok(());
         }
-        let f = function(&self.gpu.step, "held_ids")?;
+        let f = function(&self.gpu.step, kernel::held_ids::NAME)?;
         let (first, held) = (wide(first, "first")?, wide(held, "held")?);
         let (total, n) = (wide(total, "total")?, wide(pairs, "pairs")?);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(experts).arg(&first).arg(&held);
-        launch.arg(&total).arg(&n).arg(ids);
+        kernel::held_ids::args(&mut launch, experts, &first, &held, &total, &n, ids);
         // SAFETY: `held_ids`' parameters in order; `experts` and `ids` hold `pairs` values
         // (checked above); a thread per pair.
         unsafe { launch.launch(per_item(pairs.div_ceil(128), 128, "held_ids")?)? };
@@ -145,10 +149,10 @@ impl CudaKernels {
         if pairs == 0 || width == 0 {
             return Ok(());
         }
-        let f = function(&self.gpu.step, "clear_unheld_rows")?;
+        let f = function(&self.gpu.step, kernel::clear_unheld_rows::NAME)?;
         let (w, n) = (wide(width, "width")?, wide(pairs, "pairs")?);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(ys).arg(ids).arg(&w).arg(&n);
+        kernel::clear_unheld_rows::args(&mut launch, ys, ids, &w, &n);
         // SAFETY: `clear_unheld_rows`' parameters in order; `ys` holds `pairs * width` values
         // and `ids` `pairs` (checked above); a thread per value.
         unsafe { launch.launch(blocks(pairs * width, 256, "clear_unheld_rows")?)? };
@@ -170,10 +174,10 @@ impl CudaKernels {
         if part == 0 {
             return Ok(());
         }
-        let f = function(&self.gpu.step, "sum_blocks")?;
+        let f = function(&self.gpu.step, kernel::sum_blocks::NAME)?;
         let (b, n) = (wide(count, "blocks")?, wide(part, "part")?);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch.arg(x).arg(&b).arg(&n).arg(out);
+        kernel::sum_blocks::args(&mut launch, x, &b, &n, out);
         // SAFETY: `sum_blocks`' parameters in order; `x` holds `count * part` values and `out`
         // `part` (checked above); a thread per value.
         unsafe { launch.launch(blocks(part, 256, "sum_blocks")?)? };

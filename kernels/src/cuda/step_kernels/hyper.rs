@@ -1,7 +1,8 @@
 //! The hyper-connections kernels' launches (`hyper_pre`, `hyper_post`, `hyper_head` in
 //! `hyper.cu`).
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use crate::cuda::kernel;
+use cudarc::driver::CudaSlice;
 
 use super::{CudaKernels, KernelError, function, per_item};
 use crate::step::kernels::HyperSpec;
@@ -23,21 +24,23 @@ impl CudaKernels {
         if spec.hc > crate::cuda::MAX_HC {
             return Err(KernelError::Shape(format!("{} streams", spec.hc)));
         }
-        let f = function(&self.gpu.hyper, "hyper_pre")?;
+        let f = function(&self.gpu.hyper, kernel::hyper_pre::NAME)?;
         let (hc, dim, iters) = (spec.hc as i32, spec.dim as i64, spec.iters as i32);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(mixes)
-            .arg(scale)
-            .arg(base)
-            .arg(&hc)
-            .arg(&dim)
-            .arg(&spec.eps)
-            .arg(&iters)
-            .arg(collapsed)
-            .arg(post)
-            .arg(comb);
+        kernel::hyper_pre::args(
+            &mut launch,
+            x,
+            mixes,
+            scale,
+            base,
+            &hc,
+            &dim,
+            &spec.eps,
+            &iters,
+            collapsed,
+            post,
+            comb,
+        );
         // SAFETY: `hyper_pre`'s parameters in order; one block per token (shapes checked by
         // the caller).
         unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
@@ -53,17 +56,10 @@ impl CudaKernels {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.hyper, "hyper_post")?;
+        let f = function(&self.gpu.hyper, kernel::hyper_post::NAME)?;
         let (hc, dim) = (spec.hc as i32, spec.dim as i64);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(y)
-            .arg(post)
-            .arg(comb)
-            .arg(&hc)
-            .arg(&dim)
-            .arg(out);
+        kernel::hyper_post::args(&mut launch, x, y, post, comb, &hc, &dim, out);
         // SAFETY: `hyper_post`'s parameters in order; one block per token.
         unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
         Ok(())
@@ -78,18 +74,10 @@ impl CudaKernels {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let f = function(&self.gpu.hyper, "hyper_head")?;
+        let f = function(&self.gpu.hyper, kernel::hyper_head::NAME)?;
         let (hc, dim) = (spec.hc as i32, spec.dim as i64);
         let mut launch = self.gpu.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(mix)
-            .arg(&scale)
-            .arg(base)
-            .arg(&hc)
-            .arg(&dim)
-            .arg(&spec.eps)
-            .arg(out);
+        kernel::hyper_head::args(&mut launch, x, mix, &scale, base, &hc, &dim, &spec.eps, out);
         // SAFETY: `hyper_head`'s parameters in order; one block per token.
         unsafe { launch.launch(per_item(n, 256, "tokens")?)? };
         Ok(())

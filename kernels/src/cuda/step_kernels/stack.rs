@@ -41,13 +41,13 @@ pub(super) fn upload_stack(
                 packed.as_slice(),
                 scales.as_slice(),
                 *scale_2,
-                "exact_pairs_nvfp4",
+                crate::cuda::kernel::exact_pairs_nvfp4::NAME,
             )),
             WeightForm::Mxfp4 { packed, scales } => Some((
                 packed.as_slice(),
                 scales.as_slice(),
                 1.0,
-                "exact_pairs_mxfp4",
+                crate::cuda::kernel::exact_pairs_mxfp4::NAME,
             )),
             _ => None,
         };
