@@ -235,7 +235,7 @@ impl Synthetic {
     /// of them is NaN.
     pub fn worst(&self, got: &[f32], want: &[f32]) -> f32 {
         let per_request = self.shape.heads * self.shape.dim();
-        crate::cpu::worst_ratio(got, want, |i| self.amax[i / per_request] / 256.0 + 1e-6)
+        crate::compare::worst_ratio(got, want, |i| self.amax[i / per_request] / 256.0 + 1e-6)
     }
 }
 

@@ -201,23 +201,6 @@ pub fn grouped_gemm(
     Ok(out)
 }
 
-/// The largest `|got - want| / bound(i)` over the outputs, NaN where exactly one of the two is
-/// NaN (a NaN where the reference has a number, or the reverse, is never within a bound).
-pub fn worst_ratio(got: &[f32], want: &[f32], bound: impl Fn(usize) -> f32) -> f32 {
-    assert_eq!(got.len(), want.len(), "output lengths");
-    let mut worst = 0f32;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if g.is_nan() || w.is_nan() {
-            if g.is_nan() != w.is_nan() {
-                return f32::NAN;
-            }
-            continue;
-        }
-        worst = worst.max((g - w).abs() / bound(i));
-    }
-    worst
-}
-
 /// Rows `row0..row0 + rows` of `src` times each of the `vectors` vectors of `x` with the
 /// engine's own dot products (`engine::tensor::dots_source`), vector-major: the reference of
 /// the exact GEMV.

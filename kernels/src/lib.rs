@@ -102,6 +102,7 @@
 pub mod arch;
 pub mod attn_fp8;
 pub mod backend;
+pub mod compare;
 pub mod compose;
 pub mod cost;
 pub mod cpu;

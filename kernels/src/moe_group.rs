@@ -228,7 +228,7 @@ impl SyntheticMoe {
     pub fn worst(&self, got: &[f32], want: &[f32]) -> f32 {
         let (n, k) = (self.n, self.k);
         let experts = self.experts;
-        crate::cpu::worst_ratio(got, want, |i| {
+        crate::compare::worst_ratio(got, want, |i| {
             let (p, j) = (i / n, i % n);
             let (t, e) = (
                 self.pair_token[p] as usize,

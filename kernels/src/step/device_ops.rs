@@ -478,7 +478,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         arena: &mut DBuf<K>,
         closes: &[WindowClose],
     ) -> Result<DBuf<K>, K::Error> {
-        super::device_close::close_windows(self, self.model.compressor(layer, comp)?, arena, closes)
+        self.closed_windows(self.model.compressor(layer, comp)?, arena, closes)
     }
 
     fn index_select(
@@ -489,7 +489,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         at: &[IndexAt],
         k: usize,
     ) -> Result<DIdx<K>, K::Error> {
-        super::device_close::index_select(self, (q, weights), arena, at, k)
+        self.indexer_choice((q, weights), arena, at, k)
     }
 
     fn attend(
@@ -590,7 +590,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         tokens: &DIdx<K>,
         n: usize,
     ) -> Result<(DIdx<K>, DBuf<K>), K::Error> {
-        super::device_close::route(self, layer, logits, tokens, n)
+        self.routing(layer, logits, tokens, n)
     }
 
     fn routed_experts(
@@ -634,7 +634,7 @@ impl<K: Kernels> StepOps for DeviceStepOps<K> {
         per: usize,
         pairs: usize,
     ) -> Result<DBuf<K>, K::Error> {
-        super::device_close::expert_pairs(self, layer, proj, x, (experts, per, pairs))
+        self.expert_pair_rows(layer, proj, x, (experts, per, pairs))
     }
 
     fn swiglu(
