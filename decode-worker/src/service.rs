@@ -16,8 +16,9 @@ use worker_core::transports::{Offered, start_offered};
 
 use common::fault::Fault;
 use engine::{
-    runner::{LoadedEngine, Runner},
+    runner::Runner,
     scheduler::{EngineError, Event, GenerationRequest, HandoffError},
+    start::LoadedEngine,
 };
 use kv_transfer::{
     handshake,

@@ -17,6 +17,7 @@ pub mod safetensors;
 pub mod sampling;
 pub mod scheduler;
 pub mod schema;
+pub mod start;
 pub mod synth;
 pub mod tensor;
 pub mod weights;

@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod compressor;
 pub mod delta;
+pub mod expert;
 pub mod hyper;
 pub mod moe;
 

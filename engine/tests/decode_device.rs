@@ -517,7 +517,7 @@ fn a_runner_starts_an_engine_decoding_on_its_device() {
     use engine::{
         backend::BackendError,
         parallel::group::GroupSpec,
-        runner::{RankDevices, StartError, start_with_backend},
+        start::{RankDevices, StartError, start_with_backend},
         weights::LoadProgress,
     };
     let dir = checkpoint();

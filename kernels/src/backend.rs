@@ -262,7 +262,7 @@ pub fn start_engine(
     hybrid: bool,
     group: engine::parallel::group::GroupSpec,
     progress: &Arc<engine::weights::LoadProgress>,
-) -> Result<engine::runner::LoadedEngine, engine::runner::StartError> {
+) -> Result<engine::start::LoadedEngine, engine::start::StartError> {
     let spread = group.parallel.ep > 1 || group.parallel.moe_tp;
     let open = |dir: &Path, model: &ModelConfig, rank: usize| {
         let device = RankDevice {
@@ -324,7 +324,7 @@ pub fn start_engine(
         |model: &engine::model::Model, config: &engine::scheduler::EngineConfig, _rank: usize| {
             open_emulated_decode(model, config, step, prompts)
         };
-    let devices = engine::runner::RankDevices {
+    let devices = engine::start::RankDevices {
         open: &open,
         hybrid,
         collectives: match kind {
@@ -338,7 +338,7 @@ pub fn start_engine(
         },
         decode_only,
     };
-    engine::runner::start_with_backend(dir, config, thread_name, devices, group, progress)
+    engine::start::start_with_backend(dir, config, thread_name, devices, group, progress)
 }
 
 /// Refuses what only the device step runs (`step`'s options) where it does not run: off the
@@ -349,7 +349,7 @@ fn refuse_off_the_device_step(
     kind: BackendKind,
     step: StepOptions,
     (decode_only, device_step): (bool, bool),
-) -> Result<(), engine::runner::StartError> {
+) -> Result<(), engine::start::StartError> {
     let decode = [
         (step.fast_attention, "fast decode attention"),
         (step.fast_experts, "fast decode experts"),
@@ -374,7 +374,7 @@ fn refuse_off_the_device_step(
     };
     let runs = device_step && kind != BackendKind::Cpu;
     match asked.iter().find(|(asked, _)| *asked) {
-        Some((_, what)) if !runs => Err(engine::runner::StartError::Backend(
+        Some((_, what)) if !runs => Err(engine::start::StartError::Backend(
             BackendError::Unavailable {
                 backend: kind.name().to_owned(),
                 reason: format!("{what} run in {place} on cuda or emulated, without hybrid"),

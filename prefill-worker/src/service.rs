@@ -16,8 +16,8 @@ use worker_core::transports::{Offered, start_offered};
 
 use common::fault::Fault;
 use engine::{
-    runner::LoadedEngine,
     scheduler::{Event, GenerationRequest, PromptState},
+    start::LoadedEngine,
 };
 use kv_transfer::{
     TransferError, handshake,

@@ -14,7 +14,7 @@ use common::{
     worker_info::{DrainingFlag, ProgressSource},
     worker_server::{ListenOptions, ServeError, WorkerServer, load_on_thread},
 };
-use engine::{runner::LoadedEngine, weights::LoadProgress};
+use engine::{start::LoadedEngine, weights::LoadProgress};
 use proto::{
     auth::Credentials,
     v1::{Role, TransportKind, WorkerState},

@@ -1,7 +1,7 @@
 //! Expert parallelism: a layer's routed experts divided among the ranks by whole experts, each
 //! (token, expert) product computed on the rank that holds the expert and sent back to the
 //! token's rank, which sums in its own fixed slot order. Every product is the same
-//! [`moe::expert_many`] row a single rank computes (its rows do not depend on the other rows of
+//! [`expert::expert_many`] row a single rank computes (its rows do not depend on the other rows of
 //! the call), so the MoE output is bit-identical to the one-rank engine's.
 //!
 //! cudarc's NCCL has no all-to-all, so dispatch and combine are two [`Collective::exchange`]
@@ -13,7 +13,7 @@
 //! back, per source, the outputs in the order that source listed its pairs.
 
 use super::collective::{Collective, CollectiveError, SharedCollective};
-use crate::{model::moe, weights::ExpertWeights};
+use crate::{model::expert, weights::ExpertWeights};
 
 /// Which rank holds which experts: `experts / ranks` consecutive experts per rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,7 +115,7 @@ pub fn routed_experts(
                 continue;
             }
             let xs: Vec<&[f32]> = list.iter().map(|&i| inputs[i].1).collect();
-            let ys = moe::expert_many(&shard.experts[local], &xs, shard.limit);
+            let ys = expert::expert_many(&shard.experts[local], &xs, shard.limit);
             for (&i, y) in list.iter().zip(ys) {
                 outputs[i] = y;
             }

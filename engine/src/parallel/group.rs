@@ -5,17 +5,16 @@
 
 use std::{sync::Arc, time::Duration};
 
-use tokio::sync::watch;
-
 use super::{
     collective::{Collective, InProcessGroup},
     expert::ExpertParallel,
+    ranks::Failure,
     tensor::TensorParallel,
 };
 use crate::{
     model::Model,
     plan::shard::Parallel,
-    runner::{Job, Runner, Stopped, Subscribers},
+    runner::{Job, Runner, Stopped, Subscribers, Wake},
     scheduler::{Engine, EngineConfig, EngineError},
 };
 
@@ -74,25 +73,6 @@ impl GroupSpec {
     }
 }
 
-/// Set once, when a group's ranks lost lockstep (a rank died or hung past the timeout): the
-/// ranks that still run failed their requests and serve none; a hung rank answers nothing.
-#[derive(Debug)]
-pub struct Failure(watch::Sender<Option<String>>);
-
-impl Default for Failure {
-    fn default() -> Self {
-        Self(watch::channel(None).0)
-    }
-}
-
-impl Failure {
-    /// Records `reason` (the first one stays).
-    pub fn set(&self, reason: &str) {
-        self.0
-            .send_if_modified(|f| f.is_none().then(|| *f = Some(reason.to_owned())).is_some());
-    }
-}
-
 /// Handles to a worker's ranks; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Ranks {
@@ -106,7 +86,7 @@ pub struct Ranks {
 #[derive(Debug, Clone)]
 struct Replicated {
     queues: Vec<std::sync::mpsc::Sender<Job>>,
-    wake: Arc<super::ranks::Wake>,
+    wake: Arc<Wake>,
     /// Held while a job is queued on every rank, so all ranks see the jobs in one order.
     order: Arc<std::sync::Mutex<()>>,
 }
@@ -129,11 +109,30 @@ impl Ranks {
         }
     }
 
+    /// Starts one thread per engine ([`super::ranks::start`]); with `replicated` every rank
+    /// runs every request (tensor-parallel attention): calls go to all ranks ([`Ranks::call`])
+    /// and each rank applies them at the same step.
+    pub(crate) fn start(
+        engines: Vec<Engine>,
+        control: Vec<Box<dyn Collective>>,
+        name: &str,
+        threads: usize,
+        replicated: bool,
+    ) -> std::io::Result<Self> {
+        let started = super::ranks::start(engines, control, name, threads)?;
+        let ranks = Self::new(started.runners, started.failure);
+        Ok(if replicated {
+            ranks.replicated(started.shared, started.wake)
+        } else {
+            ranks
+        })
+    }
+
     /// These ranks with every call going to all of them through their group `queues`.
     pub(crate) fn replicated(
         mut self,
         queues: Vec<std::sync::mpsc::Sender<Job>>,
-        wake: Arc<super::ranks::Wake>,
+        wake: Arc<Wake>,
     ) -> Self {
         self.replicated = Some(Replicated {
             queues,
@@ -186,12 +185,12 @@ impl Ranks {
 
     /// Why the group stopped serving, once it has.
     pub fn failure(&self) -> Option<String> {
-        self.failure.0.borrow().clone()
+        self.failure.reason()
     }
 
     /// Resolves when the group fails, with the reason (never, for a group that does not).
     pub async fn failed(&self) -> String {
-        let mut rx = self.failure.0.subscribe();
+        let mut rx = self.failure.subscribe();
         let reason = rx
             .wait_for(Option::is_some)
             .await
@@ -417,16 +416,33 @@ pub enum GroupError {
     Thread(#[from] std::io::Error),
 }
 
+/// Makes one collective per rank for a group of `n` ranks that waits at most the timeout.
+pub type MakeCollectives<'a> =
+    &'a dyn Fn(
+        usize,
+        std::time::Duration,
+    ) -> Result<Vec<Box<dyn crate::parallel::collective::Collective>>, String>;
+
+/// Opens the device an engine steps its decode tokens on (and its prompt chunks, where the
+/// device steps them), for rank `rank`'s model (a rank of an expert-parallel group: the device
+/// exchanges over the model's group) and the engine's configuration.
+pub type OpenDecode<'a> =
+    &'a dyn Fn(
+        &crate::model::Model,
+        &crate::scheduler::EngineConfig,
+        usize,
+    ) -> Result<Box<dyn crate::scheduler::StepDevice>, crate::backend::BackendError>;
+
 /// What each rank of a group computes with: its backend (rank r's device; `None`: the CPU
 /// reference), whether ops its backend does not run may stay on the CPU, and the collectives
 /// of the model's groups (`None`: in-process).
 pub struct RankSetup<'a> {
     pub backends: Vec<Option<Arc<dyn crate::backend::Backend>>>,
     pub hybrid: bool,
-    pub collectives: Option<crate::runner::MakeCollectives<'a>>,
+    pub collectives: Option<MakeCollectives<'a>>,
     /// Each rank's step device (rank r's opened for its model): then every rank steps there,
     /// exchanging its routed experts' pairs over its expert-parallel group.
-    pub decode: Option<crate::runner::OpenDecode<'a>>,
+    pub decode: Option<OpenDecode<'a>>,
 }
 
 impl std::fmt::Debug for RankSetup<'_> {
@@ -568,7 +584,7 @@ pub fn start(
         .map(|r| Box::new(r) as Box<dyn super::collective::Collective>)
         .collect();
     let replicated = spec.parallel.tp > 1;
-    let ranks = super::ranks::start(engines, control, name, spec.threads_per_rank, replicated)?;
+    let ranks = Ranks::start(engines, control, name, spec.threads_per_rank, replicated)?;
     Ok((ranks, layout))
 }
 

@@ -12,42 +12,43 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Condvar, Mutex, PoisonError, mpsc as std_mpsc},
+    sync::{Arc, mpsc as std_mpsc},
 };
 
-use super::{
-    collective::Collective,
-    group::{Failure, Ranks},
-};
+use tokio::sync::watch;
+
+use super::collective::Collective;
 use crate::{
-    runner::{Job, Runner, Subscribers},
+    runner::{Job, Runner, Subscribers, Wake},
     scheduler::Engine,
 };
 
-/// The group's wake-up: a counter every job bumps.
-#[derive(Debug, Default)]
-pub struct Wake {
-    epoch: Mutex<u64>,
-    changed: Condvar,
+/// Set once, when a group's ranks lost lockstep (a rank died or hung past the timeout): the
+/// ranks that still run failed their requests and serve none; a hung rank answers nothing.
+#[derive(Debug)]
+pub struct Failure(watch::Sender<Option<String>>);
+
+impl Default for Failure {
+    fn default() -> Self {
+        Self(watch::channel(None).0)
+    }
 }
 
-impl Wake {
-    pub(crate) fn bump(&self) {
-        *self.epoch.lock().unwrap_or_else(PoisonError::into_inner) += 1;
-        self.changed.notify_all();
+impl Failure {
+    /// The reason, once set.
+    pub fn reason(&self) -> Option<String> {
+        self.0.borrow().clone()
     }
 
-    fn current(&self) -> u64 {
-        *self.epoch.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Watches the reason.
+    pub fn subscribe(&self) -> watch::Receiver<Option<String>> {
+        self.0.subscribe()
     }
 
-    /// Waits until a job arrived after `seen` (or `limit` passed).
-    fn wait_past(&self, seen: u64, limit: std::time::Duration) {
-        let epoch = self.epoch.lock().unwrap_or_else(PoisonError::into_inner);
-        let _ = self
-            .changed
-            .wait_timeout_while(epoch, limit, |e| *e == seen)
-            .unwrap_or_else(PoisonError::into_inner);
+    /// Records `reason` (the first one stays).
+    pub fn set(&self, reason: &str) {
+        self.0
+            .send_if_modified(|f| f.is_none().then(|| *f = Some(reason.to_owned())).is_some());
     }
 }
 
@@ -55,17 +56,25 @@ impl Wake {
 /// every job wakes it at once).
 const IDLE_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The handles of started ranks, which the group's `Ranks` holds.
+#[derive(Debug)]
+pub struct Started {
+    /// Each rank's own queue.
+    pub runners: Vec<Runner>,
+    pub failure: Arc<Failure>,
+    /// Each rank's group queue (jobs every rank applies before the same step).
+    pub shared: Vec<std_mpsc::Sender<Job>>,
+    pub wake: Arc<Wake>,
+}
+
 /// Starts one thread per engine (rank `r` = `engines[r]`, meeting the others in
-/// `control[r]`), each with a compute pool of `threads` threads. Returns the ranks' runners.
-/// With `replicated` every rank runs every request (tensor-parallel attention): the group's
-/// calls go to all ranks ([`Ranks::call`]) and each rank applies them at the same step.
+/// `control[r]`), each with a compute pool of `threads` threads.
 pub fn start(
     engines: Vec<Engine>,
     control: Vec<Box<dyn Collective>>,
     name: &str,
     threads: usize,
-    replicated: bool,
-) -> std::io::Result<Ranks> {
+) -> std::io::Result<Started> {
     if engines.len() != control.len() {
         return Err(std::io::Error::other(format!(
             "{} engines for {} control ranks",
@@ -99,11 +108,11 @@ pub fn start(
         runners.push(Runner::ranked(jobs, Arc::clone(&wake)));
         shared.push(shared_jobs);
     }
-    let ranks = Ranks::new(runners, failure);
-    Ok(if replicated {
-        ranks.replicated(shared, wake)
-    } else {
-        ranks
+    Ok(Started {
+        runners,
+        failure,
+        shared,
+        wake,
     })
 }
 

@@ -21,7 +21,7 @@ use super::{
     collective::{Collective, SharedCollective},
     expert::ExpertError,
 };
-use crate::{model::moe, tensor::Weight, weights::ExpertWeights};
+use crate::{model::expert, tensor::Weight, weights::ExpertWeights};
 
 /// This rank's slice of every routed expert's intermediate dimension.
 #[derive(Debug)]
@@ -129,7 +129,7 @@ impl SlicedExperts {
             .zip(&ups)
             .map(|(g, u)| {
                 let mut act = vec![0.0f32; slice.len()];
-                moe::swiglu(g, u, limit, &mut act);
+                expert::swiglu(g, u, limit, &mut act);
                 act
             })
             .collect();
@@ -234,7 +234,7 @@ mod tests {
                     let held = sliced.held(w).unwrap();
                     assert_eq!(held.w1.rows, inter / size);
                     let want = sliced.partial(w, 7.0, &refs);
-                    assert_eq!(moe::expert_many(&held, &refs, 7.0), want, "of {size}");
+                    assert_eq!(expert::expert_many(&held, &refs, 7.0), want, "of {size}");
                 }
             }
         }

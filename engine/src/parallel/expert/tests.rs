@@ -74,7 +74,7 @@ fn expert_parallel_outputs_equal_the_one_rank_experts_bit_for_bit() {
             for (r, ((xs, pairs), got)) in jobs.iter().zip(&results).enumerate() {
                 assert_eq!(got.len(), pairs.len());
                 for (&(t, e), y) in pairs.iter().zip(got) {
-                    let want = moe::expert(&layer.experts[e], &xs[t], c.swiglu_limit);
+                    let want = expert::expert(&layer.experts[e], &xs[t], c.swiglu_limit);
                     assert!(
                         y.len() == want.len()
                             && y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),

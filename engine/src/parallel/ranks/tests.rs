@@ -69,7 +69,7 @@ fn group(dir: &std::path::Path, ranks: usize, timeout: Duration) -> crate::paral
             Engine::new(model, config(), "ranks").expect("engine")
         })
         .collect();
-    start(engines, control, "test", 1, false).expect("start")
+    crate::parallel::group::Ranks::start(engines, control, "test", 1, false).expect("start")
 }
 
 /// Adds `req` on `runner` and gathers its events until its end.
