@@ -248,7 +248,8 @@ fn replace_word(text: &str, word: &str, with: &str) -> String {
     out
 }
 
-fn strip_comments(source: &str) -> String {
+/// `source` without its comments (a line comment's `\\` line continuation kept).
+pub fn strip_comments(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     loop {

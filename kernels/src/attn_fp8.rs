@@ -3,9 +3,9 @@
 //! and what the emulation and the reference share with it.
 
 /// Rows per tile (`TILE` in the kernel).
-pub const TILE: usize = 16;
+pub const TILE: usize = crate::cuda_constants::attn_decode_fp8::TILE;
 /// Threads of `attn_fp8_partial`.
-pub const THREADS: usize = 512;
+pub const THREADS: usize = crate::cuda_constants::attn_decode_fp8::THREADS;
 /// The most heads a block computes (4 blocks of 16 heads).
 pub const MAX_HEADS: usize = 64;
 /// The widest row (16 output tiles of 8 per warp quarter).

@@ -6,9 +6,15 @@
 use engine::formats::{bf16_to_f32, e4m3_to_f32, f32_to_bf16};
 
 /// Rows per block tile (activation rows) and columns per block tile (weight rows).
-pub const TILE: usize = 64;
+pub const TILE: usize = crate::cuda_constants::dense_gemm::BM;
 /// The K slice a block stages at a time; a split covers whole slices.
-pub const SLICE: usize = 32;
+pub const SLICE: usize = crate::cuda_constants::dense_gemm::BK;
+// The warpgroup tiles (`wgmma.cuh`, what sm_90 runs) cut the work as the WMMA tiles do.
+const _: () = assert!(
+    TILE == crate::cuda_constants::dense_gemm::BN
+        && TILE == crate::cuda_constants::wgmma::TILE
+        && SLICE == crate::cuda_constants::wgmma::SLICE
+);
 /// The fewest K columns a split covers (below that a split's fixed cost outweighs its reads).
 pub const MIN_SPLIT_COLS: usize = 512;
 

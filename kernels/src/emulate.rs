@@ -51,7 +51,7 @@ pub use topk_radix::topk_radix;
 pub use wmma_bf16::{fp4_gemm_bf16_wgmma, mxfp4_gemm_bf16, nvfp4_gemm_bf16};
 
 /// Threads per block of `attn_decode_partial`.
-const ATTN_THREADS: usize = 128;
+const ATTN_THREADS: usize = crate::cuda_constants::attn_decode::THREADS;
 
 /// The rows `[lo, hi)` of split `split` of a request whose rows are `first..first + count`
 /// (`attn_decode_partial`): `splits` parts of `ceil(count / splits)` rows, the last ones

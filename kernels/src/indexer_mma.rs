@@ -13,9 +13,9 @@ use engine::synth::Rng;
 use crate::{dense_gemm::bf16, step::kernels::ScoreSpec};
 
 /// Keys per MMA tile, tiles per block, threads per block.
-pub const KEYS: usize = 64;
-pub const TILES: usize = 4;
-pub const THREADS: usize = 128;
+pub const KEYS: usize = crate::cuda_constants::indexer::MMA_KEYS;
+pub const TILES: usize = crate::cuda_constants::indexer::MMA_TILES;
+pub const THREADS: usize = crate::cuda_constants::indexer::MMA_THREADS;
 /// Dynamic shared memory a block may take without opting in to more.
 pub const MAX_SHARED_BYTES: usize = 48 * 1024;
 

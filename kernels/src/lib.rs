@@ -120,6 +120,22 @@ pub mod prefill_gemm;
 pub mod rows;
 pub mod step;
 
+/// The integer constants of the kernel sources (`cuda/*.cu`, `cuda/*.cuh`: tile sizes,
+/// thread counts, layouts), written by the build script (`build/constants.rs`): the launch
+/// shapes and the CPU emulations of the kernels' index math take theirs from here.
+#[allow(
+    clippy::unreadable_literal,
+    reason = "the values as the kernel sources write them"
+)]
+pub mod cuda_constants {
+    include!(concat!(env!("OUT_DIR"), "/kernel_constants.rs"));
+}
+
+/// The kernels' constants as the build script reads them (tested here).
+#[cfg(test)]
+#[path = "../build/constants.rs"]
+mod constants;
+
 /// The kernels' parameter lists as the build script reads them (tested here; the build
 /// writes `cuda::kernel` from them).
 #[cfg(test)]

@@ -3,7 +3,11 @@
 //! launch wrapper sizes and checks, and what the emulation runs.
 
 /// Pairs per tile (the GEMM's 64 rows).
-pub const TILE_ROWS: usize = 64;
+pub const TILE_ROWS: usize = crate::cuda_constants::moe_align::TILE_ROWS;
+const _: () = assert!(
+    TILE_ROWS == crate::cuda_constants::nvfp4_gemm::BM,
+    "a tile of pairs is a GEMM tile"
+);
 
 /// The most tiles `pairs` pairs over `experts` experts can need: the grid and buffers are
 /// sized by it, so a captured graph fits any routing.

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::{Gpu, KernelError, non_empty};
 
 /// Warps (output rows) per block of the dense GEMVs (`WARPS_PER_BLOCK` in dense_gemv.cu).
-const DENSE_GEMV_WARPS: usize = 4;
+const DENSE_GEMV_WARPS: usize = crate::cuda_constants::dense_gemv::WARPS_PER_BLOCK;
 /// Vectors per dense GEMV launch (grid y).
 const VECTORS_PER_LAUNCH: usize = 65_535;
 

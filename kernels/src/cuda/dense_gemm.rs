@@ -15,7 +15,9 @@ use crate::{
 };
 
 /// Threads per block of `dense_gemm_*` and of `sum_splits`.
-const GEMM_THREADS: u32 = 128;
+const GEMM_THREADS: u32 = crate::cuda_constants::dense_gemm::THREADS as u32;
+const _: () =
+    assert!(crate::cuda_constants::dense_gemm::THREADS == crate::cuda_constants::wgmma::THREADS);
 const SUM_THREADS: u32 = 256;
 
 /// A dense weight on the device, in the engine's forms.

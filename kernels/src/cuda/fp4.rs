@@ -544,9 +544,10 @@ pub(super) enum W4a4 {
 }
 
 /// Warps (output rows) per block of the GEMV kernels (`WARPS_PER_BLOCK` in `fp4_gemv.cu`).
-const GEMV_WARPS: usize = 4;
+const GEMV_WARPS: usize = crate::cuda_constants::fp4_gemv::WARPS_PER_BLOCK;
 /// Output tile edge of `nvfp4_gemm_bf16` (`BM` = `BN`).
-const GEMM_TILE: usize = 64;
+const GEMM_TILE: usize = crate::cuda_constants::nvfp4_gemm::BM;
+const _: () = assert!(GEMM_TILE == crate::cuda_constants::nvfp4_gemm::BN);
 
 /// The FP4 format of a GEMV weight.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -8,7 +8,7 @@ use engine::weights::{HeadWeights, HyperWeights};
 use super::{Gpu, KernelError, grid_dim, non_empty};
 
 /// The most streams the kernels take (`MAX_HC`).
-pub const MAX_HC: usize = 8;
+pub const MAX_HC: usize = crate::cuda_constants::hyper::MAX_HC;
 
 /// The mixing weights and collapsed input of every token from [`Gpu::hyper_pre`].
 #[derive(Debug, Clone, PartialEq)]

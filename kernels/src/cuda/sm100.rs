@@ -5,8 +5,8 @@
 use super::{Gpu, KernelError};
 
 /// Output tile of `nvfp4_gemm_w4a4_sm100`: `TILE_M` rows of A by `TILE_N` rows of W.
-const TILE_M: usize = 128;
-const TILE_N: usize = 128;
+const TILE_M: usize = crate::cuda_constants::nvfp4_gemm_sm100::TILE_M;
+const TILE_N: usize = crate::cuda_constants::nvfp4_gemm_sm100::TILE_N;
 
 impl Gpu {
     /// `C = A · Wᵀ` with NVFP4 activations and weights on sm_100 tensor cores (see

@@ -17,7 +17,7 @@ use crate::dense_gemm::{DenseRows, SLICE as BK, TILE, bf16};
 
 const BM: usize = TILE;
 const BN: usize = TILE;
-const THREADS: usize = 128;
+const THREADS: usize = crate::cuda_constants::dense_gemm::THREADS;
 
 /// A deliberate error in the kernel's index math, to show the emulation catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

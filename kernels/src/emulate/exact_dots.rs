@@ -5,8 +5,8 @@
 //! before the halving changes bits.
 
 /// Rows per block (`GROUPS`), vectors per pass (`VB`).
-const GROUPS: usize = 32;
-const VB: usize = 4;
+const GROUPS: usize = crate::cuda_constants::exact_gemv::GROUPS;
+const VB: usize = crate::cuda_constants::exact_gemv::VB;
 
 /// A deliberate error, for the tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

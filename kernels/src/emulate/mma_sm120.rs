@@ -19,9 +19,11 @@ use engine::formats::{e2m1_to_f32, e4m3_to_f32};
 
 /// Rows and columns of the output a block computes; 4 warps of 16 rows by 64 columns.
 const BLOCK_TILE: usize = 64;
-const WARPS: usize = 4;
+const WARPS: usize = crate::cuda_constants::nvfp4_gemm_sm120::THREADS / 32;
 /// n8 MMA tiles per warp along n.
-const WARP_N_TILES: usize = 8;
+const WARP_N_TILES: usize = crate::cuda_constants::nvfp4_gemm_sm120::WARP_N_TILES;
+// The block's tile as the kernel writes it (64): 16 rows a warp, n8 tiles along the columns.
+const _: () = assert!(BLOCK_TILE == WARPS * 16 && BLOCK_TILE == WARP_N_TILES * 8);
 
 /// What one lane hands to one MMA.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

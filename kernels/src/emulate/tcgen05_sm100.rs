@@ -24,19 +24,19 @@
 
 use engine::formats::{e2m1_to_f32, e4m3_to_f32};
 
-const THREADS: usize = 128;
-const TILE_M: usize = 128;
-const TILE_N: usize = 128;
-const MMA_K: usize = 64;
-const STAGE_MMAS: usize = 4;
-const STAGE_K: usize = MMA_K * STAGE_MMAS;
-const OP_BLOCK_BYTES: usize = 4096;
-const SF_BLOCK_BYTES: usize = 512;
+const THREADS: usize = crate::cuda_constants::nvfp4_gemm_sm100::THREADS;
+const TILE_M: usize = crate::cuda_constants::nvfp4_gemm_sm100::TILE_M;
+const TILE_N: usize = crate::cuda_constants::nvfp4_gemm_sm100::TILE_N;
+const MMA_K: usize = crate::cuda_constants::nvfp4_gemm_sm100::MMA_K;
+const STAGE_MMAS: usize = crate::cuda_constants::nvfp4_gemm_sm100::STAGE_MMAS;
+const STAGE_K: usize = crate::cuda_constants::nvfp4_gemm_sm100::STAGE_K;
+const OP_BLOCK_BYTES: usize = crate::cuda_constants::nvfp4_gemm_sm100::OP_BLOCK_BYTES;
+const SF_BLOCK_BYTES: usize = crate::cuda_constants::nvfp4_gemm_sm100::SF_BLOCK_BYTES;
 const TMEM_LANES: usize = 128;
-const TMEM_COLS: usize = 256;
-const TMEM_ACC_COL: usize = 0;
-const TMEM_SFA_COL: usize = 128;
-const TMEM_SFW_COL: usize = TMEM_SFA_COL + 4 * STAGE_MMAS;
+const TMEM_COLS: usize = crate::cuda_constants::nvfp4_gemm_sm100::TMEM_COLS;
+const TMEM_ACC_COL: usize = crate::cuda_constants::nvfp4_gemm_sm100::TMEM_ACC_COL;
+const TMEM_SFA_COL: usize = crate::cuda_constants::nvfp4_gemm_sm100::TMEM_SFA_COL;
+const TMEM_SFW_COL: usize = crate::cuda_constants::nvfp4_gemm_sm100::TMEM_SFW_COL;
 
 /// Where the emulated CTA's shared arrays sit (aligned as the kernel declares them).
 const S_A: usize = 0x0000;

@@ -6,7 +6,7 @@
 use super::{TOPK_EMPTY, TOPK_POISONED};
 
 /// Threads of the kernel's block: the chunk of the compaction.
-const THREADS: usize = 256;
+const THREADS: usize = crate::cuda_constants::indexer::THREADS;
 
 /// A deliberate error in the kernel's math, for the tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

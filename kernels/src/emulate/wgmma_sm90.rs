@@ -20,9 +20,9 @@
 //! wrong table for one wgmma atom); the GPU test on an sm_90 device is what confirms them.
 
 /// f32 accumulator registers per thread of an m64n64 MMA.
-pub(super) const ACC: usize = 32;
+pub(super) const ACC: usize = crate::cuda_constants::wgmma::ACC;
 /// Threads of a warpgroup.
-pub(super) const THREADS: usize = 128;
+pub(super) const THREADS: usize = crate::cuda_constants::wgmma::THREADS;
 const M: usize = 64;
 const N: usize = 64;
 const K: usize = 16;
@@ -181,12 +181,12 @@ pub(super) enum TilePlant {
 /// `wgmma::TILE`, `SLICE`, `CHUNK`: the tile's edge, k per staged slice, bf16 values per
 /// core-matrix row; LBO and SBO the byte strides to the next core matrix along k and to the
 /// next 8 rows; one staged operand's bytes.
-pub(super) const TILE: usize = 64;
-pub(super) const SLICE: usize = 32;
-pub(super) const CHUNK: usize = 8;
-const LBO: usize = 128;
-const SBO: usize = (SLICE / CHUNK) * LBO;
-const OPERAND_BYTES: usize = TILE * SLICE * 2;
+pub(super) const TILE: usize = crate::cuda_constants::wgmma::TILE;
+pub(super) const SLICE: usize = crate::cuda_constants::wgmma::SLICE;
+pub(super) const CHUNK: usize = crate::cuda_constants::wgmma::CHUNK;
+const LBO: usize = crate::cuda_constants::wgmma::LBO;
+const SBO: usize = crate::cuda_constants::wgmma::SBO;
+const OPERAND_BYTES: usize = crate::cuda_constants::wgmma::OPERAND_BYTES;
 /// Where the emulated block's `operands[2][2][OPERAND_BYTES]` starts in shared memory.
 const S_OPERANDS: usize = 0x400;
 

@@ -17,11 +17,11 @@ use engine::formats::{bf16_to_f32, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, f32_to
 
 use super::wgmma_sm90::{self, CHUNK, TilePlant, Tiles, put_chunk, stage_rows};
 
-pub(super) const BM: usize = 64;
-const BN: usize = 64;
-const BK: usize = 32;
-pub(super) const LDS: usize = BK + 8;
-const THREADS: usize = 128;
+pub(super) const BM: usize = crate::cuda_constants::nvfp4_gemm::BM;
+const BN: usize = crate::cuda_constants::nvfp4_gemm::BN;
+const BK: usize = crate::cuda_constants::nvfp4_gemm::BK;
+pub(super) const LDS: usize = crate::cuda_constants::nvfp4_gemm::LDS;
+const THREADS: usize = crate::cuda_constants::nvfp4_gemm::THREADS;
 
 /// A deliberate error in the kernel's index math, to show the emulation catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

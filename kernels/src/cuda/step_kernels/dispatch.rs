@@ -14,7 +14,7 @@ use crate::step::kernels::{
 };
 
 /// `ep_slots`' block (`EP_SLOTS_THREADS` in `step.cu`).
-const EP_SLOTS_THREADS: u32 = 256;
+const EP_SLOTS_THREADS: u32 = crate::cuda_constants::step::EP_SLOTS_THREADS as u32;
 
 /// The group's NCCL rank, where its collective is NCCL's.
 #[cfg(feature = "nccl")]
