@@ -335,6 +335,39 @@ fn cases() -> Vec<Case> {
             400,
         ),
         case(
+            "chat: an image the text-only model cannot read",
+            CHAT,
+            messages(json!([{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+            ]}])),
+            400,
+        ),
+        case(
+            "messages: a document block",
+            "/v1/messages",
+            r#"{"model": "deepseek-v4-flash", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}"#,
+            400,
+        ),
+        case(
+            "responses: an input image",
+            "/v1/responses",
+            r#"{"model": "deepseek-v4-flash", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]}"#,
+            400,
+        ),
+        case(
+            "responses: a file_search tool",
+            "/v1/responses",
+            r#"{"model": "deepseek-v4-flash", "input": "Hi", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}"#,
+            400,
+        ),
+        case(
+            "responses: a web search tool (no search runs here)",
+            "/v1/responses",
+            r#"{"model": "deepseek-v4-flash", "input": "Hi", "tools": [{"type": "web_search"}]}"#,
+            400,
+        ),
+        case(
             "messages: unknown content block",
             "/v1/messages",
             r#"{"model": "deepseek-v4-flash", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}"#,

@@ -377,3 +377,70 @@ fn chat_ignore_eos_stop_token_ids_and_min_tokens_are_honoured() {
         assert_eq!(r.json()["error"]["param"], param, "{extra}");
     }
 }
+
+/// In thinking mode (the default) the request's temperature, top-p and penalties are used as
+/// given (DeepSeek's converter would sample at its own temperature 1 and top-p, and zero the
+/// penalties, without a word): at temperature 0, or with top-p keeping one token, every seed
+/// gives the same answer; a frequency penalty changes the greedy answer. The same through the
+/// Messages API, which has no seed.
+#[test]
+fn sampling_fields_are_honoured_in_thinking_mode() {
+    let router = start_router(&["--model-dir", &model_arg()], true);
+    let addr = router.addr("http");
+    let chat = |extra: Value, seed: u64| {
+        let mut body = json!({
+            "model": "deepseek-v4-flash",
+            "messages": [{"role": "user", "content": "Count to ten, slowly."}],
+            "max_tokens": 16,
+            "seed": seed,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let message = r.json()["choices"][0]["message"].clone();
+        (
+            text(&message["reasoning_content"]),
+            text(&message["content"]),
+        )
+    };
+    for extra in [
+        json!({"temperature": 0.0}),
+        json!({"temperature": 1.0, "top_p": 1e-9}),
+    ] {
+        let answers: Vec<_> = (1..=3).map(|seed| chat(extra.clone(), seed)).collect();
+        assert!(!answers[0].0.is_empty(), "thinking mode: {answers:?}");
+        assert!(
+            answers.iter().all(|a| *a == answers[0]),
+            "{extra}: {answers:?}"
+        );
+    }
+    // Unconstrained sampling at temperature 1: the seeds' answers differ (the control).
+    let free: Vec<_> = (1..=3).map(|seed| chat(json!({}), seed)).collect();
+    assert!(free.iter().any(|a| *a != free[0]), "{free:?}");
+    let greedy = chat(json!({"temperature": 0.0}), 1);
+    // A negative penalty favours the tokens already written: the greedy answer repeats them.
+    let penalised = chat(json!({"temperature": 0.0, "frequency_penalty": -2.0}), 1);
+    assert_ne!(greedy, penalised, "the penalty changes the greedy answer");
+    let messages = |_: u64| {
+        let body = json!({
+            "model": "deepseek-v4-flash",
+            "messages": [{"role": "user", "content": "Count to ten, slowly."}],
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        });
+        let r = post(addr, "/v1/messages", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        // The blocks' texts (a thinking block's signature names its request).
+        let blocks = r.json()["content"].as_array().unwrap().clone();
+        blocks
+            .iter()
+            .map(|b| format!("{}{}", text(&b["thinking"]), text(&b["text"])))
+            .collect::<Vec<_>>()
+    };
+    let first = messages(0);
+    assert!(!first.is_empty() && !first[0].is_empty(), "{first:?}");
+    assert!((1..3).all(|i| messages(i) == first), "{first:?}");
+}

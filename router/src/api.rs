@@ -6,6 +6,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod content;
 pub mod detokenize;
 pub mod error;
 pub mod fields;

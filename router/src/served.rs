@@ -6,7 +6,7 @@ use std::{
     sync::Arc,
 };
 
-use deepseek_recipe::request::{ConversionOptions, ModelVersion};
+use deepseek_recipe::request::{ConversionOptions, ModelVersion, WebSearchBehavior};
 use deepseek_recipe_encoding::{PromptTokenizer, dsv4::DeepseekV4Encoding};
 use engine::{
     config::ConfigError, grammar::TokenTableSource, model::Model, scheduler::EngineConfig,
@@ -205,6 +205,10 @@ impl Served {
                     .map(|name| (name.clone(), ModelVersion::DeepseekV4Pro)),
             )
             .with_default_thinking_mode(self.thinking_default)
+            // No search runs here: a web search tool is refused, not dropped without a word
+            // (the Responses default).
+            .with_responses_web_search(WebSearchBehavior::Reject)
+            .with_messages_web_search(WebSearchBehavior::Reject)
     }
 
     /// Whether `model` names this model.

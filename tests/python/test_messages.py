@@ -1,9 +1,9 @@
 """`POST /v1/messages` (Anthropic Messages) through the official `anthropic` client.
 
-The Messages API has no `seed`: determinism comes from `temperature=0` with thinking off (in
-thinking mode the official converter fixes the temperature at 1.0). This `anthropic` release
-has no `temperature` argument any more, so it travels in `extra_body` (the router and the
-official converter read it)."""
+The Messages API has no `seed`: determinism comes from `temperature=0` (with thinking off
+here; the router honours it in thinking mode too, where the official converter alone would
+sample at temperature 1.0). This `anthropic` release has no `temperature` argument any more,
+so it travels in `extra_body` (the router reads it)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,10 @@ use crate::{
 /// router passes them to the backend itself.
 #[derive(Debug, Clone, Default)]
 pub struct Extras {
+    /// The request's own temperature and top-p (validated), which win over the converter's:
+    /// in thinking mode it samples at DeepSeek's recipe values whatever the request says.
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
     pub top_k: u32,
     pub min_p: f32,
     pub repetition_penalty: f32,
@@ -274,6 +278,8 @@ pub fn check_sampling(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> 
         repetition_penalty: repetition.unwrap_or(1.0) as f32,
         presence_penalty: presence.unwrap_or(0.0) as f32,
         frequency_penalty: frequency.unwrap_or(0.0) as f32,
+        temperature: None,
+        top_p: None,
     })
 }
 

@@ -145,6 +145,7 @@ impl Protocol for ResponsesRequest {
     const FIELDS: crate::api::fields::Tables = crate::api::fields::RESPONSES_FIELDS;
 
     fn check(obj: &mut Map<String, Value>) -> Result<Extras, ApiError> {
+        crate::api::content::refuse_skipped_responses_parts(obj)?;
         match obj.get("input") {
             Some(Value::String(s)) if s.is_empty() => {
                 return Err(ApiError::param("input", "`input` must not be empty"));
@@ -246,8 +247,13 @@ pub fn prepare<P: Protocol>(
 ) -> Result<Prepared, ApiError> {
     let mut obj = parse_object(body)?;
     crate::api::fields::check(&obj, P::FIELDS)?;
+    crate::api::content::refuse_unreadable(&obj, P::INPUT)?;
     check_common(&mut obj, served, effort_map, P::EFFORT)?;
     let mut extras = P::check(&mut obj)?;
+    // Checked for its range by `P::check`; the converter would put its own in thinking mode.
+    let asked = |key: &str| obj.get(key).and_then(Value::as_f64).map(|v| v as f32);
+    extras.temperature = asked("temperature");
+    extras.top_p = asked("top_p");
     // Chat's `parallel_tool_calls: false` and Messages' `disable_parallel_tool_use: true`.
     let parallel_tool_calls = obj.get("parallel_tool_calls") != Some(&Value::Bool(false))
         && obj
@@ -351,27 +357,24 @@ pub fn backend_request(
     request_id: &RequestId,
 ) -> BackendRequest {
     let opts = &prepared.converted.inference_options;
-    let thinking = prepared.converted.conversation.thinking_mode;
-    // As DeepSeek's API: penalties take no effect in thinking mode.
-    let (presence, frequency) = if thinking {
-        (0.0, 0.0)
-    } else {
-        (
-            prepared.extras.presence_penalty,
-            prepared.extras.frequency_penalty,
-        )
-    };
     BackendRequest {
         request_id: request_id.as_str().to_owned(),
         prompt: prepared.prompt.clone(),
         sampling: SamplingParams {
-            temperature: opts.temperature.unwrap_or(1.0),
-            top_p: opts.top_p.unwrap_or(1.0),
+            // What the request gives is used as given, in thinking mode too (DeepSeek's API
+            // ignores it there without a word); without it, the converter's value: in thinking
+            // mode DeepSeek's recipe (temperature 1; top-p 0.95 with tools, 1 without).
+            temperature: prepared
+                .extras
+                .temperature
+                .or(opts.temperature)
+                .unwrap_or(1.0),
+            top_p: prepared.extras.top_p.or(opts.top_p).unwrap_or(1.0),
             top_k: prepared.extras.top_k,
             min_p: prepared.extras.min_p,
             seed: opts.seed,
-            presence_penalty: presence,
-            frequency_penalty: frequency,
+            presence_penalty: prepared.extras.presence_penalty,
+            frequency_penalty: prepared.extras.frequency_penalty,
             repetition_penalty: prepared.extras.repetition_penalty,
             logit_bias: prepared.extras.logit_bias.clone(),
             logprobs: opts.logprobs,
