@@ -176,11 +176,14 @@ impl WorkerHandle {
 #[derive(Debug, Clone)]
 pub struct WorkerService {
     handle: WorkerHandle,
+    /// The longest drain this worker runs (its shutdown grace: the service manager's stop
+    /// timeout is set above it, so a longer drain could be killed half way).
+    grace: std::time::Duration,
 }
 
 impl WorkerService {
-    pub fn new(handle: WorkerHandle) -> Self {
-        Self { handle }
+    pub fn new(handle: WorkerHandle, grace: std::time::Duration) -> Self {
+        Self { handle, grace }
     }
 }
 
@@ -191,6 +194,14 @@ impl Worker for WorkerService {
     }
 
     async fn drain(&self, request: Request<DrainRequest>) -> Result<Response<Ack>, Status> {
+        let asked = request.get_ref().deadline_ms;
+        let grace = self.grace.as_millis();
+        if u128::from(asked) > grace {
+            return Err(Status::invalid_argument(format!(
+                "a drain deadline of {asked} ms is longer than this worker's shutdown grace \
+                 ({grace} ms; raise shutdown_grace_ms, and the unit's stop timeout above it)"
+            )));
+        }
         *self
             .handle
             .drain_deadline_ms

@@ -180,10 +180,9 @@ impl WorkerServer {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ServeError> {
         let (reporter, health) = grpc::health();
-        let routes = role_routes(
-            Routes::new(health)
-                .add_service(WorkerGrpc::new(WorkerService::new(self.handle.clone()))),
-        );
+        let routes = role_routes(Routes::new(health).add_service(WorkerGrpc::new(
+            WorkerService::new(self.handle.clone(), self.grace),
+        )));
         let mut services = vec![proto::service_names::WORKER];
         services.extend_from_slice(role_services);
         // Until loaded only Worker answers: nothing may mistake the worker for one that serves.
@@ -253,6 +252,7 @@ impl WorkerServer {
                 handle.set_state(WorkerState::Draining).await;
                 grpc::set_not_serving(&reporter, &services).await;
                 notifier.stopping("draining");
+                // The Drain call refused a deadline above the grace.
                 let deadline = asked.map_or(grace, |d| d.min(grace));
                 tracing::info!(deadline_ms = deadline.as_millis(), "worker draining");
                 drain(&handle, &notifier, deadline).await;

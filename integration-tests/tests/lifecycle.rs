@@ -310,6 +310,17 @@ fn pdctl_drain_removes_a_worker_from_the_router() {
     let mut worker = registered_worker("pdserve-prefill", grpc, &[]);
     wait_listed(http, 1);
     let address = worker.addr("grpc").to_string();
+    // A deadline beyond the worker's shutdown grace is refused, not cut short: the worker
+    // goes on serving.
+    let mut cmd = command("pdctl");
+    cmd.args(["drain", &address, "--deadline-ms", "999999999"]);
+    let (status, stdout, stderr) = run_to_exit(cmd, Duration::from_secs(40));
+    assert!(!status.success(), "{stdout}");
+    assert!(
+        stderr.contains("longer than this worker's shutdown grace"),
+        "{stderr}"
+    );
+    wait_listed(http, 1);
     let mut cmd = command("pdctl");
     cmd.args([
         "drain",

@@ -368,6 +368,49 @@ fn cases() -> Vec<Case> {
             400,
         ),
         case(
+            "chat: a template key the template does not read",
+            CHAT,
+            chat_with("chat_template_kwargs", json!({"reasoning_effort": "high"})),
+            400,
+        ),
+        case(
+            "chat: template thinking against the thinking field",
+            CHAT,
+            [
+                &chat_with("chat_template_kwargs", json!({"thinking": false}))[..1],
+                br#""thinking": {"type": "enabled"},"#,
+                &chat_with("chat_template_kwargs", json!({"thinking": false}))[1..],
+            ]
+            .concat(),
+            400,
+        ),
+        case(
+            "chat: template thinking and enable_thinking disagree",
+            CHAT,
+            chat_with(
+                "chat_template_kwargs",
+                json!({"thinking": true, "enable_thinking": false}),
+            ),
+            400,
+        ),
+        case(
+            "chat: a stream option that is not read",
+            CHAT,
+            [
+                &chat_with("stream", json!(true))[..1],
+                br#""stream_options": {"include_usage": true, "continuous_usage_stats": true},"#,
+                &chat_with("stream", json!(true))[1..],
+            ]
+            .concat(),
+            400,
+        ),
+        case(
+            "completions: stream options without a stream",
+            "/v1/completions",
+            r#"{"model": "deepseek-v4-flash", "prompt": "Hi", "max_tokens": 4, "stream_options": {"include_usage": true}}"#,
+            400,
+        ),
+        case(
             "messages: unknown content block",
             "/v1/messages",
             r#"{"model": "deepseek-v4-flash", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}"#,

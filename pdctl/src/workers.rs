@@ -43,7 +43,8 @@ pub struct DrainArgs {
     /// The cluster's TLS files, when its processes use mutual TLS.
     #[command(flatten)]
     pub tls: common::internal_tls::TlsFlags,
-    /// Milliseconds the worker may take to finish its requests (0: its `shutdown_grace_ms`).
+    /// Milliseconds the worker may take to finish its requests (0: its `shutdown_grace_ms`;
+    /// more than that is refused).
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub deadline_ms: u32,
     /// Seconds to wait for the worker to leave the router (with --url).

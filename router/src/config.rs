@@ -57,8 +57,8 @@ pub struct RouterConfig {
     pub max_model_len: Option<u32>,
     /// Pages in the in-process engine's pool.
     pub engine_num_pages: u32,
-    /// Output-token limit of requests that set none (`max_tokens` / `max_output_tokens`).
-    /// The official defaults (8192; 65536 when thinking) reserve that many tokens of pages per
+    /// Output-token limit of chat, Messages and Responses requests that set none (`max_tokens`
+    /// / `max_output_tokens`; /v1/completions keeps OpenAI's default, 16). The official defaults (8192; 65536 when thinking) reserve that many tokens of pages per
     /// request, so a deployment caps them; an explicit request value is kept.
     pub default_max_tokens: u32,
     /// How the PD backend picks a prefill worker: `prefix-affinity` (the worker that last
@@ -206,6 +206,13 @@ impl ServiceConfig for RouterConfig {
             0,
             1 << 20,
         )?;
+        // The limit counts per API key: without keys nothing would count.
+        if self.max_concurrent_per_key > 0 && self.api_keys.is_empty() {
+            return Err(Invalid::new(
+                "max_concurrent_per_key",
+                "limits requests per API key, and no api_keys are set",
+            ));
+        }
         if let Some(len) = self.max_model_len {
             check_range("max_model_len", u64::from(len), 16, 1 << 24)?;
         }
@@ -311,7 +318,8 @@ pub struct Cli {
     #[arg(long, value_name = "PAGES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine_num_pages: Option<u32>,
-    /// Output-token limit of requests that set none.
+    /// Output-token limit of chat, Messages and Responses requests that set none
+    /// (/v1/completions keeps OpenAI's 16).
     #[arg(long, value_name = "TOKENS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_max_tokens: Option<u32>,
@@ -363,5 +371,15 @@ mod tests {
         assert_eq!(c.http_listen.to_string(), "127.0.0.2:9002");
         let err = load(&["--host", "my-host"]).expect_err("a name is not an IP");
         assert!(err.to_string().contains("--host"), "{err}");
+    }
+
+    /// A per-key limit without keys would limit nothing: refused, not ignored.
+    #[test]
+    fn a_per_key_limit_needs_keys() {
+        let err = load(&["--max-concurrent-per-key", "2"]).expect_err("no keys");
+        assert!(err.to_string().contains("max_concurrent_per_key"), "{err}");
+        let c = load(&["--max-concurrent-per-key", "2", "--api-key", "k"]).expect("settings");
+        assert_eq!(c.max_concurrent_per_key, 2);
+        load(&["--max-concurrent-per-key", "0"]).expect("no limit");
     }
 }

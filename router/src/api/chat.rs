@@ -153,10 +153,29 @@ pub fn check_common(
                 "`chat_template_kwargs` must be an object",
             ));
         };
+        // V4's template reads the thinking switch only: any other key would change nothing.
+        if let Some((key, _)) = kwargs
+            .iter()
+            .find(|(k, v)| !v.is_null() && !["thinking", "enable_thinking"].contains(&k.as_str()))
+        {
+            return Err(ApiError::param(
+                format!("chat_template_kwargs.{key}"),
+                format!(
+                    "`chat_template_kwargs.{key}` is not read by this model's template (it reads \
+                     `thinking` / `enable_thinking`)"
+                ),
+            ));
+        }
         let mut thinking = None;
         for key in ["thinking", "enable_thinking"] {
             match kwargs.get(key) {
                 None | Some(Value::Null) => {}
+                Some(Value::Bool(b)) if thinking.is_some_and(|t| t != *b) => {
+                    return Err(ApiError::param(
+                        format!("chat_template_kwargs.{key}"),
+                        "`chat_template_kwargs.thinking` and `.enable_thinking` disagree",
+                    ));
+                }
                 Some(Value::Bool(b)) => thinking = Some(*b),
                 Some(_) => {
                     return Err(ApiError::param(
@@ -166,11 +185,23 @@ pub fn check_common(
                 }
             }
         }
-        if let Some(on) = thinking
-            && obj.get("thinking").is_none_or(Value::is_null)
-        {
+        if let Some(on) = thinking {
             let kind = if on { "enabled" } else { "disabled" };
-            obj.insert("thinking".to_owned(), json!({ "type": kind }));
+            match obj.get("thinking").filter(|t| !t.is_null()) {
+                None => {
+                    obj.insert("thinking".to_owned(), json!({ "type": kind }));
+                }
+                // Both given: they must agree (one would otherwise be dropped).
+                Some(t) if t.get("type").and_then(Value::as_str) != Some(kind) => {
+                    return Err(ApiError::param(
+                        "chat_template_kwargs",
+                        format!(
+                            "`chat_template_kwargs` says thinking {kind} but `thinking` is {t}"
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
         }
     }
     check_effort(obj, effort_path, effort_map)

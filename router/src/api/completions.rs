@@ -181,6 +181,14 @@ pub fn prepare(body: &[u8], served: &Served) -> Result<Prepared, ApiError> {
     let top_p = number("top_p").unwrap_or(1.0) as f32;
     let seed = obj.get("seed").and_then(Value::as_u64);
     let stream = boolean(&obj, "stream")?.unwrap_or(false);
+    crate::api::protocol::only_keys(&obj, "stream_options", &["include_usage"])?;
+    if !stream && obj.get("stream_options").is_some_and(|v| !v.is_null()) {
+        // As chat: the options of a stream, without one.
+        return Err(ApiError::param(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true",
+        ));
+    }
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(opts)) => boolean(opts, "include_usage")

@@ -78,6 +78,9 @@ impl Protocol for ChatCompletionRequest {
         require_non_empty_array(obj, Self::INPUT)?;
         chat::normalize_tool_arguments(obj, Self::INPUT, chat::chat_tool_calls);
         chat::check_tool_choice(obj)?;
+        // The converter reads `include_usage` only (vLLM's `continuous_usage_stats` and
+        // others would be dropped).
+        only_keys(obj, "stream_options", &["include_usage"])?;
         let mut extras = check_sampling(obj)?;
         // vLLM's extra: the converter does not know it; the router lists the ids itself.
         extras.return_token_ids = match obj.remove("return_token_ids") {
@@ -331,7 +334,11 @@ pub fn prepare<P: Protocol>(
 /// The backend request of a prepared request.
 /// Refuses keys of the object `obj[field]` other than `keys` (null values aside), naming the
 /// key: the converter would drop them without a word.
-fn only_keys(obj: &Map<String, Value>, field: &str, keys: &[&str]) -> Result<(), ApiError> {
+pub(crate) fn only_keys(
+    obj: &Map<String, Value>,
+    field: &str,
+    keys: &[&str],
+) -> Result<(), ApiError> {
     if let Some(Value::Object(inner)) = obj.get(field) {
         for (key, value) in inner {
             if !value.is_null() && !keys.contains(&key.as_str()) {

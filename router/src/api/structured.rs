@@ -174,6 +174,19 @@ pub fn completions_response_format(obj: &Map<String, Value>) -> Result<Option<Gr
                         "`response_format.json_schema.schema` must be a JSON schema",
                     )
                 })?;
+            // `strict: true` as chat and Responses apply it (every property required, no
+            // other): the same `response_format` gives the same grammar on every endpoint.
+            let mut schema = schema.clone();
+            match format.get("json_schema").and_then(|s| s.get("strict")) {
+                None | Some(Value::Null | Value::Bool(false)) => {}
+                Some(Value::Bool(true)) => strict_objects(&mut schema),
+                Some(_) => {
+                    return Err(ApiError::param(
+                        "response_format.json_schema.strict",
+                        "`response_format.json_schema.strict` must be a boolean",
+                    ));
+                }
+            }
             Ok(Some(Grammar::JsonSchema(schema.to_string())))
         }
         Some("regex") => match format.get("regex").and_then(Value::as_str) {
@@ -477,5 +490,18 @@ mod tests {
         );
         assert!(read(json!({"type": "json_schema", "json_schema": {"name": "x"}})).is_err());
         assert!(read(json!({"type": "xml"})).is_err());
+        // `strict: true` as on chat: every property required, no other.
+        let strict = read(json!({"type": "json_schema", "json_schema": {"name": "x",
+            "strict": true, "schema": {"type": "object", "properties": {"a": {}}}}}));
+        let Ok(Some(Grammar::JsonSchema(s))) = strict else {
+            panic!("{strict:?}");
+        };
+        let s: Value = serde_json::from_str(&s).expect("json");
+        assert_eq!(s["required"], json!(["a"]));
+        assert_eq!(s["additionalProperties"], false);
+        assert!(
+            read(json!({"type": "json_schema", "json_schema": {"strict": "yes", "schema": {}}}))
+                .is_err()
+        );
     }
 }
