@@ -124,6 +124,9 @@ where
         Ok(config) => config,
         Err(e) => return fail(program, &e, EXIT_CONFIG),
     };
+    if let Err(e) = crate::logging::check_env() {
+        return fail(program, &e, EXIT_CONFIG);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -65,6 +65,32 @@ where
     }
 }
 
+/// The logging variables as a process starts (`PDSERVE_LOG`, `PDSERVE_LOG_FORMAT`): an error
+/// where a filter does not parse or a format is neither `text` nor `json` (the logger would
+/// otherwise fall back to `info` text without a word).
+pub fn check_env() -> Result<(), String> {
+    check_values(
+        std::env::var(env::LOG).ok().as_deref(),
+        std::env::var(env::LOG_FORMAT).ok().as_deref(),
+    )
+}
+
+fn check_values(filter: Option<&str>, format: Option<&str>) -> Result<(), String> {
+    if let Some(f) = filter.filter(|f| !f.trim().is_empty()) {
+        EnvFilter::try_new(f)
+            .map_err(|e| format!("{}={f:?} is not a log filter: {e}", env::LOG))?;
+    }
+    match format.filter(|f| !f.trim().is_empty()) {
+        Some(f) if !f.eq_ignore_ascii_case("json") && !f.eq_ignore_ascii_case("text") => {
+            Err(format!(
+                "{}={f:?}: the log format is `text` or `json`",
+                env::LOG_FORMAT
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// `PDSERVE_LOG`'s filter, for the whole subscriber: the log and the exported spans follow
 /// the same levels.
 fn filter() -> EnvFilter {
@@ -165,4 +191,20 @@ pub fn join_trace(metadata: &tonic::metadata::MetadataMap, span: &tracing::Span)
     }
     // Fails only when spans are not exported: nothing to join then.
     let _ = span.set_parent(TraceContextPropagator::new().extract(&carrier));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_filter_or_format_is_an_error_not_a_fallback() {
+        check_values(None, None).unwrap();
+        check_values(Some("info,router=debug"), Some("JSON")).unwrap();
+        check_values(Some(""), Some("text")).unwrap();
+        let e = check_values(Some("info,router=loud"), None).unwrap_err();
+        assert!(e.contains("PDSERVE_LOG="), "{e}");
+        let e = check_values(None, Some("yaml")).unwrap_err();
+        assert!(e.contains("PDSERVE_LOG_FORMAT"), "{e}");
+    }
 }

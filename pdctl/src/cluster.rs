@@ -495,6 +495,7 @@ pub(crate) async fn start(
 /// Runs `pdctl up`.
 #[expect(clippy::print_stdout, reason = "CLI output")]
 pub async fn up(args: UpArgs) -> Result<(), PdctlError> {
+    args.check()?;
     let dir = match args.bin_dir.clone() {
         Some(dir) => dir,
         None => default_bin_dir()?,

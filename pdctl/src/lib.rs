@@ -116,6 +116,19 @@ pub struct UpArgs {
 }
 
 impl UpArgs {
+    /// Refuses flags that would change nothing: `--moe-tp` slices experts over a worker's
+    /// tensor-parallel ranks, so it needs `--prefill-tp` or `--decode-tp` above 1.
+    pub fn check(&self) -> Result<(), PdctlError> {
+        if self.moe_tp && self.prefill_tp <= 1 && self.decode_tp <= 1 {
+            return Err(PdctlError::Usage(
+                "--moe-tp slices every expert over a worker's tensor-parallel ranks: give \
+                 --prefill-tp or --decode-tp above 1"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The group flags of a role's workers, from its `--*-tp` and `--*-ep` and `--moe-tp`.
     pub fn group_flags(tp: u32, ep: u32, moe_tp: bool) -> Vec<String> {
         let mut flags = Vec::new();
@@ -173,6 +186,9 @@ pub enum PdctlError {
     Stop { what: String, reason: String },
     #[error("{0}")]
     Model(String),
+    /// Flags that contradict each other or would change nothing.
+    #[error("{0}")]
+    Usage(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -208,5 +224,35 @@ pub fn main(cli: Cli) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => common::cli::fail("pdctl", &e, common::cli::EXIT_RUNTIME),
+    }
+}
+
+#[cfg(test)]
+mod up_tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Up {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    fn args(flags: &[&str]) -> UpArgs {
+        Up::try_parse_from(std::iter::once("up").chain(flags.iter().copied()))
+            .expect("flags")
+            .up
+    }
+
+    /// `--moe-tp` without a tensor-parallel role would change nothing: refused.
+    #[test]
+    fn moe_tp_needs_a_tensor_parallel_role() {
+        let e = args(&["--moe-tp"]).check().expect_err("no tp");
+        assert!(e.to_string().contains("--prefill-tp or --decode-tp"), "{e}");
+        args(&["--moe-tp", "--decode-tp", "2"])
+            .check()
+            .expect("decode tp");
+        args(&[]).check().expect("plain");
     }
 }

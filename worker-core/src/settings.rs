@@ -276,6 +276,14 @@ impl WorkerSettings {
                 "this binary was built without the CUDA backend (cargo feature `cuda`)",
             ));
         }
+        // Nothing falls back from the CPU reference: the switch would change nothing.
+        if self.hybrid && self.backend == BackendKind::Cpu {
+            return Err(Invalid::new(
+                "hybrid",
+                "lets ops a device backend does not run fall back to the CPU; the cpu backend \
+                 runs them all",
+            ));
+        }
         // The whole step on the device: one rank, or each rank of a tensor-parallel group or of
         // an expert-parallel group with data-parallel attention.
         let device_step = self.device_step();

@@ -205,3 +205,15 @@ fn sliced_experts_need_tensor_parallel_ranks() {
     settings.expert_parallel_size = 2;
     assert_eq!(settings.validate().unwrap_err().key, "moe_tensor_parallel");
 }
+
+/// `hybrid` lets a device backend's missing ops fall back to the CPU: on the cpu backend it
+/// would change nothing, so it is refused there.
+#[test]
+fn hybrid_is_refused_on_the_cpu_backend() {
+    let mut settings = WorkerSettings::listening_on(0);
+    settings.hybrid = true;
+    let e = settings.validate().unwrap_err();
+    assert_eq!(e.key, "hybrid", "{e:?}");
+    settings.backend = BackendKind::Emulated;
+    assert!(settings.validate().is_ok());
+}
