@@ -251,6 +251,31 @@ fn router_models_tokenize_detokenize_health() {
         m.json()["tokens"],
         json!([0, 128_803, 19_923, 128_804, 128_821])
     );
+    // vLLM's `return_token_strs`: each token's vocabulary string.
+    let strs = post(
+        addr,
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": "Hello"}], "reasoning_effort": "low",
+                "return_token_strs": true}),
+    );
+    assert_eq!(strs.json()["token_strs"][2], "Hello", "{}", strs.body);
+    assert_eq!(strs.json()["token_strs"][1], "<｜User｜>", "{}", strs.body);
+    // What tokenizing would not read is refused, as on the endpoints it stands for.
+    for (body, param) in [
+        (
+            json!({"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": true}),
+            "add_special_tokens",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false}),
+            "add_generation_prompt",
+        ),
+        (json!({"prompt": "Hi", "max_tokens": 3}), "max_tokens"),
+    ] {
+        let r = post(addr, "/tokenize", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
     let d = post(
         addr,
         "/detokenize",

@@ -303,19 +303,53 @@ async fn tokenize(
             ));
         }
     };
+    let token_strs = match obj.get("return_token_strs") {
+        None | Some(Value::Null | Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => {
+            return Err(ApiError::param(
+                "return_token_strs",
+                "`return_token_strs` must be a boolean",
+            ));
+        }
+    };
     let tokens: Vec<u32> = match (obj.get("prompt"), obj.get("messages")) {
-        (Some(Value::String(prompt)), None) => served
-            .tokenizer
-            .encode(prompt.as_str(), add_special.unwrap_or(true))
-            .map_err(|e| ApiError::Internal(e.to_string()))?
-            .get_ids()
-            .to_vec(),
+        (Some(Value::String(_)), None) => {
+            // vLLM's completion-tokenize fields; any other would be ignored here.
+            if let Some(key) = obj.keys().find(|k| {
+                !["model", "prompt", "add_special_tokens", "return_token_strs"]
+                    .contains(&k.as_str())
+            }) {
+                return Err(ApiError::param(
+                    key.clone(),
+                    format!("`{key}` is not read when tokenizing a prompt"),
+                ));
+            }
+            let Some(Value::String(prompt)) = obj.get("prompt") else {
+                return Err(ApiError::param("prompt", "`prompt` must be a string"));
+            };
+            served
+                .tokenizer
+                .encode(prompt.as_str(), add_special.unwrap_or(true))
+                .map_err(|e| ApiError::Internal(e.to_string()))?
+                .get_ids()
+                .to_vec()
+        }
         (Some(_), None) => return Err(ApiError::param("prompt", "`prompt` must be a string")),
         (None, Some(_)) => {
-            // The chat encoding renders BOS itself; `add_special_tokens` does not apply.
+            // The chat encoding renders BOS itself: more special tokens are not added.
+            if add_special == Some(true) {
+                return Err(ApiError::param(
+                    "add_special_tokens",
+                    "`add_special_tokens: true` does not apply to messages: the chat \
+                     encoding writes its own special tokens",
+                ));
+            }
             obj.insert("model".to_owned(), Value::String(served.name.clone()));
             obj.remove("add_special_tokens");
             obj.remove("return_token_strs");
+            // The fields a chat request takes, as /v1/chat/completions checks them.
+            crate::api::fields::check(&obj, crate::api::fields::CHAT_FIELDS)?;
             chat::check_common(
                 &mut obj,
                 &served,
@@ -342,8 +376,13 @@ async fn tokenize(
     Ok(Json(json!({
         "count": tokens.len(),
         "max_model_len": served.max_model_len(),
+        "token_strs": token_strs.then(|| {
+            tokens
+                .iter()
+                .map(|&t| served.tokenizer.id_to_token(t))
+                .collect::<Vec<_>>()
+        }),
         "tokens": tokens,
-        "token_strs": null,
     }))
     .into_response())
 }
