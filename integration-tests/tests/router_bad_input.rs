@@ -411,6 +411,12 @@ fn cases() -> Vec<Case> {
             400,
         ),
         case(
+            "chat: vLLM's request_id in the body (the id travels in X-Request-Id)",
+            CHAT,
+            chat_with("request_id", json!("req-1")),
+            400,
+        ),
+        case(
             "messages: unknown content block",
             "/v1/messages",
             r#"{"model": "deepseek-v4-flash", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}"#,

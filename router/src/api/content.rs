@@ -22,9 +22,9 @@ const NOT_TEXT: &[&str] = &[
     "audio_url",
 ];
 
-/// Refuses a block of [`NOT_TEXT`] anywhere in the request's `input` (`messages`, or
-/// Responses' `input`): in a message's content, in a tool result's content, in a Responses
-/// item's content or output. 400 naming the block's place.
+/// Refuses a block of a type other than text (`NOT_TEXT`) anywhere in the request's `input`
+/// (`messages`, or Responses' `input`): in a message's content, in a tool result's content,
+/// in a Responses item's content or output. 400 naming the block's place.
 pub fn refuse_unreadable(obj: &Map<String, Value>, input: &str) -> Result<(), ApiError> {
     match obj.get(input) {
         Some(value) => walk(value, input),

@@ -90,7 +90,14 @@ const VLLM_SHARED: &[Field] = &[
     ),
     f("structured_outputs", Honoured),
     f("priority", OnlyAt(&["0"], "requests have no priorities")),
-    f("request_id", Metadata),
+    // vLLM takes it as the request's id; here the id comes before the body is read (the
+    // header names the request's log span and its response), so the body's would be ignored.
+    f(
+        "request_id",
+        Refused(
+            "send the request's id as the X-Request-Id header (carried to the workers, the logs and the response id)",
+        ),
+    ),
     f("logits_processors", Refused(NOT_SERVED)),
     f("return_tokens_as_token_ids", Refused(NOT_SERVED)),
     f("cache_salt", Refused(NOT_SERVED)),
