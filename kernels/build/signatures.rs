@@ -378,8 +378,11 @@ pub fn launchers(files: &[(String, Vec<Kernel>)]) -> String {
             };
             let _ = writeln!(
                 out,
-                "\n/// `{}` of `cuda/{file}.cu`.\npub(crate) mod {} {{\n    pub(crate) const NAME: &str = \"{}\";\n{args}}}",
-                k.name, k.name, k.name,
+                "\n/// `{}` of `cuda/{file}.cu`.\npub(crate) mod {} {{\n    pub(crate) const NAME: &str = \"{}\";\n    /// Its parameter types in order: kernels with equal `PARAMS` take one launcher.\n    #[allow(dead_code, reason = \"compared where two kernels share a launcher\")]\n    pub(crate) const PARAMS: &str = \"{}\";\n{args}}}",
+                k.name,
+                k.name,
+                k.name,
+                param_types(k),
             );
             if let Some(f) = &k.family {
                 match families.iter_mut().find(|(n, _)| n == f) {
@@ -405,6 +408,23 @@ pub fn launchers(files: &[(String, Vec<Kernel>)]) -> String {
         );
     }
     out
+}
+
+/// `k`'s parameter types in order (`in f32, i64, out f32`), names left out.
+fn param_types(k: &Kernel) -> String {
+    let types: Vec<String> = k
+        .params
+        .iter()
+        .map(|(_, p)| match p {
+            Param::Scalar(t) => (*t).to_owned(),
+            Param::Pointer { element, writes } => format!(
+                "{} {}",
+                if *writes { "out" } else { "in" },
+                element.unwrap_or("void")
+            ),
+        })
+        .collect();
+    types.join(", ")
 }
 
 fn args_fn(k: &Kernel, what: &str) -> String {
@@ -447,7 +467,7 @@ fn args_fn(k: &Kernel, what: &str) -> String {
         ""
     };
     format!(
-        "    /// Pushes the parameters of {what} in order.\n    pub(crate) fn args<'a{generics}>(\n        launch_args: &mut cudarc::driver::LaunchArgs<'a>{params},\n    ) {{\n{import}{body}    }}\n"
+        "    /// Pushes the parameters of {what} in order.\n    #[allow(dead_code, reason = \"a kernel whose PARAMS equal another's may launch through that one's\")]\n    pub(crate) fn args<'a{generics}>(\n        launch_args: &mut cudarc::driver::LaunchArgs<'a>{params},\n    ) {{\n{import}{body}    }}\n"
     )
 }
 
@@ -552,6 +572,7 @@ mod tests {
              launch_args.arg(n);\n";
         assert!(code.contains(expected), "{code}");
         assert!(code.contains("pub(crate) const NAME: &str = \"held\";"));
+        assert!(code.contains("pub(crate) const PARAMS: &str = \"in i32, i64, out f32, i32\";"));
     }
 
     #[test]

@@ -1,11 +1,17 @@
 //! Launch wrappers of the attention kernels: split-KV decode attention and the lightning
 //! indexer.
 
-use crate::cuda::kernel;
+use crate::cuda::{kernel, params::same};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
 use crate::step::kernels::ScoreSpec;
+
+// One launcher for both: their parameters are the same (checked when compiling).
+const _: () = assert!(same(
+    kernel::indexer_scores::PARAMS,
+    kernel::indexer_scores_mma::PARAMS
+));
 
 /// One batch of indexer queries: request `b` has `visible[b]` keys starting at
 /// `key_starts[b]` rows into `keys` (`dim` values each).
@@ -249,42 +255,20 @@ impl Gpu {
             kernel::indexer_scores::NAME
         })?;
         let mut launch = self.stream.launch_builder(&f);
-        let args = (
-            q, w, keys, starts, visible, &n, &heads, &dim, &sp.scale, &max_keys,
+        kernel::indexer_scores::args(
+            &mut launch,
+            q,
+            w,
+            keys,
+            starts,
+            visible,
+            &n,
+            &heads,
+            &dim,
+            &sp.scale,
+            &max_keys,
+            scores,
         );
-        if sp.tensor_cores {
-            let (q, w, keys, starts, visible, n, heads, dim, scale, max_keys) = args;
-            kernel::indexer_scores_mma::args(
-                &mut launch,
-                q,
-                w,
-                keys,
-                starts,
-                visible,
-                n,
-                heads,
-                dim,
-                scale,
-                max_keys,
-                scores,
-            );
-        } else {
-            let (q, w, keys, starts, visible, n, heads, dim, scale, max_keys) = args;
-            kernel::indexer_scores::args(
-                &mut launch,
-                q,
-                w,
-                keys,
-                starts,
-                visible,
-                n,
-                heads,
-                dim,
-                scale,
-                max_keys,
-                scores,
-            );
-        }
         // SAFETY: both kernels take these parameters in this order; each token's rows inside
         // `keys` (the caller's check), `scores` `tokens * max_keys`; the tensor-core kernel's
         // shared memory as `indexer_mma::shared_bytes` sizes it.

@@ -4,7 +4,7 @@
 
 use crate::cuda::{
     kernel,
-    params::{Raw, Reads},
+    params::{Raw, Reads, same},
 };
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -13,6 +13,17 @@ use crate::{
     arch::Bf16Mma,
     dense_gemm::{DenseRows, TILE, splits},
 };
+
+// The wgmma kernels take their WMMA twins' parameters: one launcher each pair.
+const _: () = assert!(
+    same(
+        kernel::dense_gemm_bf16::PARAMS,
+        kernel::dense_gemm_bf16_wgmma::PARAMS
+    ) && same(
+        kernel::dense_gemm_fp8_block::PARAMS,
+        kernel::dense_gemm_fp8_block_wgmma::PARAMS
+    )
+);
 
 /// Threads per block of `dense_gemm_*` and of `sum_splits`.
 const GEMM_THREADS: u32 = crate::cuda_constants::dense_gemm::THREADS as u32;
@@ -119,8 +130,8 @@ impl Gpu {
             }
         };
         let (m_p, row0_p, n_p, k_p, split_p) = (&m_arg, &row0_arg, &n_arg, &k_arg, &split_arg);
-        match (scales, wgmma) {
-            (None, false) => kernel::dense_gemm_bf16::args(
+        match scales {
+            None => kernel::dense_gemm_bf16::args(
                 &mut launch,
                 a,
                 m_p,
@@ -131,30 +142,7 @@ impl Gpu {
                 split_p,
                 out,
             ),
-            (None, true) => kernel::dense_gemm_bf16_wgmma::args(
-                &mut launch,
-                a,
-                m_p,
-                weight,
-                row0_p,
-                n_p,
-                k_p,
-                split_p,
-                out,
-            ),
-            (Some(scales), false) => kernel::dense_gemm_fp8_block::args(
-                &mut launch,
-                a,
-                m_p,
-                weight,
-                scales,
-                row0_p,
-                n_p,
-                k_p,
-                split_p,
-                out,
-            ),
-            (Some(scales), true) => kernel::dense_gemm_fp8_block_wgmma::args(
+            Some(scales) => kernel::dense_gemm_fp8_block::args(
                 &mut launch,
                 a,
                 m_p,

@@ -1,11 +1,23 @@
 //! Launch wrappers of the FP4 kernels: NVFP4 activation quantization, FP4 GEMVs (single and
 //! grouped over routed experts) and the NVFP4 tensor-core GEMM.
 
-use crate::cuda::kernel;
+use crate::cuda::{kernel, params::same};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, non_empty};
 use crate::cpu;
+
+// The wgmma kernel takes its WMMA twin's parameters: one launcher.
+const _: () = assert!(same(
+    kernel::nvfp4_gemm_bf16::PARAMS,
+    kernel::nvfp4_gemm_bf16_wgmma::PARAMS
+));
+
+// Both architectures' kernels take one parameter list: one launcher.
+const _: () = assert!(same(
+    kernel::nvfp4_gemm_w4a4_sm100::PARAMS,
+    kernel::nvfp4_gemm_w4a4_sm120::PARAMS
+));
 
 impl Gpu {
     /// NVFP4-quantizes a row-major `[rows, cols]` matrix on the GPU (see `cpu::nvfp4_quantize_rows`).
@@ -380,24 +392,17 @@ impl Gpu {
         })?;
         let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
         let mut launch = self.stream.launch_builder(&f);
-        let shape = (&m_arg, &n_arg, &k_arg);
-        if wgmma {
-            let (m, n, k) = shape;
-            kernel::nvfp4_gemm_bf16_wgmma::args(
-                &mut launch,
-                a,
-                packed,
-                scales,
-                &scale_2,
-                m,
-                n,
-                k,
-                c,
-            );
-        } else {
-            let (m, n, k) = shape;
-            kernel::nvfp4_gemm_bf16::args(&mut launch, a, packed, scales, &scale_2, m, n, k, c);
-        }
+        kernel::nvfp4_gemm_bf16::args(
+            &mut launch,
+            a,
+            packed,
+            scales,
+            &scale_2,
+            &m_arg,
+            &n_arg,
+            &k_arg,
+            c,
+        );
         let grid = (
             super::grid_dim(n.div_ceil(GEMM_TILE), "gemm columns")?,
             super::grid_dim(m.div_ceil(GEMM_TILE), "gemm rows")?,
@@ -489,34 +494,19 @@ impl Gpu {
             let (m_arg, n_arg, k_arg) = (m as i64, n as i64, k as i64);
             let mut launch = self.stream.launch_builder(&f);
             let (a_codes, a_scales, w_codes, w_scales) = (&d_a, &d_sa, &d_w, &d_sw);
-            match kernel {
-                W4a4::Sm100 => kernel::nvfp4_gemm_w4a4_sm100::args(
-                    &mut launch,
-                    a_codes,
-                    a_scales,
-                    &a.2,
-                    w_codes,
-                    w_scales,
-                    &w.2,
-                    &m_arg,
-                    &n_arg,
-                    &k_arg,
-                    &mut d_c,
-                ),
-                W4a4::Sm120 => kernel::nvfp4_gemm_w4a4_sm120::args(
-                    &mut launch,
-                    a_codes,
-                    a_scales,
-                    &a.2,
-                    w_codes,
-                    w_scales,
-                    &w.2,
-                    &m_arg,
-                    &n_arg,
-                    &k_arg,
-                    &mut d_c,
-                ),
-            }
+            kernel::nvfp4_gemm_w4a4_sm120::args(
+                &mut launch,
+                a_codes,
+                a_scales,
+                &a.2,
+                w_codes,
+                w_scales,
+                &w.2,
+                &m_arg,
+                &n_arg,
+                &k_arg,
+                &mut d_c,
+            );
             // SAFETY: the kernel's parameters in order (its typed launcher), the buffer sizes
             // checked above.
             unsafe {

@@ -4,7 +4,7 @@
 //! Every buffer is sized by (pairs, experts) alone, so a graph can capture the launches with a
 //! routing that changes from step to step in device memory.
 
-use crate::cuda::kernel;
+use crate::cuda::{kernel, params::same};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, KernelError, grid_dim, non_empty};
@@ -12,6 +12,17 @@ use crate::{
     arch::Bf16Mma,
     moe_group::{TILE_ROWS, check, max_tiles},
 };
+
+// The wgmma kernels take their WMMA twins' parameters: one launcher each pair.
+const _: () = assert!(
+    same(
+        kernel::nvfp4_grouped_gemm_bf16::PARAMS,
+        kernel::nvfp4_grouped_gemm_bf16_wgmma::PARAMS
+    ) && same(
+        kernel::mxfp4_grouped_gemm_bf16::PARAMS,
+        kernel::mxfp4_grouped_gemm_bf16_wgmma::PARAMS
+    )
+);
 
 /// The grouping buffers for up to `pairs` pairs over `experts` experts.
 #[derive(Debug)]
@@ -259,8 +270,8 @@ impl Gpu {
         let tiles = (&g.sorted_pair, &g.tile_expert, &g.tile_count);
         let (sorted, tile_expert, tile_count) = tiles;
         let (packed, scales) = (stack.packed, stack.scales);
-        match (stack.scale_2, wgmma) {
-            (Some(scale_2), false) => kernel::nvfp4_grouped_gemm_bf16::args(
+        match stack.scale_2 {
+            Some(scale_2) => kernel::nvfp4_grouped_gemm_bf16::args(
                 &mut launch,
                 a,
                 pair_token,
@@ -274,34 +285,7 @@ impl Gpu {
                 &k_i,
                 out,
             ),
-            (None, false) => kernel::mxfp4_grouped_gemm_bf16::args(
-                &mut launch,
-                a,
-                pair_token,
-                sorted,
-                tile_expert,
-                tile_count,
-                packed,
-                scales,
-                &n_i,
-                &k_i,
-                out,
-            ),
-            (Some(scale_2), true) => kernel::nvfp4_grouped_gemm_bf16_wgmma::args(
-                &mut launch,
-                a,
-                pair_token,
-                sorted,
-                tile_expert,
-                tile_count,
-                packed,
-                scales,
-                scale_2,
-                &n_i,
-                &k_i,
-                out,
-            ),
-            (None, true) => kernel::mxfp4_grouped_gemm_bf16_wgmma::args(
+            None => kernel::mxfp4_grouped_gemm_bf16::args(
                 &mut launch,
                 a,
                 pair_token,

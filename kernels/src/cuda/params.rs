@@ -6,6 +6,23 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, PushKernelArg as _};
 
+/// Whether two kernels' `PARAMS` are equal (a `const fn`: call sites assert it at compile
+/// time before launching both through one kernel's launcher).
+pub(crate) const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// A device buffer of `T`s a kernel reads through a `const T*` (`const void*` takes any).
 pub(crate) trait Reads<T> {
     fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>);
